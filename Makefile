@@ -1,0 +1,52 @@
+# tokenfabric: every target that needs Python tools creates .venv itself.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+JOBS ?= 2
+# Verilator's generated makefiles call `python`: put the venv first on PATH.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export PYTHONPATH := $(CURDIR)
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: all sim test test-full bench verilog lint clean prereqs
+
+all: test
+
+prereqs:
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found: apt-get install python3"; exit 1; }
+	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { echo "error: Python venv support missing: apt-get install python3-venv"; exit 1; }
+	@$(PYTHON) tools/check_libpython.py || exit 1
+	@command -v perl >/dev/null || { echo "error: perl not found (Verilator needs it): apt-get install perl"; exit 1; }
+	@command -v g++ >/dev/null || { echo "error: g++ not found (Verilator needs it): apt-get install g++"; exit 1; }
+
+$(STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory prereqs
+	@echo "Creating $(VENV) and installing tokenfabric's dependencies from PyPI..."
+	@$(PYTHON) -m venv $(VENV)
+	@$(VPY) -m pip install -q --upgrade pip
+	@$(VPY) -m pip install -q -e .
+	@touch $@
+
+sim: $(STAMP)
+	$(VPY) -m tb.link_demo $(if $(WAVES),--waves) $(SIM_ARGS)
+
+test: $(STAMP)
+	$(VPY) -m pytest -n $(JOBS) -m "not full" $(PYTEST_ARGS)
+
+test-full: $(STAMP)
+	$(VPY) -m pytest -n $(JOBS) $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(VPY) -m tb.bench $(BENCH_ARGS)
+
+verilog: $(STAMP)
+	$(VPY) -m hdl.emit --out build/verilog
+
+lint: verilog
+	$(VPY) -m hdl.lint build/verilog
+
+clean:
+	rm -rf build .pytest_cache
+	find . -name __pycache__ -prune -exec rm -rf {} +

