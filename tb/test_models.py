@@ -6,6 +6,11 @@ import random
 import pytest
 
 from models import crc
+from models.ib import (AETH, BTH, LRH, RETH, AtomicAckETH, AtomicETH, FlowControl, FlowControlOp,
+                       ImmDt, Opcode, carries_payload, extension_headers)
+from models.packet import blocks, build_packet, parse_packet, random_packet, wire_packet
+
+HEADER_CLASSES = (LRH, BTH, RETH, AETH, AtomicETH, AtomicAckETH, ImmDt, FlowControl)
 
 
 def bitwise_reflected_crc(data: bytes, poly: int, width: int) -> int:
@@ -74,3 +79,155 @@ def test_icrc_ignores_grh_variant_fields():
     assert crc.icrc(bytes(changed)) == reference
     changed[8] ^= 0x10  # IPVer is invariant
     assert crc.icrc(bytes(changed)) != reference
+
+
+def random_header(rng, header_class):
+    return header_class(**{name: rng.getrandbits(bits)
+                           for name, bits in header_class.field_widths().items()})
+
+
+@pytest.mark.parametrize("header_class", HEADER_CLASSES, ids=lambda cls: cls.__name__)
+def test_header_round_trip(header_class):
+    rng = random.Random(header_class.__name__)
+    for _ in range(200):
+        header = random_header(rng, header_class)
+        packed = header.pack()
+        assert len(packed) == header_class.SIZE
+        assert header_class.unpack(packed) == header
+
+
+@pytest.mark.parametrize("header_class", HEADER_CLASSES, ids=lambda cls: cls.__name__)
+def test_header_pack_rejects_out_of_range_fields(header_class):
+    for name, bits in header_class.field_widths().items():
+        with pytest.raises(ValueError, match=name):
+            header_class(**{name: 1 << bits}).pack()
+        with pytest.raises(ValueError, match=name):
+            header_class(**{name: -1}).pack()
+
+
+def test_header_sizes():
+    sizes = {cls: cls.SIZE for cls in HEADER_CLASSES}
+    assert sizes == {LRH: 8, BTH: 12, RETH: 16, AETH: 4, AtomicETH: 28, AtomicAckETH: 8,
+                     ImmDt: 4, FlowControl: 6}
+
+
+def test_lrh_byte_layout():
+    lrh = LRH(vl=0xA, lver=0x1, sl=0x5, lnh=0b10, dlid=0x1234, pktlen=0x5A5, slid=0xBEEF)
+    # VL|LVer, SL|rsvd|LNH, DLID, rsvd(5)|PktLen(11), SLID
+    assert lrh.pack() == bytes([0xA1, 0x52, 0x12, 0x34, 0x05, 0xA5, 0xBE, 0xEF])
+    # reserved bits set on the wire are ignored
+    assert LRH.unpack(bytes([0xA1, 0x5E, 0x12, 0x34, 0xFD, 0xA5, 0xBE, 0xEF])) == lrh
+
+
+def test_bth_byte_layout():
+    bth = BTH(opcode=0x0A, se=1, m=0, padcnt=3, tver=0, pkey=0xFFFF, resv8a=0x00,
+              destqp=0x123456, ackreq=1, psn=0xABCDEF)
+    assert bth.pack() == bytes.fromhex("0AB0FFFF" "00123456" "80ABCDEF")
+
+
+def test_extension_header_byte_layouts():
+    assert RETH(va=0x0102030405060708, rkey=0x11223344, dmalen=0x1000).pack() == \
+        bytes.fromhex("0102030405060708" "11223344" "00001000")
+    assert AETH(syndrome=0x1F, msn=0x000102).pack() == bytes.fromhex("1F000102")
+    assert AtomicETH(va=1, rkey=2, swap_add=3, compare=4).pack() == bytes.fromhex(
+        "0000000000000001" "00000002" "0000000000000003" "0000000000000004")
+    assert AtomicAckETH(orig=0xDEADBEEF).pack() == bytes.fromhex("00000000DEADBEEF")
+    assert ImmDt(imm=0xCAFEF00D).pack() == bytes.fromhex("CAFEF00D")
+
+
+def test_flow_control_layout_and_lpcrc():
+    fc = FlowControl(op=FlowControlOp.INIT, fctbs=0x123, vl=0x3, fccl=0xABC)
+    packed = fc.pack()
+    assert packed[:4] == bytes([0x11, 0x23, 0x3A, 0xBC])
+    assert packed[4:] == crc.vcrc(packed[:4]).to_bytes(2, "little")
+    assert FlowControl.lpcrc_ok(packed)
+    assert FlowControl.unpack(packed) == fc
+
+
+def test_flow_control_bad_lpcrc_is_rejected():
+    rng = random.Random(5)
+    for _ in range(100):
+        packed = bytearray(random_header(rng, FlowControl).pack())
+        packed[rng.randrange(6)] ^= 1 << rng.randrange(8)  # any single-bit error
+        assert not FlowControl.lpcrc_ok(packed)
+        with pytest.raises(ValueError, match="LPCRC"):
+            FlowControl.unpack(bytes(packed))
+
+
+def test_extension_headers_follow_iba_table():
+    assert extension_headers(Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE) == (RETH, ImmDt)
+    assert extension_headers(Opcode.ATOMIC_ACKNOWLEDGE) == (AETH, AtomicAckETH)
+    assert extension_headers(Opcode.FETCH_ADD) == (AtomicETH,)
+    assert extension_headers(Opcode.RDMA_READ_RESPONSE_MIDDLE) == ()
+    assert not carries_payload(Opcode.RDMA_READ_REQUEST)
+    with pytest.raises(ValueError):
+        extension_headers(0x64)  # UD SEND_ONLY: not RC
+
+
+def test_blocks_round_up():
+    assert [blocks(n) for n in (0, 1, 64, 65, 128, 4096 + 30)] == [0, 1, 1, 2, 2, 65]
+
+
+@pytest.mark.parametrize("opcode", list(Opcode), ids=lambda op: op.name)
+def test_packet_build_parse_every_opcode(opcode):
+    rng = random.Random(int(opcode))
+    for payload_len in (0, 1, 2, 3, 4, 57, 256):
+        if payload_len and not carries_payload(opcode):
+            continue
+        ext = tuple(random_header(rng, cls) for cls in extension_headers(opcode))
+        bth = BTH(opcode=opcode, destqp=rng.getrandbits(24), psn=rng.getrandbits(24))
+        payload = rng.randbytes(payload_len)
+        packet = build_packet(bth=bth, ext=ext, payload=payload, vl=1, sl=2, dlid=0x17, slid=0x2A)
+        header_len = LRH.SIZE + BTH.SIZE + sum(cls.SIZE for cls in extension_headers(opcode))
+        assert len(packet) == header_len + -(-payload_len // 4) * 4 + 4
+        parsed = parse_packet(packet)
+        assert parsed.lrh == LRH(vl=1, sl=2, dlid=0x17, slid=0x2A, pktlen=len(packet) // 4)
+        assert parsed.bth == BTH(opcode=opcode, destqp=bth.destqp, psn=bth.psn,
+                                 padcnt=-payload_len % 4)
+        assert parsed.ext == ext
+        assert parsed.payload == payload
+        assert parsed.icrc_ok and parsed.grh is None and parsed.vcrc_ok is None
+        assert parse_packet(wire_packet(packet)).vcrc_ok is True
+
+
+def test_packet_with_grh_round_trips():
+    rng = random.Random(6)
+    grh = rng.randbytes(40)
+    packet = build_packet(bth=BTH(opcode=Opcode.SEND_ONLY), payload=b"hello", grh=grh, dlid=3)
+    parsed = parse_packet(packet)
+    assert parsed.lrh.lnh == 0b11 and parsed.grh == grh
+    assert parsed.payload == b"hello" and parsed.icrc_ok
+
+
+def test_packet_crc_errors_are_reported():
+    rng = random.Random(7)
+    wire = bytearray(wire_packet(random_packet(rng, payload_len=100)))
+    wire[30] ^= 0x40  # payload bit
+    parsed = parse_packet(bytes(wire))
+    assert not parsed.icrc_ok and not parsed.vcrc_ok
+    wire = bytearray(wire_packet(random_packet(rng, payload_len=100)))
+    wire[0] ^= 0x10  # VL changes per hop: ICRC still good, VCRC not
+    parsed = parse_packet(bytes(wire))
+    assert parsed.icrc_ok and not parsed.vcrc_ok
+
+
+def test_build_packet_rejects_wrong_extension_headers():
+    with pytest.raises(ValueError, match="RETH"):
+        build_packet(bth=BTH(opcode=Opcode.RDMA_WRITE_ONLY), payload=b"x")
+    with pytest.raises(ValueError, match="payload"):
+        build_packet(bth=BTH(opcode=Opcode.ACKNOWLEDGE), ext=(AETH(),), payload=b"x")
+
+
+def test_parse_packet_rejects_length_mismatch():
+    packet = random_packet(random.Random(8), payload_len=8)
+    with pytest.raises(ValueError, match="PktLen"):
+        parse_packet(packet[:-1])
+
+
+def test_random_packet_honours_fixed_fields():
+    rng = random.Random(9)
+    for _ in range(200):
+        payload_len = rng.randrange(0, 300)
+        parsed = parse_packet(random_packet(rng, payload_len=payload_len, vl=2, dlid=5, destqp=7, psn=9))
+        assert (parsed.lrh.vl, parsed.lrh.dlid, parsed.bth.destqp, parsed.bth.psn) == (2, 5, 7, 9)
+        assert len(parsed.payload) == payload_len and parsed.icrc_ok
