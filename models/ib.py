@@ -8,7 +8,7 @@ IBA CRC goes on the wire least-significant byte first.
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import ClassVar, Self
+from typing import ClassVar, TypeVar
 
 from models.crc import lpcrc
 
@@ -17,6 +17,9 @@ LNH_RAW = 0b00
 LNH_IP_NON_IBA = 0b01
 LNH_IBA_LOCAL = 0b10  # BTH follows the LRH
 LNH_IBA_GLOBAL = 0b11  # GRH, then BTH
+
+
+HeaderT = TypeVar("HeaderT", bound="_Header")
 
 
 class _Header:
@@ -49,7 +52,7 @@ class _Header:
         return word.to_bytes(self._FIELD_BYTES, "big")
 
     @classmethod
-    def unpack(cls, buf: bytes) -> Self:
+    def unpack(cls: type[HeaderT], buf: bytes) -> HeaderT:
         if len(buf) < cls.SIZE:
             raise ValueError(f"{cls.__name__} needs {cls.SIZE} bytes, got {len(buf)}")
         word = int.from_bytes(buf[: cls._FIELD_BYTES], "big")
@@ -173,7 +176,7 @@ class FlowControl(_Header):
         return fields_bytes + lpcrc(fields_bytes).to_bytes(2, "little")
 
     @classmethod
-    def unpack(cls, buf: bytes) -> Self:
+    def unpack(cls, buf: bytes) -> "FlowControl":
         if not cls.lpcrc_ok(buf):
             raise ValueError(f"FlowControl packet {bytes(buf[: cls.SIZE]).hex()} has a bad LPCRC")
         return super().unpack(buf)

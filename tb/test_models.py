@@ -2,6 +2,7 @@
 
 import binascii
 import random
+import shutil
 
 import pytest
 
@@ -9,6 +10,7 @@ from models import crc
 from models.ib import (AETH, BTH, LRH, RETH, AtomicAckETH, AtomicETH, FlowControl, FlowControlOp,
                        ImmDt, Opcode, carries_payload, extension_headers)
 from models.packet import blocks, build_packet, parse_packet, random_packet, wire_packet
+from models.pcap import LinkCapture, tshark_decode
 
 HEADER_CLASSES = (LRH, BTH, RETH, AETH, AtomicETH, AtomicAckETH, ImmDt, FlowControl)
 
@@ -231,3 +233,57 @@ def test_random_packet_honours_fixed_fields():
         parsed = parse_packet(random_packet(rng, payload_len=payload_len, vl=2, dlid=5, destqp=7, psn=9))
         assert (parsed.lrh.vl, parsed.lrh.dlid, parsed.bth.destqp, parsed.bth.psn) == (2, 5, 7, 9)
         assert len(parsed.payload) == payload_len and parsed.icrc_ok
+
+
+TSHARK_FIELDS = (
+    "frame.interface_id", "frame.time_epoch",
+    "infiniband.lrh.vl", "infiniband.lrh.dlid", "infiniband.lrh.slid", "infiniband.lrh.pktlen",
+    "infiniband.bth.opcode", "infiniband.bth.destqp", "infiniband.bth.psn",
+    "infiniband.invariant.crc", "infiniband.variant.crc",
+    "infiniband_link.op", "infiniband_link.fctbs", "infiniband_link.vl", "infiniband_link.fccl",
+    "infiniband_link.lpcrc",
+)
+
+
+def test_tshark_decodes_link_capture(tmp_path):
+    if shutil.which("tshark") is None:
+        pytest.skip("tshark not installed: apt-get install tshark (CI installs it)")
+    rng = random.Random(10)
+    clock_ns = 2.5
+    expected = []
+    path = tmp_path / "link.pcapng"
+    with LinkCapture(path) as capture:
+        for cycle in range(0, 60 * 7, 7):
+            time_ns = round(cycle * clock_ns)
+            if rng.random() < 0.6:
+                packet = random_packet(rng, payload_len=rng.randrange(0, 300), vl=rng.randrange(15))
+                wire = wire_packet(packet)
+                capture.data(wire, time_ns)
+                expected.append((time_ns, parse_packet(wire), wire))
+            else:
+                fc = FlowControl(op=rng.choice(list(FlowControlOp)), fctbs=rng.getrandbits(12),
+                                 vl=rng.randrange(15), fccl=rng.getrandbits(12))
+                capture.link(fc.pack(), time_ns)
+                expected.append((time_ns, fc, fc.pack()))
+
+    frames = tshark_decode(path, TSHARK_FIELDS)
+    assert len(frames) == len(expected)
+    for frame, (time_ns, decoded, wire) in zip(frames, expected):
+        assert frame["frame.time_epoch"] == f"0.{time_ns:09d}"
+        if isinstance(decoded, FlowControl):
+            assert frame["frame.interface_id"] == 1
+            assert (frame["infiniband_link.op"], frame["infiniband_link.fctbs"],
+                    frame["infiniband_link.vl"], frame["infiniband_link.fccl"]) == \
+                (decoded.op, decoded.fctbs, decoded.vl, decoded.fccl)
+            # tshark reads the LSB-first LPCRC as a big-endian number
+            assert frame["infiniband_link.lpcrc"] == int.from_bytes(wire[4:6], "big")
+        else:
+            assert frame["frame.interface_id"] == 0
+            assert (frame["infiniband.lrh.vl"], frame["infiniband.lrh.dlid"], frame["infiniband.lrh.slid"],
+                    frame["infiniband.lrh.pktlen"]) == \
+                (decoded.lrh.vl, decoded.lrh.dlid, decoded.lrh.slid, decoded.lrh.pktlen)
+            assert (frame["infiniband.bth.opcode"], frame["infiniband.bth.destqp"], frame["infiniband.bth.psn"]) == \
+                (decoded.bth.opcode, decoded.bth.destqp, decoded.bth.psn)
+            # ...and likewise shows ICRC and VCRC byte-swapped
+            assert frame["infiniband.invariant.crc"] == int.from_bytes(wire[-6:-2], "big")
+            assert frame["infiniband.variant.crc"] == int.from_bytes(wire[-2:], "big")
