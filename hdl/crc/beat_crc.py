@@ -1,0 +1,150 @@
+from amaranth.hdl import Cat, Const, Module, Mux, Signal
+from amaranth.lib import crc, wiring
+from amaranth.lib.wiring import In, Out
+
+__all__ = ["BeatCRC"]
+
+
+class BeatCRC(wiring.Component):
+    """CRC over a stream of ``width``-byte beats, one full beat per cycle, ending at any ``granule``.
+
+    Bytes are taken from lane 0 up (byte 0 of a beat in bits 7..0) and, for a
+    reflected algorithm, each byte least-significant bit first, as
+    ``algorithm(8).compute(bytes)`` does.
+
+    ``lib.crc.Processor`` consumes whole words only, so a packet whose last beat
+    is partial needs another structure. A CRC is linear over GF(2): with the
+    CRC register ``s`` kept unreflected (most-significant bit first), ``n``
+    bits ``d`` advance it to ``A^n·s ⊕ D_n·d``. The last beat of a packet
+    carries ``k`` valid bytes in lanes ``0..k-1``; moving them into the top
+    lanes ``width-k..width-1`` puts ``width-k`` zero bytes in front of them,
+    and zero bytes processed from a zero register contribute nothing to the
+    data term. So for any ``k``::
+
+        next = G · aligned(data, k)  ⊕  F_k · state
+
+    where ``G`` is the one full-width data matrix (``crc_width × 8·width``)
+    and ``F_k = A^(8k)`` is a small ``crc_width × crc_width`` state-advance
+    matrix, one per valid count (``width/granule + 1`` of them, ``F_0`` the
+    identity, so ``count = 0`` leaves the state unchanged). The hardware is
+    one XOR tree for ``G``, a byte shifter for the alignment, and a mux over
+    the ``F_k`` products; the matrices are computed here at elaboration from
+    the algorithm's parameters.
+
+    Parameters
+    ----------
+    algorithm : :class:`amaranth.lib.crc.Algorithm`
+    width : int
+        Bytes per beat, a power of two from 8 to 256.
+    granule : int
+        1, 2 or 4: ``count`` is always a multiple of it, so only those
+        ``F_k`` are built.
+
+    Ports
+    -----
+    start : In(1)
+        This beat begins a new CRC: its state is the initial value.
+    valid : In(1)
+        A beat is present: the state register takes the new state at the clock edge.
+    data : In(8 * width)
+    count : In(range(width + 1))
+        Valid bytes in this beat, from lane 0; ``width`` for a full beat.
+    crc : Out(crc_width)
+        Combinational: the final CRC (output reflection and XOR applied) of
+        everything since ``start`` including this beat's ``count`` bytes, so a
+        transmitter can append it on the cycle of the last beat.
+    match : Out(1)
+        Combinational: everything since ``start`` including this beat is a
+        valid codeword (data followed by its CRC, least-significant byte
+        first), so a receiver can check a packet on its last beat.
+    """
+    def __init__(self, algorithm, width, granule=1):
+        if not isinstance(algorithm, crc.Algorithm):
+            raise ValueError(f"Algorithm must be an amaranth.lib.crc.Algorithm, not {algorithm!r}")
+        if not isinstance(width, int) or width < 8 or width > 256 or width & (width - 1):
+            raise ValueError(f"Beat width must be a power of two from 8 to 256 bytes, not {width!r}")
+        if granule not in (1, 2, 4):
+            raise ValueError(f"Granule must be 1, 2 or 4 bytes, not {granule!r}")
+        self._parameters = algorithm(8)
+        self._algorithm = algorithm
+        self._width = width
+        self._granule = granule
+        super().__init__({
+            "start": In(1),
+            "valid": In(1),
+            "data": In(8 * width),
+            "count": In(range(width + 1)),
+            "crc": Out(algorithm.crc_width),
+            "match": Out(1),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        algorithm, width = self._algorithm, self._width
+        data_matrix, advance_matrices = _beat_matrices(algorithm, width, self._granule)
+
+        state = Signal(algorithm.crc_width, init=algorithm.initial_crc)
+        source = Mux(self.start, algorithm.initial_crc, state)
+        aligned = Signal(8 * width)
+        advanced = Signal(algorithm.crc_width)
+        with m.Switch(self.count):
+            for count, matrix in advance_matrices.items():
+                with m.Case(count):
+                    m.d.comb += [
+                        aligned.eq(self.data << 8 * (width - count)),
+                        advanced.eq(_multiply(matrix, source)),
+                    ]
+
+        following = Signal(algorithm.crc_width)
+        m.d.comb += following.eq(_multiply(data_matrix, aligned) ^ advanced)
+        with m.If(self.valid):
+            m.d.sync += state.eq(following)
+
+        register_out = following[::-1] if algorithm.reflect_output else following
+        m.d.comb += [
+            self.crc.eq(register_out ^ algorithm.xor_output),
+            self.match.eq(register_out == self._parameters.residue()),
+        ]
+        return m
+
+
+def _beat_matrices(algorithm, width, granule):
+    """The data matrix ``G`` and the state-advance matrices ``{k: F_k}`` of a beat.
+
+    A matrix is a list of output rows, each row the set of input bit indices
+    XORed into that output bit.
+    """
+    crc_width, polynomial = algorithm.crc_width, algorithm.polynomial
+    top, mask = 1 << (crc_width - 1), (1 << crc_width) - 1
+
+    def shift(register):  # one zero bit through the unreflected register
+        return ((register << 1) & mask) ^ (polynomial if register & top else 0)
+
+    # A data bit d entering a zero register leaves `polynomial·d`; each later bit shifts it once more.
+    data_bits = 8 * width
+    columns = [0] * data_bits
+    contribution = polynomial
+    for position in reversed(range(data_bits)):
+        lane, order = divmod(position, 8)
+        bit = order if algorithm.reflect_input else 7 - order
+        columns[8 * lane + bit] = contribution
+        contribution = shift(contribution)
+    data_matrix = _rows(columns, crc_width)
+
+    advance_matrices = {}
+    columns = [1 << bit for bit in range(crc_width)]
+    for count in range(width + 1):
+        if count % granule == 0:
+            advance_matrices[count] = _rows(columns, crc_width)
+        for _ in range(8):
+            columns = [shift(column) for column in columns]
+    return data_matrix, advance_matrices
+
+
+def _rows(columns, crc_width):
+    return [[index for index, column in enumerate(columns) if column >> row & 1]
+            for row in range(crc_width)]
+
+
+def _multiply(matrix, vector):
+    return Cat(Cat(vector[index] for index in row).xor() if row else Const(0, 1) for row in matrix)
