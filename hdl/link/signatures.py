@@ -9,10 +9,15 @@ carrying LRH..ICRC (no VCRC). On the wire (:class:`WireSignature`) there is no
 ready: a cable cannot push back. The link transmitter appends the VCRC, the
 receiver checks and strips it.
 """
-from amaranth.lib import data, wiring
+from amaranth import Cat
+from amaranth.lib import data, enum, wiring
 from amaranth.lib.wiring import Out
 
-__all__ = ["BeatLayout", "WireSignature", "check_width"]
+__all__ = [
+    "BeatLayout", "WireSignature", "FlowControlSignature", "LinkState", "FlowControlOp", "check_width", "check_mtu",
+    "max_wire_bytes", "blocks_of", "lrh_wire_bytes",
+    "FCCL_BITS", "BLOCK_BYTES", "VCRC_BYTES", "ICRC_BYTES", "MAX_HEADER_BYTES",
+]
 
 
 def check_width(width):
@@ -54,4 +59,63 @@ class WireSignature(wiring.Signature):
             "count": Out(range(width + 1)),
             "end_bad": Out(1),
             "link": Out(1),
+        })
+
+
+class LinkState(enum.Enum, shape=2):
+    """Link flow-control state of a port (IBA LinkInitialize / LinkArm / LinkActive).
+
+    INIT: send flow-control init packets (Op 1), accept no data.
+    ARMED: the peer's init was heard and ours sent; send normal flow-control
+    packets, still no data: the peer may not have heard us yet.
+    ACTIVE: the peer's normal flow-control packet was heard; data flows.
+    """
+    INIT = 0
+    ARMED = 1
+    ACTIVE = 2
+
+
+class FlowControlOp(enum.Enum, shape=4):
+    NORMAL = 0
+    INIT = 1
+
+
+FCCL_BITS = 12      # FCTBS, FCCL and ABR are 12-bit counters of 64-byte blocks
+BLOCK_BYTES = 64
+VCRC_BYTES = 2
+# Largest headers a data packet can carry: LRH + GRH + BTH + AtomicETH (RETH + ImmDt is smaller).
+MAX_HEADER_BYTES = 8 + 40 + 12 + 28
+ICRC_BYTES = 4
+
+
+def max_wire_bytes(mtu):
+    """Longest packet on the wire (LRH .. VCRC) for a path MTU."""
+    return MAX_HEADER_BYTES + mtu + ICRC_BYTES + VCRC_BYTES
+
+
+def check_mtu(mtu):
+    if mtu not in (256, 512, 1024, 2048, 4096):
+        raise ValueError(f"MTU must be one of the IBA MTUs 256, 512, 1024, 2048, 4096, not {mtu!r}")
+
+
+def blocks_of(nbytes):
+    """Credit blocks a packet of ``nbytes`` (LRH .. VCRC) occupies; works on ints and Values."""
+    return (nbytes + BLOCK_BYTES - 1) >> 6
+
+
+def lrh_wire_bytes(beat_data):
+    """LRH.PktLen (4-byte words, LRH .. ICRC) of the start beat, as bytes on the wire incl. VCRC."""
+    pktlen = Cat(beat_data[24:32], beat_data[16:19])
+    return pktlen * 4 + VCRC_BYTES
+
+
+class FlowControlSignature(wiring.Signature):
+    """A flow-control packet's fields, as a receiver reports one and a transmitter takes one."""
+    def __init__(self):
+        super().__init__({
+            "valid": Out(1),
+            "op": Out(FlowControlOp),
+            "vl": Out(4),
+            "fctbs": Out(FCCL_BITS),
+            "fccl": Out(FCCL_BITS),
         })

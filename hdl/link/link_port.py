@@ -1,0 +1,113 @@
+from amaranth import *
+from amaranth.lib import stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from .link_receiver import LinkReceiver
+from .link_transmitter import LinkTransmitter
+from .signatures import BeatLayout, FlowControlOp, LinkState, WireSignature
+
+__all__ = ["LinkPort"]
+
+
+class LinkPort(wiring.Component):
+    """One end of a credit-based IBA link: transmitter, receiver and link state.
+
+    Flow-control initialisation, after reset or when the peer resets:
+
+    - INIT: send Op INIT flow-control packets for every VL; take nothing but
+      the peer's Op INIT packets (they set our credit limits, and the
+      receiver's ABR to the peer's FCTBS of 0).
+    - ARMED, once the peer's INIT was heard and ours went out for every VL:
+      send NORMAL flow-control packets; still no data, since the peer may not
+      have heard us yet.
+    - ACTIVE, on the peer's first NORMAL packet: data flows.
+
+    An Op INIT packet while ARMED or ACTIVE means the peer was reset: forget
+    FCTBS, ABR and credit limits and initialise again. Because a port only
+    sends NORMAL packets after hearing the peer's INIT, and only sends data
+    after hearing the peer's NORMAL packet, neither end ever counts blocks
+    the other counted in an earlier life of the link. A port left ARMED for
+    ``4 * fc_period`` cycles (the peer was reset again and ignores NORMAL
+    packets) starts over from INIT.
+    """
+
+    def __init__(self, *, width=64, num_vls=2, mtu=4096, buffer_blocks=None, cut_through=True,
+                 fc_period=1024, fc_min_interval=64):
+        self.transmitter = LinkTransmitter(width=width, num_vls=num_vls, mtu=mtu,
+                                           fc_period=fc_period, fc_min_interval=fc_min_interval)
+        self.receiver = LinkReceiver(width=width, num_vls=num_vls, mtu=mtu,
+                                     buffer_blocks=buffer_blocks, cut_through=cut_through)
+        self.width = width
+        self.num_vls = num_vls
+        self.buffer_blocks = self.receiver.buffer_blocks
+        # An answer to our INIT comes within a round trip and one flow-control period.
+        self.armed_timeout = 4 * fc_period
+        super().__init__({
+            "data_in": In(stream.Signature(BeatLayout(width))).array(num_vls),
+            "data_out": Out(stream.Signature(BeatLayout(width))).array(num_vls),
+            "wire_out": Out(WireSignature(width)),
+            "wire_in": In(WireSignature(width)),
+            "vl_weight": In(8).array(num_vls),
+            "state": Out(LinkState),
+            "link_inits": Out(32),      # times the link (re)entered INIT after coming up
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        m.submodules.transmitter = tx = self.transmitter
+        m.submodules.receiver = rx = self.receiver
+        num_vls = self.num_vls
+
+        for v in range(num_vls):
+            wiring.connect(m, wiring.flipped(self.data_in[v]), tx.data_in[v])
+            wiring.connect(m, rx.data_out[v], wiring.flipped(self.data_out[v]))
+            m.d.comb += [
+                tx.vl_weight[v].eq(self.vl_weight[v]),
+                tx.advertise_fccl[v].eq(rx.fccl[v]),
+            ]
+        wiring.connect(m, tx.wire, wiring.flipped(self.wire_out))
+        wiring.connect(m, wiring.flipped(self.wire_in), rx.wire)
+        m.d.comb += [
+            tx.state.eq(self.state),
+            rx.state.eq(self.state),
+        ]
+        wiring.connect(m, rx.flow_control, tx.credit_update)
+
+        heard_init = Signal()
+        armed_cycles = Signal(range(self.armed_timeout + 1))
+        init_sent = Signal(num_vls)
+        clear = Signal()
+        m.d.comb += [tx.clear.eq(clear), rx.clear.eq(clear)]
+
+        peer_fc = rx.flow_control
+        peer_init = peer_fc.valid & (peer_fc.op == FlowControlOp.INIT)
+        peer_normal = peer_fc.valid & (peer_fc.op == FlowControlOp.NORMAL)
+        with m.If(tx.fc_sent.valid & (tx.fc_sent.op == FlowControlOp.INIT)):
+            for v in range(num_vls):
+                with m.If(tx.fc_sent.vl == v):
+                    m.d.sync += init_sent[v].eq(1)
+
+        with m.Switch(self.state):
+            with m.Case(LinkState.INIT):
+                with m.If(peer_init):
+                    m.d.sync += heard_init.eq(1)
+                with m.If((heard_init | peer_init) & init_sent.all()):
+                    m.d.sync += self.state.eq(LinkState.ARMED)
+            with m.Case(LinkState.ARMED):
+                m.d.sync += armed_cycles.eq(armed_cycles + 1)
+                with m.If(peer_normal):
+                    m.d.sync += [self.state.eq(LinkState.ACTIVE), armed_cycles.eq(0)]
+                with m.Elif(armed_cycles == self.armed_timeout):
+                    # The peer never answered: it was reset again after hearing us, and
+                    # waits for INIT packets. Start over.
+                    m.d.comb += clear.eq(1)
+                    m.d.sync += [self.state.eq(LinkState.INIT), heard_init.eq(0), init_sent.eq(0),
+                                 armed_cycles.eq(0)]
+            with m.Case(LinkState.ACTIVE):
+                with m.If(peer_init):
+                    # The peer was reset. This INIT packet counts as heard, and the
+                    # transmitter takes its credit limit over the clear.
+                    m.d.comb += clear.eq(1)
+                    m.d.sync += [self.state.eq(LinkState.INIT), heard_init.eq(1), init_sent.eq(0),
+                                 self.link_inits.eq(self.link_inits + 1)]
+        return m

@@ -1,0 +1,328 @@
+from amaranth import *
+from amaranth.lib import stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from ..crc.algorithms import VCRC
+from ..crc.beat_crc import BeatCRC
+from .packet_buffer import PacketBuffer
+from .signatures import (
+    BLOCK_BYTES, FCCL_BITS, VCRC_BYTES, BeatLayout, FlowControlOp, FlowControlSignature,
+    LinkState, WireSignature, blocks_of, check_mtu, check_width, lrh_wire_bytes, max_wire_bytes,
+)
+
+__all__ = ["LinkReceiver", "DROP_REASONS"]
+
+# Why a data packet was dropped (or, cut through already, marked end-bad), in counter order.
+DROP_REASONS = (
+    "vcrc",         # VCRC check failed
+    "truncated",    # ended before LRH.PktLen said, or a new packet started first
+    "overlong",     # ran past LRH.PktLen
+    "too_long",     # LRH.PktLen beyond the MTU's largest packet
+    "invalid_vl",   # VL is not one of our data VLs (VL15 included: no SMA here)
+    "malformed",    # a start beat too short to be an IBA packet, or beats with no start
+    "end_bad",      # arrived marked end-bad by a cut-through hop upstream
+    "link_down",    # arrived while the link was not ACTIVE
+    "overflow",     # no buffer room: the sender broke the credit protocol
+)
+
+# Smallest IBA transport packet: LRH + BTH + ICRC + VCRC.
+MIN_WIRE_BYTES = 8 + 12 + 4 + VCRC_BYTES
+
+
+class LinkReceiver(wiring.Component):
+    """Receiving half of a credit-based IBA link port.
+
+    Checks every data packet (VCRC, length against LRH.PktLen, VL, MTU),
+    strips the VCRC and stores it in its VL's :class:`PacketBuffer`
+    (``buffer_blocks`` 64-byte blocks), from which ``data_out[vl]`` streams it:
+    after the packet is complete and good, or with ``cut_through`` as soon as
+    it starts, marked end-bad if it then fails. Bad packets are dropped and
+    counted by reason; their blocks return to the credit pool like any other.
+
+    Credits, per IBA: ABR counts the blocks received and is set to the peer's
+    FCTBS by each flow-control packet (which heals lost packets of either
+    kind); the advertised limit is FCCL = ABR + free blocks. A packet the
+    sender sent within that limit always finds room, so ``overflow`` (sticky)
+    never rises while the peer follows the protocol; if it does, the excess is
+    dropped, never written over stored data.
+
+    Flow-control packets with a bad LPCRC, a VL we do not have or a length
+    other than 6 are dropped and counted. Good ones are reported on
+    ``flow_control`` when the link state accepts them: NORMAL ones are stale
+    in INIT (they describe the peer's view from before our reset).
+    """
+
+    def __init__(self, *, width=64, num_vls=2, mtu=4096, buffer_blocks=None, cut_through=True):
+        check_width(width)
+        check_mtu(mtu)
+        if not 1 <= num_vls <= 15:
+            raise ValueError(f"Data VLs must be 1 to 15, not {num_vls!r}")
+        min_blocks = blocks_of(max_wire_bytes(mtu))
+        if buffer_blocks is None:
+            buffer_blocks = 2 * min_blocks
+        if not min_blocks <= buffer_blocks <= 2047:
+            raise ValueError(f"Receive buffer must hold {min_blocks} to 2047 blocks per VL "
+                             f"(one largest packet for MTU {mtu}), not {buffer_blocks!r}")
+        self.width = width
+        self.num_vls = num_vls
+        self.mtu = mtu
+        self.buffer_blocks = buffer_blocks
+        self.cut_through = bool(cut_through)
+        # Worst case one packet per beat: a short packet holds a whole beat of a wide
+        # datapath; on a narrow one a block is several beats. One more beat closes a
+        # packet cut short by an overflow.
+        self.buffer_beats = buffer_blocks * max(1, BLOCK_BYTES // width) + 1
+        super().__init__({
+            "wire": In(WireSignature(width)),
+            "data_out": Out(stream.Signature(BeatLayout(width))).array(num_vls),
+            "state": In(LinkState),
+            "clear": In(1),
+            "flow_control": Out(FlowControlSignature()),
+            "fccl": Out(FCCL_BITS).array(num_vls),
+            "abr": Out(FCCL_BITS).array(num_vls),
+            "used_blocks": Out(range(buffer_blocks + 1)).array(num_vls),
+            "overflow": Out(1),
+            "packets_received": Out(32).array(num_vls),
+            "drops": Out(wiring.Signature({reason: Out(32) for reason in DROP_REASONS})),
+            "discarded": Out(32),
+            "forwarded_bad": Out(32),
+            "fc_received": Out(32),
+            "fc_bad_crc": Out(32),
+            "fc_malformed": Out(32),
+            "fc_ignored": Out(32),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        width, num_vls = self.width, self.num_vls
+        max_bytes = max_wire_bytes(self.mtu)
+
+        # Register the wire: the cable/PHY boundary.
+        w_valid = Signal()
+        w = Signal(BeatLayout(width))
+        w_link = Signal()
+        m.d.sync += [
+            w_valid.eq(self.wire.valid),
+            w.data.eq(self.wire.data), w.start.eq(self.wire.start), w.end.eq(self.wire.end),
+            w.count.eq(self.wire.count), w.end_bad.eq(self.wire.end_bad),
+            w_link.eq(self.wire.link),
+        ]
+
+        m.submodules.vcrc = vcrc = BeatCRC(VCRC, width=width, granule=1)
+        beat_bytes = Mux(w.end, w.count, width)
+        m.d.comb += [
+            vcrc.start.eq(w.start),
+            vcrc.valid.eq(w_valid),
+            vcrc.data.eq(w.data),
+            vcrc.count.eq(beat_bytes),
+        ]
+
+        buffers = []
+        for v in range(num_vls):
+            buffer = PacketBuffer(width=width, depth=self.buffer_beats, cut_through=self.cut_through)
+            m.submodules[f"buffer{v}"] = buffer
+            wiring.connect(m, buffer.data_out, wiring.flipped(self.data_out[v]))
+            buffers.append(buffer)
+        write_vl = Signal(range(num_vls))
+        write = Signal(buffers[0].write.payload.shape())
+        write_en = Signal()
+        verdict_bad = Signal()
+        verdict_en = Signal()
+        verdict_blocks = Signal(FCCL_BITS)
+        for v, buffer in enumerate(buffers):
+            selected = write_vl == v
+            m.d.comb += [
+                buffer.write.payload.eq(write),
+                buffer.write.valid.eq(write_en & selected),
+                buffer.verdict.payload.bad.eq(verdict_bad),
+                buffer.verdict.payload.blocks.eq(verdict_blocks),
+                buffer.verdict.valid.eq(verdict_en & selected),
+            ]
+
+        # --- credits: ABR, used blocks, FCCL ---
+        abr = Array(self.abr)
+        fc_update = Signal()
+        fc_vl = Signal(4)
+        fc_fctbs = Signal(FCCL_BITS)
+        for v, buffer in enumerate(buffers):
+            used = self.used_blocks[v]
+            gained = Mux(verdict_en & (write_vl == v), verdict_blocks, 0)
+            lost = Mux(buffer.freed.valid, buffer.freed.payload, 0)
+            m.d.sync += used.eq(used + gained - lost)
+            with m.If(fc_update & (fc_vl == v)):
+                m.d.sync += self.abr[v].eq(fc_fctbs)
+            with m.Elif(verdict_en & (write_vl == v)):
+                m.d.sync += self.abr[v].eq(self.abr[v] + verdict_blocks)
+            m.d.comb += self.fccl[v].eq(self.abr[v] + self.buffer_blocks - used)
+            with m.If(self.clear):
+                m.d.sync += self.abr[v].eq(0)
+            with m.If(buffer.discarded):
+                m.d.sync += self.discarded.eq(self.discarded + 1)
+            with m.If(buffer.forwarded_bad):
+                m.d.sync += self.forwarded_bad.eq(self.forwarded_bad + 1)
+
+        # --- data packet state ---
+        in_packet = Signal()        # between a start and its end on the wire
+        storing = Signal()          # ... and its beats go into a buffer
+        end_stored = Signal()       # the buffer already holds this packet's end beat
+        stored_any = Signal()
+        packet_bad = Signal()       # overflow seen in this packet
+        expected = Signal(range(2047 * 4 + VCRC_BYTES + 1))
+        received = Signal(16)
+        current_vl = Signal(range(num_vls))
+
+        drops = self.drops
+        def count_drop(reason):
+            counter = getattr(drops, reason)
+            m.d.sync += counter.eq(counter + 1)
+
+        room = Array(buffer.room for buffer in buffers)
+
+        # Start-beat checks.
+        start_vl = w.data[4:8]
+        start_len = lrh_wire_bytes(w.data)
+        reject = Signal()
+        reject_reason = {
+            "link_down": self.state != LinkState.ACTIVE,
+            "malformed": (start_len < MIN_WIRE_BYTES) | (w.end & (w.count < 8)),
+            "invalid_vl": start_vl >= num_vls,
+            "too_long": start_len > max_bytes,
+        }
+
+        # Per beat: how much of it is data (LRH..ICRC) and whether it holds the last data byte.
+        received_before = Mux(w.start, 0, received)
+        expected_now = Mux(w.start, start_len, expected)
+        data_left = Signal(16)
+        m.d.comb += data_left.eq(Mux(expected_now - VCRC_BYTES > received_before,
+                                     expected_now - VCRC_BYTES - received_before, 0))
+        data_bytes = Mux(beat_bytes > data_left, data_left, beat_bytes)
+        holds_data_end = (data_left != 0) & (beat_bytes >= data_left)
+        received_after = received_before + beat_bytes
+        vl_now = Mux(w.start, start_vl[0:len(current_vl)] if num_vls > 1 else 0, current_vl)
+
+        terminate = Signal()    # the packet in progress ended without its end beat
+        m.d.comb += terminate.eq(w_valid & in_packet & storing & (w.start | w_link))
+
+        with m.If(terminate):
+            # Truncated: the next packet (or flow-control packet) began first. Close the
+            # stored part with an empty end beat; the beat that interrupted is dropped
+            # if it is a data beat (the write port is busy closing).
+            m.d.comb += [
+                write_vl.eq(current_vl),
+                write.start.eq(0), write.end.eq(1), write.count.eq(0),
+                write_en.eq(stored_any & ~end_stored),
+                verdict_en.eq(stored_any), verdict_bad.eq(1),
+                verdict_blocks.eq(blocks_of(Mux(received > expected, expected, received))),
+            ]
+            count_drop("truncated")
+            m.d.sync += [in_packet.eq(0), storing.eq(0)]
+            with m.If(~w_link):
+                count_drop("malformed")
+                m.d.sync += [in_packet.eq(~w.end), storing.eq(0)]
+        with m.Elif(w_valid & ~w_link):
+            with m.If(w.start):
+                for reason, condition in reject_reason.items():
+                    with m.If(condition):
+                        m.d.comb += reject.eq(1)
+                # Count the first reason that applies.
+                with m.If(reject):
+                    first = None
+                    for reason, condition in reject_reason.items():
+                        with (m.If(condition) if first is None else m.Elif(condition)):
+                            count_drop(reason)
+                        first = reason
+                m.d.sync += [
+                    in_packet.eq(~w.end),
+                    storing.eq(~reject),
+                    expected.eq(start_len),
+                    current_vl.eq(vl_now),
+                    stored_any.eq(0),
+                    end_stored.eq(0),
+                    packet_bad.eq(0),
+                ]
+            with m.Elif(~in_packet):
+                # Beats with no start: drop them as one malformed run.
+                count_drop("malformed")
+                m.d.sync += [in_packet.eq(~w.end), storing.eq(0)]
+
+            now_storing = Mux(w.start, ~reject, storing)
+            with m.If(now_storing):
+                write_this = (data_left != 0)
+                fits = room[vl_now] > 1     # the last slot is kept for a closing beat
+                with m.If(received_before < 2 ** 15):   # saturate on an endless packet
+                    m.d.sync += received.eq(received_after)
+                m.d.comb += [
+                    write_vl.eq(vl_now),
+                    write.data.eq(w.data),
+                    write.start.eq(w.start),
+                    write.end.eq(holds_data_end | w.end),
+                    write.count.eq(data_bytes),
+                ]
+                with m.If(write_this & fits):
+                    m.d.comb += write_en.eq(1)
+                    m.d.sync += [stored_any.eq(1), end_stored.eq(holds_data_end | w.end)]
+                with m.Elif(write_this):
+                    m.d.sync += [self.overflow.eq(1), packet_bad.eq(1)]
+                with m.If(w.end):
+                    overflowed = packet_bad | (write_this & ~fits)
+                    has_stored = Mux(w.start, 0, stored_any) | (write_this & fits)
+                    has_end = Mux(w.start, 0, end_stored) | (write_this & fits)
+                    bad = Signal()
+                    m.d.comb += bad.eq(overflowed | w.end_bad | ~vcrc.match
+                                       | (received_after != expected_now))
+                    m.d.comb += [
+                        verdict_en.eq(has_stored),
+                        verdict_bad.eq(bad),
+                        verdict_blocks.eq(blocks_of(Mux(received_after > expected_now,
+                                                        expected_now, received_after))),
+                    ]
+                    with m.If(has_stored & ~has_end):
+                        # The end beat found no room: close with the kept slot.
+                        m.d.comb += [write_en.eq(1), write.start.eq(0), write.end.eq(1),
+                                     write.count.eq(0)]
+                    with m.If(~bad):
+                        received_count = Array(self.packets_received)[vl_now]
+                        m.d.sync += received_count.eq(received_count + 1)
+                    with m.Elif(w.end_bad):
+                        count_drop("end_bad")
+                    with m.Elif(overflowed):
+                        count_drop("overflow")
+                    with m.Elif(received_after < expected_now):
+                        count_drop("truncated")
+                    with m.Elif(received_after > expected_now):
+                        count_drop("overlong")
+                    with m.Else():
+                        count_drop("vcrc")
+
+        # --- flow-control packets ---
+        fc_op = w.data[4:8]
+        fc_ok = Signal()
+        m.d.sync += self.flow_control.valid.eq(0)
+        with m.If(w_valid & w_link):
+            with m.If(in_packet & ~storing):
+                m.d.sync += in_packet.eq(0)     # a packet being dropped ends here
+            with m.If(~(w.start & w.end & (w.count == 6))):
+                m.d.sync += self.fc_malformed.eq(self.fc_malformed + 1)
+            with m.Elif(~vcrc.match):
+                m.d.sync += self.fc_bad_crc.eq(self.fc_bad_crc + 1)
+            with m.Elif((w.data[20:24] >= num_vls) | (fc_op > FlowControlOp.INIT.value)):
+                m.d.sync += self.fc_malformed.eq(self.fc_malformed + 1)
+            with m.Elif((fc_op == FlowControlOp.INIT.value) | (self.state != LinkState.INIT)):
+                m.d.comb += fc_ok.eq(1)
+            with m.Else():
+                m.d.sync += self.fc_ignored.eq(self.fc_ignored + 1)
+        m.d.comb += [
+            fc_update.eq(fc_ok),
+            fc_vl.eq(w.data[20:24]),
+            fc_fctbs.eq(Cat(w.data[8:16], w.data[0:4])),
+        ]
+        with m.If(fc_ok):
+            m.d.sync += [
+                self.fc_received.eq(self.fc_received + 1),
+                self.flow_control.valid.eq(1),
+                self.flow_control.op.eq(fc_op),
+                self.flow_control.vl.eq(fc_vl),
+                self.flow_control.fctbs.eq(fc_fctbs),
+                self.flow_control.fccl.eq(Cat(w.data[24:32], w.data[16:20])),
+            ]
+        return m

@@ -1,0 +1,294 @@
+from amaranth import *
+from amaranth.lib import stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from ..crc.algorithms import VCRC
+from ..crc.beat_crc import BeatCRC
+from .signatures import (
+    BeatLayout, FlowControlOp, FlowControlSignature, LinkState, WireSignature,
+    FCCL_BITS, VCRC_BYTES, blocks_of, check_mtu, check_width, lrh_wire_bytes, max_wire_bytes,
+)
+
+__all__ = ["LinkTransmitter"]
+
+
+class LinkTransmitter(wiring.Component):
+    """Sending half of a credit-based IBA link port.
+
+    Takes one packet stream per data VL (LRH..ICRC), picks among the VLs whose
+    head packet the peer's credit limit covers in full (weighted round robin,
+    ``vl_weight`` 64-byte blocks per turn, at least one packet), appends the
+    VCRC and drives the wire. Between data packets it sends IBA flow-control
+    packets: Op INIT while the port initialises, otherwise NORMAL ones when the
+    advertised FCCL changed (at most every ``fc_min_interval`` cycles per VL)
+    and at least every ``fc_period`` cycles per VL, which heals lost ones.
+
+    A packet whose beats run past its LRH.PktLen is cut at PktLen and marked
+    end-bad, so a malformed upstream can never overrun the credits it was
+    granted; a packet longer than the MTU allows, or a stream that does not
+    begin with a start beat, is discarded. Each case is counted.
+
+    Latency: one cycle from an accepted start beat to the start beat on the wire.
+    """
+
+    def __init__(self, *, width=64, num_vls=2, mtu=4096, fc_period=1024, fc_min_interval=64):
+        check_width(width)
+        check_mtu(mtu)
+        if not 1 <= num_vls <= 15:
+            raise ValueError(f"Data VLs must be 1 to 15, not {num_vls!r}")
+        if not 16 <= fc_period <= 65536:
+            raise ValueError(f"Flow-control period must be 16 to 65536 cycles, not {fc_period!r}")
+        if not 1 <= fc_min_interval <= fc_period:
+            raise ValueError(f"Flow-control minimum interval must be 1 to fc_period cycles, "
+                             f"not {fc_min_interval!r}")
+        self.width = width
+        self.num_vls = num_vls
+        self.mtu = mtu
+        self.fc_period = fc_period
+        self.fc_min_interval = fc_min_interval
+        super().__init__({
+            "data_in": In(stream.Signature(BeatLayout(width))).array(num_vls),
+            "wire": Out(WireSignature(width)),
+            "state": In(LinkState),
+            # One-cycle strobe: the link (re)enters INIT; forget FCTBS and the peer's limits.
+            "clear": In(1),
+            "vl_weight": In(8).array(num_vls),
+            # Flow-control packets from the peer, as the receiver decoded them (limit := FCCL).
+            "credit_update": In(FlowControlSignature()),
+            # What our own receiver advertises per VL.
+            "advertise_fccl": In(FCCL_BITS).array(num_vls),
+            "fc_sent": Out(FlowControlSignature()),
+            "fctbs": Out(FCCL_BITS).array(num_vls),
+            "credit_limit": Out(FCCL_BITS).array(num_vls),
+            "packets_sent": Out(32).array(num_vls),
+            "credit_stall_cycles": Out(32).array(num_vls),
+            "fc_packets_sent": Out(32),
+            "discarded_too_long": Out(32),
+            "discarded_framing": Out(32),
+            "cut_overlong": Out(32),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        width, num_vls = self.width, self.num_vls
+        max_bytes = max_wire_bytes(self.mtu)
+
+        m.submodules.vcrc = vcrc = BeatCRC(VCRC, width=width, granule=1)
+        m.submodules.lpcrc = lpcrc = BeatCRC(VCRC, width=8, granule=1)
+
+        fctbs = Array(self.fctbs)
+        limit = Array(self.credit_limit)
+        inputs = Array(self.data_in)
+
+        busy = Signal()                         # inside a data packet
+        discarding = Signal()                   # dropping the rest of an input packet
+        current = Signal(range(num_vls))
+        allowed = Signal(range(max_bytes + 1))  # bytes of LRH..ICRC still allowed by PktLen
+        extra_beat = Signal()                   # VCRC spilled into one more beat
+        extra_data = Signal(16)
+        extra_count = Signal(range(VCRC_BYTES + 1))
+        extra_bad = Signal()
+
+        # --- per-VL head packets and credit check ---
+        # PktLen is 11 bits: a corrupt one may claim up to 2047 words.
+        head_len = [Signal(range(2047 * 4 + VCRC_BYTES + 1), name=f"head_len{v}")
+                    for v in range(num_vls)]
+        head_blocks = [Signal(FCCL_BITS, name=f"head_blocks{v}") for v in range(num_vls)]
+        head_start = Signal(num_vls)
+        head_too_long = Signal(num_vls)
+        credit_ok = Signal(num_vls)
+        eligible = Signal(num_vls)
+        active = self.state == LinkState.ACTIVE
+        for v in range(num_vls):
+            head = self.data_in[v].payload
+            m.d.comb += [
+                head_len[v].eq(lrh_wire_bytes(head.data)),
+                head_blocks[v].eq(blocks_of(head_len[v])),
+                head_start[v].eq(self.data_in[v].valid & head.start),
+                head_too_long[v].eq(head_len[v] > max_bytes),
+                # IBA: send only if (FCCL - (FCTBS + blocks)) mod 4096 <= 2048.
+                credit_ok[v].eq(((limit[v] - fctbs[v] - head_blocks[v]) & 0xFFF) <= 2048),
+                eligible[v].eq(head_start[v] & ~head_too_long[v] & credit_ok[v] & active),
+            ]
+            with m.If(head_start[v] & ~head_too_long[v] & ~credit_ok[v] & active):
+                m.d.sync += self.credit_stall_cycles[v].eq(self.credit_stall_cycles[v] + 1)
+
+        # --- flow-control packet schedule ---
+        since_fc = [Signal(range(self.fc_period + 1), init=self.fc_period, name=f"since_fc{v}")
+                    for v in range(num_vls)]
+        last_fccl = [Signal(FCCL_BITS, name=f"last_fccl{v}") for v in range(num_vls)]
+        want_fc = Signal(num_vls)
+        for v in range(num_vls):
+            with m.If(since_fc[v] != self.fc_period):
+                m.d.sync += since_fc[v].eq(since_fc[v] + 1)
+            changed = self.advertise_fccl[v] != last_fccl[v]
+            m.d.comb += want_fc[v].eq(
+                (since_fc[v] >= self.fc_min_interval) & ((self.state == LinkState.INIT) | changed)
+                | (since_fc[v] == self.fc_period))
+        fc_vl = Signal(range(num_vls))
+        for v in reversed(range(num_vls)):
+            with m.If(want_fc[v]):
+                m.d.comb += fc_vl.eq(v)
+        fc_op = Signal(FlowControlOp)
+        m.d.comb += fc_op.eq(Mux(self.state == LinkState.INIT,
+                                 FlowControlOp.INIT, FlowControlOp.NORMAL))
+        fc_fctbs = fctbs[fc_vl]
+        fc_fccl = Array(self.advertise_fccl)[fc_vl]
+        fc_vl_field = Signal(4)
+        m.d.comb += fc_vl_field.eq(fc_vl)
+        # IBA flow-control packet: Op|FCTBS, VL|FCCL, big-endian bit fields.
+        fc_bytes = Cat(fc_fctbs[8:12], fc_op.as_value(), fc_fctbs[0:8],
+                       fc_fccl[8:12], fc_vl_field, fc_fccl[0:8])
+        m.d.comb += [
+            lpcrc.start.eq(1),
+            lpcrc.valid.eq(0),
+            lpcrc.data.eq(fc_bytes),
+            lpcrc.count.eq(4),
+        ]
+
+        # --- weighted round robin over eligible VLs ---
+        rr_pointer = Signal(range(num_vls))
+        rr_budget = Signal(16)
+        pick = Signal(range(num_vls))
+        pick_valid = Signal()
+        stay = Signal()
+        m.d.comb += stay.eq(eligible.bit_select(rr_pointer, 1) & (rr_budget != 0))
+        with m.If(stay):
+            m.d.comb += [pick.eq(rr_pointer), pick_valid.eq(1)]
+        with m.Else():
+            # The VL after the pointer wins first; the pointer's own VL comes last.
+            for offset in reversed(range(1, num_vls + 1)):
+                candidate = (rr_pointer + offset) % num_vls if num_vls > 1 else C(0, 1)
+                with m.If(eligible.bit_select(candidate, 1)):
+                    m.d.comb += [pick.eq(candidate), pick_valid.eq(1)]
+
+        # --- one beat of data: PktLen enforcement, VCRC append ---
+        beat = Signal(BeatLayout(width))
+        beat_allowed = Signal(range(max_bytes + 1))
+        beat_take = Signal()
+        natural_count = Mux(beat.end, beat.count, width)
+        forced_end = ~beat.end & (beat_allowed <= width)
+        out_end = beat.end | forced_end
+        out_count = Signal(range(width + 1))
+        m.d.comb += out_count.eq(Mux(natural_count > beat_allowed, beat_allowed, natural_count))
+        malformed = forced_end | (beat.end & (beat.count != beat_allowed))
+        m.d.comb += [
+            vcrc.start.eq(beat.start),
+            vcrc.valid.eq(beat_take),
+            vcrc.data.eq(beat.data),
+            vcrc.count.eq(Mux(out_end, out_count, width)),
+        ]
+        # The VCRC goes right after the last byte, spilling into one more beat when it must.
+        with_vcrc = Signal(8 * width)
+        for lane in range(width):
+            byte = beat.data[8 * lane: 8 * lane + 8]
+            m.d.comb += with_vcrc[8 * lane: 8 * lane + 8].eq(
+                Mux(~out_end | (lane < out_count), byte,
+                    Mux(lane == out_count, vcrc.crc[0:8],
+                        Mux(lane == out_count + 1, vcrc.crc[8:16], 0))))
+
+        m.d.sync += [self.wire.valid.eq(0), self.fc_sent.valid.eq(0)]
+
+        def emit_beat(vl):
+            m.d.comb += [inputs[vl].ready.eq(1), beat_take.eq(1)]
+            m.d.sync += [
+                self.wire.valid.eq(1),
+                self.wire.link.eq(0),
+                self.wire.start.eq(beat.start),
+                self.wire.data.eq(with_vcrc),
+                busy.eq(~out_end),
+                allowed.eq(beat_allowed - width),
+            ]
+            with m.If(out_end):
+                spill = out_count + VCRC_BYTES > width
+                m.d.sync += [
+                    self.wire.end.eq(~spill),
+                    self.wire.count.eq(Mux(spill, width, out_count + VCRC_BYTES)),
+                    self.wire.end_bad.eq(~spill & (beat.end_bad | malformed)),
+                    extra_beat.eq(spill),
+                    extra_count.eq(out_count + VCRC_BYTES - width),
+                    extra_data.eq(Mux(out_count == width, vcrc.crc, vcrc.crc[8:16])),
+                    discarding.eq(forced_end),
+                ]
+                with m.If(malformed):
+                    m.d.sync += self.cut_overlong.eq(self.cut_overlong + 1)
+            with m.Else():
+                m.d.sync += [self.wire.end.eq(0), self.wire.count.eq(width), self.wire.end_bad.eq(0)]
+            # A spilled beat carries the end-bad mark; remember it.
+            m.d.sync += extra_bad.eq(beat.end_bad | malformed)
+
+        m.d.comb += beat.eq(inputs[current].payload)
+        m.d.comb += beat_allowed.eq(allowed)
+
+        with m.If(extra_beat):
+            m.d.sync += [
+                self.wire.valid.eq(1), self.wire.link.eq(0), self.wire.start.eq(0),
+                self.wire.end.eq(1), self.wire.count.eq(extra_count),
+                self.wire.end_bad.eq(extra_bad), self.wire.data.eq(extra_data),
+                extra_beat.eq(0),
+            ]
+        with m.Elif(discarding):
+            m.d.comb += inputs[current].ready.eq(1)
+            with m.If(inputs[current].valid & inputs[current].payload.end):
+                m.d.sync += discarding.eq(0)
+        with m.Elif(busy):
+            with m.If(inputs[current].valid):
+                emit_beat(current)
+        with m.Elif(want_fc.any()):
+            m.d.sync += [
+                self.wire.valid.eq(1), self.wire.link.eq(1),
+                self.wire.start.eq(1), self.wire.end.eq(1), self.wire.end_bad.eq(0),
+                self.wire.count.eq(6),
+                self.wire.data.eq(Cat(fc_bytes, lpcrc.crc)),
+                self.fc_sent.valid.eq(1),
+                self.fc_sent.op.eq(fc_op),
+                self.fc_sent.vl.eq(fc_vl),
+                self.fc_sent.fctbs.eq(fc_fctbs),
+                self.fc_sent.fccl.eq(fc_fccl),
+                self.fc_packets_sent.eq(self.fc_packets_sent + 1),
+            ]
+            for v in range(num_vls):
+                with m.If(fc_vl == v):
+                    m.d.sync += [since_fc[v].eq(0), last_fccl[v].eq(self.advertise_fccl[v])]
+        with m.Elif(pick_valid):
+            m.d.comb += [beat.eq(inputs[pick].payload),
+                         beat_allowed.eq(Array(head_len)[pick] - VCRC_BYTES)]
+            emit_beat(pick)
+            blocks = Array(head_blocks)[pick]
+            m.d.sync += [
+                current.eq(pick),
+                fctbs[pick].eq(fctbs[pick] + blocks),
+                Array(self.packets_sent)[pick].eq(Array(self.packets_sent)[pick] + 1),
+                rr_pointer.eq(pick),
+            ]
+            with m.If(stay):
+                m.d.sync += rr_budget.eq(Mux(rr_budget > blocks, rr_budget - blocks, 0))
+            with m.Else():
+                weight = Array(self.vl_weight)[pick]
+                m.d.sync += rr_budget.eq(Mux(weight > blocks, weight - blocks, 0))
+        with m.Else():
+            # Junk at the head of a stream never reaches the wire: drop it, one VL at a time.
+            junk_vl = Signal(range(num_vls))
+            junk = Signal()
+            for v in reversed(range(num_vls)):
+                head = self.data_in[v]
+                with m.If(head.valid & (~head.payload.start | head_too_long[v])):
+                    m.d.comb += [junk_vl.eq(v), junk.eq(1)]
+            junk_head = inputs[junk_vl]
+            with m.If(junk):
+                m.d.comb += junk_head.ready.eq(1)
+                with m.If(~junk_head.payload.start):
+                    m.d.sync += self.discarded_framing.eq(self.discarded_framing + 1)
+                with m.Else():
+                    m.d.sync += [current.eq(junk_vl), discarding.eq(~junk_head.payload.end),
+                                 self.discarded_too_long.eq(self.discarded_too_long + 1)]
+
+        with m.If(self.clear):
+            for v in range(num_vls):
+                m.d.sync += [fctbs[v].eq(0), limit[v].eq(0),
+                             since_fc[v].eq(self.fc_period), last_fccl[v].eq(0)]
+        # A peer's INIT that caused the clear carries the limit to start from.
+        with m.If(self.credit_update.valid & (self.credit_update.vl < num_vls)):
+            m.d.sync += limit[self.credit_update.vl].eq(self.credit_update.fccl)
+        return m
+
