@@ -1,4 +1,4 @@
-from amaranth.hdl import Cat, Const, Module, Mux, Signal
+from amaranth.hdl import C, Cat, Const, Module, Mux, Signal
 from amaranth.lib import crc, wiring
 from amaranth.lib.wiring import In, Out
 
@@ -86,14 +86,16 @@ class BeatCRC(wiring.Component):
         state = Signal(algorithm.crc_width, init=algorithm.initial_crc)
         source = Mux(self.start, algorithm.initial_crc, state)
         aligned = Signal(8 * width)
+        lead_bytes = Signal(range(width + 1))
+        m.d.comb += [
+            lead_bytes.eq(width - self.count),
+            aligned.eq(self.data << Cat(C(0, 3), lead_bytes)),
+        ]
         advanced = Signal(algorithm.crc_width)
         with m.Switch(self.count):
             for count, matrix in advance_matrices.items():
                 with m.Case(count):
-                    m.d.comb += [
-                        aligned.eq(self.data << 8 * (width - count)),
-                        advanced.eq(_multiply(matrix, source)),
-                    ]
+                    m.d.comb += advanced.eq(_multiply(matrix, source))
 
         following = Signal(algorithm.crc_width)
         m.d.comb += following.eq(_multiply(data_matrix, aligned) ^ advanced)
@@ -147,4 +149,7 @@ def _rows(columns, crc_width):
 
 
 def _multiply(matrix, vector):
-    return Cat(Cat(vector[index] for index in row).xor() if row else Const(0, 1) for row in matrix)
+    # One wide AND and one reduction per output bit: far fewer netlist nodes than a
+    # Cat of single bits, which keeps elaboration of wide beats fast.
+    return Cat((vector & Const(sum(1 << index for index in row), len(vector))).xor()
+               for row in matrix)

@@ -1,0 +1,124 @@
+"""Simulation top: two link ports, A and B, joined by a cable.
+
+With ``channel="hdl"`` the cable is ``wire_delay`` registers in each
+direction (0: the ends are wired straight together), for benchmarks and the
+demo. With ``channel="tb"`` both wires come out as ports and the testbench
+carries the beats (and the faults it injects); that path adds one register of
+its own, so its delay is at least one cycle.
+
+Each end has its own reset (``a_reset``, ``b_reset``) on the shared clock, so a
+test can reset one end in the middle of traffic. Everything a test checks about
+credits and counters is brought out as ports.
+"""
+from amaranth import *
+from amaranth.lib import stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from hdl.link.link_port import LinkPort
+from hdl.link.link_receiver import DROP_REASONS
+from hdl.link.signatures import BeatLayout, FCCL_BITS, LinkState, WireSignature
+
+__all__ = ["LinkPair", "SIDES", "STATUS_PORTS"]
+
+SIDES = ("a", "b")
+
+# Per-VL status ports of each side: port name -> (block, attribute) inside the LinkPort.
+STATUS_PORTS = {
+    "fctbs": ("transmitter", "fctbs"),
+    "credit_limit": ("transmitter", "credit_limit"),
+    "credit_stall_cycles": ("transmitter", "credit_stall_cycles"),
+    "packets_sent": ("transmitter", "packets_sent"),
+    "abr": ("receiver", "abr"),
+    "fccl": ("receiver", "fccl"),
+    "used_blocks": ("receiver", "used_blocks"),
+    "packets_received": ("receiver", "packets_received"),
+}
+COUNTER_PORTS = {
+    "fc_packets_sent": ("transmitter", "fc_packets_sent"),
+    "tx_discarded_too_long": ("transmitter", "discarded_too_long"),
+    "tx_discarded_framing": ("transmitter", "discarded_framing"),
+    "tx_cut_overlong": ("transmitter", "cut_overlong"),
+    "discarded": ("receiver", "discarded"),
+    "forwarded_bad": ("receiver", "forwarded_bad"),
+    "fc_received": ("receiver", "fc_received"),
+    "fc_bad_crc": ("receiver", "fc_bad_crc"),
+    "fc_malformed": ("receiver", "fc_malformed"),
+    "fc_ignored": ("receiver", "fc_ignored"),
+}
+
+
+class LinkPair(wiring.Component):
+    def __init__(self, *, width=64, num_vls=2, mtu=4096, buffer_blocks=None, cut_through=False,
+                 fc_period=1024, fc_min_interval=64, wire_delay=0, channel="hdl"):
+        if channel not in ("hdl", "tb"):
+            raise ValueError(f"Channel must be 'hdl' or 'tb', not {channel!r}")
+        if not 0 <= wire_delay <= 4096:
+            raise ValueError(f"Wire delay must be 0 to 4096 cycles, not {wire_delay!r}")
+        self.channel = channel
+        self.wire_delay = wire_delay
+        self.ports = {
+            side: LinkPort(width=width, num_vls=num_vls, mtu=mtu, buffer_blocks=buffer_blocks,
+                           cut_through=cut_through, fc_period=fc_period,
+                           fc_min_interval=fc_min_interval)
+            for side in SIDES
+        }
+        members = {}
+        for side in SIDES:
+            members[f"{side}_reset"] = In(1)
+            members[f"{side}_data_in"] = In(stream.Signature(BeatLayout(width))).array(num_vls)
+            members[f"{side}_data_out"] = Out(stream.Signature(BeatLayout(width))).array(num_vls)
+            members[f"{side}_vl_weight"] = In(8).array(num_vls)
+            members[f"{side}_state"] = Out(LinkState)
+            members[f"{side}_overflow"] = Out(1)
+            members[f"{side}_link_inits"] = Out(32)
+            for name in STATUS_PORTS:
+                members[f"{side}_{name}"] = Out(32).array(num_vls)
+            for name in COUNTER_PORTS:
+                members[f"{side}_{name}"] = Out(32)
+            for reason in DROP_REASONS:
+                members[f"{side}_drop_{reason}"] = Out(32)
+            if channel == "tb":
+                members[f"{side}_wire_out"] = Out(WireSignature(width))
+                members[f"{side}_wire_in"] = In(WireSignature(width))
+        super().__init__(members)
+
+    def elaborate(self, platform):
+        m = Module()
+        for side, port in self.ports.items():
+            m.domains += ClockDomain(side)
+            m.d.comb += [
+                ClockSignal(side).eq(ClockSignal()),
+                ResetSignal(side).eq(ResetSignal() | getattr(self, f"{side}_reset")),
+            ]
+            m.submodules[side] = DomainRenamer(side)(port)
+            for v in range(port.num_vls):
+                wiring.connect(m, wiring.flipped(getattr(self, f"{side}_data_in")[v]), port.data_in[v])
+                wiring.connect(m, port.data_out[v], wiring.flipped(getattr(self, f"{side}_data_out")[v]))
+                m.d.comb += port.vl_weight[v].eq(getattr(self, f"{side}_vl_weight")[v])
+                for name, (block, attr) in STATUS_PORTS.items():
+                    m.d.comb += getattr(self, f"{side}_{name}")[v].eq(
+                        getattr(getattr(port, block), attr)[v])
+            for name, (block, attr) in COUNTER_PORTS.items():
+                m.d.comb += getattr(self, f"{side}_{name}").eq(getattr(getattr(port, block), attr))
+            for reason in DROP_REASONS:
+                m.d.comb += getattr(self, f"{side}_drop_{reason}").eq(
+                    getattr(port.receiver.drops, reason))
+            m.d.comb += [
+                getattr(self, f"{side}_state").eq(port.state),
+                getattr(self, f"{side}_overflow").eq(port.receiver.overflow),
+                getattr(self, f"{side}_link_inits").eq(port.link_inits),
+            ]
+            if self.channel == "tb":
+                wiring.connect(m, port.wire_out, wiring.flipped(getattr(self, f"{side}_wire_out")))
+                wiring.connect(m, wiring.flipped(getattr(self, f"{side}_wire_in")), port.wire_in)
+
+        if self.channel == "hdl":
+            for source, sink in (("a", "b"), ("b", "a")):
+                names = list(WireSignature(self.ports[source].width).members)
+                line = Cat(getattr(self.ports[source].wire_out, name) for name in names)
+                for stage in range(self.wire_delay):
+                    delayed = Signal(len(line), name=f"{source}_to_{sink}_{stage}")
+                    m.d.sync += delayed.eq(line)
+                    line = delayed
+                m.d.comb += Cat(getattr(self.ports[sink].wire_in, name) for name in names).eq(line)
+        return m
