@@ -1,0 +1,47 @@
+"""hdl.emit without simulation: a registered top becomes Verilog plus a port table."""
+import pytest
+
+from hdl import emit
+
+
+def test_emit_link_port_w16(tmp_path):
+    assert emit.main(["--out", str(tmp_path), "tf_link_port_w16"]) == 0
+    verilog = tmp_path / "tf_link_port_w16.v"
+    ports_md = tmp_path / "tf_link_port_w16.ports.md"
+    assert verilog.exists() and ports_md.exists()
+    text = verilog.read_text()
+    assert "module tf_link_port_w16(" in text
+
+    table = ports_md.read_text()
+    rows = {line.split("|")[1].strip(" `"): line for line in table.splitlines()
+            if line.startswith("| `")}
+    for name in ("wire_out__data", "wire_out__valid", "wire_in__count", "data_in__0__payload",
+                 "data_in__1__ready", "data_out__0__valid", "vl_weight__1", "state", "clk", "rst"):
+        assert name in rows, f"{name} missing from the port table"
+    assert "| output | 128 |" in rows["wire_out__data"]
+    assert "| input | 136 |" in rows["data_in__0__payload"]
+    assert "VL 0 input stream, payload (BeatLayout: data, start, end, count, end_bad)" \
+        in rows["data_in__0__payload"]
+    assert "LinkState: INIT=0, ARMED=1, ACTIVE=2" in rows["state"]
+
+
+def test_registry_names_are_stable():
+    assert {"tf_link_port_w64", "tf_link_port_w16", "tf_link_transmitter_w64",
+            "tf_link_receiver_w64"} <= set(emit.TOPS)
+
+
+def test_constant_port_is_a_clear_error(tmp_path, monkeypatch):
+    from amaranth import Module
+    from amaranth.lib import stream, wiring
+    from amaranth.lib.wiring import In
+
+    class AlwaysReady(wiring.Component):
+        data_in: In(stream.Signature(8, always_ready=True))
+
+        def elaborate(self, platform):
+            return Module()
+
+    monkeypatch.setitem(emit.TOPS, "tf_test_always_ready",
+                        emit.Top("tf_test_always_ready", AlwaysReady, "test"))
+    with pytest.raises(emit.EmitError, match=r"port data_in__ready is the constant.*always_ready"):
+        emit.emit_top("tf_test_always_ready", tmp_path)
