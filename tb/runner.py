@@ -17,7 +17,8 @@ BUILD = REPO / "build" / "tb"
 
 VERILATOR_WARNINGS = [
     # Amaranth's arithmetic output widens and truncates on purpose.
-    "-Wno-WIDTHEXPAND", "-Wno-WIDTHTRUNC", "-Wno-CASEOVERLAP", "-Wno-CMPCONST",
+    "-Wno-WIDTHEXPAND", "-Wno-WIDTHTRUNC", "-Wno-CASEOVERLAP", "-Wno-CASEINCOMPLETE",
+    "-Wno-CMPCONST",
 ]
 
 
@@ -90,6 +91,7 @@ def run(*, module, toplevel, factory, params, testcase=None, expect_tests=None,
         extra_env=env,
         waves=waves,
         results_xml=str(build_dir / f"results_{os.getpid()}.xml"),
+        log_file=build_dir / "test.log",
     )
     num_tests, num_failed = get_results(Path(results))
     if expect_tests is not None and num_tests != expect_tests:

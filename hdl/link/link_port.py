@@ -6,7 +6,10 @@ from .link_receiver import LinkReceiver
 from .link_transmitter import LinkTransmitter
 from .signatures import BeatLayout, FlowControlOp, LinkState, WireSignature
 
-__all__ = ["LinkPort"]
+__all__ = ["LinkPort", "INIT_REPEATS"]
+
+# INIT packets per VL sent after hearing the peer's INIT, before arming.
+INIT_REPEATS = 8
 
 
 class LinkPort(wiring.Component):
@@ -17,9 +20,10 @@ class LinkPort(wiring.Component):
     - INIT: send Op INIT flow-control packets for every VL; take nothing but
       the peer's Op INIT packets (they set our credit limits, and the
       receiver's ABR to the peer's FCTBS of 0).
-    - ARMED, once the peer's INIT was heard and ours went out for every VL:
-      send NORMAL flow-control packets; still no data, since the peer may not
-      have heard us yet.
+    - ARMED, once the peer's INIT was heard and ours went out
+      ``INIT_REPEATS`` times for every VL since (so a peer behind a lossy
+      link hears at least one): send NORMAL flow-control packets; still no
+      data, since the peer may not have heard us yet.
     - ACTIVE, on the peer's first NORMAL packet: data flows.
 
     An Op INIT packet while ARMED or ACTIVE means the peer was reset: forget
@@ -82,16 +86,19 @@ class LinkPort(wiring.Component):
         peer_fc = rx.flow_control
         peer_init = peer_fc.valid & (peer_fc.op == FlowControlOp.INIT)
         peer_normal = peer_fc.valid & (peer_fc.op == FlowControlOp.NORMAL)
-        with m.If(tx.fc_sent.valid & (tx.fc_sent.op == FlowControlOp.INIT)):
+        init_repeats = [Signal(range(INIT_REPEATS + 1), name=f"init_repeats{v}")
+                        for v in range(num_vls)]
+        with m.If(tx.fc_sent.valid & (tx.fc_sent.op == FlowControlOp.INIT) & (heard_init | peer_init)):
             for v in range(num_vls):
-                with m.If(tx.fc_sent.vl == v):
-                    m.d.sync += init_sent[v].eq(1)
+                with m.If((tx.fc_sent.vl == v) & (init_repeats[v] != INIT_REPEATS)):
+                    m.d.sync += init_repeats[v].eq(init_repeats[v] + 1)
+        m.d.comb += init_sent.eq(Cat(count == INIT_REPEATS for count in init_repeats))
 
         with m.Switch(self.state):
             with m.Case(LinkState.INIT):
                 with m.If(peer_init):
                     m.d.sync += heard_init.eq(1)
-                with m.If((heard_init | peer_init) & init_sent.all()):
+                with m.If(heard_init & init_sent.all()):
                     m.d.sync += self.state.eq(LinkState.ARMED)
             with m.Case(LinkState.ARMED):
                 m.d.sync += armed_cycles.eq(armed_cycles + 1)
@@ -101,13 +108,14 @@ class LinkPort(wiring.Component):
                     # The peer never answered: it was reset again after hearing us, and
                     # waits for INIT packets. Start over.
                     m.d.comb += clear.eq(1)
-                    m.d.sync += [self.state.eq(LinkState.INIT), heard_init.eq(0), init_sent.eq(0),
-                                 armed_cycles.eq(0)]
+                    m.d.sync += [self.state.eq(LinkState.INIT), heard_init.eq(0), armed_cycles.eq(0)]
+                    m.d.sync += [count.eq(0) for count in init_repeats]
             with m.Case(LinkState.ACTIVE):
                 with m.If(peer_init):
                     # The peer was reset. This INIT packet counts as heard, and the
                     # transmitter takes its credit limit over the clear.
                     m.d.comb += clear.eq(1)
-                    m.d.sync += [self.state.eq(LinkState.INIT), heard_init.eq(1), init_sent.eq(0),
+                    m.d.sync += [self.state.eq(LinkState.INIT), heard_init.eq(1),
                                  self.link_inits.eq(self.link_inits + 1)]
+                    m.d.sync += [count.eq(0) for count in init_repeats]
         return m

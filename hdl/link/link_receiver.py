@@ -244,6 +244,8 @@ class LinkReceiver(wiring.Component):
                 # Beats with no start: drop them as one malformed run.
                 count_drop("malformed")
                 m.d.sync += [in_packet.eq(~w.end), storing.eq(0)]
+            with m.Elif(w.end):
+                m.d.sync += in_packet.eq(0)
 
             now_storing = Mux(w.start, ~reject, storing)
             with m.If(now_storing):

@@ -122,8 +122,9 @@ class LinkTransmitter(wiring.Component):
             with m.If(since_fc[v] != self.fc_period):
                 m.d.sync += since_fc[v].eq(since_fc[v] + 1)
             changed = self.advertise_fccl[v] != last_fccl[v]
+            # Until the link is up, the peer may be missing our packets: repeat them often.
             m.d.comb += want_fc[v].eq(
-                (since_fc[v] >= self.fc_min_interval) & ((self.state == LinkState.INIT) | changed)
+                (since_fc[v] >= self.fc_min_interval) & ((self.state != LinkState.ACTIVE) | changed)
                 | (since_fc[v] == self.fc_period))
         fc_vl = Signal(range(num_vls))
         for v in reversed(range(num_vls)):

@@ -105,7 +105,8 @@ def blocks_of(nbytes):
 
 def lrh_wire_bytes(beat_data):
     """LRH.PktLen (4-byte words, LRH .. ICRC) of the start beat, as bytes on the wire incl. VCRC."""
-    pktlen = Cat(beat_data[24:32], beat_data[16:19])
+    # LRH bytes 4..5: rsvd(5) PktLen(11), big-endian.
+    pktlen = Cat(beat_data[40:48], beat_data[32:35])
     return pktlen * 4 + VCRC_BYTES
 
 
