@@ -1,10 +1,12 @@
 """Simulation top: two link ports, A and B, joined by a cable.
 
-With ``channel="hdl"`` the cable is ``wire_delay`` registers in each
-direction (0: the ends are wired straight together), for benchmarks and the
-demo. With ``channel="tb"`` both wires come out as ports and the testbench
-carries the beats (and the faults it injects); that path adds one register of
-its own, so its delay is at least one cycle.
+With ``channel="hdl"`` the cable is a delay line in each direction, set at
+run time through ``wire_delay_cycles`` from 0 (the ends wired straight
+together) to the ``wire_delay`` the top was built with, so one build serves a
+whole sweep of cable lengths; for benchmarks and the demo. With
+``channel="tb"`` both wires come out as ports and the testbench carries the
+beats (and the faults it injects) with a delay of ``wire_delay`` cycles, at
+least one: the testbench is itself a register.
 
 Each end has its own reset (``a_reset``, ``b_reset``) on the shared clock, so a
 test can reset one end in the middle of traffic. Everything a test checks about
@@ -12,6 +14,7 @@ credits and counters is brought out as ports.
 """
 from amaranth import *
 from amaranth.lib import stream, wiring
+from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from hdl.link.link_port import LinkPort
@@ -49,7 +52,8 @@ COUNTER_PORTS = {
 
 class LinkPair(wiring.Component):
     def __init__(self, *, width=64, num_vls=2, mtu=4096, buffer_blocks=None, cut_through=False,
-                 fc_period=1024, fc_min_interval=64, wire_delay=0, channel="hdl"):
+                 fc_period=1024, fc_min_interval=64, fc_batch_blocks=64, wire_delay=0,
+                 channel="hdl"):
         if channel not in ("hdl", "tb"):
             raise ValueError(f"Channel must be 'hdl' or 'tb', not {channel!r}")
         if not 0 <= wire_delay <= 4096:
@@ -59,7 +63,7 @@ class LinkPair(wiring.Component):
         self.ports = {
             side: LinkPort(width=width, num_vls=num_vls, mtu=mtu, buffer_blocks=buffer_blocks,
                            cut_through=cut_through, fc_period=fc_period,
-                           fc_min_interval=fc_min_interval)
+                           fc_min_interval=fc_min_interval, fc_batch_blocks=fc_batch_blocks)
             for side in SIDES
         }
         members = {}
@@ -80,6 +84,12 @@ class LinkPair(wiring.Component):
             if channel == "tb":
                 members[f"{side}_wire_out"] = Out(WireSignature(width))
                 members[f"{side}_wire_in"] = In(WireSignature(width))
+            else:
+                members[f"{side}_wire_monitor"] = Out(WireSignature(width))
+        if channel == "hdl":
+            # At least one bit so the port exists in Verilog; a top built with no
+            # delay line ignores it.
+            members["wire_delay_cycles"] = In(range(max(wire_delay, 1) + 1))
         super().__init__(members)
 
     def elaborate(self, platform):
@@ -115,10 +125,23 @@ class LinkPair(wiring.Component):
         if self.channel == "hdl":
             for source, sink in (("a", "b"), ("b", "a")):
                 names = list(WireSignature(self.ports[source].width).members)
-                line = Cat(getattr(self.ports[source].wire_out, name) for name in names)
-                for stage in range(self.wire_delay):
-                    delayed = Signal(len(line), name=f"{source}_to_{sink}_{stage}")
-                    m.d.sync += delayed.eq(line)
-                    line = delayed
-                m.d.comb += Cat(getattr(self.ports[sink].wire_in, name) for name in names).eq(line)
+                sent = Cat(getattr(self.ports[source].wire_out, name) for name in names)
+                m.d.comb += Cat(getattr(getattr(self, f"{source}_wire_monitor"), name)
+                                for name in names).eq(sent)
+                arriving = Signal(len(sent), name=f"{source}_to_{sink}")
+                if self.wire_delay:
+                    line = Memory(shape=len(sent), depth=self.wire_delay, init=[])
+                    m.submodules[f"{source}_to_{sink}_line"] = line
+                    write, read = line.write_port(), line.read_port(domain="comb")
+                    position = Signal(range(self.wire_delay), name=f"{source}_to_{sink}_position")
+                    m.d.sync += position.eq(Mux(position == self.wire_delay - 1, 0, position + 1))
+                    back = position - self.wire_delay_cycles
+                    m.d.comb += [
+                        write.addr.eq(position), write.data.eq(sent), write.en.eq(1),
+                        read.addr.eq(Mux(back < 0, back + self.wire_delay, back)),
+                        arriving.eq(Mux(self.wire_delay_cycles == 0, sent, read.data)),
+                    ]
+                else:
+                    m.d.comb += arriving.eq(sent)
+                m.d.comb += Cat(getattr(self.ports[sink].wire_in, name) for name in names).eq(arriving)
         return m

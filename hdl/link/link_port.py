@@ -36,9 +36,10 @@ class LinkPort(wiring.Component):
     """
 
     def __init__(self, *, width=64, num_vls=2, mtu=4096, buffer_blocks=None, cut_through=True,
-                 fc_period=1024, fc_min_interval=64):
+                 fc_period=1024, fc_min_interval=64, fc_batch_blocks=64):
         self.transmitter = LinkTransmitter(width=width, num_vls=num_vls, mtu=mtu,
-                                           fc_period=fc_period, fc_min_interval=fc_min_interval)
+                                           fc_period=fc_period, fc_min_interval=fc_min_interval,
+                                           fc_batch_blocks=fc_batch_blocks)
         self.receiver = LinkReceiver(width=width, num_vls=num_vls, mtu=mtu,
                                      buffer_blocks=buffer_blocks, cut_through=cut_through)
         self.width = width

@@ -9,7 +9,10 @@ from .signatures import (
     FCCL_BITS, VCRC_BYTES, blocks_of, check_mtu, check_width, lrh_wire_bytes, max_wire_bytes,
 )
 
-__all__ = ["LinkTransmitter"]
+__all__ = ["LinkTransmitter", "FC_BATCH_INTERVAL"]
+
+# Cycles between flow-control packets of one VL that report a large batch of freed blocks.
+FC_BATCH_INTERVAL = 4
 
 
 class LinkTransmitter(wiring.Component):
@@ -21,7 +24,10 @@ class LinkTransmitter(wiring.Component):
     VCRC and drives the wire. Between data packets it sends IBA flow-control
     packets: Op INIT while the port initialises, otherwise NORMAL ones when the
     advertised FCCL changed (at most every ``fc_min_interval`` cycles per VL)
-    and at least every ``fc_period`` cycles per VL, which heals lost ones.
+    and at least every ``fc_period`` cycles per VL, which heals lost ones; a
+    change of ``fc_batch_blocks`` or more goes out after only
+    ``FC_BATCH_INTERVAL`` cycles, so a sender waiting for a large packet's
+    worth of credit is not held up by the batching.
 
     A packet whose beats run past its LRH.PktLen is cut at PktLen and marked
     end-bad, so a malformed upstream can never overrun the credits it was
@@ -31,7 +37,8 @@ class LinkTransmitter(wiring.Component):
     Latency: one cycle from an accepted start beat to the start beat on the wire.
     """
 
-    def __init__(self, *, width=64, num_vls=2, mtu=4096, fc_period=1024, fc_min_interval=64):
+    def __init__(self, *, width=64, num_vls=2, mtu=4096, fc_period=1024, fc_min_interval=64,
+                 fc_batch_blocks=64):
         check_width(width)
         check_mtu(mtu)
         if not 1 <= num_vls <= 15:
@@ -41,9 +48,12 @@ class LinkTransmitter(wiring.Component):
         if not 1 <= fc_min_interval <= fc_period:
             raise ValueError(f"Flow-control minimum interval must be 1 to fc_period cycles, "
                              f"not {fc_min_interval!r}")
+        if not 1 <= fc_batch_blocks <= 2047:
+            raise ValueError(f"Flow-control batch must be 1 to 2047 blocks, not {fc_batch_blocks!r}")
         self.width = width
         self.num_vls = num_vls
         self.mtu = mtu
+        self.fc_batch_blocks = fc_batch_blocks
         self.fc_period = fc_period
         self.fc_min_interval = fc_min_interval
         super().__init__({
@@ -121,10 +131,14 @@ class LinkTransmitter(wiring.Component):
         for v in range(num_vls):
             with m.If(since_fc[v] != self.fc_period):
                 m.d.sync += since_fc[v].eq(since_fc[v] + 1)
-            changed = self.advertise_fccl[v] != last_fccl[v]
+            advanced = Signal(FCCL_BITS, name=f"fccl_advanced{v}")
+            m.d.comb += advanced.eq(self.advertise_fccl[v] - last_fccl[v])
             # Until the link is up, the peer may be missing our packets: repeat them often.
+            # Once up, a change is reported within fc_min_interval, and a large one (a
+            # batch of freed blocks the sender may be starving for) almost at once.
             m.d.comb += want_fc[v].eq(
-                (since_fc[v] >= self.fc_min_interval) & ((self.state != LinkState.ACTIVE) | changed)
+                (since_fc[v] >= self.fc_min_interval) & ((self.state != LinkState.ACTIVE) | (advanced != 0))
+                | (since_fc[v] >= FC_BATCH_INTERVAL) & (advanced >= self.fc_batch_blocks)
                 | (since_fc[v] == self.fc_period))
         fc_vl = Signal(range(num_vls))
         for v in reversed(range(num_vls)):
