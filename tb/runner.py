@@ -57,18 +57,21 @@ def emit_verilog(component, name, path):
 
 
 def run(*, module, toplevel, factory, params, testcase=None, expect_tests=None,
-        extra_env=None, build_args=(), waves=None):
+        extra_env=None, build_args=(), waves=None, log_to_file=True):
     """Elaborate ``factory(**params)``, build it with Verilator, run ``module``'s cocotb tests.
 
     ``expect_tests`` guards against a filter that silently matches nothing:
     the run fails unless exactly that many tests ran (all of them when None).
+    The simulation's output goes to ``test.log`` in the build directory, or to
+    the terminal with ``log_to_file=False``.
     """
     from cocotb_tools.check_results import get_results
     from cocotb_tools.runner import get_runner
 
     setup_verilator_env()
     waves = bool(int(os.environ.get("WAVES", "0"))) if waves is None else waves
-    build_dir = BUILD / module.rsplit(".", 1)[-1] / param_tag(params)
+    # Tracing needs zlib and lz4 headers (liblz4-dev, zlib1g-dev): only waveform runs build with it.
+    build_dir = BUILD / module.rsplit(".", 1)[-1] / (param_tag(params) + ("_waves" if waves else ""))
     source = emit_verilog(factory(**params), toplevel, build_dir / f"{toplevel}.v")
 
     runner = get_runner("verilator")
@@ -76,8 +79,9 @@ def run(*, module, toplevel, factory, params, testcase=None, expect_tests=None,
         sources=[source],
         hdl_toplevel=toplevel,
         build_dir=build_dir,
-        build_args=[*VERILATOR_WARNINGS, "--trace-fst", "--trace-structs", *build_args],
-        waves=True,
+        build_args=[*VERILATOR_WARNINGS, *(["--trace-fst", "--trace-structs"] if waves else []),
+                    *build_args],
+        waves=waves,
         log_file=build_dir / "build.log",
     )
     env = {"TB_PARAMS": json.dumps(params)}
@@ -91,7 +95,7 @@ def run(*, module, toplevel, factory, params, testcase=None, expect_tests=None,
         extra_env=env,
         waves=waves,
         results_xml=str(build_dir / f"results_{os.getpid()}.xml"),
-        log_file=build_dir / "test.log",
+        log_file=build_dir / "test.log" if log_to_file else None,
     )
     num_tests, num_failed = get_results(Path(results))
     if expect_tests is not None and num_tests != expect_tests:
