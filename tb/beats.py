@@ -249,6 +249,9 @@ class WireChannel:
     """
 
     MUTATIONS = ("vcrc", "truncated", "overlong", "too_long", "invalid_vl", "end_bad")
+    # Not a corruption but a protocol violation: the packet arrives twice, and the
+    # second copy was never covered by credit.
+    DUPLICATE = "duplicate"
 
     def __init__(self, dut, source, sink, width, delay=1, rng=None, fc_drop=0.0,
                  fc_corrupt=0.0, mutate=None, invalid_vl=7):
@@ -266,6 +269,8 @@ class WireChannel:
         self.invalid_vl = invalid_vl
         self.line = deque()         # (due cycle, beat dict)
         self.mutated = []           # (kind, original packet without VCRC)
+        self.duplicated = []        # packets sent twice (protocol violation)
+        self.passing = []           # beats of the packet passing now
         self.fc_dropped = 0
         self.fc_corrupted = 0
         self.kind = None            # mutation of the packet passing now
@@ -299,8 +304,11 @@ class WireChannel:
                 beat["data"] = beat["data"] & ~0xF0 | self.invalid_vl << 4
         self.original += raw
         kind = self.kind
+        if beat["start"]:
+            self.passing = []
+        self.passing.append(dict(beat))
         if beat["end"]:
-            if kind:
+            if kind and kind != self.DUPLICATE:
                 self.mutated.append((kind, bytes(self.original[:-2])))
             self.kind = None
         first_lane = 8 if beat["start"] else 0     # past the LRH: only the CRCs can tell
@@ -320,6 +328,10 @@ class WireChannel:
         elif kind == "end_bad" and beat["end"]:
             beat["end_bad"] = 1
         self._push(cycle, beat)
+        if kind == self.DUPLICATE and beat["end"]:
+            self.duplicated.append(bytes(self.original[:-2]))
+            for copy in self.passing:
+                self._push(cycle, copy)
 
     def _push(self, cycle, beat):
         due = max(cycle + self.delay - 1, self.line[-1][0] + 1 if self.line else 0)

@@ -11,12 +11,12 @@ import random
 
 import cocotb
 from cocotb.clock import Clock
-from cocotb.triggers import RisingEdge
 
 from models.ib import Opcode
 from models.packet import random_packet
 from tb import runner
 from tb.beats import CycleLoop, PacketSink, PacketSource, WireMonitor
+from tb.link_pair_tb import bring_up
 
 SEND_ONLY_OVERHEAD = 8 + 12 + 4     # LRH + BTH + ICRC around the payload
 
@@ -46,16 +46,7 @@ class BenchTB:
         assert not int(self.dut.b_overflow.value), f"cycle {cycle}: B's receive buffer overflowed"
 
     async def start(self, wire_delay):
-        dut = self.dut
-        dut.wire_delay_cycles.value = wire_delay
-        dut.a_reset.value = 0
-        dut.b_reset.value = 0
-        dut.rst.value = 1
-        for _ in range(4):
-            await RisingEdge(dut.clk)
-        dut.rst.value = 0
-        await self.loop.run(until=lambda: int(dut.a_state.value) == 2 and int(dut.b_state.value) == 2,
-                            limit=20000)
+        await bring_up(self.dut, self.loop, wire_delay=wire_delay)
 
     def packet(self, payload):
         return random_packet(self.rng, payload_len=payload, vl=0, opcode=Opcode.SEND_ONLY)

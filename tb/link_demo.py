@@ -20,7 +20,6 @@ from pathlib import Path
 
 import cocotb
 from cocotb.clock import Clock
-from cocotb.triggers import RisingEdge
 
 from tb import runner
 
@@ -36,6 +35,7 @@ async def link_demo(dut):
     from models.packet import parse_packet, random_packet
     from models.pcap import LinkCapture
     from tb.beats import CycleLoop, PacketSink, PacketSource, WireMonitor, backpressure_random
+    from tb.link_pair_tb import bring_up, read_port
 
     params = runner.tb_params()
     options = json.loads(os.environ["LINK_DEMO_OPTIONS"])
@@ -58,14 +58,7 @@ async def link_demo(dut):
     loop.checks.append(lambda cycle: overflow_cycles.append(cycle)
                        if int(dut.a_overflow.value) or int(dut.b_overflow.value) else None)
 
-    dut.wire_delay_cycles.value = options["wire_delay"]
-    dut.a_reset.value = 0
-    dut.b_reset.value = 0
-    dut.rst.value = 1
-    for _ in range(4):
-        await RisingEdge(dut.clk)
-    dut.rst.value = 0
-    await loop.run(until=lambda: int(dut.a_state.value) == 2 and int(dut.b_state.value) == 2, limit=20000)
+    await bring_up(dut, loop, wire_delay=options["wire_delay"])
     link_up = loop.cycle
 
     for side in ("a", "b"):
@@ -94,7 +87,7 @@ async def link_demo(dut):
     capture.close()
 
     def port(name, side, v=None):
-        return int(getattr(dut, f"{side}_{name}" + (f"__{v}" if v is not None else "")).value)
+        return read_port(dut, name, side, v)
 
     directions = []
     for side, far in (("a", "b"), ("b", "a")):

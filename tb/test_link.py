@@ -11,10 +11,10 @@ import random
 import cocotb
 import pytest
 from cocotb.clock import Clock
-from cocotb.triggers import RisingEdge
 
 from models.packet import random_packet
 from tb import runner
+from tb.link_pair_tb import bring_up, read_port, wait_active
 from tb.beats import (CycleLoop, PacketSink, PacketSource, WireChannel, WireMonitor,
                       backpressure_random, idle_random)
 
@@ -60,21 +60,13 @@ class TB:
                 f"cycle {cycle}: receive buffer of {side} overflowed"
 
     def port(self, name, side, vl=None):
-        suffix = f"__{vl}" if vl is not None else ""
-        return int(getattr(self.dut, f"{side}_{name}{suffix}").value)
+        return read_port(self.dut, name, side, vl)
 
-    async def reset(self):
-        dut = self.dut
-        dut.rst.value = 1
-        dut.a_reset.value = 0
-        dut.b_reset.value = 0
-        for _ in range(4):
-            await RisingEdge(dut.clk)
-        dut.rst.value = 0
+    async def bring_up(self, limit=20000):
+        await bring_up(self.dut, self.loop, limit=limit)
 
     async def wait_active(self, limit=20000):
-        await self.loop.run(until=lambda: self.port("state", "a") == 2 and self.port("state", "b") == 2,
-                            limit=limit)
+        await wait_active(self.dut, self.loop, limit=limit)
 
     def send(self, side, vl, packet):
         self.sources[side, vl].send(packet, tag=len(self.sent[side, vl]))
@@ -169,8 +161,7 @@ def drop_counts(tb, side="b"):
 async def random_traffic_both_ways(dut, idle, backpressure):
     """Random sizes on every VL in both directions: each packet delivered once, intact, in order."""
     tb = TB(dut, idle=idle, backpressure=backpressure, rng=random.Random(11))
-    await tb.reset()
-    await tb.wait_active()
+    await tb.bring_up()
     tb.random_traffic(120, sizes=(0, 1500))
     await tb.drain()
     tb.check_delivery()
@@ -182,8 +173,7 @@ async def random_traffic_both_ways(dut, idle, backpressure):
 async def every_size_and_alignment(dut):
     """Every payload size from 0 to past two beats, then a sample up to the MTU."""
     tb = TB(dut, rng=random.Random(12))
-    await tb.reset()
-    await tb.wait_active()
+    await tb.bring_up()
     sizes = list(range(0, 3 * tb.width + 8, 4)) + [tb.rng.randrange(0, 4097) for _ in range(20)] + [4096]
     for size in sizes:
         vl = tb.rng.randrange(tb.num_vls)
@@ -197,8 +187,7 @@ async def every_size_and_alignment(dut):
 async def sink_stalls_hard(dut):
     """The consumer behind B stalls 90% of cycles: credits hold A back, nothing overflows or drops."""
     tb = TB(dut, backpressure=0.9, rng=random.Random(13))
-    await tb.reset()
-    await tb.wait_active()
+    await tb.bring_up()
     tb.random_traffic(60, sizes=(0, 4096), sides=("a",))
     await tb.drain(limit=400000)
     tb.check_delivery()
@@ -212,8 +201,7 @@ async def sink_stalls_hard(dut):
 async def flow_control_packets_lost_or_corrupted(dut, rate):
     """Flow-control packets dropped and corrupted at random: data keeps moving, credits heal exactly."""
     tb = TB(dut, fc_drop=rate / 2, fc_corrupt=rate / 2, rng=random.Random(14))
-    await tb.reset()
-    await tb.wait_active(limit=100000)
+    await tb.bring_up(limit=100000)
     tb.random_traffic(100, sizes=(0, 2048))
     await tb.drain(limit=600000)
     # Lost flow-control packets are healed by the next one: give it a few periods.
@@ -239,8 +227,7 @@ async def bad_data_packets_dropped_and_counted(dut):
         return kind
 
     tb = TB(dut, mutate=mutate, rng=random.Random(16))
-    await tb.reset()
-    await tb.wait_active()
+    await tb.bring_up()
     tb.random_traffic(150, sizes=(0, 1024), sides=("a",))
     await tb.drain()
     await tb.loop.run(cycles=2 * tb.params["fc_period"])
@@ -260,11 +247,44 @@ async def bad_data_packets_dropped_and_counted(dut):
 
 
 @cocotb.test()
+async def sender_breaking_the_credit_protocol(dut):
+    """A cable that delivers packets twice (the copies never covered by credit) into a stalled
+    consumer: the overflow flag rises, the excess is dropped and counted, nothing stored is
+    overwritten (whatever arrives is a packet that was sent, intact, in order), and the credits
+    heal once the flow-control packets resynchronise ABR."""
+    rng = random.Random(19)
+    stalled = [True]
+
+    def stall():
+        while True:
+            yield stalled[0]
+
+    tb = TB(dut, mutate=lambda header: WireChannel.DUPLICATE if rng.random() < 0.5 else None,
+            rng=random.Random(20))
+    tb.loop.checks.remove(tb.check_overflow)
+    for v in range(tb.num_vls):
+        tb.sinks["b", v].backpressure = stall()
+    await tb.bring_up()
+    tb.random_traffic(40, sizes=(256, 2048), sides=("a",))
+    await tb.loop.run(until=lambda: int(dut.b_overflow.value), limit=100000)
+    stalled[0] = False
+    await tb.loop.run(until=tb.all_sent, limit=200000)
+    await tb.loop.run(cycles=4 * tb.params["fc_period"])
+    assert tb.port("drop_overflow", "b") > 0
+    assert tb.channels["a", "b"].duplicated
+    for v in range(tb.num_vls):
+        index = {packet: i for i, packet in enumerate(tb.sent["a", v])}
+        positions = [index.get(packet) for packet in tb.delivered("a", v)]
+        assert None not in positions, f"vl{v}: a delivered packet was damaged"
+        assert positions == sorted(positions), f"vl{v}: packets reordered"
+    tb.check_credits()
+
+
+@cocotb.test()
 async def reset_one_end_mid_traffic(dut):
     """B is reset in the middle of traffic: the link re-initialises its credits and resumes."""
     tb = TB(dut, rng=random.Random(17))
-    await tb.reset()
-    await tb.wait_active()
+    await tb.bring_up()
     tb.random_traffic(80, sizes=(0, 2048))
     await tb.loop.run(cycles=3000)
     dut.b_reset.value = 1
@@ -293,8 +313,7 @@ async def capture_decodes(dut):
     path = os.path.join(os.getcwd(), "link_capture.pcapng")
     with LinkCapture(path) as capture:
         tb = TB(dut, capture=capture, rng=random.Random(18))
-        await tb.reset()
-        await tb.wait_active()
+        await tb.bring_up()
         tb.random_traffic(20, sizes=(0, 512), sides=("a",))
         await tb.drain()
     tb.check_delivery()
