@@ -11,6 +11,7 @@ Wireshark/tshark decode; ``--waves`` (or WAVES=1) also writes an FST waveform.
     python -m tb.link_demo --help
 """
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -52,7 +53,8 @@ async def link_demo(dut):
                                                  backpressure_random(random.Random(rng.random()), stall)))
             getattr(dut, f"{side}_vl_weight__{v}").value = 16
             sent[side, v] = []
-    capture = LinkCapture(options["pcap"])
+    captures = contextlib.ExitStack()
+    capture = captures.enter_context(LinkCapture(options["pcap"]))
     loop.add(WireMonitor(dut, "a_wire_monitor", width, capture=capture, clock_ns=CLOCK_NS))
     overflow_cycles = []
     loop.checks.append(lambda cycle: overflow_cycles.append(cycle)
@@ -84,7 +86,7 @@ async def link_demo(dut):
     print(file=sys.stderr)
     finished = loop.cycle
     await loop.run(cycles=BUILD["fc_period"] + 2 * options["wire_delay"] + 64)
-    capture.close()
+    captures.close()
 
     def port(name, side, v=None):
         return read_port(dut, name, side, v)
@@ -196,7 +198,8 @@ def main(argv=None):
         build_dir = runner.run(module="tb.link_demo", toplevel="link_pair", factory=link_pair,
                                params=BUILD, waves=waves, log_to_file=False,
                                extra_env={"LINK_DEMO_OPTIONS": json.dumps(options),
-                                          "COCOTB_LOG_LEVEL": "WARNING"})
+                                          "COCOTB_LOG_LEVEL": "WARNING",
+                                          "GPI_LOG_LEVEL": "WARNING"})
     except AssertionError as error:
         failed, build_dir = error, None
     report_path = Path(options["report"])
