@@ -31,11 +31,12 @@ def link_pair(**params):
 
 def run_link(testcase, **params):
     params = {**LINK, **params}
-    records_dir = runner.BUILD / "bench_link" / runner.param_tag(params)
-    (records_dir / "bench_records.json").unlink(missing_ok=True)
-    build_dir = runner.run(module="tb.bench_link", toplevel="link_pair", factory=link_pair,
-                           params=params, testcase=testcase, expect_tests=1)
-    return json.loads((build_dir / "bench_records.json").read_text())
+    records = OUT / "records" / f"{testcase}_{runner.param_tag(params)}.json"
+    records.parent.mkdir(parents=True, exist_ok=True)
+    records.unlink(missing_ok=True)
+    runner.run(module="tb.bench_link", toplevel="link_pair", factory=link_pair, params=params,
+               testcase=testcase, expect_tests=1, extra_env={"BENCH_RECORDS": str(records)})
+    return json.loads(records.read_text())
 
 
 def link_benchmarks():

@@ -1,8 +1,8 @@
 """Link benchmarks (cocotb): throughput, zero-load latency, and the credit loop.
 
 Run by ``make bench`` through tb/bench.py, which passes the scenario in
-``TB_PARAMS`` and collects the records each test appends to
-``bench_records.json`` in the simulation's directory. All figures are
+``TB_PARAMS`` and collects the records each test appends to the file named
+by ``BENCH_RECORDS``. All figures are
 simulated cycles; nanoseconds are cycles times the clock period.
 """
 import json
@@ -72,7 +72,7 @@ class BenchTB:
 
 
 def record(name, value, unit, config):
-    path = os.path.join(os.getcwd(), "bench_records.json")
+    path = os.environ["BENCH_RECORDS"]
     records = json.load(open(path)) if os.path.exists(path) else []
     records.append({"name": name, "value": value, "unit": unit, "config": config})
     with open(path, "w") as f:

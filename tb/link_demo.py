@@ -195,13 +195,13 @@ def main(argv=None):
     print("building the link pair (the first build takes about a minute) ...", file=sys.stderr)
     failed = None
     try:
-        build_dir = runner.run(module="tb.link_demo", toplevel="link_pair", factory=link_pair,
+        run_dir = runner.run(module="tb.link_demo", toplevel="link_pair", factory=link_pair,
                                params=BUILD, waves=waves, log_to_file=False,
                                extra_env={"LINK_DEMO_OPTIONS": json.dumps(options),
                                           "COCOTB_LOG_LEVEL": "WARNING",
                                           "GPI_LOG_LEVEL": "WARNING"})
     except AssertionError as error:
-        failed, build_dir = error, None
+        failed, run_dir = error, None
     report_path = Path(options["report"])
     if not report_path.exists():
         print(f"error: the simulation wrote no report ({failed})", file=sys.stderr)
@@ -211,8 +211,8 @@ def main(argv=None):
     (OUT / "report.md").write_text(text + "\n")
     print(text)
     print(f"\nwrote {OUT / 'report.md'}, {report_path}, {options['pcap']}")
-    if waves and build_dir:
-        print(f"waveform: {build_dir / 'dump.fst'}")
+    if waves and run_dir:
+        print(f"waveform: {run_dir / 'dump.fst'}")
     if failed:
         print(f"FAILED: {failed}", file=sys.stderr)
         return 1

@@ -1,10 +1,12 @@
 """Build an Amaranth component into Verilog and run cocotb tests on it under Verilator.
 
 Every pytest launcher in tb/ calls :func:`run`: one build directory per
-(test module, parameter set), so pytest-xdist workers never share one, and the
+(design, parameter set), built once even when pytest-xdist workers ask for it
+together, and one run directory per test filter and environment. The
 parameter dict reaches both the hardware (the component factory) and the
 testbench (the ``TB_PARAMS`` environment variable, read by :func:`tb_params`).
 """
+import fcntl
 import hashlib
 import json
 import os
@@ -40,8 +42,8 @@ def setup_verilator_env():
     os.environ["MAKEFLAGS"] = (os.environ.get("MAKEFLAGS", "") + " CFG_CXXFLAGS_PCH_I=-include").strip()
 
 
-def param_tag(params):
-    text = json.dumps(params, sort_keys=True, default=str)
+def param_tag(params, salt=""):
+    text = json.dumps([params, salt], sort_keys=True, default=str)
     readable = "_".join(f"{k}{v}" for k, v in sorted(params.items()) if isinstance(v, (int, str, bool)))
     readable = "".join(c if c.isalnum() or c in "_-" else "" for c in readable)[:60]
     return f"{readable}_{hashlib.sha1(text.encode()).hexdigest()[:8]}"
@@ -60,9 +62,11 @@ def run(*, module, toplevel, factory, params, testcase=None, expect_tests=None,
         extra_env=None, build_args=(), waves=None, log_to_file=True):
     """Elaborate ``factory(**params)``, build it with Verilator, run ``module``'s cocotb tests.
 
+    Returns the run's directory (its log, results and whatever the tests wrote there).
+
     ``expect_tests`` guards against a filter that silently matches nothing:
     the run fails unless exactly that many tests ran (all of them when None).
-    The simulation's output goes to ``test.log`` in the build directory, or to
+    The simulation's output goes to ``test.log`` in the run directory, or to
     the terminal with ``log_to_file=False``.
     """
     from cocotb_tools.check_results import get_results
@@ -71,31 +75,41 @@ def run(*, module, toplevel, factory, params, testcase=None, expect_tests=None,
     setup_verilator_env()
     waves = bool(int(os.environ.get("WAVES", "0"))) if waves is None else waves
     # Tracing needs zlib and lz4 headers (liblz4-dev, zlib1g-dev): only waveform runs build with it.
-    build_dir = BUILD / module.rsplit(".", 1)[-1] / (param_tag(params) + ("_waves" if waves else ""))
+    # One build per design and parameter set, shared by every module that tests it.
+    design = f"{factory.__module__}.{factory.__qualname__}"
+    build_dir = BUILD / toplevel / (param_tag(params, design) + ("_waves" if waves else ""))
     source = emit_verilog(factory(**params), toplevel, build_dir / f"{toplevel}.v")
 
     runner = get_runner("verilator")
-    runner.build(
-        sources=[source],
-        hdl_toplevel=toplevel,
-        build_dir=build_dir,
-        build_args=[*VERILATOR_WARNINGS, *(["--trace-fst", "--trace-structs"] if waves else []),
-                    *build_args],
-        waves=waves,
-        log_file=build_dir / "build.log",
-    )
+    # pytest-xdist workers may ask for the same build at once: one builds, the others wait
+    # and then find it up to date.
+    with open(build_dir / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        runner.build(
+            sources=[source],
+            hdl_toplevel=toplevel,
+            build_dir=build_dir,
+            build_args=[*VERILATOR_WARNINGS, *(["--trace-fst", "--trace-structs"] if waves else []),
+                        *build_args],
+            waves=waves,
+            log_file=build_dir / "build.log",
+        )
     env = {"TB_PARAMS": json.dumps(params)}
     env.update(extra_env or {})
+    # Each distinct run (test filter, environment) gets its own directory for logs and outputs.
+    run_tag = hashlib.sha1(json.dumps([testcase, env], sort_keys=True).encode()).hexdigest()[:8]
+    test_dir = build_dir / f"run_{testcase or 'all'}_{run_tag}"
+    test_dir.mkdir(exist_ok=True)
     results = runner.test(
         test_module=module,
         hdl_toplevel=toplevel,
         testcase=testcase,
         build_dir=build_dir,
-        test_dir=build_dir,
+        test_dir=test_dir,
         extra_env=env,
         waves=waves,
-        results_xml=str(build_dir / f"results_{os.getpid()}.xml"),
-        log_file=build_dir / "test.log" if log_to_file else None,
+        results_xml=str(test_dir / "results.xml"),
+        log_file=test_dir / "test.log" if log_to_file else None,
     )
     num_tests, num_failed = get_results(Path(results))
     if expect_tests is not None and num_tests != expect_tests:
@@ -103,8 +117,9 @@ def run(*, module, toplevel, factory, params, testcase=None, expect_tests=None,
     if num_tests == 0:
         raise AssertionError(f"{module}: no cocotb test ran")
     if num_failed:
-        raise AssertionError(f"{module}: {num_failed} of {num_tests} cocotb tests failed")
-    return build_dir
+        raise AssertionError(f"{module}: {num_failed} of {num_tests} cocotb tests failed "
+                             f"(log: {test_dir / 'test.log'})")
+    return test_dir
 
 
 def tb_params():

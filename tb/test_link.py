@@ -339,18 +339,18 @@ def factory(**params):
 
 @pytest.mark.parametrize("params", PARAM_SETS, ids=lambda p: f"w{p['width']}_ct{int(p['cut_through'])}")
 def test_link(params):
-    build_dir = runner.run(module="tb.test_link", toplevel="link_pair", factory=factory, params=params)
-    check_capture_with_tshark(build_dir)
+    run_dir = runner.run(module="tb.test_link", toplevel="link_pair", factory=factory, params=params)
+    check_capture_with_tshark(run_dir)
 
 
-def check_capture_with_tshark(build_dir):
+def check_capture_with_tshark(run_dir):
     import shutil
     from models.packet import parse_packet
     from models.pcap import tshark_decode
     if not shutil.which("tshark"):
         pytest.skip("tshark not installed: apt-get install tshark (CI installs it)")
-    packets = [bytes.fromhex(h) for h in json.loads((build_dir / "link_capture.json").read_text())]
-    frames = tshark_decode(build_dir / "link_capture.pcapng",
+    packets = [bytes.fromhex(h) for h in json.loads((run_dir / "link_capture.json").read_text())]
+    frames = tshark_decode(run_dir / "link_capture.pcapng",
                            ["frame.interface_id", "infiniband.lrh.dlid", "infiniband.bth.opcode",
                             "infiniband.bth.destqp", "infiniband.bth.psn"])
     data_frames = [f for f in frames if f["frame.interface_id"] == 0]
