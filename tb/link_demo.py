@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -212,7 +213,8 @@ def main(argv=None):
     print(text)
     print(f"\nwrote {OUT / 'report.md'}, {report_path}, {options['pcap']}")
     if waves and run_dir:
-        print(f"waveform: {run_dir / 'dump.fst'}")
+        shutil.copyfile(run_dir / "dump.fst", OUT / "link_demo.fst")
+        print(f"waveform: {OUT / 'link_demo.fst'}")
     if failed:
         print(f"FAILED: {failed}", file=sys.stderr)
         return 1
