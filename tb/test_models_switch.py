@@ -1,0 +1,306 @@
+"""Tests of the pure-Python switch model (models/switch.py); no simulator.
+
+Small cycle counts and fixed seeds: the whole file runs in well under a minute on one core.
+"""
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from models.switch import (
+    ForwardingTable, IslipAllocator, Network, Router, SlToVl, Traffic, blocks, check_lossless,
+    jain_index, main, make_traffic, run_switch, send_only_wire_bytes, wire_beats,
+)
+
+PAYLOAD = 2020          # 2046 wire bytes: 32 beats of 64 B, 32 credit blocks
+
+
+# ----------------------------------------------------------------------------- iSLIP
+
+def is_matching(match, requests):
+    outputs = list(match.values())
+    return len(set(outputs)) == len(outputs) and all((i, o) in requests for i, o in match.items())
+
+
+def is_maximal(match, requests):
+    used_out = set(match.values())
+    return not any(i not in match and o not in used_out for i, o in requests)
+
+
+def test_sizes():
+    assert send_only_wire_bytes(PAYLOAD) == 2046
+    assert wire_beats(2046, 64) == 32 and blocks(2046) == 32
+    assert send_only_wire_bytes(2022) == 2050          # padded to 4: one more beat
+
+
+def test_islip_pointer_rules_by_hand():
+    alloc = IslipAllocator(4, iterations=1)
+    # Inputs 0 and 1 both want outputs 0 and 1; all pointers 0.
+    # Grant: out0 -> in0, out1 -> in0 (both from pointer 0). Accept: in0 takes out0.
+    # Out1's grant is not accepted: its pointer stays; in1 is left unmatched (1 iteration).
+    assert alloc.allocate({(0, 0), (0, 1), (1, 0), (1, 1)}) == {0: 0}
+    assert alloc.grant_ptr == [1, 0, 0, 0] and alloc.accept_ptr == [1, 0, 0, 0]
+    # Next cycle: out0 (pointer 1) grants in1, out1 (pointer 0) grants in0;
+    # in0 accepts out1 (its pointer is 1), in1 accepts out0: desynchronised.
+    assert alloc.allocate({(0, 0), (0, 1), (1, 0), (1, 1)}) == {0: 1, 1: 0}
+    assert alloc.grant_ptr == [2, 1, 0, 0] and alloc.accept_ptr == [2, 1, 0, 0]
+
+    # Second-iteration matches move no pointer.
+    alloc = IslipAllocator(4, iterations=2)
+    assert alloc.allocate({(0, 0), (0, 1), (1, 0), (1, 1)}) == {0: 0, 1: 1}
+    assert alloc.grant_ptr == [1, 0, 0, 0] and alloc.accept_ptr == [1, 0, 0, 0]
+
+
+def test_islip_set_and_matrix_agree_and_match_validly():
+    rng = random.Random(1)
+    for n, iterations in ((4, 1), (8, 1), (8, 3), (16, 4)):
+        a, b = IslipAllocator(n, iterations), IslipAllocator(n, iterations)
+        for _ in range(200):
+            requests = {(i, o) for i in range(n) for o in range(n) if rng.random() < 0.3}
+            matrix = np.zeros((n, n), dtype=bool)
+            for i, o in requests:
+                matrix[i, o] = True
+            match = a.allocate(requests)
+            assert b.allocate(matrix) == match
+            assert is_matching(match, requests)
+            assert a.grant_ptr == b.grant_ptr and a.accept_ptr == b.accept_ptr
+
+
+@pytest.mark.parametrize("n", [4, 8, 16])
+def test_islip_with_n_iterations_is_maximal(n):
+    rng = random.Random(n)
+    alloc = IslipAllocator(n, iterations=n)
+    for _ in range(300):
+        density = rng.choice([0.1, 0.3, 0.6])
+        requests = {(i, o) for i in range(n) for o in range(n) if rng.random() < density}
+        match = alloc.allocate(requests)
+        assert is_matching(match, requests) and is_maximal(match, requests)
+
+
+def test_islip_one_iteration_is_nearly_maximal():
+    rng = random.Random(7)
+    alloc = IslipAllocator(8, iterations=1)
+    found = best = 0
+    for _ in range(500):
+        requests = {(i, o) for i in range(8) for o in range(8) if rng.random() < 0.3}
+        found += len(alloc.allocate(requests))
+        best += len(IslipAllocator(8, iterations=8).allocate(requests))
+    assert found >= 0.8 * best
+
+
+@pytest.mark.parametrize("n", [4, 8, 16])
+def test_islip_desynchronises_under_full_load(n):
+    """All N^2 requests every cycle: within N cycles every cycle is a full permutation
+    and the pointers are all different (McKeown's desynchronisation)."""
+    alloc = IslipAllocator(n, iterations=1)
+    everything = {(i, o) for i in range(n) for o in range(n)}
+    sizes = [len(alloc.allocate(everything)) for _ in range(3 * n)]
+    assert sizes[0] == 1
+    assert all(size == n for size in sizes[n:])
+    assert sorted(alloc.grant_ptr) == list(range(n))
+
+
+def test_islip_grants_round_robin_to_one_output():
+    alloc = IslipAllocator(8)
+    order = [alloc.allocate({(i, 3) for i in (1, 2, 5, 6)}) for _ in range(8)]
+    assert [next(iter(m)) for m in order] == [1, 2, 5, 6, 1, 2, 5, 6]
+
+
+# ----------------------------------------------------------------------------- tables, traffic
+
+def test_tables():
+    table = ForwardingTable.identity(4)
+    assert [table.lookup(lid) for lid in (0, 1, 4, 5)] == [None, 0, 3, None]
+    table.set(0x1234, 2)
+    assert table.lookup(0x1234) == 2 and table.lid_of(2) == 3
+    with pytest.raises(ValueError):
+        table.set(1 << 16, 0)
+    sl2vl = SlToVl(2)
+    assert [sl2vl.lookup(sl) for sl in range(4)] == [0, 1, 0, 1]
+    sl2vl[3] = 15
+    assert sl2vl.lookup(3) == 15
+
+
+def test_traffic_patterns():
+    incast = make_traffic("incast", 8, target=5)
+    assert [t.dests for t in incast if t.port != 5] == [(5,)] * 7
+    assert not incast[5].active
+    perm = make_traffic("permutation", 8, seed=3)
+    dests = [t.dests[0] for t in perm]
+    assert sorted(dests) == list(range(8)) and all(d != i for i, d in enumerate(dests))
+    hot = make_traffic("hotspot", 8, hotspot=2, hot_fraction=0.5, load=0.5)
+    picks = [hot[0].make()[0] for _ in range(4000)]
+    assert 0.5 < picks.count(2) / 4000 < 0.6            # 0.5 + 0.5 / 8
+    with pytest.raises(ValueError):
+        make_traffic("tornado", 8)
+
+
+def test_bernoulli_load_is_a_fraction_of_the_wire():
+    traffic = Traffic(0, [1], load=0.3, payload=(0, 4000), seed=5)
+    cycles, beats, t = 200_000, 0, traffic.first()
+    while t < cycles:
+        beats += wire_beats(send_only_wire_bytes(traffic.make()[2]), 64)
+        t += traffic.gap()
+    assert beats / cycles == pytest.approx(0.3, rel=0.05)
+
+
+# ----------------------------------------------------------------------------- router
+
+def test_parameters_are_validated():
+    with pytest.raises(ValueError, match="ports"):
+        Router(1)
+    with pytest.raises(ValueError, match="mode"):
+        Router(4, mode="crossbar")
+    with pytest.raises(ValueError, match="buffer_blocks"):
+        Router(4, buffer_blocks=32)                  # less than one 4 KiB packet
+
+
+@pytest.mark.parametrize("cut_through", [True, False])
+def test_zero_load_latency_every_pair(cut_through):
+    router = Router(4, 1, cut_through=cut_through)
+    net = Network(router, make_traffic("uniform", 4, load=0))
+    cycle = 0
+    for i, o in itertools.product(range(4), range(4)):
+        net.offer(i, cycle, o, payload=PAYLOAD)
+        cycle += 100
+    net.run(cycle + 100)
+    check_lossless(net)
+    expected = router.hop_latency + (0 if cut_through else 31)
+    assert [p.latency for p in net.delivered] == [expected] * 16
+    assert [(p.src, p.out) for p in net.delivered] == list(itertools.product(range(4), range(4)))
+
+
+def test_voq_uniform_saturation_8_ports():
+    """iSLIP (one iteration) with VOQs: > 0.95 of the wire as payload once the input
+    buffers (2048 blocks = 64 packets) have filled."""
+    stats, net = run_switch(8, "uniform", load=1.0, payload=PAYLOAD, cycles=140_000,
+                            warmup=70_000, buffer_blocks=2048, drain=False, check=False)
+    assert stats.mean_throughput > 0.95, stats.summary()
+    assert min(stats.throughput) > 0.92, stats.summary()
+    assert stats.jain > 0.99
+    check_lossless(net, drained=False)
+
+
+@pytest.mark.parametrize("ports, low, high", [(8, 0.57, 0.66), (16, 0.55, 0.63)])
+def test_fifo_head_of_line_limit(ports, low, high):
+    """One FIFO per input: uniform saturated traffic approaches 2 - sqrt(2) = 0.586."""
+    stats, _ = run_switch(ports, "uniform", load=1.0, payload=PAYLOAD, cycles=24_000,
+                          warmup=4000, mode="fifo", drain=False)
+    wire = float(np.mean(stats.wire_utilization))
+    assert low < wire < high, stats.summary()
+
+
+def test_incast_seven_to_one():
+    stats, net = run_switch(8, "incast", target=0, load=1.0, payload=PAYLOAD, cycles=20_000,
+                            warmup=2000)
+    assert stats.wire_utilization[0] >= 0.99, stats.summary()
+    assert stats.jain >= 0.99
+    shares = [stats.input_share[i] for i in range(1, 8)]
+    assert max(abs(s - 1 / 7) for s in shares) < 0.01
+    assert stats.dropped == {"unknown_dlid": 0, "invalid_vl": 0, "too_long": 0}
+    assert len(net.delivered) == len(net.packets)       # drained, nothing lost
+
+
+def _blocked_output_run(mode, blocked):
+    """4 ports: inputs 0..2 first send 3 packets each to output 3, then saturate a
+    permutation among outputs 0..2. Output 3's sink is starved until cycle 15000."""
+    router = Router(4, 1, mode=mode)
+    traffic = make_traffic("permutation", 4, permutation=[1, 2, 0, 3], payload=PAYLOAD)
+    traffic[3] = Traffic(3, [], load=0)
+    net = Network(router, traffic, starve={3: [(0, 15_000)]} if blocked else None)
+    for i in range(3):
+        for k in range(3):
+            net.offer(i, 0, 3, payload=PAYLOAD)
+    net.run(15_000)
+    stats = net.stats(1000, 15_000)
+    net.drain()
+    check_lossless(net)
+    return stats
+
+
+def test_blocked_output_does_not_slow_other_outputs_with_voqs():
+    free = _blocked_output_run("voq", blocked=False)
+    blocked = _blocked_output_run("voq", blocked=True)
+    for o in range(3):
+        assert blocked.wire_utilization[o] > 0.99
+        assert blocked.throughput[o] == pytest.approx(free.throughput[o], rel=0.01)
+    # With one FIFO per input the same blocked output stalls everyone behind it.
+    fifo = _blocked_output_run("fifo", blocked=True)
+    assert max(fifo.wire_utilization[:3]) < 0.05
+
+
+@pytest.mark.parametrize("mode", ["voq", "fifo"])
+def test_random_traffic_lossless_in_order(mode):
+    """Random sizes, two VLs, hotspot traffic, random sink stalls and a starved period:
+    every packet delivered exactly once, in order per (input, output, VL), no buffer
+    over its capacity, and everything drains."""
+    stats, net = run_switch(6, "hotspot", hotspot=2, hot_fraction=0.3, load=0.7,
+                            payload=(0, 4096), num_vls=2, sls=(0, 1, 2, 3), cycles=12_000,
+                            mode=mode, sink_stall=0.2, starve={4: [(2000, 6000)]},
+                            buffer_blocks=200, downstream_blocks=80, seed=11, iterations=2)
+    peaks = check_lossless(net)
+    assert stats.generated == len(net.delivered) > 500
+    assert peaks["input"] > 66 and peaks["downstream"] > 66     # the buffers were used
+    flows = {(p.src, p.out, p.vl) for p in net.delivered}
+    assert {vl for _, _, vl in flows} == {0, 1}
+
+
+def test_losslessness_check_catches_violations():
+    _, net = run_switch(4, "uniform", load=0.5, payload=(0, 1024), cycles=3000, seed=2)
+    flow = {}
+    for p in net.delivered:
+        flow.setdefault((p.src, p.out, p.vl), []).append(p)
+    a, b = next(ps for ps in flow.values() if len(ps) >= 2)[:2]
+    a.id, b.id = b.id, a.id                         # b generated first but left second
+    with pytest.raises(AssertionError, match="order"):
+        check_lossless(net)
+    a.id, b.id = b.id, a.id
+    check_lossless(net)
+    net.delivered.remove(a)
+    with pytest.raises(AssertionError, match="lost"):
+        check_lossless(net, drained=True)
+    net.delivered.append(a)
+    net.router.buffer_blocks = 1
+    with pytest.raises(AssertionError, match="blocks held"):
+        check_lossless(net)
+
+
+def test_bad_packets_dropped_and_counted_others_unaffected():
+    router = Router(4, 2)
+    router.sl_to_vl[5] = 15                               # SL 5 -> VL15: not a data VL
+    net = Network(router, make_traffic("uniform", 4, load=0), lids=[1, 2, 3, 99])
+    for k in range(20):
+        net.offer(0, 40 * k, k % 4, sl=0, payload=512)       # every 4th: DLID 99 unknown
+        net.offer(1, 40 * k, 2, sl=5 if k % 5 == 0 else 1, payload=512)
+        net.offer(2, 40 * k, 1, payload=5000 if k == 7 else 256)
+    net.run(2000).drain()
+    check_lossless(net)
+    assert router.drops == {"unknown_dlid": 5, "invalid_vl": 4, "too_long": 1}
+    assert len(net.delivered) == 60 - 10
+    assert all(p.out == net.router.forwarding.lookup(p.dlid) for p in net.delivered)
+
+
+def test_forwarding_table_rewritten_under_traffic():
+    router = Router(4, 1)
+    net = Network(router, make_traffic("uniform", 4, load=0.6, payload=(0, 2048), seed=4))
+    net.run(3000)
+    router.forwarding.set(1, 3)                           # LID 1: port 0 -> port 3
+    net.run(3000).drain()
+    check_lossless(net)
+    to_lid1 = [p for p in net.delivered if p.dlid == 1]
+    assert {p.out for p in to_lid1 if p.t_in < 3000} == {0}
+    assert {p.out for p in to_lid1 if p.t_in >= 3000} == {3}
+
+
+def test_jain_index():
+    assert jain_index([1, 1, 1, 1]) == 1.0
+    assert jain_index([1, 0, 0, 0]) == pytest.approx(0.25)
+    assert jain_index([]) == 1.0
+
+
+def test_cli(capsys):
+    main(["--ports", "4", "--load", "0.8", "--pattern", "uniform", "--cycles", "3000"])
+    out = capsys.readouterr().out
+    assert "throughput" in out and "p99" in out and "lossless check passed" in out
