@@ -141,7 +141,7 @@ class Traffic:
     levels, one chosen uniformly per packet.
     """
 
-    def __init__(self, port: int, dests, *, load: float = 1.0, payload=2022, sls=(0,),
+    def __init__(self, port: int, dests, *, load: float = 1.0, payload=2020, sls=(0,),
                  hot: int | None = None, hot_fraction: float = 0.0, width: int = 64,
                  seed: int = 0):
         self.port = port
@@ -196,7 +196,7 @@ class Traffic:
         return dest, sl, size
 
 
-def make_traffic(pattern: str, ports: int, *, load: float = 1.0, payload=2022, sls=(0,),
+def make_traffic(pattern: str, ports: int, *, load: float = 1.0, payload=2020, sls=(0,),
                  width: int = 64, seed: int = 0, target: int = 0, hotspot: int = 0,
                  hot_fraction: float = 0.25, permutation=None,
                  exclude_self: bool = False) -> list[Traffic]:
@@ -997,7 +997,7 @@ def check_lossless(net: Network, *, drained: bool | None = None) -> dict:
 
 # ----------------------------------------------------------------------------- driver
 
-def run_switch(ports: int = 8, pattern: str = "uniform", *, load: float = 1.0, payload=2022,
+def run_switch(ports: int = 8, pattern: str = "uniform", *, load: float = 1.0, payload=2020,
                cycles: int = 20000, warmup: int | None = None, num_vls: int = 1, sls=(0,),
                seed: int = 0, drain: bool = True, check: bool = True, credit_delay: int = 8,
                sink_stall: float = 0.0, starve=None, saturate_depth: int = 4, target: int = 0,
@@ -1037,7 +1037,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--mode", choices=("voq", "fifo"), default="voq")
     parser.add_argument("--iterations", type=int, default=1)
-    parser.add_argument("--payload", default="2022", help="bytes, or LO:HI for uniform random")
+    parser.add_argument("--payload", default="2020", help="bytes, or LO:HI for uniform random")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--vls", type=int, default=1)
     parser.add_argument("--buffer-blocks", type=int, default=528)
