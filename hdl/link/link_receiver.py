@@ -140,7 +140,6 @@ class LinkReceiver(wiring.Component):
             ]
 
         # --- credits: ABR, used blocks, FCCL ---
-        abr = Array(self.abr)
         fc_update = Signal()
         fc_vl = Signal(4)
         fc_fctbs = Signal(FCCL_BITS)
