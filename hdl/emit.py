@@ -86,6 +86,8 @@ register("tf_link_transmitter_w64", lambda: _link_transmitter(),
          "Link transmitter alone, 64-byte beats, 2 data VLs, MTU 4096")
 register("tf_link_receiver_w64", lambda: _link_receiver(),
          "Link receiver alone, 64-byte beats, 2 data VLs, MTU 4096")
+register("tf_islip_8p3i", lambda: __import__("hdl.switch.islip_allocator", fromlist=["*"])
+         .IslipAllocator(ports=8, iterations=3), "iSLIP switch allocator, 8 ports, 3 iterations")
 
 
 # --- Port meanings --------------------------------------------------------------------------
