@@ -73,9 +73,29 @@ def buffer_table(sweep):
                                       "fc_min_interval", "fc_batch_blocks")},
               "clock_mhz": 400.0, "payload_bytes": 4096, "full_rate": FULL_RATE,
               "buffers_tried": SWEEP_BUFFERS}
-    return [{"name": f"link.min_buffer_blocks.delay{row['wire_delay_cycles']}",
-             "value": row["min_buffer_blocks"], "unit": "blocks",
-             "config": {**config, "wire_delay_cycles": row["wire_delay_cycles"]}} for row in table]
+    records = [{"name": f"link.min_buffer_blocks.delay{row['wire_delay_cycles']}",
+                "value": row["min_buffer_blocks"], "unit": "blocks",
+                "config": {**config, "wire_delay_cycles": row["wire_delay_cycles"]}} for row in table]
+    return records + model_buffer_table(config)
+
+
+def model_buffer_table(config):
+    """The same question answered by models/link.py, at block resolution instead of a few builds."""
+    from models.link import credit_loop_cycles, min_buffer_for_full_rate, send_only_wire_bytes
+    packet = send_only_wire_bytes(4096)
+    model = {k: LINK[k] for k in ("num_vls", "fc_period", "fc_min_interval", "fc_batch_blocks",
+                                  "cut_through")}
+    records = []
+    for delay in SWEEP_DELAYS:
+        loop = credit_loop_cycles(delay, packet, LINK["width"], cut_through=LINK["cut_through"],
+                                  fc_min_interval=LINK["fc_min_interval"],
+                                  fc_batch_blocks=LINK["fc_batch_blocks"])
+        blocks = min_buffer_for_full_rate(delay, packet, LINK["width"], threshold=FULL_RATE, **model)
+        extra = {**config, "wire_delay_cycles": delay, "credit_loop_cycles": loop, "source": "models/link.py"}
+        extra.pop("buffers_tried")
+        records.append({"name": f"link.model.min_buffer_blocks.delay{delay}", "value": blocks,
+                        "unit": "blocks", "config": extra})
+    return records
 
 
 def plot_sweep(table):
