@@ -43,6 +43,9 @@ def link_benchmarks():
     records = []
     records += run_link("throughput", buffer_blocks=192, wire_delay=0,
                         throughput_sizes=[[64, 400], [256, 200], [1024, 80], [4096, 40]])
+    # Both ways, B's flow-control packets wait behind B's own 4 KiB packets: the credit loop
+    # grows by a packet time, so this runs on the sweep's 5-packet build (at wire delay 0).
+    records += run_link("throughput_both_ways", buffer_blocks=328, wire_delay=max(SWEEP_DELAYS))
     records += run_link("latency", buffer_blocks=192, wire_delay=0)
     sweep = []
     for blocks in SWEEP_BUFFERS:

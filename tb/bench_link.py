@@ -94,6 +94,23 @@ async def throughput(dut):
 
 
 @cocotb.test()
+async def throughput_both_ways(dut):
+    """4 KiB packets saturating both directions: A->B shares its wire with B's flow-control
+    packets for the B->A traffic."""
+    tb = BenchTB(dut)
+    reverse_source = tb.loop.add(PacketSource(dut, "b_data_in__0", tb.width))
+    reverse_sink = tb.loop.add(PacketSink(dut, "a_data_out__0", tb.width))
+    await tb.start(wire_delay=0)
+    packets = 40
+    for _ in range(packets):
+        reverse_source.send(tb.packet(4096))
+    value = await tb.saturate(4096, packets, warmup=8)
+    assert len(reverse_sink.packets) > packets // 2, "the reverse direction must be loaded too"
+    record("link.throughput.4096B.both_ways", round(value, 4), "fraction of wire", tb.config(
+        packet="SEND_ONLY", payload_bytes=4096, wire_delay_cycles=0, ceiling=round(4096 / (65 * 64), 4)))
+
+
+@cocotb.test()
 async def latency(dut):
     """Zero load: start beat into A's transmitter to start beat out of B's receiver, wire delay 0."""
     tb = BenchTB(dut)
