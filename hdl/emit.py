@@ -88,6 +88,12 @@ register("tf_link_receiver_w64", lambda: _link_receiver(),
          "Link receiver alone, 64-byte beats, 2 data VLs, MTU 4096")
 register("tf_islip_8p3i", lambda: __import__("hdl.switch.islip_allocator", fromlist=["*"])
          .IslipAllocator(ports=8, iterations=3), "iSLIP switch allocator, 8 ports, 3 iterations")
+register("tf_switch_registers_8p", lambda: __import__("hdl.switch.switch_registers", fromlist=["*"])
+         .SwitchRegisters(ports=8, num_vls=2, lids=1024, addr_width=16),
+         "Switch control/status registers, AXI4-Lite slave, 8 ports, 2 data VLs, 1024-entry "
+         "forwarding table (map: docs/switch-registers.md)",
+         index_labels={"counters": ("port", "VL"), "vl_weight": ("port", "VL"),
+                       "port_enable": ("port",), "sl_to_vl": ("SL",)})
 
 
 # --- Port meanings --------------------------------------------------------------------------
