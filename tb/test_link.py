@@ -371,18 +371,25 @@ def factory(**params):
     return LinkPair(**params)
 
 
-@pytest.mark.parametrize("params", PARAM_SETS, ids=lambda p: f"w{p['width']}_ct{int(p['cut_through'])}")
+def param_id(params):
+    return f"w{params['width']}_ct{int(params['cut_through'])}"
+
+
+@pytest.mark.parametrize("params", PARAM_SETS, ids=param_id)
 def test_link(params):
-    run_dir = runner.run(module="tb.test_link", toplevel="link_pair", factory=factory, params=params)
-    check_capture_with_tshark(run_dir)
+    runner.run(module="tb.test_link", toplevel="link_pair", factory=factory, params=params)
 
 
-def check_capture_with_tshark(run_dir):
+@pytest.mark.parametrize("params", PARAM_SETS, ids=param_id)
+def test_link_capture_decodes_in_tshark(params):
+    """The RTL's wire, captured by ``capture_decodes``, read back by tshark."""
     import shutil
     from models.packet import parse_packet
     from models.pcap import tshark_decode
     if not shutil.which("tshark"):
         pytest.skip("tshark not installed: apt-get install tshark (CI installs it)")
+    run_dir = runner.run(module="tb.test_link", toplevel="link_pair", factory=factory, params=params,
+                         testcase="capture_decodes", expect_tests=1)
     packets = [bytes.fromhex(h) for h in json.loads((run_dir / "link_capture.json").read_text())]
     frames = tshark_decode(run_dir / "link_capture.pcapng",
                            ["frame.interface_id", "infiniband.lrh.dlid", "infiniband.bth.opcode",
