@@ -14,7 +14,7 @@ from cocotb.triggers import RisingEdge
 from hdl.link.signatures import BeatLayout
 
 __all__ = ["BeatCodec", "packet_beats", "CycleLoop", "PacketSource", "PacketSink",
-           "WireMonitor", "idle_never", "idle_random", "backpressure_never",
+           "WireMonitor", "WireChannel", "idle_never", "idle_random", "backpressure_never",
            "backpressure_random"]
 
 
