@@ -7,10 +7,11 @@ from ..crc.beat_crc import BeatCRC
 from .packet_buffer import PacketBuffer
 from .signatures import (
     BLOCK_BYTES, FCCL_BITS, VCRC_BYTES, BeatLayout, FlowControlOp, FlowControlSignature,
-    LinkState, WireSignature, blocks_of, check_mtu, check_width, lrh_wire_bytes, max_wire_bytes,
+    LinkState, RouteSignature, StoreSignature, StoredBeatLayout, WireSignature, blocks_of, check_mtu, check_width,
+    lrh_wire_bytes, max_wire_bytes,
 )
 
-__all__ = ["LinkReceiver", "DROP_REASONS"]
+__all__ = ["LinkReceiver", "DROP_REASONS", "ROUTED_DROP_REASONS", "DropEventSignature"]
 
 # Why a data packet was dropped (or, cut through already, marked end-bad), in counter order.
 DROP_REASONS = (
@@ -24,6 +25,21 @@ DROP_REASONS = (
     "link_down",    # arrived while the link was not ACTIVE
     "overflow",     # no buffer room: the sender broke the credit protocol
 )
+# A routed receiver (a switch input) also drops packets whose DLID the forwarding table misses.
+ROUTED_DROP_REASONS = DROP_REASONS + ("unknown_dlid",)
+
+
+class DropEventSignature(wiring.Signature):
+    """Data packets dropped (or marked end-bad) in one cycle: ``reasons`` has bit k set for
+    each drop of reason ``reasons[k]`` (:data:`DROP_REASONS`, or :data:`ROUTED_DROP_REASONS`
+    for a routed receiver) (a truncated packet and the
+    stray beat that cut it short are two drops in one cycle), and ``vl`` is the VL the
+    packet's LRH named (0 when that is not a data VL)."""
+    def __init__(self, num_vls, reasons=ROUTED_DROP_REASONS):
+        super().__init__({
+            "reasons": Out(len(reasons)),
+            "vl": Out(range(num_vls)),
+        })
 
 # Smallest IBA transport packet: LRH + BTH + ICRC + VCRC.
 MIN_WIRE_BYTES = 8 + 12 + 4 + VCRC_BYTES
@@ -46,14 +62,26 @@ class LinkReceiver(wiring.Component):
     never rises while the peer follows the protocol; if it does, the excess is
     dropped, never written over stored data.
 
+    With ``store="external"`` the receiver has no buffers of its own: it writes
+    packets and verdicts into a store outside it through ``store``
+    (:class:`StoreSignature`, e.g. a switch's shared VOQ buffer), which reports the
+    room and the freed credits back. With ``routed`` it asks a forwarding table about
+    every start beat through ``route`` (:class:`RouteSignature`) and drops packets the
+    table does not know (``unknown_dlid``) or whose SL maps to no VL (``invalid_vl``).
+    Every drop is also reported on ``drop_event`` with the packet's VL, for per-VL
+    counters.
+
     Flow-control packets with a bad LPCRC, a VL we do not have or a length
     other than 6 are dropped and counted. Good ones are reported on
     ``flow_control`` when the link state accepts them: NORMAL ones are stale
     in INIT (they describe the peer's view from before our reset).
     """
 
-    def __init__(self, *, width=64, num_vls=2, mtu=4096, buffer_blocks=None, cut_through=True):
+    def __init__(self, *, width=64, num_vls=2, mtu=4096, buffer_blocks=None, cut_through=True,
+                 store="internal", routed=False):
         check_width(width)
+        if store not in ("internal", "external"):
+            raise ValueError(f"Store must be 'internal' or 'external', not {store!r}")
         check_mtu(mtu)
         if not 1 <= num_vls <= 15:
             raise ValueError(f"Data VLs must be 1 to 15, not {num_vls!r}")
@@ -72,9 +100,19 @@ class LinkReceiver(wiring.Component):
         # datapath; on a narrow one a block is several beats. One more beat closes a
         # packet cut short by an overflow.
         self.buffer_beats = buffer_blocks * max(1, BLOCK_BYTES // width) + 1
+        self.store_kind = store
+        self.routed = bool(routed)
+        self.drop_reasons = ROUTED_DROP_REASONS if routed else DROP_REASONS
+        members = {"wire": In(WireSignature(width))}
+        if store == "internal":
+            members["data_out"] = Out(stream.Signature(BeatLayout(width))).array(num_vls)
+        else:
+            members["store"] = Out(StoreSignature(width, num_vls, range(self.buffer_beats + 1)))
+        if routed:
+            members["route"] = Out(RouteSignature())
         super().__init__({
-            "wire": In(WireSignature(width)),
-            "data_out": Out(stream.Signature(BeatLayout(width))).array(num_vls),
+            **members,
+            "drop_event": Out(DropEventSignature(num_vls, self.drop_reasons)),
             "state": In(LinkState),
             "clear": In(1),
             "flow_control": Out(FlowControlSignature()),
@@ -83,7 +121,7 @@ class LinkReceiver(wiring.Component):
             "used_blocks": Out(range(buffer_blocks + 1)).array(num_vls),
             "overflow": Out(1),
             "packets_received": Out(32).array(num_vls),
-            "drops": Out(wiring.Signature({reason: Out(32) for reason in DROP_REASONS})),
+            "drops": Out(wiring.Signature({reason: Out(32) for reason in self.drop_reasons})),
             "discarded": Out(32),
             "forwarded_bad": Out(32),
             "fc_received": Out(32),
@@ -117,36 +155,60 @@ class LinkReceiver(wiring.Component):
             vcrc.count.eq(beat_bytes),
         ]
 
-        buffers = []
-        for v in range(num_vls):
-            buffer = PacketBuffer(width=width, depth=self.buffer_beats, cut_through=self.cut_through)
-            m.submodules[f"buffer{v}"] = buffer
-            wiring.connect(m, buffer.data_out, wiring.flipped(self.data_out[v]))
-            buffers.append(buffer)
         write_vl = Signal(range(num_vls))
-        write = Signal(buffers[0].write.payload.shape())
+        write = Signal(StoredBeatLayout(width))
         write_en = Signal()
         verdict_bad = Signal()
         verdict_en = Signal()
         verdict_blocks = Signal(FCCL_BITS)
-        for v, buffer in enumerate(buffers):
-            selected = write_vl == v
+        # Per VL: room for beats, and a packet's credit blocks coming free.
+        rooms, freed_valid, freed_blocks = [], [], []
+        discarded, forwarded_bad = Signal(), Signal()
+        if self.store_kind == "internal":
+            for v in range(num_vls):
+                buffer = PacketBuffer(width=width, depth=self.buffer_beats, cut_through=self.cut_through)
+                m.submodules[f"buffer{v}"] = buffer
+                wiring.connect(m, buffer.data_out, wiring.flipped(self.data_out[v]))
+                selected = write_vl == v
+                m.d.comb += [
+                    buffer.write.payload.eq(write),
+                    buffer.write.valid.eq(write_en & selected),
+                    buffer.verdict.payload.bad.eq(verdict_bad),
+                    buffer.verdict.payload.blocks.eq(verdict_blocks),
+                    buffer.verdict.valid.eq(verdict_en & selected),
+                ]
+                rooms.append(buffer.room)
+                freed_valid.append(buffer.freed.valid)
+                freed_blocks.append(buffer.freed.payload)
             m.d.comb += [
-                buffer.write.payload.eq(write),
-                buffer.write.valid.eq(write_en & selected),
-                buffer.verdict.payload.bad.eq(verdict_bad),
-                buffer.verdict.payload.blocks.eq(verdict_blocks),
-                buffer.verdict.valid.eq(verdict_en & selected),
+                discarded.eq(Cat(m.submodules[f"buffer{v}"].discarded for v in range(num_vls)).any()),
+                forwarded_bad.eq(Cat(m.submodules[f"buffer{v}"].forwarded_bad
+                                     for v in range(num_vls)).any()),
             ]
+        else:
+            store = self.store
+            m.d.comb += [
+                store.write_valid.eq(write_en), store.write_vl.eq(write_vl), store.write.eq(write),
+                store.verdict_valid.eq(verdict_en), store.verdict_vl.eq(write_vl),
+                store.verdict_bad.eq(verdict_bad), store.verdict_blocks.eq(verdict_blocks),
+                discarded.eq(store.discarded), forwarded_bad.eq(store.forwarded_bad),
+            ]
+            rooms = list(store.room)
+            freed_valid = list(store.freed_valid)
+            freed_blocks = list(store.freed_blocks)
+        with m.If(discarded):
+            m.d.sync += self.discarded.eq(self.discarded + 1)
+        with m.If(forwarded_bad):
+            m.d.sync += self.forwarded_bad.eq(self.forwarded_bad + 1)
 
         # --- credits: ABR, used blocks, FCCL ---
         fc_update = Signal()
         fc_vl = Signal(4)
         fc_fctbs = Signal(FCCL_BITS)
-        for v, buffer in enumerate(buffers):
+        for v in range(num_vls):
             used = self.used_blocks[v]
             gained = Mux(verdict_en & (write_vl == v), verdict_blocks, 0)
-            lost = Mux(buffer.freed.valid, buffer.freed.payload, 0)
+            lost = Mux(freed_valid[v], freed_blocks[v], 0)
             m.d.sync += used.eq(used + gained - lost)
             with m.If(fc_update & (fc_vl == v)):
                 m.d.sync += self.abr[v].eq(fc_fctbs)
@@ -155,10 +217,6 @@ class LinkReceiver(wiring.Component):
             m.d.comb += self.fccl[v].eq(self.abr[v] + self.buffer_blocks - used)
             with m.If(self.clear):
                 m.d.sync += self.abr[v].eq(0)
-            with m.If(buffer.discarded):
-                m.d.sync += self.discarded.eq(self.discarded + 1)
-            with m.If(buffer.forwarded_bad):
-                m.d.sync += self.forwarded_bad.eq(self.forwarded_bad + 1)
 
         # --- data packet state ---
         in_packet = Signal()        # between a start and its end on the wire
@@ -171,11 +229,16 @@ class LinkReceiver(wiring.Component):
         current_vl = Signal(range(num_vls))
 
         drops = self.drops
+        # The VL a drop is reported on: the packet's own, or 0 when it named none of ours.
+        drop_vl = Signal(range(num_vls))
+        drop_reasons = Signal(len(self.drop_reasons))
+        m.d.sync += [self.drop_event.reasons.eq(drop_reasons), self.drop_event.vl.eq(drop_vl)]
         def count_drop(reason):
             counter = getattr(drops, reason)
             m.d.sync += counter.eq(counter + 1)
+            m.d.comb += drop_reasons[self.drop_reasons.index(reason)].eq(1)
 
-        room = Array(buffer.room for buffer in buffers)
+        room = Array(rooms)
 
         # Start-beat checks.
         start_vl = w.data[4:8]
@@ -187,6 +250,11 @@ class LinkReceiver(wiring.Component):
             "invalid_vl": start_vl >= num_vls,
             "too_long": start_len > max_bytes,
         }
+        if self.routed:
+            # The forwarding-table lookup of this start beat went out a cycle ago.
+            m.d.comb += self.route.lid.eq(Cat(self.wire.data[24:32], self.wire.data[16:24]))
+            reject_reason["invalid_vl"] = reject_reason["invalid_vl"] | self.route.no_vl
+            reject_reason["unknown_dlid"] = self.route.unknown
 
         # Per beat: how much of it is data (LRH..ICRC) and whether it holds the last data byte.
         received_before = Mux(w.start, 0, received)
@@ -201,6 +269,8 @@ class LinkReceiver(wiring.Component):
 
         terminate = Signal()    # the packet in progress ended without its end beat
         m.d.comb += terminate.eq(w_valid & in_packet & storing & (w.start | w_link))
+        m.d.comb += drop_vl.eq(Mux(terminate, current_vl,
+                                   Mux(w.start & (start_vl >= num_vls), 0, vl_now)))
 
         with m.If(terminate):
             # Truncated: the next packet (or flow-control packet) began first. Close the

@@ -14,7 +14,8 @@ from amaranth.lib import data, enum, wiring
 from amaranth.lib.wiring import Out
 
 __all__ = [
-    "BeatLayout", "WireSignature", "FlowControlSignature", "LinkState", "FlowControlOp", "check_width", "check_mtu",
+    "BeatLayout", "WireSignature", "FlowControlSignature", "StoreSignature", "RouteSignature",
+    "StoredBeatLayout", "LinkState", "FlowControlOp", "check_width", "check_mtu",
     "max_wire_bytes", "blocks_of", "lrh_wire_bytes",
     "FCCL_BITS", "BLOCK_BYTES", "VCRC_BYTES", "ICRC_BYTES", "MAX_HEADER_BYTES",
 ]
@@ -119,4 +120,61 @@ class FlowControlSignature(wiring.Signature):
             "vl": Out(4),
             "fctbs": Out(FCCL_BITS),
             "fccl": Out(FCCL_BITS),
+        })
+
+
+class StoredBeatLayout(data.StructLayout):
+    """A beat as a receive buffer stores it: :class:`BeatLayout` without ``end_bad`` (a
+    stored packet's verdict comes separately)."""
+    def __init__(self, width):
+        check_width(width)
+        super().__init__({"data": 8 * width, "start": 1, "end": 1, "count": range(width + 1)})
+
+
+class StoreSignature(wiring.Signature):
+    """A link receiver's packet store, seen from the receiver (which writes it).
+
+    Per cycle at most one beat (``write_*``, no backpressure: the credit protocol and
+    ``room`` guarantee space) and at most one verdict (``verdict_*``: the packet in
+    progress is complete, bad or good, and held ``verdict_blocks`` credit blocks). Every
+    stored packet ends with a beat marked ``end``; its verdict may come with that beat
+    or later, always before the next packet's start beat.
+
+    The store answers with ``room[vl]`` (beats it can still take on that VL),
+    ``freed_valid[vl]``/``freed_blocks[vl]`` (a packet of that VL left the store: its
+    credit blocks are free again), and two strobes the receiver counts: ``discarded``
+    (a packet known bad was dropped without being forwarded) and ``forwarded_bad`` (a
+    packet that had started out cut-through turned out bad and left marked end-bad).
+    """
+    def __init__(self, width, num_vls, room_shape):
+        super().__init__({
+            "write_valid": Out(1),
+            "write_vl": Out(range(num_vls)),
+            "write": Out(StoredBeatLayout(width)),
+            "verdict_valid": Out(1),
+            "verdict_vl": Out(range(num_vls)),
+            "verdict_bad": Out(1),
+            "verdict_blocks": Out(FCCL_BITS),
+            "room": In(room_shape).array(num_vls),
+            "freed_valid": In(1).array(num_vls),
+            "freed_blocks": In(FCCL_BITS).array(num_vls),
+            "discarded": In(1),
+            "forwarded_bad": In(1),
+        })
+
+
+class RouteSignature(wiring.Signature):
+    """A routed receiver's question to the switch, seen from the receiver.
+
+    ``lid`` (the DLID of the start beat on the receiver's wire input, one cycle before
+    the receiver's checks see that beat) goes to a synchronous forwarding-table lookup;
+    in the next cycle the switch answers for that start beat: ``unknown`` (the DLID has
+    no valid entry) and ``no_vl`` (the packet's SL maps to no data VL). Either one
+    drops the packet at its start.
+    """
+    def __init__(self):
+        super().__init__({
+            "lid": Out(16),
+            "unknown": In(1),
+            "no_vl": In(1),
         })
