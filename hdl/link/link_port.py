@@ -36,20 +36,26 @@ class LinkPort(wiring.Component):
     """
 
     def __init__(self, *, width=64, num_vls=2, mtu=4096, buffer_blocks=None, cut_through=True,
-                 fc_period=1024, fc_min_interval=64, fc_batch_blocks=64):
+                 fc_period=1024, fc_min_interval=64, fc_batch_blocks=64, store="internal",
+                 routed=False):
         self.transmitter = LinkTransmitter(width=width, num_vls=num_vls, mtu=mtu,
                                            fc_period=fc_period, fc_min_interval=fc_min_interval,
                                            fc_batch_blocks=fc_batch_blocks)
         self.receiver = LinkReceiver(width=width, num_vls=num_vls, mtu=mtu,
-                                     buffer_blocks=buffer_blocks, cut_through=cut_through)
+                                     buffer_blocks=buffer_blocks, cut_through=cut_through,
+                                     store=store, routed=routed)
         self.width = width
         self.num_vls = num_vls
         self.buffer_blocks = self.receiver.buffer_blocks
         # An answer to our INIT comes within a round trip and one flow-control period.
         self.armed_timeout = 4 * fc_period
+        # With an external store (a switch port) the receiver's store, route and drop
+        # events are used directly as ``port.receiver.store`` etc.; there is no data_out.
+        outputs = ({"data_out": Out(stream.Signature(BeatLayout(width))).array(num_vls)}
+                   if store == "internal" else {})
         super().__init__({
             "data_in": In(stream.Signature(BeatLayout(width))).array(num_vls),
-            "data_out": Out(stream.Signature(BeatLayout(width))).array(num_vls),
+            **outputs,
             "wire_out": Out(WireSignature(width)),
             "wire_in": In(WireSignature(width)),
             "vl_weight": In(8).array(num_vls),
@@ -65,7 +71,8 @@ class LinkPort(wiring.Component):
 
         for v in range(num_vls):
             wiring.connect(m, wiring.flipped(self.data_in[v]), tx.data_in[v])
-            wiring.connect(m, rx.data_out[v], wiring.flipped(self.data_out[v]))
+            if rx.store_kind == "internal":
+                wiring.connect(m, rx.data_out[v], wiring.flipped(self.data_out[v]))
             m.d.comb += [
                 tx.vl_weight[v].eq(self.vl_weight[v]),
                 tx.advertise_fccl[v].eq(rx.fccl[v]),

@@ -252,7 +252,10 @@ class LinkReceiver(wiring.Component):
         }
         if self.routed:
             # The forwarding-table lookup of this start beat went out a cycle ago.
-            m.d.comb += self.route.lid.eq(Cat(self.wire.data[24:32], self.wire.data[16:24]))
+            m.d.comb += [
+                self.route.lid.eq(Cat(self.wire.data[24:32], self.wire.data[16:24])),
+                self.route.sl.eq(self.wire.data[12:16]),
+            ]
             reject_reason["invalid_vl"] = reject_reason["invalid_vl"] | self.route.no_vl
             reject_reason["unknown_dlid"] = self.route.unknown
 

@@ -11,7 +11,7 @@ receiver checks and strips it.
 """
 from amaranth import Cat
 from amaranth.lib import data, enum, wiring
-from amaranth.lib.wiring import Out
+from amaranth.lib.wiring import In, Out
 
 __all__ = [
     "BeatLayout", "WireSignature", "FlowControlSignature", "StoreSignature", "RouteSignature",
@@ -166,8 +166,9 @@ class StoreSignature(wiring.Signature):
 class RouteSignature(wiring.Signature):
     """A routed receiver's question to the switch, seen from the receiver.
 
-    ``lid`` (the DLID of the start beat on the receiver's wire input, one cycle before
-    the receiver's checks see that beat) goes to a synchronous forwarding-table lookup;
+    ``lid`` and ``sl`` (the DLID and SL of the start beat on the receiver's wire input,
+    one cycle before the receiver's checks see that beat) go to a synchronous
+    forwarding-table lookup and SL-to-VL mapping;
     in the next cycle the switch answers for that start beat: ``unknown`` (the DLID has
     no valid entry) and ``no_vl`` (the packet's SL maps to no data VL). Either one
     drops the packet at its start.
@@ -175,6 +176,7 @@ class RouteSignature(wiring.Signature):
     def __init__(self):
         super().__init__({
             "lid": Out(16),
+            "sl": Out(4),
             "unknown": In(1),
             "no_vl": In(1),
         })

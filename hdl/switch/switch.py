@@ -1,0 +1,286 @@
+from amaranth import *
+from amaranth.lib import wiring
+from amaranth.lib.wiring import In, Out
+
+from hdl.link.link_port import LinkPort
+from hdl.link.link_receiver import ROUTED_DROP_REASONS
+from hdl.link.signatures import FCCL_BITS, LinkState, WireSignature, check_mtu, check_width, lrh_wire_bytes
+from hdl.switch.forwarding_table import ForwardingTable
+from hdl.switch.islip_allocator import IslipAllocator
+from hdl.switch.register_map import check_config
+from hdl.switch.switch_registers import AxiLiteSignature, SwitchRegisters
+from hdl.switch.voq_buffer import QUEUE_MODES, VoqBuffer
+
+__all__ = ["Switch", "HOP_LATENCY_CYCLES"]
+
+# Start beat on an input wire to start beat on an output wire, zero load (docs/switch.md).
+HOP_LATENCY_CYCLES = 5
+
+
+def _or_all(values):
+    result = values[0]
+    for value in values[1:]:
+        result = result | value
+    return result
+
+
+class Switch(wiring.Component):
+    """Cut-through InfiniBand-style switch with credit-based lossless ports.
+
+    Per port, a :class:`~hdl.link.link_port.LinkPort` (IBA flow-control packets, link
+    initialisation, VCRC checked on the way in and recomputed on the way out) whose
+    receiver writes into that input's :class:`~hdl.switch.voq_buffer.VoqBuffer`. On a start
+    beat the forwarding table (DLID -> output port, block RAM, one lookup port per input)
+    and the SL-to-VL table pick the output and its VL; DLIDs without an entry are dropped
+    (``unknown_dlid``), SLs mapped to VL 15 or to no data VL are dropped (``invalid_vl``).
+
+    Allocation, every cycle: a queue head is *eligible* when its input and output are free
+    (or freeing in this cycle), both ports are enabled, and the output's credit limit on
+    the packet's VL covers the whole packet. Each output picks one VL by weighted round
+    robin (``vl_weight`` 64-byte blocks per turn, as the link transmitter counts them) among
+    the VLs with eligible packets; iSLIP (``islip_iterations``) then matches inputs to
+    outputs on those requests. A matched input streams the packet through the crossbar
+    into the output's transmitter, which starts it on the wire at once: the packet can
+    leave before its tail has arrived (cut-through), and if it then fails its checks it
+    leaves marked end-bad. Cycles in which a packet waits only for credit are counted as
+    credit stalls.
+
+    ``mode="fifo"`` keeps one queue per input and VL instead of one per output and VL, to
+    show head-of-line blocking.
+
+    Zero-load hop latency: :data:`HOP_LATENCY_CYCLES` cycles from the start beat on an
+    input's ``wire_in`` to the start beat on an output's ``wire_out``.
+    """
+
+    def __init__(self, *, ports=8, num_vls=2, width=64, mtu=4096, buffer_blocks=None, lids=1024,
+                 mode="voq", islip_iterations=1, fc_period=1024, fc_min_interval=64,
+                 fc_batch_blocks=64, addr_width=16):
+        check_config(ports, num_vls, lids)
+        check_width(width)
+        check_mtu(mtu)
+        if mode not in QUEUE_MODES:
+            raise ValueError(f"Switch mode must be one of {QUEUE_MODES}, not {mode!r}")
+        if not isinstance(islip_iterations, int) or not 1 <= islip_iterations <= 4:
+            raise ValueError(f"iSLIP iterations must be 1 to 4, not {islip_iterations!r}")
+        self.ports = ports
+        self.num_vls = num_vls
+        self.width = width
+        self.mtu = mtu
+        self.lids = lids
+        self.mode = mode
+        self.islip_iterations = islip_iterations
+        self.link_ports = [
+            LinkPort(width=width, num_vls=num_vls, mtu=mtu, buffer_blocks=buffer_blocks,
+                     cut_through=True, fc_period=fc_period, fc_min_interval=fc_min_interval,
+                     fc_batch_blocks=fc_batch_blocks, store="external", routed=True)
+            for _ in range(ports)
+        ]
+        self.buffer_blocks = self.link_ports[0].buffer_blocks
+        self.buffers = [
+            VoqBuffer(width=width, num_vls=num_vls, ports=ports,
+                      share=self.link_ports[0].receiver.buffer_beats, mode=mode)
+            for _ in range(ports)
+        ]
+        self.registers = SwitchRegisters(ports, num_vls, lids=lids, addr_width=addr_width)
+        super().__init__({
+            "wire_in": In(WireSignature(width)).array(ports),
+            "wire_out": Out(WireSignature(width)).array(ports),
+            "axi": In(AxiLiteSignature(addr_width)),
+            "link_state": Out(LinkState).array(ports),
+            "overflow": Out(1).array(ports),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        P, V = self.ports, self.num_vls
+        regs = m.submodules.registers = self.registers
+        wiring.connect(m, wiring.flipped(self.axi), regs.axi)
+        table = m.submodules.forwarding_table = ForwardingTable(P, self.lids)
+        m.d.comb += [
+            table.write_en.eq(regs.ft_write_en),
+            table.write_lid.eq(regs.ft_write_lid),
+            table.write_port.eq(regs.ft_write_port),
+            table.write_valid.eq(regs.ft_write_valid),
+        ]
+
+        rxs, txs = [], []
+        sl_to_vl = Array(regs.sl_to_vl)
+        for p, (port, buffer) in enumerate(zip(self.link_ports, self.buffers)):
+            m.submodules[f"port{p}"] = port
+            m.submodules[f"buffer{p}"] = buffer
+            rx, tx = port.receiver, port.transmitter
+            rxs.append(rx)
+            txs.append(tx)
+            wiring.connect(m, wiring.flipped(self.wire_in[p]), port.wire_in)
+            wiring.connect(m, port.wire_out, wiring.flipped(self.wire_out[p]))
+            wiring.connect(m, rx.store, buffer.store)
+            for v in range(V):
+                m.d.comb += port.vl_weight[v].eq(regs.vl_weight[p][v])
+            # Route the start beat: table lookup and SL-to-VL, both one cycle after the
+            # beat was on the wire, when the receiver checks it.
+            sl = Signal(4, name=f"port{p}_sl")
+            m.d.sync += sl.eq(rx.route.sl)
+            out_vl = Signal(4, name=f"port{p}_out_vl")
+            m.d.comb += [
+                table.lookup[p].lid.eq(rx.route.lid),
+                out_vl.eq(sl_to_vl[sl]),
+                rx.route.unknown.eq(~table.lookup[p].hit),
+                rx.route.no_vl.eq(out_vl >= V),
+                buffer.route_port.eq(table.lookup[p].port),
+                buffer.route_vl.eq(out_vl),
+                self.link_state[p].eq(port.state),
+                self.overflow[p].eq(rx.overflow | buffer.no_cell),
+            ]
+
+        # --- allocation ------------------------------------------------------------------
+        enabled = Cat(regs.port_enable)
+        in_free = Signal(P)
+        out_busy = Signal(P)        # held by a packet that is not finishing in this cycle
+        for i, buffer in enumerate(self.buffers):
+            m.d.comb += in_free[i].eq((~buffer.active | buffer.finishing) & enabled[i])
+        for o in range(P):
+            m.d.comb += out_busy[o].eq(Cat(
+                buffer.sending & (buffer.out_port == o) & ~buffer.finishing
+                for buffer in self.buffers).any())
+
+        # Downstream space per output and VL, and whether a head packet fits in it.
+        space = [[Signal(FCCL_BITS, name=f"space{o}_{v}") for v in range(V)] for o in range(P)]
+        for o, tx in enumerate(txs):
+            for v in range(V):
+                m.d.comb += space[o][v].eq(tx.credit_limit[v] - tx.fctbs[v])
+
+        def fits(o_value, v_value, blocks):
+            # IBA: send only if (FCCL - (FCTBS + blocks)) mod 4096 <= 2048.
+            room = Array(Array(row) for row in space)[o_value][v_value]
+            return ((room - blocks) & 0xFFF) <= 2048
+
+        # eligible[i][o][v]; waiting[o][v]: some head packet waits only for credit there.
+        vl_pick = [Signal(range(V), name=f"vl_pick{o}") for o in range(P)]
+        eligible = [[Signal(V, name=f"eligible{i}_{o}") for o in range(P)] for i in range(P)]
+        waiting = [Signal(V, name=f"credit_wait{o}") for o in range(P)]
+        # Blocks of the packet input i would send to output o on the VL o picks.
+        head_blocks = [[Signal(FCCL_BITS, name=f"head_blocks{i}_{o}") for o in range(P)]
+                       for i in range(P)]
+        wait_terms = {(o, v): [] for o in range(P) for v in range(V)}
+        for i, buffer in enumerate(self.buffers):
+            ready_terms = {(o, v): [] for o in range(P) for v in range(V)}
+            block_terms = {o: [] for o in range(P)}
+            for q in range(buffer.num_queues):
+                head = buffer.heads[q]
+                ok = Signal(name=f"fits{i}_{q}")
+                m.d.comb += ok.eq(fits(head.port, head.vl, head.blocks))
+                # VOQ: queue q holds one (o, v); FIFO: queue q holds VL q, any output.
+                pairs = ([divmod(q, V)] if self.mode == "voq"
+                         else [(o, q) for o in range(P)])
+                for o, v in pairs:
+                    here = Signal(name=f"head{i}_{q}_for{o}")
+                    m.d.comb += here.eq(head.valid & (head.port == o) & (head.vl == v))
+                    ready_terms[o, v].append(here & ok)
+                    wait_terms[o, v].append(here & ~ok)
+                    block_terms[o].append(Mux(here & (vl_pick[o] == v), head.blocks, 0))
+            for o in range(P):
+                m.d.comb += [
+                    eligible[i][o].eq(
+                        Cat(Cat(*ready_terms[o, v]).any() for v in range(V))
+                        & (in_free[i] & ~out_busy[o] & enabled[o]).replicate(V)),
+                    # At most one queue heads with a packet for (o, v): OR is a mux.
+                    head_blocks[i][o].eq(
+                        block_terms[o][0] if len(block_terms[o]) == 1
+                        else _or_all(block_terms[o])),
+                ]
+        for o in range(P):
+            m.d.comb += waiting[o].eq(Cat(Cat(*wait_terms[o, v]).any() for v in range(V)))
+
+        # Each output picks a VL among its eligible ones, weighted round robin.
+        vl_any = [Signal(V, name=f"vl_any{o}") for o in range(P)]
+        vl_pointer = [Signal(range(V), name=f"vl_pointer{o}") for o in range(P)]
+        vl_budget = [Signal(16, name=f"vl_budget{o}") for o in range(P)]
+        vl_stay = Signal(P)
+        for o in range(P):
+            m.d.comb += vl_any[o].eq(_or_all([eligible[i][o] for i in range(P)]))
+            m.d.comb += vl_stay[o].eq(vl_any[o].bit_select(vl_pointer[o], 1) & (vl_budget[o] != 0))
+            with m.If(vl_stay[o]):
+                m.d.comb += vl_pick[o].eq(vl_pointer[o])
+            with m.Else():
+                for offset in reversed(range(1, V + 1)):
+                    candidate = (vl_pointer[o] + offset) % V if V > 1 else C(0, 1)
+                    with m.If(vl_any[o].bit_select(candidate, 1)):
+                        m.d.comb += vl_pick[o].eq(candidate)
+
+        m.submodules.allocator = allocator = IslipAllocator(P, self.islip_iterations)
+        for i in range(P):
+            for o in range(P):
+                m.d.comb += allocator.requests[i * P + o].eq(
+                    eligible[i][o].bit_select(vl_pick[o], 1))
+        m.d.comb += allocator.enable.eq(1)
+
+        # Matched inputs start their packets; matched outputs remember their input.
+        connected = [Signal(range(P), name=f"connected{o}") for o in range(P)]
+        for i, buffer in enumerate(self.buffers):
+            row = allocator.grant[i * P:(i + 1) * P]
+            for o in range(P):
+                with m.If(row[o]):
+                    m.d.comb += [buffer.grant_valid.eq(1),
+                                 buffer.grant_queue.eq(buffer.queue_of(o, vl_pick[o])
+                                                       if self.mode == "voq" else vl_pick[o])]
+                    m.d.sync += connected[o].eq(i)
+        for o in range(P):
+            column = Cat(allocator.grant[i * P + o] for i in range(P))
+            blocks = Signal(FCCL_BITS, name=f"granted_blocks{o}")
+            for i in range(P):
+                with m.If(column[i]):
+                    m.d.comb += blocks.eq(head_blocks[i][o])
+            with m.If(column.any()):
+                weight = Array(regs.vl_weight[o])[vl_pick[o]]
+                m.d.sync += [
+                    vl_pointer[o].eq(vl_pick[o]),
+                    vl_budget[o].eq(Mux(vl_stay[o],
+                                        Mux(vl_budget[o] > blocks, vl_budget[o] - blocks, 0),
+                                        Mux(weight > blocks, weight - blocks, 0))),
+                ]
+
+        # --- crossbar --------------------------------------------------------------------
+        buffers = Array(self.buffers)
+        for o, tx in enumerate(txs):
+            src_valid = Signal(name=f"xbar{o}_valid")
+            src_vl = Signal(range(V), name=f"xbar{o}_vl")
+            src_payload = Signal.like(self.buffers[0].out.payload, name=f"xbar{o}_payload")
+            selected = buffers[connected[o]]
+            m.d.comb += [
+                src_valid.eq(selected.out.valid & selected.sending & (selected.out_port == o)),
+                src_vl.eq(selected.out_vl),
+                src_payload.eq(selected.out.payload),
+            ]
+            for v in range(V):
+                m.d.comb += [
+                    self.link_ports[o].data_in[v].valid.eq(src_valid & (src_vl == v)),
+                    self.link_ports[o].data_in[v].payload.eq(src_payload),
+                ]
+        for i, buffer in enumerate(self.buffers):
+            ready = Array(Array(port.data_in[v].ready for v in range(V)) for port in self.link_ports)
+            connected_here = Array(connected)[buffer.out_port] == i
+            m.d.comb += buffer.out.ready.eq(ready[buffer.out_port][buffer.out_vl] & connected_here)
+
+        # --- counters --------------------------------------------------------------------
+        for p in range(P):
+            rx, tx, buffer = rxs[p], txs[p], self.buffers[p]
+            store = rx.store
+            for v in range(V):
+                counters = regs.counters[p][v]
+
+                def bump(name, amount=1, *, when):
+                    counter = getattr(counters, name)
+                    with m.If(when):
+                        m.d.sync += counter.eq(counter + amount)
+
+                started = store.write_valid & store.write.start & (store.write_vl == v)
+                bump("packets_in", when=started)
+                bump("bytes_in", lrh_wire_bytes(store.write.data) - 2, when=started)
+                egress = self.link_ports[p].data_in[v]
+                sent = egress.valid & egress.ready & egress.payload.start
+                bump("packets_out", when=sent)
+                bump("bytes_out", lrh_wire_bytes(egress.payload.data) - 2, when=sent)
+                bump("credit_stall_cycles", when=waiting[p][v])
+                for k, reason in enumerate(ROUTED_DROP_REASONS):
+                    bump(f"drop_{reason}", when=rx.drop_event.reasons[k] & (rx.drop_event.vl == v))
+        return m

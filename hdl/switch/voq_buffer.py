@@ -1,0 +1,278 @@
+from amaranth import *
+from amaranth.lib import data, fifo, stream, wiring
+from amaranth.lib.memory import Memory
+from amaranth.lib.wiring import In, Out
+
+from hdl.link.signatures import (
+    BLOCK_BYTES, FCCL_BITS, BeatLayout, StoreSignature, blocks_of, check_width, lrh_wire_bytes,
+)
+
+__all__ = ["VoqBuffer", "HeadSignature", "QUEUE_MODES"]
+
+QUEUE_MODES = ("voq", "fifo")
+
+
+class HeadSignature(wiring.Signature):
+    """The packet at the head of one queue, as the switch allocator sees it: the output
+    port and VL it goes to and the credit blocks it needs there."""
+    def __init__(self, ports, num_vls):
+        super().__init__({
+            "valid": Out(1),
+            "port": Out(range(ports)),
+            "vl": Out(range(num_vls)),
+            "blocks": Out(FCCL_BITS),
+        })
+
+
+class VoqBuffer(wiring.Component):
+    """Receive buffer of one switch input: a shared cell memory and per-output packet queues.
+
+    Each beat of a packet is a *cell* of one memory, linked to the next cell of its packet
+    by a pointer stored with it, so any mix of packets, outputs and VLs shares the memory.
+    The receiver writes packets through ``store`` (:class:`StoreSignature`); the start
+    beat comes with the switch's routing decision (``route_port``, ``route_vl``: output
+    port and output VL, whose number the start beat's LRH.VL is rewritten to) and puts
+    a descriptor on that packet's queue at once, so a packet can be granted and leave
+    cut-through while its tail is still arriving.
+
+    Queues: with ``mode="voq"`` one per (output port, output VL), so a packet waiting for a
+    busy or credit-starved output never holds up packets of this input to other outputs;
+    with ``mode="fifo"`` one per output VL, whatever the output (head-of-line blocking, to
+    compare against). ``heads[q]`` shows each queue's head packet to the allocator.
+
+    Reading: ``grant_valid``/``grant_queue`` (from the allocator, only while the reader is
+    free or ``finishing``) start the head packet of that queue. Its beats stream on
+    ``out`` (to the crossbar, with ``out_port``/``out_vl``) at one per cycle, never ahead of
+    the writer. The end beat waits for the packet's verdict and leaves marked ``end_bad``
+    if the packet turned out bad after it started out. A packet already known bad when it
+    is granted is not sent: its cells are skipped (``sending`` stays low, so the output is
+    free again at once) and counted as discarded. Cells go back to the free list as they
+    are read; the packet's credit blocks return to the receiver with its end beat.
+
+    Accounting: every input VL may hold ``share`` cells (the receiver's room), which its
+    credits never exceed when the peer follows the protocol, so the memory
+    (``num_vls * share`` cells and a few spare) cannot run out; ``no_cell`` (sticky) would
+    say it did.
+
+    Latency: a start beat written in cycle t heads its queue in t + 1; granted in cycle
+    g, its first beat is on ``out`` in g + 2.
+    """
+
+    def __init__(self, *, width, num_vls, ports, share, mode="voq"):
+        check_width(width)
+        if mode not in QUEUE_MODES:
+            raise ValueError(f"Queue mode must be one of {QUEUE_MODES}, not {mode!r}")
+        if not 2 <= ports <= 16:
+            raise ValueError(f"Ports must be 2 to 16, not {ports!r}")
+        if not 1 <= num_vls <= 15:
+            raise ValueError(f"Data VLs must be 1 to 15, not {num_vls!r}")
+        if not 2 <= share <= 16384:
+            raise ValueError(f"Cells per VL must be 2 to 16384, not {share!r}")
+        self.width = width
+        self.num_vls = num_vls
+        self.ports = ports
+        self.share = share
+        self.mode = mode
+        # Writes stop at share - 1 cells per VL (receiver keeps one for a closing beat), the
+        # writer holds one reserved cell, and a freed cell takes a cycle to be reusable.
+        self.cells = num_vls * share + 4
+        self.cell_bits = (self.cells - 1).bit_length()
+        # Packets alive at once never exceed the cells, so a sequence number one bit wider
+        # than a cell index never wraps onto a packet still being read.
+        self.seq_bits = self.cell_bits + 1
+        self.num_queues = ports * num_vls if mode == "voq" else num_vls
+        super().__init__({
+            "store": In(StoreSignature(width, num_vls, range(share + 1))),
+            "route_port": In(range(ports)),
+            "route_vl": In(range(num_vls)),
+            "heads": Out(HeadSignature(ports, num_vls)).array(self.num_queues),
+            "grant_valid": In(1),
+            "grant_queue": In(range(self.num_queues)),
+            "out": Out(stream.Signature(BeatLayout(width))),
+            "out_port": Out(range(ports)),
+            "out_vl": Out(range(num_vls)),
+            "active": Out(1),       # a granted packet is being read (or skipped)
+            "sending": Out(1),      # ... and it goes to the output out_port
+            "finishing": Out(1),    # its last beat leaves in this cycle
+            "no_cell": Out(1),
+        })
+
+    def queue_of(self, port, vl):
+        """Queue index of packets for output ``port`` on output VL ``vl``."""
+        return port * self.num_vls + vl if self.mode == "voq" else vl
+
+    def elaborate(self, platform):
+        m = Module()
+        width, num_vls, cells = self.width, self.num_vls, self.cells
+        store = self.store
+
+        cell_layout = data.StructLayout({
+            "data": 8 * width, "end": 1, "count": range(width + 1), "next": self.cell_bits})
+        verdict_layout = data.StructLayout({"bad": 1, "blocks": FCCL_BITS})
+        descriptor = data.StructLayout({
+            "head": self.cell_bits, "seq": self.seq_bits, "port": range(self.ports),
+            "vl": range(num_vls), "in_vl": range(num_vls), "blocks": FCCL_BITS})
+
+        m.submodules.cell_mem = cell_mem = Memory(shape=cell_layout, depth=cells, init=[])
+        m.submodules.verdict_mem = verdict_mem = Memory(
+            shape=verdict_layout, depth=1 << self.seq_bits, init=[])
+        m.submodules.free_cells = free_cells = fifo.SyncFIFO(width=self.cell_bits, depth=cells)
+        queues = []
+        for q in range(self.num_queues):
+            queue = fifo.SyncFIFO(width=descriptor.size, depth=cells)
+            m.submodules[f"queue{q}"] = queue
+            queues.append(queue)
+            head = data.View(descriptor, queue.r_data)
+            m.d.comb += [
+                self.heads[q].valid.eq(queue.r_rdy),
+                self.heads[q].port.eq(head.port),
+                self.heads[q].vl.eq(head.vl),
+                self.heads[q].blocks.eq(head.blocks),
+            ]
+
+        # --- writer ----------------------------------------------------------------------
+        cell_wp = cell_mem.write_port()
+        reserved = Signal(self.cell_bits)                   # where the next beat goes
+        fresh = Signal(range(cells + 1), init=1)            # cells never used yet: fresh ..
+        wr_open = Signal()                                  # a packet awaits its verdict
+        wr_seq = Signal(self.seq_bits)
+        wr_cells = Signal(16)                               # beats of it written so far
+        used = [Signal(range(self.share + 1), name=f"used{v}") for v in range(num_vls)]
+
+        write = store.write_valid
+        starting = write & store.write.start
+        new_cell = Signal(self.cell_bits)
+        m.d.comb += new_cell.eq(Mux(fresh != cells, fresh, free_cells.r_data))
+        with m.If(write):
+            m.d.sync += reserved.eq(new_cell)
+            with m.If(fresh != cells):
+                m.d.sync += fresh.eq(fresh + 1)
+            with m.Else():
+                m.d.comb += free_cells.r_en.eq(1)
+                with m.If(~free_cells.r_rdy):
+                    m.d.sync += self.no_cell.eq(1)
+
+        beat_data = Signal(8 * width)
+        m.d.comb += beat_data.eq(store.write.data)
+        with m.If(store.write.start):
+            # The packet leaves on the output VL: LRH.VL is the high nibble of byte 0.
+            m.d.comb += beat_data[4:8].eq(self.route_vl)
+        m.d.comb += [
+            cell_wp.addr.eq(reserved),
+            cell_wp.en.eq(write),
+            cell_wp.data.data.eq(beat_data),
+            cell_wp.data.end.eq(store.write.end),
+            cell_wp.data.count.eq(store.write.count),
+            cell_wp.data.next.eq(new_cell),
+        ]
+
+        seq_next = Signal(self.seq_bits)
+        m.d.comb += seq_next.eq(wr_seq + 1)
+        with m.If(starting):
+            m.d.sync += [wr_seq.eq(seq_next), wr_cells.eq(1), wr_open.eq(1)]
+        with m.Elif(write):
+            m.d.sync += wr_cells.eq(wr_cells + 1)
+
+        entry = Signal(descriptor)
+        m.d.comb += [
+            entry.head.eq(reserved),
+            entry.seq.eq(seq_next),
+            entry.port.eq(self.route_port),
+            entry.vl.eq(self.route_vl),
+            entry.in_vl.eq(store.write_vl),
+            entry.blocks.eq(blocks_of(lrh_wire_bytes(store.write.data))),
+        ]
+        target = self.queue_of(self.route_port, self.route_vl)
+        for q, queue in enumerate(queues):
+            m.d.comb += [queue.w_data.eq(entry), queue.w_en.eq(starting & (target == q))]
+
+        verdict_wp = verdict_mem.write_port()
+        m.d.comb += [
+            verdict_wp.addr.eq(Mux(starting, seq_next, wr_seq)),
+            verdict_wp.data.bad.eq(store.verdict_bad),
+            verdict_wp.data.blocks.eq(store.verdict_blocks),
+            verdict_wp.en.eq(store.verdict_valid),
+        ]
+        with m.If(store.verdict_valid):
+            m.d.sync += wr_open.eq(0)
+
+        # --- reader ----------------------------------------------------------------------
+        cell_rp = cell_mem.read_port(transparent_for=())
+        verdict_rp = verdict_mem.read_port(domain="comb")
+        rd_checked = Signal()       # the known-bad check was made for this packet
+        rd_skip = Signal()
+        rd_seq = Signal(self.seq_bits)
+        rd_head = Signal(self.cell_bits)
+        rd_index = Signal(16)       # beats read so far
+        rd_in_vl = Signal(range(num_vls))
+        shown = Signal()            # cell_rp.data holds a beat of this packet not yet consumed
+        shown_cell = Signal(self.cell_bits)
+        shown_start = Signal()
+        beat = cell_rp.data
+
+        known = Signal()            # the packet's verdict is in
+        m.d.comb += [
+            known.eq(~(wr_open & (wr_seq == rd_seq))),
+            verdict_rp.addr.eq(rd_seq),
+        ]
+        bad = verdict_rp.data.bad
+        skip = Signal()
+        m.d.comb += skip.eq(Mux(rd_checked, rd_skip, known & bad))
+        with m.If(self.active & ~rd_checked):
+            m.d.sync += [rd_checked.eq(1), rd_skip.eq(known & bad)]
+
+        out = self.out
+        m.d.comb += [
+            out.payload.data.eq(beat.data),
+            out.payload.start.eq(shown_start),
+            out.payload.end.eq(beat.end),
+            out.payload.count.eq(beat.count),
+            out.payload.end_bad.eq(beat.end & bad),
+            out.valid.eq(self.active & shown & ~skip & (~beat.end | known)),
+            self.sending.eq(self.active & ~skip),
+        ]
+        consume = Signal()
+        m.d.comb += [
+            consume.eq(self.active & shown & (skip | (out.valid & out.ready))),
+            self.finishing.eq(consume & beat.end),
+        ]
+        written = known | (rd_index < wr_cells)
+        issue = Signal()
+        m.d.comb += [
+            issue.eq(self.active & ~(shown & beat.end) & written & (~shown | consume)),
+            cell_rp.en.eq(issue),
+            cell_rp.addr.eq(Mux(rd_index == 0, rd_head, beat.next)),
+        ]
+        with m.If(issue):
+            m.d.sync += [shown.eq(1), shown_cell.eq(cell_rp.addr), shown_start.eq(rd_index == 0),
+                         rd_index.eq(rd_index + 1)]
+        with m.Elif(consume):
+            m.d.sync += shown.eq(0)
+
+        m.d.comb += [free_cells.w_data.eq(shown_cell), free_cells.w_en.eq(consume)]
+        for v in range(num_vls):
+            gained = write & (store.write_vl == v)
+            lost = consume & (rd_in_vl == v)
+            m.d.sync += used[v].eq(used[v] + gained - lost)
+            m.d.comb += [
+                store.room[v].eq(self.share - used[v]),
+                store.freed_valid[v].eq(self.finishing & (rd_in_vl == v)),
+                store.freed_blocks[v].eq(verdict_rp.data.blocks),
+            ]
+        m.d.comb += [
+            store.discarded.eq(self.finishing & skip),
+            store.forwarded_bad.eq(self.finishing & ~skip & bad),
+        ]
+
+        with m.If(self.finishing):
+            m.d.sync += self.active.eq(0)
+        with m.If(self.grant_valid):
+            granted = data.View(descriptor, Array(queue.r_data for queue in queues)[self.grant_queue])
+            for q, queue in enumerate(queues):
+                m.d.comb += queue.r_en.eq(self.grant_queue == q)
+            m.d.sync += [
+                self.active.eq(1), rd_checked.eq(0), rd_skip.eq(0), rd_index.eq(0), shown.eq(0),
+                rd_seq.eq(granted.seq), rd_head.eq(granted.head), rd_in_vl.eq(granted.in_vl),
+                self.out_port.eq(granted.port), self.out_vl.eq(granted.vl),
+            ]
+        return m
