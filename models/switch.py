@@ -10,14 +10,18 @@ configurations too large for RTL simulation. Factored like BookSim:
 - :class:`ForwardingTable` (DLID -> output port) and :class:`SlToVl` (SL -> VL).
 - :class:`IslipAllocator` -- iSLIP (McKeown 1999), deterministic; the exact pointer
   rules are below, an RTL allocator is compared with it cycle for cycle.
-- :class:`Router` -- N ports: per-input VOQs (one per output and VL) or, in ``fifo``
-  mode, one FIFO per input and VL (head-of-line blocking; with one VL exactly one FIFO
-  per input); per-output per-VL downstream credits; one allocator pass per cycle;
-  cut-through; ingress / allocation / egress pipeline latencies.
+- :class:`Router` -- N ports: per-input VOQs (one queue per output and output VL) or,
+  in ``fifo`` mode, one FIFO per input and output VL (head-of-line blocking; with one VL
+  exactly one FIFO per input); the output VL is ``sl_to_vl[SL]``; per-output per-VL
+  downstream credits; per-output weighted round robin over VLs, then one iSLIP pass per
+  cycle; cut-through; ingress / allocation / egress pipeline latencies.
 - :class:`Network` / :func:`run_switch` -- sources with credit-controlled input links,
   the router, downstream credit sinks (draining, stalling at random, or starved for
   given periods); statistics (:class:`SwitchStats`) and losslessness checks
   (:func:`check_lossless`).
+- :func:`forward` / :class:`FlowScoreboard` -- the switch's forwarding decision on real
+  packet bytes (output port, output VL, VL-rewritten bytes, or a drop reason) and a
+  per-flow in-order scoreboard built on it, for testbenches; no timing.
 
 Sizes. A packet is a SEND_ONLY packet of ``payload`` bytes: ``wire_bytes`` =
 LRH + BTH + payload padded to 4 + ICRC + VCRC (``payload + 26`` for a multiple of 4),
@@ -26,38 +30,59 @@ LRH + BTH + payload padded to 4 + ICRC + VCRC (``payload + 26`` for a multiple o
 port, as the architecture brief defines it; ``wire_utilization`` is the fraction of
 cycles an output carries a beat.
 
-Timing (all times are cycles; "at t" is the cycle in which something happens):
+Timing (all times are cycles; "at t" is the cycle in which something happens). The
+defaults are the switch RTL's design (hdl/switch/switch.py); they stay parameters
+because they will be re-measured on the RTL.
 
 - ``t_in``: the packet's start beat is on the switch's ingress wire; beat k at
   ``t_in + k``. The upstream transmitter (the source) starts a packet only when its
   credit for that VL covers the whole packet (plain block counters: on a clean wire the
   12-bit FCTBS/FCCL arithmetic of docs/link.md is equivalent). The packet's blocks
   occupy the input buffer from ``t_in``.
-- ``ready = t_in + ingress_cycles`` (header parsed, DLID and SL looked up): from this
-  cycle the packet, when it heads its queue, may request. Store-and-forward
+- ``ready = t_in + ingress_cycles`` (default 2: header parsed, DLID and SL looked up):
+  from this cycle the packet, when it heads its queue, may request. Store-and-forward
   (``cut_through=False``) adds ``beats - 1``.
-- Allocation at ``t`` (``t_grant``): among inputs not sending and outputs not
-  receiving, an input requests an output when the head of one of its queues for that
-  output is ready and the output's downstream credit on that packet's VL covers the
-  whole packet. iSLIP matches; for a matched (input, output) the VL is chosen round
-  robin among the eligible VLs (per (input, output) pointer, advancing one past the
-  chosen VL). The grant takes the credit at ``t_grant`` and holds the input and the
-  output for ``[t_grant, t_grant + beats)``: one beat per cycle per port, the output is
-  held until the last beat, and both can be granted again at ``t_grant + beats``, so
-  packets leave back to back (the allocator is pipelined).
-- ``t_out = t_grant + alloc_cycles + egress_cycles``: the start beat on the egress wire
-  (beat k at ``t_out + k``, never before it arrived: ``t_out >= t_in``). The last beat
-  is read from the input buffer at ``t_grant + alloc_cycles + beats - 1``; its blocks
-  are free from ``in_release`` (the next cycle) and the upstream credit returns at
-  ``in_release + credit_delay``.
-- Zero-load hop latency (start beat in to start beat out) =
-  ``ingress_cycles + alloc_cycles + egress_cycles`` (defaults 4 + 2 + 2 = 8, the
-  issue's budget; placeholders until the RTL is measured).
+- Allocation at ``t_g`` (``t_grant``), in two steps (below: output VL arbitration, then
+  iSLIP). A head packet is *eligible* for (output o, VL v) when it is ready, heads its
+  queue, the downstream credit of (o, v) covers the whole packet, and its input and
+  output o are both free. The grant takes the downstream credit at ``t_g``.
+- ``t_out = t_g + alloc_cycles + egress_cycles`` (defaults 1 + 2 = 3): the start beat
+  on the egress wire, beat k at ``t_out + k`` (never before it arrived:
+  ``t_out >= t_in``). Zero-load hop latency (start beat in to start beat out) =
+  ``ingress_cycles + alloc_cycles + egress_cycles`` = 2 + 1 + 2 = **5 cycles**.
+- In the RTL beat k is handed to the egress transmitter at ``t_g + 2 + k``, so the end
+  beat at ``t_g + 1 + beats``. The input and the output are held from ``t_g`` until
+  that cycle, and in that same cycle both can be granted again: a port's consecutive
+  grants are ``beats + 1`` cycles apart, one idle cycle between back-to-back packets on
+  the egress wire (a stream of 32-beat packets fills at most 32/33 of the wire). In the
+  model: held until ``t_g + beats + turnaround_cycles`` (default 1).
+- The last beat is read from the input buffer at ``t_g + alloc_cycles + beats - 1``;
+  its blocks are free from ``in_release = t_g + alloc_cycles + beats`` and the upstream
+  credit returns at ``in_release + credit_delay``.
 - Downstream: the sink behind each output reads one beat per cycle, in order, never
   ahead of arrival, except in cycles it stalls (``sink_stall`` probability, or the
   ``starve`` periods). A packet's downstream blocks are held from ``t_out`` to
   ``out_release`` (the cycle after its last beat is read) and come back to the switch's
   credit counter at ``out_release + credit_delay``.
+
+Output VL arbitration, exactly (before iSLIP, like the link transmitter's VL arbiter in
+hdl/link/link_transmitter.py and :class:`models.link.VlArbiter`). Each output o has a
+pointer ``ptr[o]`` (a VL) and a budget ``budget[o]`` in 64-byte blocks, both 0 after
+reset, and a weight ``vl_weight[o][v]`` per VL (default 16 blocks, the RTL register
+``portN_vlV_weight``; :meth:`Router.set_vl_weight`). Each cycle:
+
+1. ``vl_any[o][v]``: some input has a head packet eligible for (o, v).
+2. ``vl_sel[o]``: if ``vl_any[o][ptr[o]]`` and ``budget[o] != 0``, the output *stays* on
+   ``ptr[o]``; otherwise the first VL with ``vl_any`` in the order ``ptr + 1, ptr + 2,
+   ..., ptr`` (mod ``num_vls``; the pointer's own VL last).
+3. iSLIP runs on ``request[i][o]`` = input i has a head packet eligible for
+   (o, ``vl_sel[o]``); a matched input sends that packet.
+4. Only for a matched output, with the granted packet of ``b`` blocks on VL v:
+   ``ptr[o] = v``; ``budget[o] = max(budget[o] - b, 0)`` if it stayed, else
+   ``max(vl_weight[o][v] - b, 0)``. An unmatched output keeps its pointer and budget.
+
+A turn always lets at least one packet through; under saturation an output gives its
+VLs blocks in proportion to their weights (rounded up to whole packets per turn).
 
 iSLIP, exactly (:class:`IslipAllocator`). ``N_in`` inputs, ``N_out`` outputs, grant
 pointers ``g[o]`` and accept pointers ``a[i]``, all 0 after reset. ``request[i]`` is
@@ -92,16 +117,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from models.crc import vcrc_bytes
+from models.ib import LRH
+from models.packet import parse_packet
+
 __all__ = [
     "SEND_ONLY_OVERHEAD", "send_only_wire_bytes", "wire_beats", "blocks",
     "Traffic", "make_traffic", "PATTERNS", "ForwardingTable", "SlToVl", "IslipAllocator",
     "SwitchPacket", "Router", "Network", "SwitchStats", "run_switch", "check_lossless",
-    "jain_index",
+    "jain_index", "forward", "FlowScoreboard", "DROP_REASONS", "DEFAULT_VL_WEIGHT",
 ]
 
 CREDIT_BLOCK_BYTES = 64
 SEND_ONLY_OVERHEAD = 8 + 12 + 4 + 2      # LRH + BTH + ICRC + VCRC around a payload
 MAX_DATA_VLS = 15                        # VL15 is never a data VL
+DEFAULT_VL_WEIGHT = 16                   # 64-byte blocks per VL turn (portN_vlV_weight)
 PATTERNS = ("uniform", "incast", "permutation", "hotspot")
 
 
@@ -288,6 +318,203 @@ class SlToVl:
         self.table[sl] = vl
 
 
+# ----------------------------------------------------------------------------- functional forwarding
+
+DROP_REASONS = ("unknown_dlid", "invalid_vl", "too_long")
+
+
+def _with_vl(packet: bytes, vl: int) -> bytes:
+    """``packet`` with the LRH VL nibble set to ``vl``; the ICRC masks LRH.VL so it stays
+    valid, a trailing VCRC (``len == PktLen * 4 + 2``) is recomputed as a hop does."""
+    out = bytearray(packet)
+    out[0] = (vl << 4) | (out[0] & 0x0F)
+    words = LRH.unpack(bytes(out[:LRH.SIZE])).pktlen
+    if words and len(out) == 4 * words + 2:
+        out[-2:] = vcrc_bytes(bytes(out[:-2]))
+    return bytes(out)
+
+
+def forward(packet, table: ForwardingTable, sl_to_vl: SlToVl, num_vls: int, *,
+            ports: int | None = None, mtu: int | None = None):
+    """The switch's forwarding decision on one packet's bytes, no timing.
+
+    ``packet``: LRH .. ICRC, or LRH .. VCRC as on a wire. DLID = LRH bytes 2-3
+    (big-endian), SL = high nibble of LRH byte 1, incoming VL = high nibble of byte 0.
+    Returns ``(out_port, out_vl, out_bytes)``, ``out_vl = sl_to_vl[SL]`` and ``out_bytes``
+    the packet with the LRH VL nibble replaced by ``out_vl`` (the ICRC does not cover
+    LRH.VL, so it stays valid; a VCRC, if present, is recomputed), or a drop reason, in
+    this order of precedence:
+
+    - ``"too_long"``: only with ``mtu``: the payload (:func:`models.packet.parse_packet`)
+      is longer than ``mtu`` bytes;
+    - ``"invalid_vl"``: the incoming LRH VL is ``>= num_vls`` (VL15 included), or the SL
+      maps to VL 15 or to a VL ``>= num_vls``;
+    - ``"unknown_dlid"``: the DLID is not in ``table`` (or, with ``ports``, names a port
+      ``>= ports``).
+    """
+    packet = bytes(packet)
+    if len(packet) < LRH.SIZE:
+        raise ValueError(f"a packet needs at least the {LRH.SIZE}-byte LRH, got {len(packet)}")
+    lrh = LRH.unpack(packet[:LRH.SIZE])
+    if mtu is not None and len(parse_packet(packet).payload) > mtu:
+        return "too_long"
+    out_vl = sl_to_vl.lookup(lrh.sl)
+    if lrh.vl >= num_vls or out_vl == 15 or out_vl >= num_vls:
+        return "invalid_vl"
+    out_port = table.lookup(lrh.dlid)
+    if out_port is None or (ports is not None and not 0 <= out_port < ports):
+        return "unknown_dlid"
+    return out_port, out_vl, _with_vl(packet, out_vl)
+
+
+def _describe(packet: bytes) -> str:
+    try:
+        lrh = LRH.unpack(packet[:LRH.SIZE])
+        fields = f"VL {lrh.vl} SL {lrh.sl} DLID {lrh.dlid:#06x} SLID {lrh.slid:#06x}"
+    except Exception:                              # pragma: no cover - too short to parse
+        fields = "unparsable"
+    if len(packet) >= LRH.SIZE + 12:
+        fields += f" PSN {int.from_bytes(packet[LRH.SIZE + 9:LRH.SIZE + 12], 'big'):#08x}"
+    return f"<{len(packet)} B, {fields}, {packet[:24].hex()}..>"
+
+
+class _Expected:
+    __slots__ = ("in_port", "vl", "packet", "ports", "done", "index")
+
+    def __init__(self, in_port, vl, packet, ports, index):
+        self.in_port, self.vl, self.packet, self.ports = in_port, vl, packet, set(ports)
+        self.done = False
+        self.index = index
+
+
+class FlowScoreboard:
+    """In-order, exactly-once scoreboard of a switch's forwarding, per flow.
+
+    A flow is (input port, output port, output VL); the switch keeps each flow in order
+    but may interleave flows arbitrarily. ``expect(in_port, packet)`` is called when a
+    packet enters the switch: it runs :func:`forward` with the tables *as they are at that
+    moment* and either counts an expected drop (``drops[reason]``) or appends the
+    rewritten packet to its flow's list. ``deliver(out_port, vl, packet)`` is called for
+    every packet leaving an output: it must equal (exact bytes) the oldest outstanding
+    packet of one of the flows into (out_port, vl), else AssertionError (the message says
+    whether it is a duplicate, a reordering, or unknown). ``check_all_delivered()``
+    raises listing every packet still outstanding.
+
+    Forwarding-table rewrites under traffic: for a packet whose DLID is being moved
+    from one port to another, ``expect(in_port, packet, ports={old, new})`` accepts it on
+    either. It then sits in both flows' lists; a later packet of either flow may overtake
+    it (it might be going the other way), after which it can no longer be delivered on
+    the overtaken output (that would be a reordering). Delivered on one port, it is gone
+    from the other. The drop checks (VL, length) still apply; an unknown DLID is not
+    a drop when ``ports`` is given.
+
+    Packets should differ (e.g. by PSN or payload): with two identical packets from
+    different inputs heading one flow's lists, the first input's is taken.
+    """
+
+    def __init__(self, table: ForwardingTable, sl_to_vl: SlToVl, num_vls: int, *,
+                 ports: int | None = None, mtu: int | None = None):
+        self.table, self.sl_to_vl, self.num_vls = table, sl_to_vl, num_vls
+        self.ports, self.mtu = ports, mtu
+        self.flows: dict[tuple, deque] = {}        # (in, out, vl) -> deque of _Expected
+        self.drops = {reason: 0 for reason in DROP_REASONS}
+        self.expected = 0
+        self.delivered = 0
+        self._done: dict[tuple, set] = {}          # (out, vl) -> delivered bytes (diagnosis)
+        self._into: dict[tuple, dict] = {}         # (out, vl) -> {in: the flow's deque}
+
+    def expect(self, in_port: int, packet, *, ports=None):
+        """Register a packet entering ``in_port``; returns :func:`forward`'s result
+        (with ``ports``: ``(sorted ports, out_vl, out_bytes)``)."""
+        packet = bytes(packet)
+        result = forward(packet, self.table, self.sl_to_vl, self.num_vls,
+                         ports=self.ports, mtu=self.mtu)
+        if ports is not None:
+            ports = set(ports)
+            if not ports:
+                raise ValueError("ports: at least one output port")
+            if result == "unknown_dlid" or not isinstance(result, str):
+                out_vl = self.sl_to_vl.lookup(packet[1] >> 4)
+                result = (tuple(sorted(ports)), out_vl, _with_vl(packet, out_vl))
+        if isinstance(result, str):
+            self.drops[result] += 1
+            return result
+        out, out_vl, out_bytes = result
+        entry = _Expected(in_port, out_vl, out_bytes, ports if ports is not None else {out},
+                          self.expected)
+        self.expected += 1
+        for o in entry.ports:
+            queue = self.flows.get((in_port, o, out_vl))
+            if queue is None:
+                queue = self.flows[(in_port, o, out_vl)] = deque()
+                self._into.setdefault((o, out_vl), {})[in_port] = queue
+            queue.append(entry)
+        return result
+
+    def deliver(self, out_port: int, vl: int, packet) -> int:
+        """A packet left ``out_port`` on ``vl``; returns the input it came from."""
+        packet = bytes(packet)
+        for i, queue in self._into.get((out_port, vl), {}).items():
+            while queue and queue[0].done:
+                queue.popleft()
+            skipped = []
+            for entry in queue:
+                if entry.done:
+                    continue
+                if entry.packet == packet:
+                    for other in skipped:              # overtaken: not on this port any more
+                        other.ports.discard(out_port)
+                        queue.remove(other)
+                    queue.remove(entry)
+                    entry.done = True
+                    self.delivered += 1
+                    self._done.setdefault((out_port, vl), set()).add(packet)
+                    return i
+                if len(entry.ports) > 1:
+                    skipped.append(entry)              # may yet go the other way
+                    continue
+                break
+        raise AssertionError(self._diagnose(out_port, vl, packet))
+
+    def _diagnose(self, out_port, vl, packet) -> str:
+        what = f"output {out_port} VL {vl}: unexpected packet {_describe(packet)}"
+        if packet in self._done.get((out_port, vl), ()):
+            return what + ": a duplicate of one already delivered"
+        for (i, o, v), queue in self.flows.items():
+            live = [e for e in queue if not e.done]
+            for k, entry in enumerate(live):
+                if entry.packet == packet:
+                    if (o, v) == (out_port, vl):
+                        return (what + f": out of order in flow input {i} -> output {o} VL "
+                                f"{v}, {k} older packet(s) of that flow not delivered yet, "
+                                f"the oldest {_describe(live[0].packet)}")
+                    return what + f": expected on output {o} VL {v} (from input {i})"
+        heads = {i: _describe(next(e for e in q if not e.done).packet)
+                 for (i, o, v), q in self.flows.items()
+                 if (o, v) == (out_port, vl) and any(not e.done for e in q)}
+        return what + f": not expected; heads of the flows into it: {heads or 'none'}"
+
+    def outstanding(self) -> dict:
+        """``{(in, out, vl): [packet bytes, ...]}`` of packets not yet delivered (a packet
+        with alternative ports is listed under each)."""
+        result = {}
+        for key, queue in self.flows.items():
+            live = [e.packet for e in queue if not e.done]
+            if live:
+                result[key] = live
+        return result
+
+    def check_all_delivered(self) -> None:
+        missing = self.outstanding()
+        if missing:
+            count = len({id(e) for q in self.flows.values() for e in q if not e.done})
+            lines = [f"{count} expected packet(s) never delivered:"]
+            for (i, o, v), packets in sorted(missing.items()):
+                lines.append(f"  input {i} -> output {o} VL {v}: {len(packets)}, first "
+                             f"{_describe(packets[0])}")
+            raise AssertionError("\n".join(lines))
+
+
 # ----------------------------------------------------------------------------- allocator
 
 def _rr_pick(mask: int, pointer: int, n: int) -> int:
@@ -406,16 +633,21 @@ class Router:
     ``iterations`` of iSLIP, beat ``width``, ``buffer_blocks`` per VL per input,
     ``downstream_blocks`` per VL behind each output (the next hop's receive buffer:
     the switch's initial credit), ``mtu`` (payload bytes), pipeline
-    ``ingress_cycles`` / ``alloc_cycles`` / ``egress_cycles``, ``cut_through``,
-    ``forwarding`` (:class:`ForwardingTable`, default LID p + 1 -> port p) and
-    ``sl_to_vl`` (:class:`SlToVl`).
+    ``ingress_cycles`` / ``alloc_cycles`` / ``egress_cycles`` and ``turnaround_cycles``
+    (a port's grants are ``beats + turnaround_cycles`` apart), ``cut_through``,
+    ``forwarding`` (:class:`ForwardingTable`, default LID p + 1 -> port p),
+    ``sl_to_vl`` (:class:`SlToVl`) and ``vl_weights``: the output VL arbitration weights
+    in 64-byte blocks (8 bits, default 16), an int for every output and VL, a list per VL
+    for every output, or a list of such lists per output; :meth:`set_vl_weight` changes
+    one. Timing and the VL arbitration are in the module docstring.
     """
 
     def __init__(self, ports: int = 8, num_vls: int = 2, *, mode: str = "voq",
                  iterations: int = 1, width: int = 64, buffer_blocks: int = 528,
-                 downstream_blocks: int = 132, mtu: int = 4096, ingress_cycles: int = 4,
-                 alloc_cycles: int = 2, egress_cycles: int = 2, cut_through: bool = True,
-                 forwarding: ForwardingTable | None = None, sl_to_vl: SlToVl | None = None):
+                 downstream_blocks: int = 132, mtu: int = 4096, ingress_cycles: int = 2,
+                 alloc_cycles: int = 1, egress_cycles: int = 2, turnaround_cycles: int = 1,
+                 cut_through: bool = True, forwarding: ForwardingTable | None = None,
+                 sl_to_vl: SlToVl | None = None, vl_weights=DEFAULT_VL_WEIGHT):
         if not 2 <= ports <= 64:
             raise ValueError(f"ports must be 2 to 64 in the model, not {ports!r}")
         if not 1 <= num_vls <= MAX_DATA_VLS:
@@ -424,7 +656,7 @@ class Router:
             raise ValueError(f"mode must be 'voq' or 'fifo', not {mode!r}")
         if width < 8 or width & (width - 1):
             raise ValueError(f"width must be a power of two >= 8, not {width!r}")
-        if min(ingress_cycles, alloc_cycles, egress_cycles) < 0:
+        if min(ingress_cycles, alloc_cycles, egress_cycles, turnaround_cycles) < 0:
             raise ValueError("pipeline latencies must be >= 0")
         largest = blocks(send_only_wire_bytes(mtu))
         for name, value in (("buffer_blocks", buffer_blocks), ("downstream_blocks", downstream_blocks)):
@@ -435,16 +667,33 @@ class Router:
         self.buffer_blocks, self.downstream_blocks, self.mtu = buffer_blocks, downstream_blocks, mtu
         self.ingress_cycles, self.alloc_cycles, self.egress_cycles = (
             ingress_cycles, alloc_cycles, egress_cycles)
+        self.turnaround_cycles = turnaround_cycles
         self.cut_through = cut_through
         self.forwarding = forwarding if forwarding is not None else ForwardingTable.identity(ports)
         self.sl_to_vl = sl_to_vl if sl_to_vl is not None else SlToVl(num_vls)
         self.allocator = IslipAllocator(ports, iterations)
-        # Queues: VOQ mode: voq[i][(o, v)] with active[i] the non-empty keys;
-        # FIFO mode: fifo[i][v].
+        # Queues (v is the output VL): VOQ mode: voq[i][(o, v)] with active[i] the
+        # non-empty keys; FIFO mode: fifo[i][v].
         self.voq = [dict() for _ in range(ports)]
         self.active = [set() for _ in range(ports)]
         self.fifo = [[deque() for _ in range(num_vls)] for _ in range(ports)]
-        self.vl_ptr = [[0] * ports for _ in range(ports)]
+        # Output VL arbitration: weights, pointer and budget per output.
+        self.vl_weight = [[DEFAULT_VL_WEIGHT] * num_vls for _ in range(ports)]
+        self.vl_ptr = [0] * ports
+        self.vl_budget = [0] * ports
+        if isinstance(vl_weights, int):
+            vl_weights = [vl_weights] * num_vls
+        vl_weights = list(vl_weights)
+        if vl_weights and not isinstance(vl_weights[0], int):
+            if len(vl_weights) != ports:
+                raise ValueError("vl_weights: one list per output port")
+        else:
+            vl_weights = [vl_weights] * ports
+        for o, row in enumerate(vl_weights):
+            if len(row) != num_vls:
+                raise ValueError(f"vl_weights: one weight per VL ({num_vls}), not {row!r}")
+            for v, weight in enumerate(row):
+                self.set_vl_weight(o, v, weight)
         self.in_busy = [0] * ports          # input sending until (exclusive)
         self.out_busy = [0] * ports         # output held until (exclusive)
         self.down_credit = [[downstream_blocks] * num_vls for _ in range(ports)]
@@ -459,6 +708,13 @@ class Router:
     @property
     def hop_latency(self) -> int:
         return self.ingress_cycles + self.alloc_cycles + self.egress_cycles
+
+    def set_vl_weight(self, port: int, vl: int, weight: int) -> None:
+        """Output ``port``'s arbitration weight of ``vl``: 64-byte blocks per turn, 0..255
+        (the RTL register ``portN_vlV_weight``). Takes effect at the next turn."""
+        if not 0 <= weight <= 255:
+            raise ValueError(f"VL weight is 8 bits, not {weight!r}")
+        self.vl_weight[port][vl] = weight
 
     def arrive(self, t: int, p: SwitchPacket) -> bool:
         """The start beat of ``p`` is on input ``p.src``'s wire at ``t``: look it up and
@@ -522,16 +778,15 @@ class Router:
         for o in range(ports):
             if out_busy[o] <= t:
                 out_free |= 1 << o
-        masks = [0] * ports
-        eligible = {}
-        any_request = False
+        # Eligible heads: cand[(i, o, v)] is the packet; vl_any[o] a VL bitmask.
+        cand = {}
+        vl_any = [0] * ports
         next_wake = 1 << 62
         for i in range(ports):
             if in_busy[i] > t:
                 if in_busy[i] < next_wake:
                     next_wake = in_busy[i]
                 continue
-            mask = 0
             for o, v, head in self._heads(i):
                 if head.ready > t:
                     if head.ready < next_wake:
@@ -544,31 +799,37 @@ class Router:
                 if down_credit[o][v] < head.blocks:
                     self.credit_blocked[o][v] += 1
                     continue                 # a credit return will wake us
-                mask |= 1 << o
-                key = (i, o)
-                if key in eligible:
-                    eligible[key].append(v)
-                else:
-                    eligible[key] = [v]
-            if mask:
-                masks[i] = mask
-                any_request = True
-        if not any_request:
+                cand[(i, o, v)] = head
+                vl_any[o] |= 1 << v
+        if not cand:
             self.wake = next_wake
             return []
         self.wake = t + 1
-        granted = []
+        # Output VL arbitration (weighted round robin), then iSLIP on the chosen VLs.
         num_vls = self.num_vls
-        for i, o in self.allocator.allocate_masks(masks).items():
-            vls = eligible[(i, o)]
-            if len(vls) == 1:
-                v = vls[0]
+        vl_ptr, vl_budget = self.vl_ptr, self.vl_budget
+        vl_sel = [-1] * ports
+        stay = [False] * ports
+        for o in range(ports):
+            mask = vl_any[o]
+            if not mask:
+                continue
+            ptr = vl_ptr[o]
+            if mask >> ptr & 1 and vl_budget[o]:
+                vl_sel[o], stay[o] = ptr, True
+            elif num_vls == 1:
+                vl_sel[o] = 0
             else:
-                vmask = 0
-                for v in vls:
-                    vmask |= 1 << v
-                v = _rr_pick(vmask, self.vl_ptr[i][o], num_vls)
-            self.vl_ptr[i][o] = (v + 1) % num_vls
+                vl_sel[o] = _rr_pick(mask, (ptr + 1) % num_vls, num_vls)
+        masks = [0] * ports
+        for (i, o, v) in cand:
+            if vl_sel[o] == v:
+                masks[i] |= 1 << o
+        granted = []
+        hold = self.turnaround_cycles
+        t_out = t + self.alloc_cycles + self.egress_cycles
+        for i, o in self.allocator.allocate_masks(masks).items():
+            v = vl_sel[o]
             if self.mode == "voq":
                 queue = self.voq[i][(o, v)]
                 p = queue.popleft()
@@ -577,10 +838,14 @@ class Router:
             else:
                 p = self.fifo[i][v].popleft()
             self.queued -= 1
-            down_credit[o][v] -= p.blocks
+            b = p.blocks
+            down_credit[o][v] -= b
+            base = vl_budget[o] if stay[o] else self.vl_weight[o][v]
+            vl_budget[o] = base - b if base > b else 0
+            vl_ptr[o] = v
             p.t_grant = t
-            in_busy[i] = out_busy[o] = t + p.beats
-            p.t_out = t + self.alloc_cycles + self.egress_cycles
+            in_busy[i] = out_busy[o] = t + p.beats + hold
+            p.t_out = t_out
             p.in_release = t + self.alloc_cycles + p.beats
             granted.append(p)
         return granted
@@ -1042,11 +1307,17 @@ def main(argv=None) -> None:
     parser.add_argument("--vls", type=int, default=1)
     parser.add_argument("--buffer-blocks", type=int, default=528)
     parser.add_argument("--downstream-blocks", type=int, default=132)
+    parser.add_argument("--vl-weights", default=None,
+                        help="output VL arbitration weights in 64-byte blocks, W0,W1,... "
+                             f"(default {DEFAULT_VL_WEIGHT} each)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clock-mhz", type=float, default=400.0)
     args = parser.parse_args(argv)
     payload = (tuple(int(x) for x in args.payload.split(":")) if ":" in args.payload
                else int(args.payload))
+    extra = {}
+    if args.vl_weights:
+        extra["vl_weights"] = [int(x) for x in args.vl_weights.split(",")]
     import time
     began = time.perf_counter()
     stats, net = run_switch(args.ports, args.pattern, load=args.load, payload=payload,
@@ -1054,12 +1325,13 @@ def main(argv=None) -> None:
                             iterations=args.iterations, width=args.width,
                             num_vls=args.vls, sls=tuple(range(args.vls)),
                             buffer_blocks=args.buffer_blocks,
-                            downstream_blocks=args.downstream_blocks, seed=args.seed)
+                            downstream_blocks=args.downstream_blocks, seed=args.seed, **extra)
     wall = time.perf_counter() - began
     ns = 1000.0 / args.clock_mhz
-    print(f"{args.ports}-port switch, {args.mode}, iSLIP x{args.iterations}, {args.pattern} "
-          f"load {args.load}, payload {args.payload} B, W={args.width} B, {args.cycles} cycles "
-          f"(window {stats.start}..{stats.end})")
+    print(f"{args.ports}-port switch, {args.mode}, iSLIP x{args.iterations}, {args.vls} VL(s), "
+          f"{args.pattern} load {args.load}, payload {args.payload} B, W={args.width} B, "
+          f"buffers {args.buffer_blocks} blocks per VL in, {args.downstream_blocks} downstream, "
+          f"{args.cycles} cycles (window {stats.start}..{stats.end})")
     print(f"throughput (payload / cycles*W): mean {stats.mean_throughput:.4f}, min "
           f"{min(stats.throughput):.4f}, max {max(stats.throughput):.4f}; wire utilization "
           f"{np.mean(stats.wire_utilization):.4f}")
