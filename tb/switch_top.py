@@ -1,0 +1,170 @@
+"""Simulation top: one :class:`hdl.switch.switch.Switch` and a host link port on every port.
+
+Port p of the switch is cabled to a host :class:`hdl.link.link_port.LinkPort` (the "NIC
+side"): the host's ``wire_out`` reaches the switch's ``wire_in[p]`` and the switch's
+``wire_out[p]`` the host's ``wire_in``, each through a fixed delay line of ``wire_delay``
+cycles (0: wired straight through). Both ends run the link's INIT / ARMED / ACTIVE
+protocol, so the links come up by themselves after reset.
+
+For the ports in ``tb_ports`` the host-to-switch direction goes through the testbench
+instead (``host{p}_wire_out`` out, ``switch{p}_wire_in`` in), so a
+:class:`tb.beats.WireChannel` can carry the beats and inject faults; the switch-to-host
+direction of those ports stays an HDL delay line.
+
+Brought out as ports, per host port p and VL v: the host's packet streams
+``host{p}_data_in__{v}`` / ``host{p}_data_out__{v}`` (for :class:`tb.beats.PacketSource` /
+:class:`tb.beats.PacketSink`), ``host{p}_vl_weight__{v}``, the host's link state,
+overflow flag, credit state and counters (as :class:`tb.link_pair.LinkPair` names them);
+and for the switch its AXI4-Lite slave (``axi__*``), ``switch_link_state__{p}``,
+``switch_overflow__{p}``, and two wire monitors per port: ``switch{p}_wire_in_monitor``
+(the beats as the switch's ``wire_in[p]`` sees them, after the cable) and
+``switch{p}_wire_monitor`` (the switch's ``wire_out[p]``, before the cable), so hop latency
+is measured at the switch's own pins. ``switch_buffer_blocks`` and ``host_buffer_blocks``
+are constants: the receive buffer per VL of a switch input and of a host.
+"""
+from amaranth import *
+from amaranth.lib import stream, wiring
+from amaranth.lib.memory import Memory
+from amaranth.lib.wiring import In, Out
+
+from hdl.link.link_port import LinkPort
+from hdl.link.link_receiver import DROP_REASONS
+from hdl.link.signatures import BeatLayout, LinkState, WireSignature
+from hdl.switch.switch_registers import AxiLiteSignature
+from tb.link_pair import COUNTER_PORTS, STATUS_PORTS
+
+__all__ = ["SwitchTop", "HOST_STATUS_PORTS", "HOST_COUNTER_PORTS"]
+
+HOST_STATUS_PORTS = STATUS_PORTS
+HOST_COUNTER_PORTS = COUNTER_PORTS
+WIRE_FIELDS = tuple(WireSignature(8).members)
+
+
+class SwitchTop(wiring.Component):
+    def __init__(self, *, ports=4, num_vls=2, width=64, mtu=4096, buffer_blocks=None, lids=1024,
+                 mode="voq", islip_iterations=1, fc_period=1024, fc_min_interval=64,
+                 fc_batch_blocks=64, addr_width=16, wire_delay=2, tb_ports=(),
+                 host_buffer_blocks=None, host_cut_through=True):
+        from hdl.switch.switch import Switch
+        if not 0 <= wire_delay <= 4096:
+            raise ValueError(f"Wire delay must be 0 to 4096 cycles, not {wire_delay!r}")
+        tb_ports = tuple(tb_ports)
+        if any(not 0 <= p < ports for p in tb_ports):
+            raise ValueError(f"tb_ports {tb_ports!r} must be switch ports 0 .. {ports - 1}")
+        self.ports = ports
+        self.num_vls = num_vls
+        self.width = width
+        self.wire_delay = wire_delay
+        self.tb_ports = tb_ports
+        self.switch = Switch(ports=ports, num_vls=num_vls, width=width, mtu=mtu,
+                             buffer_blocks=buffer_blocks, lids=lids, mode=mode,
+                             islip_iterations=islip_iterations, fc_period=fc_period,
+                             fc_min_interval=fc_min_interval, fc_batch_blocks=fc_batch_blocks,
+                             addr_width=addr_width)
+        self.hosts = [LinkPort(width=width, num_vls=num_vls, mtu=mtu,
+                               buffer_blocks=host_buffer_blocks, cut_through=host_cut_through,
+                               fc_period=fc_period, fc_min_interval=fc_min_interval,
+                               fc_batch_blocks=fc_batch_blocks)
+                      for _ in range(ports)]
+
+        members = {
+            "axi": In(AxiLiteSignature(addr_width)),
+            "switch_link_state": Out(LinkState).array(ports),
+            "switch_overflow": Out(1).array(ports),
+            "switch_buffer_blocks": Out(12),
+            "host_buffer_blocks": Out(12),
+        }
+        for p in range(ports):
+            h = f"host{p}"
+            members[f"{h}_data_in"] = In(stream.Signature(BeatLayout(width))).array(num_vls)
+            members[f"{h}_data_out"] = Out(stream.Signature(BeatLayout(width))).array(num_vls)
+            members[f"{h}_vl_weight"] = In(8).array(num_vls)
+            members[f"{h}_state"] = Out(LinkState)
+            members[f"{h}_overflow"] = Out(1)
+            members[f"{h}_link_inits"] = Out(32)
+            for name in HOST_STATUS_PORTS:
+                members[f"{h}_{name}"] = Out(32).array(num_vls)
+            for name in HOST_COUNTER_PORTS:
+                members[f"{h}_{name}"] = Out(32)
+            for reason in DROP_REASONS:
+                members[f"{h}_drop_{reason}"] = Out(32)
+            members[f"switch{p}_wire_monitor"] = Out(WireSignature(width))
+            members[f"switch{p}_wire_in_monitor"] = Out(WireSignature(width))
+            if p in tb_ports:
+                members[f"{h}_wire_out"] = Out(WireSignature(width))
+                members[f"switch{p}_wire_in"] = In(WireSignature(width))
+        super().__init__(members)
+
+    def _delay(self, m, name, value):
+        """``value`` delayed by ``wire_delay`` cycles."""
+        d = self.wire_delay
+        if d == 0:
+            return value
+        if d <= 4:
+            out = value
+            for k in range(d):
+                stage = Signal(len(value), name=f"{name}_d{k + 1}")
+                m.d.sync += stage.eq(out)
+                out = stage
+            return out
+        line = Memory(shape=len(value), depth=d, init=[])
+        m.submodules[f"{name}_line"] = line
+        write, read = line.write_port(), line.read_port(domain="comb")
+        position = Signal(range(d), name=f"{name}_position")
+        m.d.sync += position.eq(Mux(position == d - 1, 0, position + 1))
+        m.d.comb += [write.addr.eq(position), write.data.eq(value), write.en.eq(1),
+                     read.addr.eq(position)]
+        return read.data
+
+    def elaborate(self, platform):
+        m = Module()
+        sw = m.submodules.switch = self.switch
+        wiring.connect(m, wiring.flipped(self.axi), sw.axi)
+        m.d.comb += [
+            self.switch_buffer_blocks.eq(self.switch.buffer_blocks),
+            self.host_buffer_blocks.eq(self.hosts[0].buffer_blocks),
+        ]
+
+        def flat(wire):
+            return Cat(getattr(wire, name) for name in WIRE_FIELDS)
+
+        for p, host in enumerate(self.hosts):
+            h = f"host{p}"
+            m.submodules[h] = host
+            m.d.comb += [
+                self.switch_link_state[p].eq(sw.link_state[p]),
+                self.switch_overflow[p].eq(sw.overflow[p]),
+                getattr(self, f"{h}_state").eq(host.state),
+                getattr(self, f"{h}_overflow").eq(host.receiver.overflow),
+                getattr(self, f"{h}_link_inits").eq(host.link_inits),
+            ]
+            for v in range(self.num_vls):
+                wiring.connect(m, wiring.flipped(getattr(self, f"{h}_data_in")[v]), host.data_in[v])
+                wiring.connect(m, host.data_out[v], wiring.flipped(getattr(self, f"{h}_data_out")[v]))
+                m.d.comb += host.vl_weight[v].eq(getattr(self, f"{h}_vl_weight")[v])
+                for name, (block, attr) in HOST_STATUS_PORTS.items():
+                    m.d.comb += getattr(self, f"{h}_{name}")[v].eq(
+                        getattr(getattr(host, block), attr)[v])
+            for name, (block, attr) in HOST_COUNTER_PORTS.items():
+                m.d.comb += getattr(self, f"{h}_{name}").eq(getattr(getattr(host, block), attr))
+            for reason in DROP_REASONS:
+                m.d.comb += getattr(self, f"{h}_drop_{reason}").eq(
+                    getattr(host.receiver.drops, reason))
+
+            # Host -> switch.
+            if p in self.tb_ports:
+                wiring.connect(m, host.wire_out, wiring.flipped(getattr(self, f"{h}_wire_out")))
+                arriving = flat(getattr(self, f"switch{p}_wire_in"))
+            else:
+                arriving = self._delay(m, f"host{p}_to_switch", flat(host.wire_out))
+            m.d.comb += [
+                flat(sw.wire_in[p]).eq(arriving),
+                flat(getattr(self, f"switch{p}_wire_in_monitor")).eq(arriving),
+            ]
+            # Switch -> host.
+            leaving = flat(sw.wire_out[p])
+            m.d.comb += [
+                flat(getattr(self, f"switch{p}_wire_monitor")).eq(leaving),
+                flat(host.wire_in).eq(self._delay(m, f"switch_to_host{p}", leaving)),
+            ]
+        return m

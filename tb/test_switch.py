@@ -1,0 +1,415 @@
+"""The cut-through switch (hdl/switch/switch.py) with a host link port on every port.
+
+Sim top :class:`tb.switch_top.SwitchTop`, testbench :class:`tb.switch_tb.SwitchTB`: every
+packet is checked by :class:`models.switch.FlowScoreboard` (delivered exactly once,
+intact, in order per (input, output, VL), on the port and VL the tables say), every test
+ends with :meth:`SwitchTB.check_clean` (nothing outstanding, no receive buffer overflowed,
+every credit home, every link still ACTIVE).
+
+Builds (each Verilator build costs a minute or two, so few): ``voq`` (4 ports, 2 VLs,
+64-byte beats, VOQs, 2-cycle cables, host 0's wire to the switch carried by the testbench
+for fault injection) runs every test; ``fifo`` (the same in FIFO mode) runs the
+head-of-line demonstration and random traffic.
+"""
+import math
+import random
+
+import cocotb
+import pytest
+
+from models.switch import jain_index
+from tb import runner
+from tb.beats import WireChannel
+from tb.switch_tb import CLOCK_NS, SwitchTB, bursty_backpressure, host_lid, packet_key
+
+LATENCY_BUDGET = 8          # cycles, start beat in to start beat out (issue 3: at most 8)
+LATENCY_DESIGN = 5          # hdl/switch/switch.py HOP_LATENCY_CYCLES
+
+
+def log(dut, text):
+    dut._log.info(text)
+
+
+# --- zero-load latency -----------------------------------------------------------------------
+
+@cocotb.test()
+async def zero_load_latency(dut):
+    """One packet at a time, every input to every other output, both VLs, three sizes:
+    start beat on the switch's wire_in[p] to start beat on its wire_out[q] <= 8 cycles."""
+    tb = SwitchTB(dut, seed=1)
+    await tb.bring_up()
+    latencies = {}
+    for p in range(tb.ports):
+        for q in range(tb.ports):
+            if p == q:
+                continue
+            for vl in range(tb.num_vls):
+                for size in (0, 256, 2020):
+                    packet = tb.make_packet(p, host_lid(q), payload_len=size, vl=vl, sl=vl)
+                    n_in, n_out = len(tb.ingress[p].data_packets), len(tb.egress[q].data_packets)
+                    tb.send(p, packet)
+                    await tb.run(until=lambda: tb.nothing_outstanding(), limit=2000,
+                                 what=f"delivery {p}->{q}")
+                    got_in = tb.ingress[p].data_packets[n_in:]
+                    got_out = tb.egress[q].data_packets[n_out:]
+                    assert len(got_in) == 1 and len(got_out) == 1, (got_in, got_out)
+                    assert packet_key(got_in[0][0]) == packet_key(got_out[0][0])
+                    latencies[p, q, vl, size] = got_out[0][2] - got_in[0][2]
+                    await tb.run(cycles=8)
+    worst = max(latencies.values())
+    best = min(latencies.values())
+    pairs = {(p, q): max(l for (a, b, _, _), l in latencies.items() if (a, b) == (p, q))
+             for p in range(tb.ports) for q in range(tb.ports) if p != q}
+    log(dut, "zero-load hop latency (start beat in -> start beat out), cycles, worst per pair: "
+        + ", ".join(f"{p}->{q}: {l}" for (p, q), l in sorted(pairs.items())))
+    log(dut, f"SWITCH_HOP_LATENCY max {worst} cycles = {worst * CLOCK_NS:.1f} ns at "
+        f"{1000 / CLOCK_NS:.0f} MHz (min {best}; design {LATENCY_DESIGN}, budget {LATENCY_BUDGET})")
+    assert worst <= LATENCY_BUDGET, f"hop latency {worst} cycles > budget {LATENCY_BUDGET}: {latencies}"
+    await tb.drain()
+    tb.check_clean()
+
+
+# --- uniform random traffic ------------------------------------------------------------------
+
+def random_size(rng):
+    return rng.choice((rng.randrange(0, 257), rng.randrange(0, 1537), rng.randrange(0, 4097)))
+
+
+@cocotb.test()
+async def uniform_random_traffic(dut):
+    """Every host sends random sizes on random VLs and SLs to uniformly random other hosts
+    while every host's consumer stalls in long random bursts (the switch's outputs run out of
+    downstream credit): each packet delivered exactly once, intact, in order per (input,
+    output, VL); no receive buffer overflows; everything drains when the sources stop; the
+    switch's packets/bytes in/out counters equal what the hosts sent and received."""
+    tb = SwitchTB(dut, seed=2)
+    rng = random.Random(22)
+    for key, gen in tb.backpressure.items():
+        gen.set(bursty_backpressure(random.Random(rng.random()), 0.35, mean_burst=60))
+    await tb.bring_up()
+    per_port = 70
+    for k in range(per_port):
+        for p in range(tb.ports):
+            q = rng.choice([o for o in range(tb.ports) if o != p])
+            vl, sl = rng.randrange(tb.num_vls), rng.randrange(16)
+            tb.send(p, tb.make_packet(p, host_lid(q), payload_len=random_size(rng), vl=vl, sl=sl))
+    await tb.drain(limit=400000)
+    tb.check_clean()
+    log(dut, f"uniform random: {tb.scoreboard.delivered} packets delivered in {tb.loop.cycle} cycles")
+    counters = await tb.all_counters()
+    stalls = 0
+    for (p, v), c in counters.items():
+        sent = tb.sent[p, v]
+        got = [pkt for _, q, w, pkt in tb.delivered if (q, w) == (p, v)]
+        assert c["packets_in"] == len(sent), f"port {p} VL {v} packets_in {c['packets_in']} != {len(sent)}"
+        assert c["bytes_in"] == sum(map(len, sent)), f"port {p} VL {v} bytes_in"
+        assert c["packets_out"] == len(got), f"port {p} VL {v} packets_out {c['packets_out']} != {len(got)}"
+        assert c["bytes_out"] == sum(map(len, got)), f"port {p} VL {v} bytes_out"
+        drops = {name: n for name, n in c.items() if name.startswith("drop_") and n}
+        assert not drops, f"port {p} VL {v} dropped {drops}"
+        stalls += c["credit_stall_cycles"]
+    assert stalls > 0, "stalled consumers must show up as credit stalls at the switch's outputs"
+    log(dut, f"uniform random: {stalls} credit-stall cycles over all outputs")
+
+
+# --- incast ----------------------------------------------------------------------------------
+
+INCAST_UTILIZATION = 0.99
+
+
+@cocotb.test()
+async def incast(dut):
+    """Every other host sends back to back to host 0 (N-1 to 1, 2020-byte payloads, 32 beats):
+    nothing lost, output 0's wire carries a data beat in >= 99% of the cycles while all
+    inputs are backlogged, and the inputs share it fairly (Jain index, per-input shares)."""
+    tb = SwitchTB(dut, seed=3)
+    await tb.bring_up()
+    target, senders, per_sender = 0, list(range(1, tb.ports)), 50
+    for k in range(per_sender):
+        for p in senders:
+            tb.send(p, tb.make_packet(p, host_lid(target), payload_len=2020, vl=0, sl=0))
+    # Backlogged until the first sender has handed its last packet to its link.
+    await tb.run(until=lambda: any(not tb.sources[p, 0].queue for p in senders), limit=100000)
+    end = tb.loop.cycle
+    out = tb.egress[target]
+    first = out.data_beat_cycles[0]
+    start = first + 300                        # past the start-up transient
+    assert end - start > 1000, f"window too short: {start}..{end}"
+    beats = out.data_beats_between(start, end)
+    utilization = beats / (end - start)
+    share = {p: 0 for p in senders}
+    for packet, bad, cycle in out.data_packets:
+        if start <= cycle < end:
+            share[int.from_bytes(packet[6:8], "big") - host_lid(0)] += 1
+    jain = jain_index(share.values())
+    total = sum(share.values())
+    packet_beats = math.ceil((2020 + 26) / tb.width)
+    log(dut, f"SWITCH_INCAST {len(senders)}:1 cycles {start}..{end}: output busy {utilization:.4f} "
+        f"of cycles (data beats {beats}; one {packet_beats}-beat packet per {packet_beats + 1} cycles "
+        f"would be {packet_beats / (packet_beats + 1):.4f}); packets per input {share}, "
+        f"Jain {jain:.4f}")
+    await tb.drain()
+    tb.check_clean()
+    assert jain >= 0.99, f"unfair incast: {share}, Jain {jain:.4f}"
+    for p, n in share.items():
+        assert abs(n / total - 1 / len(senders)) <= 0.05, f"input {p} got {n} of {total} packets"
+    assert utilization >= INCAST_UTILIZATION, (
+        f"incast output busy {utilization:.4f} of cycles, required {INCAST_UTILIZATION}")
+
+
+# --- head-of-line blocking -------------------------------------------------------------------
+
+@cocotb.test()
+async def head_of_line(dut):
+    """Host 0's consumer never takes anything: its buffer fills, switch output 0 runs out of
+    credit, and packets for it pile up in the switch's inputs. Behind them, the same inputs
+    send a permutation (1->2, 2->3, 3->1) on the same VL. With VOQs that traffic keeps its
+    full rate; in FIFO mode it is stuck behind the blocked heads (head-of-line blocking).
+    Then host 0 consumes again and everything drains."""
+    tb = SwitchTB(dut, seed=4)
+    voq = tb.mode == "voq"
+    await tb.bring_up()
+    blocked = 0
+    for v in range(tb.num_vls):
+        tb.backpressure[blocked, v].hold(True)
+    senders = [p for p in range(tb.ports) if p != blocked]
+    perm = {p: senders[(k + 1) % len(senders)] for k, p in enumerate(senders)}
+    for k in range(16):
+        for p in senders:
+            tb.send(p, tb.make_packet(p, host_lid(blocked), payload_len=256, vl=0, sl=0))
+    flows = 150
+    for k in range(flows):
+        for p in senders:
+            tb.send(p, tb.make_packet(p, host_lid(perm[p]), payload_len=2020, vl=0, sl=0))
+    await tb.run(cycles=1500)
+    start = tb.loop.cycle
+    stall_before = (await tb.counters(blocked, 0))["credit_stall_cycles"]
+    t0 = tb.loop.cycle
+    await tb.run(cycles=3000)
+    end = tb.loop.cycle
+    stall = (await tb.counters(blocked, 0))["credit_stall_cycles"] - stall_before
+    for p in senders:
+        assert tb.sources[p, 0].queue, f"input {p} ran dry inside the window: make `flows` larger"
+    rates = {q: tb.egress[q].data_beats_between(start, end) / (end - start) for q in senders}
+    stuck_for_blocked = len(tb.egress[blocked].data_packets)
+    ideal = 32 / 33
+    log(dut, f"SWITCH_HOL mode {tb.mode}: output {blocked} blocked (credit stalls {stall} of "
+        f"{tb.loop.cycle - t0} cycles, {stuck_for_blocked} packets reached host {blocked}); "
+        f"other outputs busy " + ", ".join(f"{q}: {r:.3f}" for q, r in rates.items())
+        + f" (back to back: {ideal:.3f})")
+    assert stall >= 0.9 * (tb.loop.cycle - t0), "output 0 should wait for credit all along"
+    if voq:
+        for q, r in rates.items():
+            assert r >= 0.9 * ideal, f"VOQ: output {q} slowed to {r:.3f} by the blocked output"
+    else:
+        for q, r in rates.items():
+            assert r <= 0.05, f"FIFO: output {q} at {r:.3f}, expected it stuck behind the blocked heads"
+    for v in range(tb.num_vls):
+        tb.backpressure[blocked, v].hold(False)
+    await tb.drain(limit=400000)
+    tb.check_clean()
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+@cocotb.test()
+async def bad_input(dut):
+    """Through host 0's testbench-carried wire: bad VCRC, truncated, overlong, beyond the MTU,
+    invalid VL, marked end-bad; from several hosts: unknown DLIDs (unprogrammed, and beyond
+    the table) and an SL mapped to VL 15. Each is dropped and counted by reason in the right
+    (port, VL) counter over AXI; the other flows are delivered exactly once. A bad VCRC on a
+    packet already cut through leaves marked end-bad and the host's receiver drops it (its
+    end_bad drop counter counts it); a bad VCRC found before the packet could leave is
+    dropped in the switch and never appears on the output wire."""
+    plan = {}
+
+    def mutate(first_beat):
+        return plan.get(packet_key(first_beat))
+
+    tb = SwitchTB(dut, seed=5, mutate=mutate)
+    assert 0 in tb.tb_ports, "this test needs host 0's wire carried by the testbench"
+    rng = random.Random(55)
+    await tb.bring_up()
+    await tb.set_sl_to_vl(15, 15)
+    want = {}       # (port, vl, counter) -> count
+
+    def count(port, vl, name):
+        want[port, vl, name] = want.get((port, vl, name), 0) + 1
+
+    # Phase 1: mixed traffic; host 0's packets include 3 of every mutation.
+    kinds = [kind for kind in WireChannel.MUTATIONS for _ in range(3)]
+    host0 = [True] * len(kinds) + [False] * 40
+    rng.shuffle(host0)
+    k = 0
+    for bad in host0:
+        q = rng.randrange(1, tb.ports)
+        vl = rng.randrange(tb.num_vls)
+        packet = tb.make_packet(0, host_lid(q), payload_len=rng.randrange(0, 1025), vl=vl, sl=vl)
+        if bad:
+            kind = kinds[k]
+            k += 1
+            plan[packet_key(packet)] = kind
+            count(0, 0 if kind == "invalid_vl" else vl, f"drop_{kind}")
+            tb.send(0, packet, expect=False)
+        else:
+            tb.send(0, packet)
+    for p in range(tb.ports):
+        for lid in (0x300 + p, 0x2000 + p):       # never programmed; beyond the 1024-entry table
+            vl = rng.randrange(tb.num_vls)
+            tb.send(p, tb.make_packet(p, lid, payload_len=rng.randrange(0, 513), vl=vl, sl=vl))
+            count(p, vl, "drop_unknown_dlid")
+        q = (p + 1) % tb.ports
+        tb.send(p, tb.make_packet(p, host_lid(q), payload_len=100, vl=0, sl=15))
+        count(p, 0, "drop_invalid_vl")
+    for p in range(1, tb.ports):
+        for _ in range(25):
+            q = rng.choice([o for o in range(tb.ports) if o != p])
+            vl = rng.randrange(tb.num_vls)
+            tb.send(p, tb.make_packet(p, host_lid(q), payload_len=rng.randrange(0, 1025),
+                                      vl=vl, sl=vl))
+    await tb.drain()
+
+    # Phase 2: a long packet on an idle output whose VCRC fails after it started out.
+    late = tb.make_packet(0, host_lid(1), payload_len=2020, vl=1, sl=1)
+    plan[packet_key(late)] = "vcrc"
+    count(0, 1, "drop_vcrc")
+    host1_end_bad = tb.signal("host1_drop_end_bad")
+    tb.send(0, late, expect=False)
+    await tb.drain()
+    on_wire = [(bad, pkt) for pkt, bad, _ in tb.egress[1].data_packets
+               if packet_key(pkt) == packet_key(late)]
+    assert on_wire and on_wire[0][0], f"cut-through packet with a bad VCRC left unmarked: {on_wire}"
+    assert tb.signal("host1_drop_end_bad") == host1_end_bad + 1, "host 1 did not drop it as end-bad"
+
+    # Phase 3: a bad VCRC known before the packet could leave (its output busy): dropped here.
+    big = tb.make_packet(2, host_lid(3), payload_len=4096, vl=0, sl=0)
+    tb.send(2, big)
+    await tb.run(until=lambda: len(tb.egress[3].partial) >= 16
+                 and packet_key(tb.egress[3].partial) == packet_key(big),
+                 limit=2000, what="the long packet on output 3")
+    early = tb.make_packet(0, host_lid(3), payload_len=200, vl=0, sl=0)
+    plan[packet_key(early)] = "vcrc"
+    count(0, 0, "drop_vcrc")
+    tb.send(0, early, expect=False)
+    await tb.drain()
+    assert not any(packet_key(pkt) == packet_key(early) for pkt, _, _ in tb.egress[3].data_packets), \
+        "a packet whose VCRC failed before it was granted left the switch"
+    tb.check_clean()
+
+    # Counters.
+    mutated = tb.channels[0].mutated
+    assert len(mutated) == len(plan), f"{len(plan)} mutations planned, {len(mutated)} made"
+    counters = await tb.all_counters()
+    got = {(p, v, name): n for (p, v), c in counters.items() for name, n in c.items()
+           if name.startswith("drop_") and n}
+    assert got == want, f"drop counters over AXI {sorted(got.items())} != expected {sorted(want.items())}"
+    marked = [(q, pkt) for q in range(tb.ports) for pkt, bad, _ in tb.egress[q].data_packets if bad]
+    planned = set(plan)
+    assert all(packet_key(pkt) in planned for _, pkt in marked), "an intact packet left marked end-bad"
+    host_end_bad = sum(tb.signal(f"host{q}_drop_end_bad") for q in range(tb.ports))
+    assert host_end_bad == len(marked), f"{len(marked)} marked packets left the switch, hosts dropped {host_end_bad}"
+    forwarded_bad = sum(tb.signal(f"host{q}_forwarded_bad") for q in range(tb.ports))
+    assert forwarded_bad == len(tb.bad_delivered)
+    for q in range(tb.ports):
+        other = {r: n for r, n in tb.host_drops(q).items() if n and r != "end_bad"}
+        assert not other, f"host {q} dropped {other}"
+    log(dut, f"bad input: switch drops {sorted(got.items())}; {len(marked)} left marked end-bad "
+        f"(cut through already), dropped by the hosts")
+
+
+# --- forwarding-table rewrite under traffic ---------------------------------------------------
+
+@cocotb.test()
+async def forwarding_table_rewrite(dut):
+    """Three DLIDs move between two ports each, a dozen times, while every host sends to them
+    and to each other: every packet arrives exactly once, at the old or the new port
+    (FlowScoreboard alternatives), in order per flow; and every packet that entered the
+    switch clearly before (after) a rewrite went to the old (new) port."""
+    tb = SwitchTB(dut, seed=6)
+    rng = random.Random(66)
+    await tb.bring_up()
+    moving = {0x40: ((2, 3), (0, 1)), 0x41: ((0, 1), (2, 3)), 0x42: ((1, 3), (0, 2))}
+    where = {}
+    for lid, (cands, _) in moving.items():
+        await tb.set_route(lid, cands[0])
+        where[lid] = cands[0]
+    for k in range(120):
+        for p in range(tb.ports):
+            lids = [lid for lid, (_, senders) in moving.items() if p in senders]
+            vl = rng.randrange(tb.num_vls)
+            size = rng.randrange(0, 1025)
+            if rng.random() < 0.6:
+                lid = rng.choice(lids)
+                tb.send(p, tb.make_packet(p, lid, payload_len=size, vl=vl, sl=vl),
+                        ports=moving[lid][0])
+            else:
+                q = rng.choice([o for o in range(tb.ports) if o != p])
+                tb.send(p, tb.make_packet(p, host_lid(q), payload_len=size, vl=vl, sl=vl))
+    for _ in range(12):
+        await tb.run(cycles=rng.randrange(60, 200))
+        lid = rng.choice(list(moving))
+        cands = moving[lid][0]
+        where[lid] = cands[1] if where[lid] == cands[0] else cands[0]
+        await tb.set_route(lid, where[lid])
+    await tb.drain(limit=400000)
+    tb.check_clean()
+
+    # Timing: which port each moving-DLID packet should have taken, from its ingress cycle.
+    ingress = {packet_key(pkt): cycle for p in range(tb.ports)
+               for pkt, _, cycle in tb.ingress[p].data_packets}
+    egress = {packet_key(pkt): q for q in range(tb.ports) for pkt, _, _ in tb.egress[q].data_packets}
+    margin, checked, ambiguous, used = 8, 0, 0, {lid: set() for lid in moving}
+    for p in range(tb.ports):
+        for v in range(tb.num_vls):
+            for pkt in tb.sent[p, v]:
+                lid = int.from_bytes(pkt[2:4], "big")
+                if lid not in moving:
+                    continue
+                t = ingress[packet_key(pkt)]
+                history = [(c, port) for c, l, port, _ in tb.ft_writes if l == lid]
+                if any(abs(c - t) <= margin for c, _ in history):
+                    ambiguous += 1
+                    continue
+                port = [port for c, port in history if c < t][-1]
+                assert egress[packet_key(pkt)] == port, (
+                    f"DLID {lid:#x} from host {p} entered at cycle {t}: went to port "
+                    f"{egress[packet_key(pkt)]}, the table said {port} (writes {history})")
+                used[lid].add(port)
+                checked += 1
+    assert all(len(ports) == 2 for ports in used.values()), f"a DLID never moved: {used}"
+    log(dut, f"forwarding-table rewrite: {len(tb.ft_writes)} writes, {checked} moving-DLID packets "
+        f"on the port in force, {ambiguous} within {margin} cycles of a rewrite (either port)")
+
+
+# --- launchers -------------------------------------------------------------------------------
+
+BUILDS = {
+    "voq": dict(ports=4, num_vls=2, width=64, mtu=4096, buffer_blocks=None, lids=1024, mode="voq",
+                islip_iterations=1, fc_period=1024, fc_min_interval=64, fc_batch_blocks=64,
+                wire_delay=2, tb_ports=[0]),
+    "fifo": dict(ports=4, num_vls=2, width=64, mtu=4096, buffer_blocks=None, lids=1024, mode="fifo",
+                 islip_iterations=1, fc_period=1024, fc_min_interval=64, fc_batch_blocks=64,
+                 wire_delay=2, tb_ports=[0]),
+}
+
+TESTS = [
+    ("voq", "zero_load_latency"),
+    ("voq", "uniform_random_traffic"),
+    ("voq", "incast"),
+    ("voq", "head_of_line"),
+    ("voq", "bad_input"),
+    ("voq", "forwarding_table_rewrite"),
+    ("fifo", "head_of_line"),
+    ("fifo", "uniform_random_traffic"),
+]
+
+
+def factory(**params):
+    from tb.switch_top import SwitchTop
+    return SwitchTop(**params)
+
+
+@pytest.mark.parametrize("build,testcase", TESTS, ids=[f"{b}-{t}" for b, t in TESTS])
+def test_switch(build, testcase):
+    runner.run(module="tb.test_switch", toplevel="switch_top", factory=factory,
+               params=BUILDS[build], testcase=testcase, expect_tests=1)
