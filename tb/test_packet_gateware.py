@@ -12,6 +12,12 @@ with ``capture`` set, generator -> the ``tap`` port, where a Python
   equal to ``payload_bytes``; ICRCs that spill into one more beat are covered.
 * ``error_injection``: a payload bit, an ICRC bit, a PktLen bit, end_bad and a
   dropped packet on a chosen packet each move exactly their counter.
+* ``random_destinations``: ``dlid_count`` / ``dlid_exclude`` spread DLIDs uniformly
+  over the destinations but the excluded one, ``sl_from_vl`` puts the VL in the SL,
+  and ``rate`` offers the requested load (Bernoulli arrivals).
+* ``psn_increasing``: with dropped packets, the checker's strictly-increasing PSN
+  mode counts no error, and its per-source counters add up; the +1 mode counts the
+  gap (test_checker_psn_modes checks repeated and earlier PSNs, in Amaranth's simulator).
 * ``saturated_speed``: 100k cycles of saturated traffic with no Python per
   cycle; logs simulated cycles per wall-second (in ``speed.json`` of the run
   directory too, and printed by the pytest launcher).
@@ -67,7 +73,7 @@ class GatewareTop(wiring.Component):
     def __init__(self, width, num_vls=NUM_VLS, sources=SOURCES):
         self.width = width
         self.generator = PacketGenerator(width, num_vls)
-        self.checker = PacketChecker(width, sources)
+        self.checker = PacketChecker(width, sources, per_source=True)
         members = {}
         for prefix, block, skip in (("gen", self.generator, "data_out"), ("chk", self.checker, "data_in")):
             for name, member in block.signature.members.items():
@@ -104,7 +110,9 @@ class _TopCore(Elaboratable):
                 if name == skip:
                     continue
                 outer, inner = getattr(top, f"{prefix}_{name}"), getattr(block, name)
-                m.d.comb += inner.eq(outer) if member.flow == In else outer.eq(inner)
+                pairs = list(zip(outer, inner)) if member.dimensions else [(outer, inner)]
+                for o, i in pairs:
+                    m.d.comb += i.eq(o) if member.flow == In else o.eq(i)
 
         core = core_domain(m, "top_core")
         capture = registered(m, core, top.capture)
@@ -174,9 +182,11 @@ class TB:
     async def reset(self):
         dut = self.dut
         defaults = dict(enable=0, clear=0, packets=0, payload_min=0, payload_max=0, dlid=0x0101,
-                        slid=0x0005, vl=0, sl=0, vl_spread=0, destqp=0x000123, gap=0)
+                        slid=0x0005, vl=0, sl=0, vl_spread=0, destqp=0x000123, gap=0,
+                        dlid_count=0, dlid_exclude=0, rate=0, seed=0, sl_from_vl=0)
         self.gen(**defaults)
         dut.chk_stall_rate.value = 0
+        dut.chk_psn_increasing.value = 0
         dut.chk_clear.value = 0
         dut.capture.value = 0
         dut.tap__ready.value = 0
@@ -361,6 +371,99 @@ async def error_injection(dut):
 
 
 @cocotb.test()
+async def random_destinations(dut):
+    """dlid_count / dlid_exclude, sl_from_vl, and the offered load of ``rate``."""
+    tb = TB(dut)
+    await tb.reset()
+    width = tb.width
+    loop = CycleLoop(dut.clk)
+    sink = loop.add(PacketSink(dut, "tap", width))
+    dut.capture.value = 1
+    base, count, exclude, packets = 0x0200, 5, 2, 800
+    await tb.clear()
+    tb.gen(payload_min=0, payload_max=64, packets=packets, dlid=base, dlid_count=count,
+           dlid_exclude=exclude, vl_spread=1, sl_from_vl=1, seed=0x1234567, enable=1)
+    await loop.run(until=lambda: len(sink.packets) == packets, limit=packets * 20 + 2000)
+    tb.gen(enable=0)
+    hits = {}
+    for packet, end_bad, _, _ in sink.packets:
+        parsed = parse_packet(packet)
+        assert parsed.icrc_ok and not end_bad
+        assert parsed.lrh.sl == parsed.lrh.vl
+        hits[parsed.lrh.dlid] = hits.get(parsed.lrh.dlid, 0) + 1
+    wanted = [base + k for k in range(count) if k != exclude]
+    assert sorted(hits) == wanted, f"DLIDs {sorted(hits)}, wanted {wanted}"
+    for dlid, n in hits.items():       # 200 expected each; 5 sigma is about 60
+        assert abs(n - packets / len(wanted)) < 60, f"DLID {dlid:#x}: {n} of {packets} ({hits})"
+    # Exclude beyond the count: every destination; count 1: always the base.
+    for count, exclude, wanted in ((3, 7, [base, base + 1, base + 2]), (1, 5, [base])):
+        await tb.clear()
+        first = len(sink.packets)
+        tb.gen(packets=60, dlid_count=count, dlid_exclude=exclude, enable=1)
+        await loop.run(until=lambda: len(sink.packets) == first + 60, limit=5000)
+        tb.gen(enable=0)
+        seen = sorted({parse_packet(p).lrh.dlid for p, *_ in sink.packets[first:]})
+        assert seen == wanted, f"count {count} exclude {exclude}: {seen}"
+    dut._log.info(f"random DLIDs: {hits}")
+
+    # Offered load: Bernoulli arrivals at rate = 65536 * load / beats, measured at the checker.
+    dut.capture.value = 0
+    await loop.run(cycles=8)
+    payload = 256
+    beats = beats_of(payload, width)
+    for load in (0.1, 0.5, 0.9):
+        tb.gen(payload_min=payload, payload_max=payload, packets=0, dlid_count=0, vl_spread=0,
+               sl_from_vl=0, rate=round(65536 * load / beats), seed=0xC0FFEE + beats)
+        await tb.clear()
+        tb.gen(enable=1)
+        cycles = 40_000
+        await Timer(cycles * CLOCK_NS, "ns")
+        await RisingEdge(dut.clk)
+        seen = tb.checker()
+        tb.gen(enable=0)
+        measured = seen["beats"] / cycles
+        assert abs(measured - load) < 0.03, f"load {load}: {measured:.3f} of the beats"
+        assert seen["good_packets"] == seen["received_packets"]
+        dut._log.info(f"rate for load {load}: {measured:.3f} of the beats, backlog "
+                      f"{int(dut.gen_backlog.value)}")
+        await Timer(3000 * CLOCK_NS, "ns")
+        await RisingEdge(dut.clk)
+    tb.gen(rate=0)
+
+
+@cocotb.test()
+async def psn_increasing(dut):
+    """Dropped packets: no error in the strictly-increasing mode, one gap in the +1 mode;
+    per-source counters."""
+    tb = TB(dut)
+    await tb.reset()
+    kind, _ = INJECT["drop"]
+    tb.gen(payload_min=4, payload_max=200, gap=0, slid=0x0037)
+    packets = 30
+    for increasing, expected_errors in ((1, 0), (0, 1)):
+        dut.chk_psn_increasing.value = increasing
+        dut.inject_packet.value = int(dut.inject_seen.value) + 7
+        dut.inject_kind.value = kind
+        await tb.clear()
+        tb.gen(packets=packets, enable=1)
+        await tb.wait(lambda: tb.generator_status()["done"], 20000, step=64)
+        tb.gen(enable=0)
+        await tb.wait(lambda: tb.checker()["received_packets"] >= packets - 1, 2000, step=16)
+        await Timer(50 * CLOCK_NS, "ns")
+        await RisingEdge(dut.clk)
+        dut.inject_kind.value = 0
+        seen = tb.checker()
+        assert seen["out_of_order"] == expected_errors, f"increasing={increasing}: {seen}"
+        assert seen["good_packets"] == packets - 1 - expected_errors, seen
+        source = 0x37 % SOURCES
+        per_source = [int(getattr(dut, f"chk_source_packets__{s}").value) for s in range(SOURCES)]
+        assert per_source[source] == seen["good_packets"], per_source
+        assert int(getattr(dut, f"chk_source_bytes__{source}").value) == seen["good_bytes"]
+        assert sum(per_source) == per_source[source], per_source
+    dut.chk_psn_increasing.value = 0
+
+
+@cocotb.test()
 async def saturated_speed(dut):
     """100k cycles of saturated generator -> checker; logs simulated cycles per wall-second."""
     tb = TB(dut)
@@ -406,7 +509,7 @@ def factory(width):
 def test_packet_gateware(width):
     t0 = time.monotonic()
     test_dir = runner.run(module="tb.test_packet_gateware", toplevel="packet_gateware_top",
-                          factory=factory, params={"width": width}, expect_tests=4,
+                          factory=factory, params={"width": width}, expect_tests=6,
                           build_args=VERILATOR_ARGS)
     speed = json.loads((test_dir / "speed.json").read_text())
     print(f"packet gateware width {width}: {time.monotonic() - t0:.1f} s; {speed}")
@@ -435,3 +538,52 @@ def test_payload_reference():
     assert payload_bytes(7, 9, 400)[:100] == payload_bytes(7, 9, 100)
     assert payload_bytes(7, 9, 64) != payload_bytes(8, 9, 64) != payload_bytes(7, 10, 64)
     assert payload_seed(0xE667, 0x6A09) == SEED_ZERO     # the one seed xorshift could not leave
+
+
+def test_checker_psn_modes():
+    """The checker's PSN modes on hand-made PSN sequences (Amaranth's simulator, width 32):
+    +1 steps, or strictly increasing in a 2^23 window (gaps allowed; repeats, earlier
+    PSNs and jumps of 2^23 or more counted)."""
+    from amaranth.sim import Simulator
+    from models.ib import BTH
+    from models.packet import build_packet
+
+    width = 32
+    psns = [5, 6, 9, 9, 8, 0x40, 0x40 + (1 << 23) + 1, 0x41]
+    # +1 mode: all but 6 wrong. Increasing: 9 after 6 fine, the repeated 9 and the earlier 8
+    # wrong, 0x40 fine, 0x40 + 2^23 + 1 is 2^23 ahead (outside the window): wrong; the tracker
+    # follows every packet, and 0x41 is 2^23 - 1 after that one (mod 2^24): fine.
+    expected = {0: 6, 1: 3}
+    packets = []
+    for psn in psns:
+        payload = payload_bytes(psn, 0x21, 8)
+        packets.append(build_packet(bth=BTH(opcode=0x04, pkey=0xFFFF, destqp=1, psn=psn),
+                                    payload=payload, dlid=3, slid=0x21))
+    for mode, errors in expected.items():
+        dut = PacketChecker(width, sources=4)
+        sim = Simulator(dut)
+        sim.add_clock(1e-8)
+        result = {}
+
+        async def bench(ctx):
+            ctx.set(dut.psn_increasing, mode)
+            await ctx.tick().repeat(4)
+            for packet in packets:
+                chunks = [packet[k:k + width] for k in range(0, len(packet), width)]
+                for n, chunk in enumerate(chunks):
+                    ctx.set(dut.data_in.valid, 1)
+                    ctx.set(dut.data_in.payload, {"data": int.from_bytes(chunk, "little"),
+                                                  "start": n == 0, "end": n == len(chunks) - 1,
+                                                  "count": len(chunk), "end_bad": 0})
+                    await ctx.tick()
+                ctx.set(dut.data_in.valid, 0)
+                await ctx.tick()
+            await ctx.tick().repeat(4)
+            result.update({name: ctx.get(getattr(dut, name)) for name in
+                           ("received_packets", "good_packets", *ERROR_COUNTERS)})
+
+        sim.add_testbench(bench)
+        sim.run()
+        assert result["received_packets"] == len(psns), result
+        assert result["out_of_order"] == errors, f"mode {mode}: {result}"
+        assert result["good_packets"] == len(psns) - errors, f"mode {mode}: {result}"

@@ -15,8 +15,11 @@ Checks, per packet (LRH .. ICRC, no VCRC, as a block's stream carries it):
   regenerated from the packet's own PSN and SLID (``payload_bytes``).
 * ``bad_icrc``: :class:`hdl.crc.icrc_engine.IcrcEngine` (check mode) rejects it.
 * ``out_of_order``: its PSN is not the last PSN from the same source plus one
-  (mod 2^24). A source is ``SLID mod sources``; the first packet of a source
-  sets its PSN. Every packet that got as far as the end of its BTH updates its
+  (mod 2^24); with ``psn_increasing`` high, not *after* the last PSN from the same
+  source, ``(psn - last - 1) mod 2^24 < 2^23`` (a checker behind a switch sees
+  only the packets each source sent to it: gaps are expected and count as
+  nothing, a repeated or earlier PSN counts). A source is ``SLID mod sources``;
+  the first packet of a source sets its PSN. Every packet that got as far as the end of its BTH updates its
   source's PSN, good or not, so a lost packet counts once here and a corrupt one
   (unless its PSN itself was hit) not at all.
 
@@ -32,6 +35,8 @@ data_in : In(stream.Signature(BeatLayout(width)))
 stall_rate : In(8)
     ``ready`` is low on a cycle with probability ``stall_rate / 256`` (an LFSR
     draws it); 0 keeps ``ready`` high.
+psn_increasing : In(1)
+    PSN order per source: strictly increasing instead of +1 steps (above).
 clear : In(1)
     Zero every counter and forget the first start cycle (the PSN trackers stay).
 received_packets, good_packets, end_bad, bad_length, bad_payload, bad_icrc,
@@ -45,6 +50,9 @@ cycle : Out(32)
 first_start_cycle, last_end_cycle : Out(32)
     ``cycle`` when the first start beat (since reset/clear) and the latest end
     beat were accepted; ``first_seen`` says the former is meaningful.
+source_packets : Out(32).array(sources), source_bytes : Out(48).array(sources)
+    Only with ``per_source=True``: good packets and their payload bytes per source
+    (for fairness figures such as Jain's index over the inputs of an incast).
 """
 from amaranth import Array, C, Cat, DomainRenamer, Module, Mux, Signal
 from amaranth.lib import stream, wiring
@@ -65,15 +73,20 @@ ERROR_COUNTERS = ("end_bad", "bad_length", "bad_payload", "bad_icrc", "out_of_or
 class PacketChecker(wiring.Component):
     """See the module docstring."""
 
-    def __init__(self, width=64, sources=16):
+    def __init__(self, width=64, sources=16, per_source=False):
         check_width(width)
         if not isinstance(sources, int) or not 1 <= sources <= 256 or sources & (sources - 1):
             raise ValueError(f"Sources must be a power of two from 1 to 256, not {sources!r}")
         self.width = width
         self.sources = sources
+        self.per_source = bool(per_source)
+        extra = {}
+        if self.per_source:
+            extra = {"source_packets": Out(32).array(sources), "source_bytes": Out(48).array(sources)}
         super().__init__({
             "data_in": In(stream.Signature(BeatLayout(width))),
             "stall_rate": In(8),
+            "psn_increasing": In(1),
             "clear": In(1),
             "received_packets": Out(32),
             "good_packets": Out(32),
@@ -85,6 +98,7 @@ class PacketChecker(wiring.Component):
             "first_start_cycle": Out(32),
             "first_seen": Out(1),
             "last_end_cycle": Out(32),
+            **extra,
         })
 
     def elaborate(self, platform):
@@ -97,6 +111,7 @@ class PacketChecker(wiring.Component):
         core = core_domain(m, "checker_core")
         stall_rate = registered(m, core, self.stall_rate)
         clear = registered(m, core, self.clear)
+        psn_increasing = registered(m, core, self.psn_increasing)
 
         # --- backpressure ---
         stall_rng = Signal(16, init=0x1D2B)
@@ -199,7 +214,11 @@ class PacketChecker(wiring.Component):
         last_psn = Array(Signal(24, name=f"last_psn{s}") for s in range(self.sources))
         seen = Array(Signal(name=f"seen{s}") for s in range(self.sources))
         in_order = Signal()
-        m.d.comb += in_order.eq(~seen[source] | (psn == (last_psn[source] + 1)[:24]))
+        step = Signal(24)               # psn - last - 1, mod 2^24
+        m.d.comb += [
+            step.eq(psn - last_psn[source] - 1),
+            in_order.eq(~seen[source] | Mux(psn_increasing, ~step[23], step == 0)),
+        ]
 
         ending = Signal()
         m.d.comb += ending.eq(take & end)
@@ -243,4 +262,12 @@ class PacketChecker(wiring.Component):
                 m.d[core] += [self.first_seen.eq(1), self.first_start_cycle.eq(self.cycle)]
             with m.If(ending):
                 m.d[core] += self.last_end_cycle.eq(self.cycle)
+        if self.per_source:
+            packets = Array(self.source_packets)
+            nbytes = Array(self.source_bytes)
+            with m.If(clear):
+                m.d[core] += [c.eq(0) for c in (*self.source_packets, *self.source_bytes)]
+            with m.Elif(ending & verdict["good"]):
+                m.d[core] += [packets[source].eq(packets[source] + 1),
+                              nbytes[source].eq(nbytes[source] + 4 * (pktlen - HEADER_WORDS - 1))]
         return m

@@ -68,12 +68,31 @@ vl_spread : In(1)
 destqp : In(24)
 gap : In(16)
     Idle cycles after each packet's end beat (0 = back to back).
+dlid_count, dlid_exclude : In(8)
+    Random destinations (0, the default: every packet goes to ``dlid``). With
+    ``dlid_count = n > 0`` each packet's DLID is ``dlid + k``, ``k`` drawn uniformly
+    (by a 32-bit xorshift LFSR, one draw per packet) from ``0 .. n-1`` without
+    ``dlid_exclude`` (when that is below ``n``; e.g. the generator's own port).
+rate : In(16)
+    Offered load (0, the default: packets start whenever the other controls allow).
+    Non-zero: Bernoulli arrivals, a packet arrives in each cycle ``enable`` is high
+    with probability ``rate / 65536`` (another xorshift LFSR draws it); arrivals
+    queue in ``backlog`` and a packet starts only while ``backlog`` is non-zero.
+    For a load ``L`` (fraction of the wire) with packets of ``B`` beats on the wire:
+    ``rate = 65536 * L / B``, as models/switch.py's ``Traffic`` generates them.
+seed : In(32)
+    Loaded into both LFSRs of ``dlid_count`` and ``rate`` on ``clear`` when non-zero,
+    so that generators side by side draw independent sequences.
+sl_from_vl : In(1)
+    LRH.SL is the packet's VL (with ``vl_spread``: SL and VL rotate together).
 sent_packets : Out(32)
     Packets whose end beat was accepted.
 sent_bytes : Out(48)
     Their payload bytes.
 done : Out(1)
     ``packets`` is non-zero, that many were sent, and none is in flight.
+backlog : Out(16)
+    Packets arrived (``rate`` mode) and not yet started.
 """
 from amaranth import C, Cat, ClockDomain, ClockSignal, DomainRenamer, Module, Mux, ResetSignal, Signal
 from amaranth.lib import stream, wiring
@@ -207,9 +226,15 @@ class PacketGenerator(wiring.Component):
             "vl_spread": In(1),
             "destqp": In(24),
             "gap": In(16),
+            "dlid_count": In(8),
+            "dlid_exclude": In(8),
+            "rate": In(16),
+            "seed": In(32),
+            "sl_from_vl": In(1),
             "sent_packets": Out(32),
             "sent_bytes": Out(48),
             "done": Out(1),
+            "backlog": Out(16),
         })
 
     def elaborate(self, platform):
@@ -223,7 +248,8 @@ class PacketGenerator(wiring.Component):
         # Control inputs are taken one cycle late (see core_domain).
         ctl = {name: registered(m, core, getattr(self, name)) for name in (
             "enable", "clear", "packets", "payload_min", "payload_max", "dlid", "slid", "vl", "sl",
-            "vl_spread", "destqp", "gap")}
+            "vl_spread", "destqp", "gap", "dlid_count", "dlid_exclude", "rate", "seed",
+            "sl_from_vl")}
 
         accepted = Signal()
         m.d.comb += accepted.eq(out.valid & out.ready)
@@ -248,12 +274,32 @@ class PacketGenerator(wiring.Component):
         limit = MAX_PKTLEN_WORDS - HEADER_WORDS - 1
         m.d.comb += new_payload_words.eq(Mux(chosen > limit, limit, chosen))
 
+        # --- random destination and Bernoulli arrivals (dlid_count, rate) ---
+        dest_rng = Signal(32, init=0x2545F491)
+        arrival_rng = Signal(32, init=0x9E3779B9)
+        count = ctl["dlid_count"]
+        exclude = ctl["dlid_exclude"]
+        choices = Signal(8)
+        m.d.comb += choices.eq(count - (exclude < count))
+        draw = Signal(8)
+        m.d.comb += draw.eq((dest_rng[:16] * choices) >> 16)
+        pick = Signal(8)
+        m.d.comb += pick.eq(draw + ((exclude < count) & (draw >= exclude)))
+        new_dlid = Signal(16)
+        m.d.comb += new_dlid.eq(Mux(count == 0, ctl["dlid"], ctl["dlid"] + pick))
+        arrive = Signal()
+        m.d.comb += arrive.eq(ctl["enable"] & ~ctl["clear"] & (ctl["rate"] != 0)
+                              & (arrival_rng[:16] < ctl["rate"]))
+        m.d[core] += arrival_rng.eq(_xorshift32_hw(arrival_rng))
+
         first = ~in_packet              # the beat on offer is a start beat
+        new_vl = Signal(4)
+        m.d.comb += new_vl.eq(Mux(ctl["vl_spread"], vl_turn, ctl["vl"]))
         fields = {                      # name: (value for a new packet, bits); latched for later beats
             "payload_words": (new_payload_words, 11),
-            "vl": (Mux(ctl["vl_spread"], vl_turn, ctl["vl"]), 4),
-            "sl": (ctl["sl"], 4),
-            "dlid": (ctl["dlid"], 16),
+            "vl": (new_vl, 4),
+            "sl": (Mux(ctl["sl_from_vl"], new_vl, ctl["sl"]), 4),
+            "dlid": (new_dlid, 16),
             "slid": (ctl["slid"], 16),
             "destqp": (ctl["destqp"], 24),
             "psn": (psn, 24),
@@ -350,6 +396,7 @@ class PacketGenerator(wiring.Component):
         # --- the stream ---
         can_start = Signal()
         m.d.comb += can_start.eq(ctl["enable"] & ~ctl["clear"] & (gap_left == 0)
+                                 & ((ctl["rate"] == 0) | (self.backlog != 0))
                                  & ((ctl["packets"] == 0) | (started < ctl["packets"])))
         m.d.comb += [
             out.valid.eq(in_packet | offering | can_start),
@@ -373,6 +420,7 @@ class PacketGenerator(wiring.Component):
                     started.eq(started + 1),
                     length_rng.eq(Mux(length_rng[0], (length_rng >> 1) ^ 0xB400, length_rng >> 1)),
                     vl_turn.eq(Mux(vl_turn >= self.num_vls - 1, 0, vl_turn + 1)),
+                    dest_rng.eq(_xorshift32_hw(dest_rng)),
                 ]
             with m.If(is_end):
                 m.d[core] += [
@@ -384,8 +432,18 @@ class PacketGenerator(wiring.Component):
                 ]
             with m.Else():
                 m.d[core] += [beat.eq(beat + 1), in_packet.eq(1)]
+        starting = Signal()
+        m.d.comb += starting.eq(accepted & first & (ctl["rate"] != 0))
+        with m.If(arrive & ~starting & (self.backlog != 0xFFFF)):
+            m.d[core] += self.backlog.eq(self.backlog + 1)
+        with m.Elif(~arrive & starting & (self.backlog != 0)):
+            m.d[core] += self.backlog.eq(self.backlog - 1)
         with m.If(ctl["clear"]):
-            m.d[core] += [self.sent_packets.eq(0), self.sent_bytes.eq(0), started.eq(0)]
+            m.d[core] += [self.sent_packets.eq(0), self.sent_bytes.eq(0), started.eq(0),
+                          self.backlog.eq(0)]
+            with m.If(ctl["seed"] != 0):
+                m.d[core] += [dest_rng.eq(ctl["seed"]),
+                              arrival_rng.eq(Mux(ctl["seed"] == 0x5DEECE66, 1, ctl["seed"] ^ 0x5DEECE66))]
 
         m.d.comb += self.done.eq((ctl["packets"] != 0) & (self.sent_packets == ctl["packets"])
                                  & ~in_packet & ~offering)
