@@ -55,7 +55,8 @@ class VoqBuffer(wiring.Component):
     say it did.
 
     Latency: a start beat written in cycle t heads its queue in t + 1; granted in cycle
-    g, its first beat is on ``out`` in g + 2.
+    g, its first beat is on ``out`` in g + 1 (the grant addresses the cell memory
+    directly), the cycle after the previous packet's last beat left.
     """
 
     def __init__(self, *, width, num_vls, ports, share, mode="voq"):
@@ -202,8 +203,7 @@ class VoqBuffer(wiring.Component):
         rd_checked = Signal()       # the known-bad check was made for this packet
         rd_skip = Signal()
         rd_seq = Signal(self.seq_bits)
-        rd_head = Signal(self.cell_bits)
-        rd_index = Signal(16)       # beats read so far
+        rd_index = Signal(16)       # beats read so far (the grant reads the first)
         rd_in_vl = Signal(range(num_vls))
         shown = Signal()            # cell_rp.data holds a beat of this packet not yet consumed
         shown_cell = Signal(self.cell_bits)
@@ -241,10 +241,10 @@ class VoqBuffer(wiring.Component):
         m.d.comb += [
             issue.eq(self.active & ~(shown & beat.end) & written & (~shown | consume)),
             cell_rp.en.eq(issue),
-            cell_rp.addr.eq(Mux(rd_index == 0, rd_head, beat.next)),
+            cell_rp.addr.eq(beat.next),
         ]
         with m.If(issue):
-            m.d.sync += [shown.eq(1), shown_cell.eq(cell_rp.addr), shown_start.eq(rd_index == 0),
+            m.d.sync += [shown.eq(1), shown_cell.eq(cell_rp.addr), shown_start.eq(0),
                          rd_index.eq(rd_index + 1)]
         with m.Elif(consume):
             m.d.sync += shown.eq(0)
@@ -270,9 +270,14 @@ class VoqBuffer(wiring.Component):
             granted = data.View(descriptor, Array(queue.r_data for queue in queues)[self.grant_queue])
             for q, queue in enumerate(queues):
                 m.d.comb += queue.r_en.eq(self.grant_queue == q)
+            # The head cell is read in the grant cycle itself (the port is idle: the reader
+            # was free or its last beat is leaving), so a packet follows the previous one
+            # out of the same output with no idle cycle between them.
+            m.d.comb += [cell_rp.en.eq(1), cell_rp.addr.eq(granted.head)]
             m.d.sync += [
-                self.active.eq(1), rd_checked.eq(0), rd_skip.eq(0), rd_index.eq(0), shown.eq(0),
-                rd_seq.eq(granted.seq), rd_head.eq(granted.head), rd_in_vl.eq(granted.in_vl),
+                self.active.eq(1), rd_checked.eq(0), rd_skip.eq(0), rd_index.eq(1),
+                shown.eq(1), shown_cell.eq(granted.head), shown_start.eq(1),
+                rd_seq.eq(granted.seq), rd_in_vl.eq(granted.in_vl),
                 self.out_port.eq(granted.port), self.out_vl.eq(granted.vl),
             ]
         return m
