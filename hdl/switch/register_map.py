@@ -56,13 +56,15 @@ FT_FIELDS = (("lid", 0, 16), ("port", 16, 4), ("valid", 31, 1))
 
 # Per-port per-VL counters, in address order: (name, what it counts).
 COUNTER_WORDS = (
-    ("packets_in", "data packets that started arriving on this input port on this VL "
-                   "(every packet, good or later dropped)"),
+    ("packets_in", "data packets accepted into this input port's buffer on this VL, at "
+                   "their start beat (good, or dropped later, e.g. for a bad VCRC; a packet "
+                   "rejected at its start beat counts only in its drop counter)"),
     ("packets_out", "data packets sent on this output port on this VL"),
     ("bytes_in", "bytes of those packets, LRH through ICRC (4 x LRH.PktLen)"),
-    ("bytes_out", "bytes sent on this output port on this VL, LRH through ICRC"),
-    ("credit_stall_cycles", "cycles this output port had a packet for this VL that waited "
-                            "for downstream credit"),
+    ("bytes_out", "bytes of those packets, LRH through ICRC (4 x LRH.PktLen)"),
+    ("credit_stall_cycles", "cycles in which some input had a packet for this output port "
+                            "and VL at the head of a queue that waited because the downstream "
+                            "credit did not cover it"),
     *((f"drop_{reason}", f"input packets dropped (or, cut through, marked end-bad) "
                          f"for reason `{reason}` (docs/link.md, Drop reasons)")
       for reason in DROP_REASONS),
@@ -217,7 +219,12 @@ def render_markdown(ports=8, num_vls=2, lids=1024):
     lines += [
         "",
         "Counters are 32-bit, free running, wrapping (software takes differences); the "
-        "switch datapath owns them, this block only reads them.",
+        "switch datapath owns them, this block only reads them. Input counters "
+        "(`packets_in`, `bytes_in`, `drop_*`) count on the VL the arriving packet's LRH "
+        "names, and on VL 0 when that is not a data VL (`drop_invalid_vl`, and "
+        "`drop_malformed`/`drop_link_down` of such packets); a packet whose SL maps to VL 15 "
+        "counts as `drop_invalid_vl` on its arriving VL. Output counters (`packets_out`, "
+        "`bytes_out`, `credit_stall_cycles`) count on the output VL, `sl_to_vl[SL]`.",
         "",
         f"## Registers ({len(regs)}; address bits needed: {address_bits(regs)})",
         "",
