@@ -31,34 +31,43 @@ port, as the architecture brief defines it; ``wire_utilization`` is the fraction
 cycles an output carries a beat.
 
 Timing (all times are cycles; "at t" is the cycle in which something happens). The
-defaults are the switch RTL's design (hdl/switch/switch.py); they stay parameters
-because they will be re-measured on the RTL.
+defaults are the switch RTL's timing (hdl/switch/switch.py, hdl/switch/voq_buffer.py),
+as measured on it (4-port switch, cocotb: zero-load hop 4 cycles for every pair and
+size; 4096-byte incast leaves an output back to back with no idle cycle); they stay
+parameters to explore other pipelines.
 
 - ``t_in``: the packet's start beat is on the switch's ingress wire; beat k at
   ``t_in + k``. The upstream transmitter (the source) starts a packet only when its
   credit for that VL covers the whole packet (plain block counters: on a clean wire the
   12-bit FCTBS/FCCL arithmetic of docs/link.md is equivalent). The packet's blocks
-  occupy the input buffer from ``t_in``.
-- ``ready = t_in + ingress_cycles`` (default 2: header parsed, DLID and SL looked up):
-  from this cycle the packet, when it heads its queue, may request. Store-and-forward
+  occupy the input buffer from ``t_in``. In the RTL the header is checked, the
+  forwarding table answers and the descriptor is enqueued at ``t_in + 1``.
+- ``ready = t_in + ingress_cycles`` (default 2: the packet heads its VOQ): from this
+  cycle the packet, when it heads its queue, may request. Store-and-forward
   (``cut_through=False``) adds ``beats - 1``.
-- Allocation at ``t_g`` (``t_grant``), in two steps (below: output VL arbitration, then
-  iSLIP). A head packet is *eligible* for (output o, VL v) when it is ready, heads its
-  queue, the downstream credit of (o, v) covers the whole packet, and its input and
-  output o are both free. The grant takes the downstream credit at ``t_g``.
-- ``t_out = t_g + alloc_cycles + egress_cycles`` (defaults 1 + 2 = 3): the start beat
-  on the egress wire, beat k at ``t_out + k`` (never before it arrived:
+- Allocation at ``t_g`` (``t_grant``) ``>= ready``, combinational within that cycle, in
+  two steps (below: output VL arbitration, then iSLIP). A head packet is *eligible* for
+  (output o, VL v) when it is ready, heads its queue, the downstream credit of (o, v)
+  covers the whole packet, and its input and output o are both free. The grant takes
+  the downstream credit at ``t_g``.
+- The grant reads the head cell in the same cycle; beat k is handed to the egress
+  transmitter at ``t_g + alloc_cycles + k`` (default ``t_g + 1 + k``, when not
+  stalled) and is on the egress wire ``egress_cycles`` later:
+  ``t_out = t_g + alloc_cycles + egress_cycles`` (defaults 1 + 1 = 2) is the start
+  beat on the egress wire, beat k at ``t_out + k`` (never before it arrived:
   ``t_out >= t_in``). Zero-load hop latency (start beat in to start beat out) =
-  ``ingress_cycles + alloc_cycles + egress_cycles`` = 2 + 1 + 2 = **5 cycles**.
-- In the RTL beat k is handed to the egress transmitter at ``t_g + 2 + k``, so the end
-  beat at ``t_g + 1 + beats``. The input and the output are held from ``t_g`` until
-  that cycle, and in that same cycle both can be granted again: a port's consecutive
-  grants are ``beats + 1`` cycles apart, one idle cycle between back-to-back packets on
-  the egress wire (a stream of 32-beat packets fills at most 32/33 of the wire). In the
-  model: held until ``t_g + beats + turnaround_cycles`` (default 1).
-- The last beat is read from the input buffer at ``t_g + alloc_cycles + beats - 1``;
-  its blocks are free from ``in_release = t_g + alloc_cycles + beats`` and the upstream
-  credit returns at ``in_release + credit_delay``.
+  ``ingress_cycles + alloc_cycles + egress_cycles`` = 2 + 1 + 1 = **4 cycles**.
+- The end beat is handed to the transmitter at ``t_g + beats``; in that cycle the input
+  and the output are free again and both can be granted again, so a port's
+  consecutive grants are ``beats`` cycles apart and back-to-back packets leave an
+  output with no idle cycle between them (a stream of 32-beat packets fills the whole
+  wire). In the model: held until ``t_g + beats + turnaround_cycles`` (default 0; 1
+  would model one idle cycle between packets).
+- Cells go back to the input buffer's free list as they are read, and the packet's
+  credit blocks are returned with its end beat: they are free from
+  ``in_release = t_g + alloc_cycles + beats - 1`` (the cycle the end beat is handed to
+  the transmitter, ``t_g + beats`` by default) and the upstream credit returns at
+  ``in_release + credit_delay``.
 - Downstream: the sink behind each output reads one beat per cycle, in order, never
   ahead of arrival, except in cycles it stalls (``sink_stall`` probability, or the
   ``starve`` periods). A packet's downstream blocks are held from ``t_out`` to
@@ -645,7 +654,7 @@ class Router:
     def __init__(self, ports: int = 8, num_vls: int = 2, *, mode: str = "voq",
                  iterations: int = 1, width: int = 64, buffer_blocks: int = 528,
                  downstream_blocks: int = 132, mtu: int = 4096, ingress_cycles: int = 2,
-                 alloc_cycles: int = 1, egress_cycles: int = 2, turnaround_cycles: int = 1,
+                 alloc_cycles: int = 1, egress_cycles: int = 1, turnaround_cycles: int = 0,
                  cut_through: bool = True, forwarding: ForwardingTable | None = None,
                  sl_to_vl: SlToVl | None = None, vl_weights=DEFAULT_VL_WEIGHT):
         if not 2 <= ports <= 64:
@@ -846,7 +855,7 @@ class Router:
             p.t_grant = t
             in_busy[i] = out_busy[o] = t + p.beats + hold
             p.t_out = t_out
-            p.in_release = t + self.alloc_cycles + p.beats
+            p.in_release = t + self.alloc_cycles + p.beats - 1
             granted.append(p)
         return granted
 
