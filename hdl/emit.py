@@ -96,6 +96,23 @@ register("tf_switch_registers_8p", lambda: __import__("hdl.switch.switch_registe
                        "port_enable": ("port",), "sl_to_vl": ("SL",)})
 
 
+def _switch(**kwargs):
+    from hdl.switch.switch import Switch
+    return Switch(**kwargs)
+
+
+_SWITCH_LABELS = {"wire_in": ("port",), "wire_out": ("port",), "link_state": ("port",),
+                  "overflow": ("port",)}
+register("tf_switch_4p", lambda: _switch(ports=4),
+         "Cut-through switch, 4 ports, 64-byte beats, 2 data VLs, MTU 4096, VOQ input buffers "
+         "of 132 blocks per VL, 1024-entry forwarding table, AXI4-Lite control "
+         "(docs/switch.md, docs/switch-registers.md)", index_labels=_SWITCH_LABELS)
+register("tf_switch_8p", lambda: _switch(ports=8),
+         "Cut-through switch, 8 ports, 64-byte beats, 2 data VLs, MTU 4096, VOQ input buffers "
+         "of 132 blocks per VL, 1024-entry forwarding table, AXI4-Lite control "
+         "(docs/switch.md, docs/switch-registers.md)", index_labels=_SWITCH_LABELS)
+
+
 # --- Port meanings --------------------------------------------------------------------------
 # Words for the top-level signature member names shared by the link, switch and NIC blocks.
 # A name not listed reads as itself with spaces.
@@ -105,6 +122,8 @@ MEMBER_WORDS = {
     "data_out": "output stream",
     "wire_in": "wire from the peer",
     "wire_out": "wire to the peer",
+    "link_state": "link state",
+    "axi": "AXI4-Lite slave (control and status registers)",
     "vl_weight": "arbitration weight (64-byte blocks per turn)",
     "state": "link state",
     "clear": "clear strobe (link re-enters INIT: forget FCTBS, ABR, credit limits)",
