@@ -3,7 +3,12 @@
 Each scenario is a cocotb module run under Verilator by :func:`tb.runner.run`;
 its tests append ``{"name", "value", "unit", "config"}`` records that this
 script gathers. Names are documented in docs/performance.md. The credit-loop
-sweep also writes build/bench/link_buffer_sweep.{json,png}.
+sweep also writes build/bench/link_buffer_sweep.{json,png}; the switch's load
+sweep build/bench/switch_latency_vs_load.{json,png}.
+
+``--only link`` / ``--only switch`` runs one group (``make bench BENCH_ARGS="--only
+switch"``); with ``--only``, the records of the other groups already in the output
+file are kept.
 """
 import argparse
 import json
@@ -119,12 +124,171 @@ def plot_sweep(table):
     fig.savefig(OUT / "link_buffer_sweep.png", dpi=110)
 
 
+# --- switch (tb/bench_switch.py on tb/switch_bench_top.py) ----------------------------------
+
+SWITCH = dict(ports=8, num_vls=2, width=64, mtu=4096, buffer_blocks=None, lids=1024, mode="voq",
+              islip_iterations=1, fc_period=1024, fc_min_interval=64, fc_batch_blocks=64,
+              addr_width=16, wire_delay=0, host_buffer_blocks=None, hist_bins=16384, psn_slots=256)
+SWITCH_PAYLOAD = 2020               # 2046 bytes on the wire: 32 beats of 64 B, 32 credit blocks
+SWITCH_LARGE_BUFFER = 2047          # blocks per input VL (the link maximum) for the second saturation figure
+SWITCH_RUN = dict(payload=SWITCH_PAYLOAD, warmup=20000, cycles=60000, sweep_warmup=5000,
+                  sweep_cycles=20000, incast_cycles=40000, latency_payloads=[0, 256, 4096],
+                  loads=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+SWITCH_VERILATOR_ARGS = ["--no-public-flat-rw", "--public-depth", "1"]
+
+
+def switch_bench_top(**params):
+    from tb.switch_bench_top import SwitchBenchTop
+    return SwitchBenchTop(**params)
+
+
+def run_switch(testcase, expect_tests, run=None, **params):
+    """One build per hardware parameter set; the run settings travel in BENCH_SETTINGS
+    (they are merged into the testbench's parameters) so that they never cause a rebuild."""
+    params = {**SWITCH, **params}
+    settings = {**SWITCH_RUN, **(run or {})}
+    tag = runner.param_tag(params)
+    records = OUT / "records" / f"switch_{testcase or 'all'}_{tag}.json"
+    records.parent.mkdir(parents=True, exist_ok=True)
+    records.unlink(missing_ok=True)
+    began = time.time()
+    runner.run(module="tb.bench_switch", toplevel="switch_bench_top", factory=switch_bench_top,
+               params=params, testcase=testcase, expect_tests=expect_tests,
+               build_args=SWITCH_VERILATOR_ARGS,
+               extra_env={"BENCH_RECORDS": str(records), "BENCH_SETTINGS": json.dumps(settings)})
+    print(f"switch bench {testcase or 'all'} {tag}: {time.time() - began:.0f} s (build included)",
+          flush=True)
+    return json.loads(records.read_text())
+
+
+def switch_benchmarks():
+    records = []
+    # Default build (132-block input buffers, VOQ): every scenario.
+    records += run_switch(None, 4)
+    # Saturation with a larger input buffer, and the FIFO (head-of-line) switch.
+    records += run_switch("saturation", 1, run={"record_tag": f".buffer{SWITCH_LARGE_BUFFER}"},
+                          buffer_blocks=SWITCH_LARGE_BUFFER)
+    records += run_switch("saturation", 1, mode="fifo")
+    records += switch_model_records(records)
+    plot_switch_sweep(records)
+    return records
+
+
+def switch_model_config(rtl_config):
+    keys = ("ports", "width", "num_vls", "mode", "islip_iterations", "buffer_blocks",
+            "downstream_blocks", "payload_bytes")
+    return {k: rtl_config[k] for k in keys if k in rtl_config}
+
+
+def switch_model(load, *, mode="voq", buffer_blocks=132, downstream_blocks=132, pattern="uniform",
+                 cycles=160000, warmup=80000):
+    from models.switch import run_switch as model_run
+    stats, net = model_run(SWITCH["ports"], pattern, load=load, payload=SWITCH_PAYLOAD,
+                           cycles=cycles, warmup=warmup, num_vls=SWITCH["num_vls"], sls=(0, 1),
+                           mode=mode, iterations=SWITCH["islip_iterations"], width=SWITCH["width"],
+                           buffer_blocks=buffer_blocks, downstream_blocks=downstream_blocks,
+                           exclude_self=True)
+    return stats, net
+
+
+def switch_model_records(rtl):
+    """models/switch.py on the configurations the RTL was measured with."""
+    by_name = {r["name"]: r for r in rtl}
+    records = []
+    base = {"source": "models/switch.py", "traffic": "uniform over the other ports",
+            "sls": [0, 1], "cycles": 160000, "warmup": 80000}
+    for name, kwargs in (("uniform", {}), (f"uniform.buffer{SWITCH_LARGE_BUFFER}",
+                                           {"buffer_blocks": SWITCH_LARGE_BUFFER}),
+                         ("uniform_fifo", {"mode": "fifo"})):
+        rtl_record = by_name.get(f"switch.saturation_throughput.{name}")
+        blocks = rtl_record["config"]["buffer_blocks"] if rtl_record else kwargs.get("buffer_blocks", 132)
+        down = rtl_record["config"]["downstream_blocks"] if rtl_record else 132
+        kwargs = {**kwargs, "buffer_blocks": blocks, "downstream_blocks": down}
+        stats, net = switch_model(1.0, **kwargs)
+        records.append({"name": f"switch.model.saturation_throughput.{name}",
+                        "value": round(stats.mean_throughput, 4), "unit": "fraction of wire",
+                        "config": {**base, **SWITCH, **kwargs, "payload_bytes": SWITCH_PAYLOAD,
+                                   "wire_utilization": round(sum(stats.wire_utilization) / len(stats.wire_utilization), 4),
+                                   "latency_p50": round(stats.latency_p50, 1),
+                                   "latency_p99": round(stats.latency_p99, 1)}})
+        if name == "uniform":
+            records.append({"name": "switch.model.hop_latency_cycles", "value": net.router.hop_latency,
+                            "unit": "cycles", "config": {**base, **SWITCH, **kwargs}})
+    sweep = []
+    for load in SWITCH_RUN["loads"]:
+        stats, _ = switch_model(load, cycles=40000, warmup=10000)
+        sweep.append({"load": load, "p50": round(stats.latency_p50, 1), "p99": round(stats.latency_p99, 1),
+                      "throughput": round(stats.mean_throughput, 4)})
+    records.append({"name": "switch.model.latency_vs_load", "value": sweep, "unit": "cycles",
+                    "config": {**base, **SWITCH, "buffer_blocks": 132, "downstream_blocks": 132,
+                               "payload_bytes": SWITCH_PAYLOAD, "cycles": 40000, "warmup": 10000}})
+    p80 = [p for p in sweep if abs(p["load"] - 0.8) < 1e-9][0]
+    records.append({"name": "switch.model.p99_latency_cycles.load80", "value": p80["p99"],
+                    "unit": "cycles", "config": records[-1]["config"]})
+    stats, _ = switch_model(1.0, pattern="incast", cycles=40000, warmup=10000)
+    records.append({"name": "switch.model.incast.utilization",
+                    "value": round(stats.wire_utilization[0], 4), "unit": "fraction of cycles",
+                    "config": {**base, **SWITCH, "traffic": "7 to 1", "buffer_blocks": 132,
+                               "downstream_blocks": 132, "payload_bytes": SWITCH_PAYLOAD}})
+    records.append({"name": "switch.model.incast.jain", "value": round(stats.jain, 5),
+                    "unit": "index", "config": records[-1]["config"]})
+    return records
+
+
+def plot_switch_sweep(records):
+    by_name = {r["name"]: r for r in records}
+    rtl = by_name.get("switch.latency_vs_load")
+    model = by_name.get("switch.model.latency_vs_load")
+    if not rtl:
+        return
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "switch_latency_vs_load.json").write_text(json.dumps(
+        {"rtl": rtl, "model": model}, indent=1))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    loads = [p["load"] for p in rtl["value"]]
+    ax.plot(loads, [p["p50"] for p in rtl["value"]], "o-", color="C0", label="RTL p50")
+    ax.plot(loads, [p["p99"] for p in rtl["value"]], "s-", color="C3", label="RTL p99")
+    if model:
+        ax.plot([p["load"] for p in model["value"]], [p["p50"] for p in model["value"]], "o--",
+                color="C0", alpha=0.5, label="model p50")
+        ax.plot([p["load"] for p in model["value"]], [p["p99"] for p in model["value"]], "s--",
+                color="C3", alpha=0.5, label="model p99")
+    config = rtl["config"]
+    ax.set_yscale("log")
+    ax.set_xlabel("offered load (fraction of the wire per input)")
+    ax.set_ylabel("start beat in -> start beat out (cycles, 2.5 ns)")
+    ax.set_title(f"{config['ports']}-port switch, uniform, {config['payload_bytes']} B payloads, "
+                 f"{config['buffer_blocks']} blocks/VL", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "switch_latency_vs_load.png", dpi=110)
+    docs = runner.REPO / "docs" / "img"
+    docs.mkdir(parents=True, exist_ok=True)
+    fig.savefig(docs / "switch_latency_vs_load.png", dpi=110)
+
+
+GROUPS = {"link": "link_benchmarks", "switch": "switch_benchmarks"}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT / "results.json")
+    parser.add_argument("--only", choices=sorted(GROUPS), action="append",
+                        help="run only this group of benchmarks (repeatable)")
     args = parser.parse_args(argv)
     started = time.time()
-    records = link_benchmarks()
+    groups = args.only or list(GROUPS)
+    records = []
+    for group in groups:
+        records += globals()[GROUPS[group]]()
+    if args.only and args.out.exists():
+        prefixes = tuple(f"{g}." for g in groups)
+        kept = [r for r in json.loads(args.out.read_text()) if not r["name"].startswith(prefixes)]
+        records = kept + records
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(records, indent=1))
     width = max(len(r["name"]) for r in records)

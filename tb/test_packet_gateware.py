@@ -522,7 +522,8 @@ def test_generator_parameters_validated(kwargs):
         PacketGenerator(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [dict(width=4), dict(sources=3), dict(sources=0), dict(sources=512)])
+@pytest.mark.parametrize("kwargs", [dict(width=4), dict(sources=3), dict(sources=0), dict(sources=512),
+                                    dict(psn_vls=3)])
 def test_checker_parameters_validated(kwargs):
     with pytest.raises(ValueError):
         PacketChecker(**kwargs)
@@ -540,50 +541,63 @@ def test_payload_reference():
     assert payload_seed(0xE667, 0x6A09) == SEED_ZERO     # the one seed xorshift could not leave
 
 
+def _pysim_checker(packets, width=32, **kwargs):
+    """Feed ``packets`` (bytes) back to back through a PacketChecker in Amaranth's simulator."""
+    from amaranth.sim import Simulator
+
+    mode = kwargs.pop("psn_increasing", 0)
+    dut = PacketChecker(width, sources=4, **kwargs)
+    sim = Simulator(dut)
+    sim.add_clock(1e-8)
+    result = {}
+
+    async def bench(ctx):
+        ctx.set(dut.psn_increasing, mode)
+        await ctx.tick().repeat(4)
+        for packet in packets:
+            chunks = [packet[k:k + width] for k in range(0, len(packet), width)]
+            for n, chunk in enumerate(chunks):
+                ctx.set(dut.data_in.valid, 1)
+                ctx.set(dut.data_in.payload, {"data": int.from_bytes(chunk, "little"),
+                                              "start": n == 0, "end": n == len(chunks) - 1,
+                                              "count": len(chunk), "end_bad": 0})
+                await ctx.tick()
+            ctx.set(dut.data_in.valid, 0)
+            await ctx.tick()
+        await ctx.tick().repeat(4)
+        result.update({name: ctx.get(getattr(dut, name)) for name in
+                       ("received_packets", "good_packets", *ERROR_COUNTERS)})
+
+    sim.add_testbench(bench)
+    sim.run()
+    assert result["received_packets"] == len(packets), result
+    return result
+
+
+def _send_only(psn, slid=0x21, vl=0):
+    from models.ib import BTH
+    from models.packet import build_packet
+    return build_packet(bth=BTH(opcode=0x04, pkey=0xFFFF, destqp=1, psn=psn),
+                        payload=payload_bytes(psn, slid, 8), dlid=3, slid=slid, vl=vl)
+
+
 def test_checker_psn_modes():
     """The checker's PSN modes on hand-made PSN sequences (Amaranth's simulator, width 32):
     +1 steps, or strictly increasing in a 2^23 window (gaps allowed; repeats, earlier
     PSNs and jumps of 2^23 or more counted)."""
-    from amaranth.sim import Simulator
-    from models.ib import BTH
-    from models.packet import build_packet
-
-    width = 32
     psns = [5, 6, 9, 9, 8, 0x40, 0x40 + (1 << 23) + 1, 0x41]
     # +1 mode: all but 6 wrong. Increasing: 9 after 6 fine, the repeated 9 and the earlier 8
     # wrong, 0x40 fine, 0x40 + 2^23 + 1 is 2^23 ahead (outside the window): wrong; the tracker
     # follows every packet, and 0x41 is 2^23 - 1 after that one (mod 2^24): fine.
-    expected = {0: 6, 1: 3}
-    packets = []
-    for psn in psns:
-        payload = payload_bytes(psn, 0x21, 8)
-        packets.append(build_packet(bth=BTH(opcode=0x04, pkey=0xFFFF, destqp=1, psn=psn),
-                                    payload=payload, dlid=3, slid=0x21))
-    for mode, errors in expected.items():
-        dut = PacketChecker(width, sources=4)
-        sim = Simulator(dut)
-        sim.add_clock(1e-8)
-        result = {}
-
-        async def bench(ctx):
-            ctx.set(dut.psn_increasing, mode)
-            await ctx.tick().repeat(4)
-            for packet in packets:
-                chunks = [packet[k:k + width] for k in range(0, len(packet), width)]
-                for n, chunk in enumerate(chunks):
-                    ctx.set(dut.data_in.valid, 1)
-                    ctx.set(dut.data_in.payload, {"data": int.from_bytes(chunk, "little"),
-                                                  "start": n == 0, "end": n == len(chunks) - 1,
-                                                  "count": len(chunk), "end_bad": 0})
-                    await ctx.tick()
-                ctx.set(dut.data_in.valid, 0)
-                await ctx.tick()
-            await ctx.tick().repeat(4)
-            result.update({name: ctx.get(getattr(dut, name)) for name in
-                           ("received_packets", "good_packets", *ERROR_COUNTERS)})
-
-        sim.add_testbench(bench)
-        sim.run()
-        assert result["received_packets"] == len(psns), result
+    packets = [_send_only(psn) for psn in psns]
+    for mode, errors in {0: 6, 1: 3}.items():
+        result = _pysim_checker(packets, psn_increasing=mode)
         assert result["out_of_order"] == errors, f"mode {mode}: {result}"
         assert result["good_packets"] == len(psns) - errors, f"mode {mode}: {result}"
+
+
+def test_checker_psn_per_vl():
+    """``psn_vls=2``: one PSN tracker per (source, VL), as order holds behind a switch."""
+    packets = [_send_only(psn, vl=vl) for vl, psn in ((0, 1), (1, 0), (0, 3), (1, 2), (1, 2))]
+    assert _pysim_checker(packets, psn_increasing=1, psn_vls=2)["out_of_order"] == 1   # the repeat
+    assert _pysim_checker(packets, psn_increasing=1)["out_of_order"] == 3

@@ -19,7 +19,9 @@ Checks, per packet (LRH .. ICRC, no VCRC, as a block's stream carries it):
   source, ``(psn - last - 1) mod 2^24 < 2^23`` (a checker behind a switch sees
   only the packets each source sent to it: gaps are expected and count as
   nothing, a repeated or earlier PSN counts). A source is ``SLID mod sources``;
-  the first packet of a source sets its PSN. Every packet that got as far as the end of its BTH updates its
+  the first packet of a source sets its PSN. With ``psn_vls = n > 1`` a source has
+  one PSN tracker per LRH.VL (``VL mod n``): behind a switch, order holds per
+  (input, output, VL) only. Every packet that got as far as the end of its BTH updates its
   source's PSN, good or not, so a lost packet counts once here and a corrupt one
   (unless its PSN itself was hit) not at all.
 
@@ -73,10 +75,13 @@ ERROR_COUNTERS = ("end_bad", "bad_length", "bad_payload", "bad_icrc", "out_of_or
 class PacketChecker(wiring.Component):
     """See the module docstring."""
 
-    def __init__(self, width=64, sources=16, per_source=False):
+    def __init__(self, width=64, sources=16, per_source=False, psn_vls=1):
         check_width(width)
         if not isinstance(sources, int) or not 1 <= sources <= 256 or sources & (sources - 1):
             raise ValueError(f"Sources must be a power of two from 1 to 256, not {sources!r}")
+        if not isinstance(psn_vls, int) or not 1 <= psn_vls <= 16 or psn_vls & (psn_vls - 1):
+            raise ValueError(f"psn_vls must be a power of two from 1 to 16, not {psn_vls!r}")
+        self.psn_vls = psn_vls
         self.width = width
         self.sources = sources
         self.per_source = bool(per_source)
@@ -211,19 +216,22 @@ class PacketChecker(wiring.Component):
         # --- PSN order per source ---
         source_bits = exact_log2(self.sources)
         source = slid[:source_bits] if source_bits else C(0, 1)
-        last_psn = Array(Signal(24, name=f"last_psn{s}") for s in range(self.sources))
-        seen = Array(Signal(name=f"seen{s}") for s in range(self.sources))
+        vl_bits = exact_log2(self.psn_vls)
+        tracker = Cat(lrh.vl[:vl_bits], source) if vl_bits else source
+        trackers = self.sources * self.psn_vls
+        last_psn = Array(Signal(24, name=f"last_psn{s}") for s in range(trackers))
+        seen = Array(Signal(name=f"seen{s}") for s in range(trackers))
         in_order = Signal()
         step = Signal(24)               # psn - last - 1, mod 2^24
         m.d.comb += [
-            step.eq(psn - last_psn[source] - 1),
-            in_order.eq(~seen[source] | Mux(psn_increasing, ~step[23], step == 0)),
+            step.eq(psn - last_psn[tracker] - 1),
+            in_order.eq(~seen[tracker] | Mux(psn_increasing, ~step[23], step == 0)),
         ]
 
         ending = Signal()
         m.d.comb += ending.eq(take & end)
         with m.If(ending & (received_bytes >= 4 * HEADER_WORDS)):
-            m.d[core] += [seen[source].eq(1), last_psn[source].eq(psn)]
+            m.d[core] += [seen[tracker].eq(1), last_psn[tracker].eq(psn)]
 
         # --- counters ---
         verdict = {name: Signal(name=f"is_{name}") for name in ("good", *ERROR_COUNTERS)}
