@@ -156,6 +156,8 @@ class SwitchTB:
         self.scoreboard = FlowScoreboard(self.table, self.sl_to_vl, self.num_vls,
                                          ports=self.ports, mtu=self.mtu)
         self.sent = {key: [] for key in self.sources}         # packets handed to each source
+        self.expectations = {key: [] for key in self.sources}  # (expect, ports) per packet
+        self.started = {key: 0 for key in self.sources}       # start beats already registered
         self.taken = {key: 0 for key in self.sinks}           # sink packets already scored
         self.bad_delivered = []                                # (port, vl, packet) marked end-bad
         self.delivered = []                                    # (cycle, port, vl, packet)
@@ -167,6 +169,16 @@ class SwitchTB:
     # --- running ------------------------------------------------------------------------
 
     def _check(self, cycle):
+        # Register packets with the scoreboard in the order their start beats enter the host
+        # transmitters (= the order on the wire into the switch, across the host's VLs).
+        for key, source in self.sources.items():
+            starts = source.start_cycles
+            while self.started[key] < len(starts):
+                tag, _ = starts[self.started[key]]
+                self.started[key] += 1
+                expect, ports = self.expectations[key][tag]
+                if expect:
+                    self.scoreboard.expect(key[0], self.sent[key][tag], ports=ports)
         for key, sink in self.sinks.items():
             packets = sink.packets
             while self.taken[key] < len(packets):
@@ -301,21 +313,22 @@ class SwitchTB:
         return bytes(packet)
 
     def send(self, src, packet, *, expect=True, ports=None):
-        """Queue ``packet`` at host ``src`` on the VL its LRH names and, with ``expect``,
-        tell the scoreboard (with the tables as they are now; ``ports``: any of these)."""
+        """Queue ``packet`` at host ``src`` on the VL its LRH names. With ``expect`` the
+        scoreboard is told when the host transmitter takes its start beat (the order in
+        which packets of different VLs go on the wire is only known then), with the tables
+        as they are at that moment; ``ports``: it may leave on any of these."""
         vl = packet[0] >> 4
         self.sources[src, vl].send(packet, tag=len(self.sent[src, vl]))
         self.sent[src, vl].append(packet)
-        if expect:
-            return self.scoreboard.expect(src, packet, ports=ports)
-        return None
+        self.expectations[src, vl].append((expect, ports))
 
     def all_sent(self):
         return all(source.idle_now for source in self.sources.values())
 
     def nothing_outstanding(self):
-        return self.scoreboard.delivered >= self.scoreboard.expected and not \
-            self.scoreboard.outstanding()
+        """Every source empty and every expected packet delivered."""
+        return (self.all_sent() and self.scoreboard.delivered >= self.scoreboard.expected
+                and not self.scoreboard.outstanding())
 
     async def drain(self, limit=200000):
         """Run until every source is empty and the scoreboard expects nothing more, then let
