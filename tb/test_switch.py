@@ -239,7 +239,7 @@ async def head_of_line(dut):
     tb.check_clean()
 
 
-# --- bad input ---
+# --- bad input -------------------------------------------------------------------------------
 
 def same_packet(a, b):
     """Whether ``a`` and ``b`` are the same packet up to one flipped bit (a bad-VCRC
@@ -250,7 +250,6 @@ def same_packet(a, b):
     flips = sum(bin(x ^ y).count("1") for x, y in zip(a[1:n], b[1:n]))
     return flips <= 1 and (a[0] & 0x0F) == (b[0] & 0x0F)
 
-----------------------------------------------------------------------------
 
 @cocotb.test()
 async def bad_input(dut):
