@@ -45,3 +45,22 @@ def test_constant_port_is_a_clear_error(tmp_path, monkeypatch):
                         emit.Top("tf_test_always_ready", AlwaysReady, "test"))
     with pytest.raises(emit.EmitError, match=r"port data_in__ready is the constant.*always_ready"):
         emit.emit_top("tf_test_always_ready", tmp_path)
+
+
+@pytest.mark.parametrize("name,make", [
+    ("one_vl_link_port", lambda: __import__("hdl.link.link_port", fromlist=["*"])
+     .LinkPort(width=16, num_vls=1)),
+    ("one_vl_fifo_switch", lambda: __import__("hdl.switch.switch", fromlist=["*"])
+     .Switch(ports=2, num_vls=1, width=16, mode="fifo")),
+])
+def test_one_vl_designs_lint_clean(tmp_path, name, make):
+    """A single data VL (or a single queue) must not leave zero-width VL signals behind:
+    Verilog has no such thing and they come out as ``[-1:0]`` (Verilator: ASCRANGE)."""
+    from amaranth.back import verilog
+    from hdl.lint import lint_file
+    from tb.runner import setup_verilator_env
+    setup_verilator_env()
+    path = tmp_path / f"{name}.v"
+    path.write_text(verilog.convert(make(), name=name, emit_src=False))
+    ok, _, output = lint_file(path)
+    assert ok, output[:3000]

@@ -7,7 +7,7 @@ from ..crc.beat_crc import BeatCRC
 from .packet_buffer import PacketBuffer
 from .signatures import (
     BLOCK_BYTES, FCCL_BITS, VCRC_BYTES, BeatLayout, FlowControlOp, FlowControlSignature,
-    LinkState, RouteSignature, StoreSignature, StoredBeatLayout, WireSignature, blocks_of, check_mtu, check_width,
+    LinkState, RouteSignature, StoreSignature, StoredBeatLayout, WireSignature, vl_index, blocks_of, check_mtu, check_width,
     lrh_wire_bytes, max_wire_bytes,
 )
 
@@ -38,7 +38,7 @@ class DropEventSignature(wiring.Signature):
     def __init__(self, num_vls, reasons=ROUTED_DROP_REASONS):
         super().__init__({
             "reasons": Out(len(reasons)),
-            "vl": Out(range(num_vls)),
+            "vl": Out(vl_index(num_vls)),
         })
 
 # Smallest IBA transport packet: LRH + BTH + ICRC + VCRC.
@@ -155,7 +155,7 @@ class LinkReceiver(wiring.Component):
             vcrc.count.eq(beat_bytes),
         ]
 
-        write_vl = Signal(range(num_vls))
+        write_vl = Signal(vl_index(num_vls))
         write = Signal(StoredBeatLayout(width))
         write_en = Signal()
         verdict_bad = Signal()
@@ -226,11 +226,11 @@ class LinkReceiver(wiring.Component):
         packet_bad = Signal()       # overflow seen in this packet
         expected = Signal(range(2047 * 4 + VCRC_BYTES + 1))
         received = Signal(16)
-        current_vl = Signal(range(num_vls))
+        current_vl = Signal(vl_index(num_vls))
 
         drops = self.drops
         # The VL a drop is reported on: the packet's own, or 0 when it named none of ours.
-        drop_vl = Signal(range(num_vls))
+        drop_vl = Signal(vl_index(num_vls))
         drop_reasons = Signal(len(self.drop_reasons))
         m.d.sync += [self.drop_event.reasons.eq(drop_reasons), self.drop_event.vl.eq(drop_vl)]
         def count_drop(reason):

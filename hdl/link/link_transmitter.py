@@ -7,6 +7,7 @@ from ..crc.beat_crc import BeatCRC
 from .signatures import (
     BeatLayout, FlowControlOp, FlowControlSignature, LinkState, WireSignature,
     FCCL_BITS, VCRC_BYTES, blocks_of, check_mtu, check_width, lrh_wire_bytes, max_wire_bytes,
+    vl_index,
 )
 
 __all__ = ["LinkTransmitter", "FC_BATCH_INTERVAL"]
@@ -92,7 +93,7 @@ class LinkTransmitter(wiring.Component):
 
         busy = Signal()                         # inside a data packet
         discarding = Signal()                   # dropping the rest of an input packet
-        current = Signal(range(num_vls))
+        current = Signal(vl_index(num_vls))
         allowed = Signal(range(max_bytes + 1))  # bytes of LRH..ICRC still allowed by PktLen
         extra_beat = Signal()                   # VCRC spilled into one more beat
         extra_data = Signal(16)
@@ -140,7 +141,7 @@ class LinkTransmitter(wiring.Component):
                 (since_fc[v] >= self.fc_min_interval) & ((self.state != LinkState.ACTIVE) | (advanced != 0))
                 | (since_fc[v] >= FC_BATCH_INTERVAL) & (advanced >= self.fc_batch_blocks)
                 | (since_fc[v] == self.fc_period))
-        fc_vl = Signal(range(num_vls))
+        fc_vl = Signal(vl_index(num_vls))
         for v in reversed(range(num_vls)):
             with m.If(want_fc[v]):
                 m.d.comb += fc_vl.eq(v)
@@ -162,9 +163,9 @@ class LinkTransmitter(wiring.Component):
         ]
 
         # --- weighted round robin over eligible VLs ---
-        rr_pointer = Signal(range(num_vls))
+        rr_pointer = Signal(vl_index(num_vls))
         rr_budget = Signal(16)
-        pick = Signal(range(num_vls))
+        pick = Signal(vl_index(num_vls))
         pick_valid = Signal()
         stay = Signal()
         m.d.comb += stay.eq(eligible.bit_select(rr_pointer, 1) & (rr_budget != 0))
@@ -283,7 +284,7 @@ class LinkTransmitter(wiring.Component):
                 m.d.sync += rr_budget.eq(Mux(weight > blocks, weight - blocks, 0))
         with m.Else():
             # Junk at the head of a stream never reaches the wire: drop it, one VL at a time.
-            junk_vl = Signal(range(num_vls))
+            junk_vl = Signal(vl_index(num_vls))
             junk = Signal()
             for v in reversed(range(num_vls)):
                 head = self.data_in[v]

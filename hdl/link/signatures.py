@@ -15,10 +15,16 @@ from amaranth.lib.wiring import In, Out
 
 __all__ = [
     "BeatLayout", "WireSignature", "FlowControlSignature", "StoreSignature", "RouteSignature",
-    "StoredBeatLayout", "LinkState", "FlowControlOp", "check_width", "check_mtu",
+    "StoredBeatLayout", "vl_index", "LinkState", "FlowControlOp", "check_width", "check_mtu",
     "max_wire_bytes", "blocks_of", "lrh_wire_bytes",
     "FCCL_BITS", "BLOCK_BYTES", "VCRC_BYTES", "ICRC_BYTES", "MAX_HEADER_BYTES",
 ]
+
+
+def vl_index(num_vls):
+    """Shape of a VL number among ``num_vls`` data VLs: at least one bit, so that a
+    one-VL design still has a real signal (a zero-width one becomes ``[-1:0]`` in Verilog)."""
+    return range(max(num_vls, 2))
 
 
 def check_width(width):
@@ -149,10 +155,10 @@ class StoreSignature(wiring.Signature):
     def __init__(self, width, num_vls, room_shape):
         super().__init__({
             "write_valid": Out(1),
-            "write_vl": Out(range(num_vls)),
+            "write_vl": Out(vl_index(num_vls)),
             "write": Out(StoredBeatLayout(width)),
             "verdict_valid": Out(1),
-            "verdict_vl": Out(range(num_vls)),
+            "verdict_vl": Out(vl_index(num_vls)),
             "verdict_bad": Out(1),
             "verdict_blocks": Out(FCCL_BITS),
             "room": In(room_shape).array(num_vls),

@@ -4,7 +4,9 @@ from amaranth.lib.wiring import In, Out
 
 from hdl.link.link_port import LinkPort
 from hdl.link.link_receiver import ROUTED_DROP_REASONS
-from hdl.link.signatures import FCCL_BITS, LinkState, WireSignature, check_mtu, check_width, lrh_wire_bytes
+from hdl.link.signatures import (
+    FCCL_BITS, LinkState, WireSignature, check_mtu, check_width, lrh_wire_bytes, vl_index,
+)
 from hdl.switch.forwarding_table import ForwardingTable
 from hdl.switch.islip_allocator import IslipAllocator
 from hdl.switch.register_map import check_config
@@ -155,7 +157,7 @@ class Switch(wiring.Component):
             return ((room - blocks) & 0xFFF) <= 2048
 
         # eligible[i][o][v]; waiting[o][v]: some head packet waits only for credit there.
-        vl_pick = [Signal(range(V), name=f"vl_pick{o}") for o in range(P)]
+        vl_pick = [Signal(vl_index(V), name=f"vl_pick{o}") for o in range(P)]
         eligible = [[Signal(V, name=f"eligible{i}_{o}") for o in range(P)] for i in range(P)]
         waiting = [Signal(V, name=f"credit_wait{o}") for o in range(P)]
         # Blocks of the packet input i would send to output o on the VL o picks.
@@ -193,7 +195,7 @@ class Switch(wiring.Component):
 
         # Each output picks a VL among its eligible ones, weighted round robin.
         vl_any = [Signal(V, name=f"vl_any{o}") for o in range(P)]
-        vl_pointer = [Signal(range(V), name=f"vl_pointer{o}") for o in range(P)]
+        vl_pointer = [Signal(vl_index(V), name=f"vl_pointer{o}") for o in range(P)]
         vl_budget = [Signal(16, name=f"vl_budget{o}") for o in range(P)]
         vl_stay = Signal(P)
         for o in range(P):
@@ -243,7 +245,7 @@ class Switch(wiring.Component):
         buffers = Array(self.buffers)
         for o, tx in enumerate(txs):
             src_valid = Signal(name=f"xbar{o}_valid")
-            src_vl = Signal(range(V), name=f"xbar{o}_vl")
+            src_vl = Signal(vl_index(V), name=f"xbar{o}_vl")
             src_payload = Signal.like(self.buffers[0].out.payload, name=f"xbar{o}_payload")
             selected = buffers[connected[o]]
             m.d.comb += [

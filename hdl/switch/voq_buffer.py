@@ -4,7 +4,7 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from hdl.link.signatures import (
-    BLOCK_BYTES, FCCL_BITS, BeatLayout, StoreSignature, blocks_of, check_width, lrh_wire_bytes,
+    FCCL_BITS, BeatLayout, StoreSignature, blocks_of, check_width, lrh_wire_bytes, vl_index,
 )
 
 __all__ = ["VoqBuffer", "HeadSignature", "QUEUE_MODES"]
@@ -19,7 +19,7 @@ class HeadSignature(wiring.Signature):
         super().__init__({
             "valid": Out(1),
             "port": Out(range(ports)),
-            "vl": Out(range(num_vls)),
+            "vl": Out(vl_index(num_vls)),
             "blocks": Out(FCCL_BITS),
         })
 
@@ -85,13 +85,13 @@ class VoqBuffer(wiring.Component):
         super().__init__({
             "store": In(StoreSignature(width, num_vls, range(share + 1))),
             "route_port": In(range(ports)),
-            "route_vl": In(range(num_vls)),
+            "route_vl": In(vl_index(num_vls)),
             "heads": Out(HeadSignature(ports, num_vls)).array(self.num_queues),
             "grant_valid": In(1),
-            "grant_queue": In(range(self.num_queues)),
+            "grant_queue": In(range(max(self.num_queues, 2))),
             "out": Out(stream.Signature(BeatLayout(width))),
             "out_port": Out(range(ports)),
-            "out_vl": Out(range(num_vls)),
+            "out_vl": Out(vl_index(num_vls)),
             "active": Out(1),       # a granted packet is being read (or skipped)
             "sending": Out(1),      # ... and it goes to the output out_port
             "finishing": Out(1),    # its last beat leaves in this cycle
@@ -112,7 +112,7 @@ class VoqBuffer(wiring.Component):
         verdict_layout = data.StructLayout({"bad": 1, "blocks": FCCL_BITS})
         descriptor = data.StructLayout({
             "head": self.cell_bits, "seq": self.seq_bits, "port": range(self.ports),
-            "vl": range(num_vls), "in_vl": range(num_vls), "blocks": FCCL_BITS})
+            "vl": vl_index(num_vls), "in_vl": vl_index(num_vls), "blocks": FCCL_BITS})
 
         m.submodules.cell_mem = cell_mem = Memory(shape=cell_layout, depth=cells, init=[])
         m.submodules.verdict_mem = verdict_mem = Memory(
@@ -204,7 +204,7 @@ class VoqBuffer(wiring.Component):
         rd_skip = Signal()
         rd_seq = Signal(self.seq_bits)
         rd_index = Signal(16)       # beats read so far (the grant reads the first)
-        rd_in_vl = Signal(range(num_vls))
+        rd_in_vl = Signal(vl_index(num_vls))
         shown = Signal()            # cell_rp.data holds a beat of this packet not yet consumed
         shown_cell = Signal(self.cell_bits)
         shown_start = Signal()
