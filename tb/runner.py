@@ -58,6 +58,16 @@ def emit_verilog(component, name, path):
     return path
 
 
+def source_digest():
+    """Digest of every Python file that can shape a design: hdl/, models/ and tb/."""
+    digest = hashlib.sha1()
+    for top in ("hdl", "models", "tb"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            digest.update(str(path.relative_to(REPO)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def run(*, module, toplevel, factory, params, testcase=None, expect_tests=None,
         extra_env=None, build_args=(), waves=None, log_to_file=True):
     """Elaborate ``factory(**params)``, build it with Verilator, run ``module``'s cocotb tests.
@@ -78,13 +88,21 @@ def run(*, module, toplevel, factory, params, testcase=None, expect_tests=None,
     # One build per design and parameter set, shared by every module that tests it.
     design = f"{factory.__module__}.{factory.__qualname__}"
     build_dir = BUILD / toplevel / (param_tag(params, design) + ("_waves" if waves else ""))
-    source = emit_verilog(factory(**params), toplevel, build_dir / f"{toplevel}.v")
+    build_dir.mkdir(parents=True, exist_ok=True)
+    source = build_dir / f"{toplevel}.v"
 
     runner = get_runner("verilator")
     # pytest-xdist workers may ask for the same build at once: one builds, the others wait
     # and then find it up to date.
     with open(build_dir / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        # Elaborating a large top (a switch) takes a minute: do it only when the Python it
+        # comes from changed since the Verilog was written.
+        stamp = build_dir / ".source_digest"
+        digest = source_digest()
+        if not (source.exists() and stamp.exists() and stamp.read_text() == digest):
+            emit_verilog(factory(**params), toplevel, source)
+            stamp.write_text(digest)
         runner.build(
             sources=[source],
             hdl_toplevel=toplevel,
