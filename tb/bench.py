@@ -164,7 +164,7 @@ def run_switch(testcase, expect_tests, run=None, **params):
 def switch_benchmarks():
     records = []
     # Default build (132-block input buffers, VOQ): every scenario.
-    records += run_switch(None, 4)
+    records += run_switch(None, 5)
     # Saturation with a larger input buffer, and the FIFO (head-of-line) switch.
     records += run_switch("saturation", 1, run={"record_tag": f".buffer{SWITCH_LARGE_BUFFER}"},
                           buffer_blocks=SWITCH_LARGE_BUFFER)
@@ -181,10 +181,10 @@ def switch_model_config(rtl_config):
 
 
 def switch_model(load, *, mode="voq", buffer_blocks=132, downstream_blocks=132, pattern="uniform",
-                 cycles=160000, warmup=80000):
+                 cycles=160000, warmup=80000, sls=(0, 1)):
     from models.switch import run_switch as model_run
     stats, net = model_run(SWITCH["ports"], pattern, load=load, payload=SWITCH_PAYLOAD,
-                           cycles=cycles, warmup=warmup, num_vls=SWITCH["num_vls"], sls=(0, 1),
+                           cycles=cycles, warmup=warmup, num_vls=SWITCH["num_vls"], sls=sls,
                            mode=mode, iterations=SWITCH["islip_iterations"], width=SWITCH["width"],
                            buffer_blocks=buffer_blocks, downstream_blocks=downstream_blocks,
                            exclude_self=True)
@@ -199,12 +199,13 @@ def switch_model_records(rtl):
             "sls": [0, 1], "cycles": 160000, "warmup": 80000}
     for name, kwargs in (("uniform", {}), (f"uniform.buffer{SWITCH_LARGE_BUFFER}",
                                            {"buffer_blocks": SWITCH_LARGE_BUFFER}),
-                         ("uniform_fifo", {"mode": "fifo"})):
+                         ("uniform_fifo", {"mode": "fifo"}), ("uniform.one_vl", {"sls": (0,)})):
         rtl_record = by_name.get(f"switch.saturation_throughput.{name}")
         blocks = rtl_record["config"]["buffer_blocks"] if rtl_record else kwargs.get("buffer_blocks", 132)
         down = rtl_record["config"]["downstream_blocks"] if rtl_record else 132
         kwargs = {**kwargs, "buffer_blocks": blocks, "downstream_blocks": down}
         stats, net = switch_model(1.0, **kwargs)
+        kwargs["sls"] = list(kwargs.get("sls", (0, 1)))
         records.append({"name": f"switch.model.saturation_throughput.{name}",
                         "value": round(stats.mean_throughput, 4), "unit": "fraction of wire",
                         "config": {**base, **SWITCH, **kwargs, "payload_bytes": SWITCH_PAYLOAD,
