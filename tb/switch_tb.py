@@ -161,6 +161,10 @@ class SwitchTB:
         self.taken = {key: 0 for key in self.sinks}           # sink packets already scored
         self.bad_delivered = []                                # (port, vl, packet) marked end-bad
         self.delivered = []                                    # (cycle, port, vl, packet)
+        # Hosts whose deliveries a test accounts for itself (e.g. packets the switch may
+        # discard on purpose): collected here instead of being scored.
+        self.unscored_ports = set()
+        self.unscored = []                                     # (cycle, port, vl, packet)
         self.errors = []
         self.ft_writes = []                                    # (cycle, lid, port, valid)
         self.loop.checks.append(self._check)
@@ -186,6 +190,9 @@ class SwitchTB:
                 self.taken[key] += 1
                 if bad:
                     self.bad_delivered.append((key[0], key[1], packet))
+                    continue
+                if key[0] in self.unscored_ports:
+                    self.unscored.append((end, key[0], key[1], packet))
                     continue
                 self.delivered.append((end, key[0], key[1], packet))
                 try:

@@ -8,7 +8,7 @@ every credit home, every link still ACTIVE).
 
 Builds (each Verilator build costs a minute or two, so few): ``voq`` (4 ports, 2 VLs,
 64-byte beats, VOQs, 2-cycle cables, host 0's wire to the switch carried by the testbench
-for fault injection) runs every test; ``fifo`` (FIFO mode) runs the head-of-line
+for fault injection) runs every test; ``fifo`` (FIFO mode, one VL, 16-byte beats) runs the head-of-line
 demonstration and random traffic on 3 ports with a 2048-byte MTU, which shortens its
 build.
 """
@@ -233,6 +233,65 @@ async def head_of_line(dut):
     tb.check_clean()
 
 
+# --- head-of-queue lifetime ------------------------------------------------------------------
+
+@cocotb.test()
+async def hoq_lifetime(dut):
+    """A dead output must not hold other flows for ever. Host 0 stops taking anything; every
+    other host first sends 10 packets to it, which fill host 0's buffer and then the inputs'
+    VL 0 buffers, then a permutation of the other hosts on the same VL. Without a lifetime
+    the permutation would wait behind the stuck packets for as long as host 0 is dead. With
+    ``hoq_lifetime`` set, each stuck head is discarded after the lifetime: the permutation is
+    delivered exactly once and in order while host 0 is still dead, and every packet sent to
+    host 0 is either delivered (once it takes packets again) or counted in output 0's
+    ``drop_hoq_lifetime``, never both, never neither."""
+    from hdl.switch.register_map import HOQ_TICK_CYCLES
+    tb = SwitchTB(dut, seed=7)
+    await tb.bring_up()
+    lifetime_ticks = 32
+    await tb.write(0x1C, lifetime_ticks)
+    dead = 0
+    tb.unscored_ports.add(dead)
+    senders = [p for p in range(tb.ports) if p != dead]
+    perm = {p: senders[(k + 1) % len(senders)] for k, p in enumerate(senders)}
+    for v in range(tb.num_vls):
+        tb.backpressure[dead, v].hold(True)
+    to_dead = 0
+    for k in range(10):
+        for p in senders:
+            tb.send(p, tb.make_packet(p, host_lid(dead), payload_len=2020, vl=0, sl=0),
+                    expect=False)
+            to_dead += 1
+    for k in range(20):
+        for p in senders:
+            tb.send(p, tb.make_packet(p, host_lid(perm[p]), payload_len=2020, vl=0, sl=0))
+    before = tb.loop.cycle
+    await tb.run(until=tb.nothing_outstanding, limit=200000, what="the permutation behind a dead output")
+    took = tb.loop.cycle - before
+    dropped = (await tb.counters(dead, 0))["drop_hoq_lifetime"]
+    others = 0
+    for p in senders:
+        for v in range(tb.num_vls):
+            others += (await tb.counters(p, v))["drop_hoq_lifetime"]
+    assert others == 0, f"{others} packets discarded at outputs that were not dead"
+    assert dropped > 0, "nothing was discarded for the dead output"
+    # Host 0 comes back: what it had buffered (and what is still queued for it) arrives.
+    for v in range(tb.num_vls):
+        tb.backpressure[dead, v].hold(False)
+    await tb.run(cycles=20000)
+    await tb.drain()
+    dropped = (await tb.counters(dead, 0))["drop_hoq_lifetime"]
+    reached = len(tb.unscored)
+    log(dut, f"HOQ lifetime {lifetime_ticks} x {HOQ_TICK_CYCLES} cycles: the permutation "
+        f"({len(senders) * 20} packets) delivered in {took} cycles with output {dead} dead; "
+        f"of {to_dead} packets for it {reached} were delivered, {dropped} discarded")
+    assert reached + dropped == to_dead, (
+        f"{to_dead} sent to host {dead}: {reached} delivered + {dropped} discarded")
+    keys = [packet_key(pkt) for _, _, _, pkt in tb.unscored]
+    assert len(keys) == len(set(keys)), "a packet for host 0 arrived twice"
+    tb.check_clean()
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 def same_packet(a, b):
@@ -421,10 +480,9 @@ BUILDS = {
     "voq": dict(ports=4, num_vls=2, width=64, mtu=4096, buffer_blocks=None, lids=1024, mode="voq",
                 islip_iterations=1, fc_period=1024, fc_min_interval=64, fc_batch_blocks=64,
                 wire_delay=2, tb_ports=[0]),
-    # Smaller (3 ports, 2048-byte MTU) to keep the build short. (num_vls=1 would be the
-    # classic one FIFO per input, but that Verilog does not build: a zero-width crossbar VL
-    # signal, `wire [-1:0] xbar2_vl`, which Verilator rejects.)
-    "fifo": dict(ports=3, num_vls=2, width=64, mtu=2048, buffer_blocks=None, lids=1024, mode="fifo",
+    # The classic case, one FIFO per input (one VL); 3 ports, 16-byte beats and a 2048-byte
+    # MTU keep the build short, and cover the narrow datapath and a single VL.
+    "fifo": dict(ports=3, num_vls=1, width=16, mtu=2048, buffer_blocks=None, lids=1024, mode="fifo",
                  islip_iterations=1, fc_period=1024, fc_min_interval=64, fc_batch_blocks=64,
                  wire_delay=2, tb_ports=[0]),
 }
@@ -436,6 +494,7 @@ TESTS = [
     ("voq", "head_of_line"),
     ("voq", "bad_input"),
     ("voq", "forwarding_table_rewrite"),
+    ("voq", "hoq_lifetime"),
     ("fifo", "head_of_line"),
     ("fifo", "uniform_random_traffic"),
 ]

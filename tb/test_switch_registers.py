@@ -54,6 +54,7 @@ def make_top(ports, num_vls, lids):
                 "sl_to_vl": Out(4).array(16),
                 "vl_weight": Out(8).array(ports, num_vls),
                 "port_enable": Out(1).array(ports),
+                "hoq_lifetime": Out(16),
                 "counters": In(CounterSignature()).array(ports, num_vls),
                 "lookup": In(LookupSignature(ports)).array(ports),
             })
@@ -75,6 +76,7 @@ def make_top(ports, num_vls, lids):
                 m.d.comb += self.sl_to_vl[sl].eq(regs.sl_to_vl[sl])
             for p in range(ports):
                 m.d.comb += self.port_enable[p].eq(regs.port_enable[p])
+                m.d.comb += self.hoq_lifetime.eq(regs.hoq_lifetime)
                 m.d.comb += [
                     table.lookup[p].lid.eq(self.lookup[p].lid),
                     self.lookup[p].port.eq(table.lookup[p].port),
@@ -495,6 +497,8 @@ def check_outputs(tb):
             got = int(getattr(dut, f"vl_weight__{reg.binding[1]}__{reg.binding[2]}").value)
         elif kind == "port_enable":
             got = int(getattr(dut, f"port_enable__{reg.binding[1]}").value)
+        elif kind == "hoq_lifetime":
+            got = int(dut.hoq_lifetime.value)
         else:
             continue
         assert got == want, f"{reg.name}: output {got:#x}, register {want:#x}"
@@ -623,7 +627,9 @@ def test_register_map_layout():
     assert regs["port7_vl3_drop_unknown_dlid"].offset == 0x1000 + 0x700 + 0xC0 + 4 * 14
     names = [n for n in rmap.COUNTER_NAMES if n.startswith("drop_")]
     from hdl.link.link_receiver import DROP_REASONS
-    assert names == [f"drop_{r}" for r in DROP_REASONS] + ["drop_unknown_dlid"]
+    assert names == [f"drop_{r}" for r in DROP_REASONS] + ["drop_unknown_dlid",
+                                                           "drop_hoq_lifetime"]
+    assert regs["hoq_lifetime"].offset == 0x1C
     offsets = [r.offset for r in regs.values()]
     assert len(offsets) == len(set(offsets))
 

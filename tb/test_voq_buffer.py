@@ -71,6 +71,7 @@ class Packet:
         self.grant_cycle = None
         self.written_at_grant = None
         self.skipped = None
+        self.discard = False        # granted to be dropped unsent (head-of-queue lifetime)
         self.out_cycles = []
         self.finish_cycle = None
 
@@ -175,7 +176,9 @@ class Bench:
         assert self.room == [dut.share] * self.nv
         for pkt in self.packets:
             assert pkt.finish_cycle is not None, pkt
-            if pkt.bad:
+            if pkt.discard:
+                assert pkt.skipped, pkt
+            elif pkt.bad:
                 assert pkt.skipped == (pkt.verdict_cycle <= pkt.grant_cycle), pkt
             else:
                 assert not pkt.skipped, pkt
@@ -209,7 +212,7 @@ class Bench:
         if cur is not None:
             if cur.skipped is None:
                 # The known-bad check looks at the verdicts in by the grant cycle.
-                cur.skipped = bool(cur.bad and cur.verdict_cycle is not None
+                cur.skipped = bool(cur.discard or cur.bad and cur.verdict_cycle is not None
                                    and cur.verdict_cycle <= cur.grant_cycle)
             assert ctx.get(dut.sending) == (not cur.skipped), (t, cur)
             assert (ctx.get(dut.out_port), ctx.get(dut.out_vl)) == (cur.port, cur.vl), (t, cur)
@@ -270,11 +273,15 @@ class Bench:
         # Allocator: only while the reader is free or finishing.
         self.free = cur is None or finish
         q = None
+        discard = False
         if self.free:
             q = grant_policy(self)
+            if isinstance(q, tuple):
+                q, discard = q
             if q is not None:
                 assert self.heads_valid[q], (t, "test grants an empty queue", q)
         self._set(ctx, dut.grant_valid, int(q is not None))
+        self._set(ctx, dut.grant_discard, int(discard))
         if q is not None:
             self._set(ctx, dut.grant_queue, q)
 
@@ -310,6 +317,7 @@ class Bench:
         if q is not None:
             g = self.queues[q].popleft()
             g.grant_cycle = t
+            g.discard = discard
             g.written_at_grant = len(g.write_cycles)
             self.cur = g
         if beat is not None:
@@ -334,15 +342,22 @@ class Bench:
 
 # --- Stimulus ---------------------------------------------------------------------------------
 
-def random_grant(rng, rate):
+def random_grant(rng, rate, discard=0.0):
     """A random allocator: grants a random valid head with probability ``rate`` (a number or
-    a function of the bench)."""
+    a function of the bench); with probability ``discard`` a head whose packet is complete
+    (its verdict in) is granted to be discarded instead, as the switch does when a head's
+    lifetime runs out."""
     def policy(bench):
         r = rate(bench) if callable(rate) else rate
         if rng.random() >= r:
             return None
         valid = [q for q, v in enumerate(bench.heads_valid) if v]
-        return rng.choice(valid) if valid else None
+        if not valid:
+            return None
+        q = rng.choice(valid)
+        if rng.random() < discard and bench.queues[q][0].verdict_cycle is not None:
+            return q, True
+        return q
     return policy
 
 
@@ -460,7 +475,7 @@ def run_random(dut, seed, credits, coverage=True):
         bench = Bench(dut, rng)
         # Phase 1: bursty backpressure and allocator pauses, queues fill up.
         await bench.run(ctx, random_writer(bench, rng, 2 * seqs, credits=credits),
-                        grant=random_grant(rng, epochs(rng, [0.1, 0.5, 1.0])),
+                        grant=random_grant(rng, epochs(rng, [0.1, 0.5, 1.0]), discard=0.1),
                         ready=lambda b, r=epochs(rng, [0.2, 0.6, 1.0]): rng.random() < r(b))
         bench.drain_checks()
         n1, cells1 = len(bench.packets), bench.beats_written
@@ -488,6 +503,7 @@ def run_random(dut, seed, credits, coverage=True):
     assert sum(p.written_at_grant == 1 and len(p.stored) > 1 for p in packets) >= 5
     assert sum(p.stored[-1][3] == 0 for p in packets) >= 10             # closing beats
     assert sum(len(p.stored) == 1 for p in packets) >= 10
+    assert sum(p.discard for p in packets) >= 3
     back_to_back = sum(1 for p in packets if p.grant_cycle in bench.finished_at)
     assert back_to_back >= 20
     if not credits:
@@ -690,3 +706,74 @@ def test_one_beat_packets():
         assert bench.discarded == 2 and bench.forwarded_bad == 1
 
     run_directed(dut, body)
+
+
+def test_discard_grant_of_a_packet_still_arriving():
+    """A head whose lifetime ran out is granted with ``grant_discard`` while only its start
+    beat is written (its sender stalled mid-packet). Nothing is ever presented, the output is
+    not held (``sending`` low), the cells go as they are written, and the packet ends (its
+    credits freed, ``discarded``) only once its verdict is in; the queue then works as usual."""
+    dut = make()
+    rng = random.Random(5)
+
+    async def testbench(ctx):
+        width = dut.width
+        beats, pktlen = 5, 5 * width // 4
+        first = start_beat(rng, width, 1, pktlen)
+        rest = [rng.getrandbits(8 * width) for _ in range(beats - 1)]
+        events = {"finishing": [], "discarded": [], "freed": []}
+
+        async def step(write=None, verdict=None, grant=None):
+            ctx.set(dut.store.write_valid, int(write is not None))
+            if write is not None:
+                data, start, end = write
+                ctx.set(dut.store.write, {"data": data, "start": start, "end": end,
+                                          "count": width})
+                ctx.set(dut.store.write_vl, 1)
+                ctx.set(dut.route_port, 2)
+                ctx.set(dut.route_vl, 0)
+            ctx.set(dut.store.verdict_valid, int(verdict is not None))
+            if verdict is not None:
+                ctx.set(dut.store.verdict_vl, 1)
+                ctx.set(dut.store.verdict_bad, 0)
+                ctx.set(dut.store.verdict_blocks, verdict)
+            ctx.set(dut.grant_valid, int(grant is not None))
+            if grant is not None:
+                ctx.set(dut.grant_queue, grant[0])
+                ctx.set(dut.grant_discard, int(grant[1]))
+            ctx.set(dut.out.ready, 1)
+            assert not ctx.get(dut.out.valid), "a discarded packet was presented"
+            if ctx.get(dut.active):
+                assert not ctx.get(dut.sending), "a discarded packet holds its output"
+            if ctx.get(dut.finishing):
+                events["finishing"].append(now[0])
+            if ctx.get(dut.store.discarded):
+                events["discarded"].append(now[0])
+            if ctx.get(dut.store.freed_valid[1]):
+                events["freed"].append((now[0], ctx.get(dut.store.freed_blocks[1])))
+            await ctx.tick()
+            now[0] += 1
+
+        now = [0]
+        queue = dut.queue_of(2, 0)
+        await step(write=(first, 1, 0))
+        await step(grant=(queue, True))
+        for k, data in enumerate(rest):
+            for _ in range(3):
+                await step()
+            await step(write=(data, 0, int(k == len(rest) - 1)))
+        for _ in range(4):
+            await step()
+        assert events["finishing"] == [] and events["freed"] == [], events
+        verdict_at = now[0]
+        blocks = blocks_of(pktlen * 4 + 2)
+        await step(verdict=blocks)
+        for _ in range(4):
+            await step()
+        assert len(events["finishing"]) == 1 and events["finishing"][0] > verdict_at, events
+        assert events["discarded"] == events["finishing"], events
+        assert events["freed"] == [(events["finishing"][0], blocks)], events
+        assert ctx.get(dut.store.room[1]) == dut.share, "cells of the discarded packet not freed"
+        assert not ctx.get(dut.active) and not ctx.get(dut.heads[queue].valid)
+
+    simulate(dut, testbench)

@@ -29,7 +29,7 @@ from hdl.link.link_receiver import DROP_REASONS
 __all__ = ["Register", "register_map", "render_markdown", "COUNTER_NAMES", "COUNTER_WORDS",
            "ID_VALUE", "VERSION", "DEFAULT_VL_WEIGHT", "FT_FIELDS", "check_config",
            "PORT_BASE", "PORT_STRIDE", "COUNTER_BASE", "COUNTER_PORT_STRIDE",
-           "COUNTER_VL_STRIDE", "SL_TO_VL_BASE", "MAX_PORTS", "MAX_VLS", "OKAY", "SLVERR"]
+           "COUNTER_VL_STRIDE", "SL_TO_VL_BASE", "HOQ_TICK_CYCLES", "MAX_PORTS", "MAX_VLS", "OKAY", "SLVERR"]
 
 # Register map version: bump the low half on additions, the high byte on incompatible moves.
 VERSION = 0x0001
@@ -46,6 +46,7 @@ COUNTER_VL_STRIDE = 0x40                # 16 words: up to 16 counters per (port,
 COUNTER_PORT_STRIDE = COUNTER_VL_STRIDE * MAX_VLS
 
 DEFAULT_VL_WEIGHT = 16                  # 64-byte blocks per VL turn (link transmitter's unit)
+HOQ_TICK_CYCLES = 16                    # unit of the head-of-queue lifetime
 
 # AXI responses.
 OKAY = 0b00
@@ -70,6 +71,8 @@ COUNTER_WORDS = (
       for reason in DROP_REASONS),
     ("drop_unknown_dlid", "input packets dropped because their DLID missed the forwarding "
                           "table (beyond the table or an invalid entry)"),
+    ("drop_hoq_lifetime", "packets for this output port and VL discarded because they headed "
+                          "their queue for longer than `hoq_lifetime` (IBA HOQLife)"),
 )
 COUNTER_NAMES = tuple(name for name, _ in COUNTER_WORDS)
 assert len(COUNTER_NAMES) * 4 <= COUNTER_VL_STRIDE
@@ -83,7 +86,7 @@ class Register(NamedTuple):
     read back as written; ``RWS`` like ``RW``, and a write also commits (see description).
     ``binding`` tells the hardware what the register is: ``("const",)``,
     ``("ft_write",)``, ``("ft_read_lid",)``, ``("ft_read_data",)``, ``("sl_to_vl", sl)``,
-    ``("port_enable", port)``, ``("vl_weight", port, vl)``,
+    ``("port_enable", port)``, ``("vl_weight", port, vl)``, ``("hoq_lifetime",)``,
     ``("counter", port, vl, name)``.
     """
     name: str
@@ -138,6 +141,13 @@ def register_map(ports=8, num_vls=2, lids=1024):
                  f"Forwarding-table readback: the entry of LID ft_read_lid, {ft}, read from a "
                  f"shadow copy of the table that every ft_write also writes",
                  ("ft_read_data",)),
+        Register("hoq_lifetime", 0x001C, 16, "RW", 0,
+                 f"Head-of-queue lifetime (IBA HOQLife), in units of {HOQ_TICK_CYCLES} cycles; "
+                 f"0 = unlimited. A packet that heads its queue (waiting for its output, its VL's "
+                 f"turn or downstream credit) for longer than this is discarded without being "
+                 f"sent and counted in its output's drop_hoq_lifetime, so that a dead or "
+                 f"credit-starved output cannot hold an input's buffer, and with it the input's "
+                 f"other flows, for ever", ("hoq_lifetime",)),
     ]
     for sl in range(16):
         regs.append(Register(

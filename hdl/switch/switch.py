@@ -9,7 +9,7 @@ from hdl.link.signatures import (
 )
 from hdl.switch.forwarding_table import ForwardingTable
 from hdl.switch.islip_allocator import IslipAllocator
-from hdl.switch.register_map import check_config
+from hdl.switch.register_map import HOQ_TICK_CYCLES, check_config
 from hdl.switch.switch_registers import AxiLiteSignature, SwitchRegisters
 from hdl.switch.voq_buffer import QUEUE_MODES, VoqBuffer
 
@@ -216,6 +216,35 @@ class Switch(wiring.Component):
                     eligible[i][o].bit_select(vl_pick[o], 1))
         m.d.comb += allocator.enable.eq(1)
 
+        # Head-of-queue lifetime: every queue head's age, in ticks of HOQ_TICK_CYCLES. An
+        # input that is free and matched to no output drops one expired head instead.
+        tick_count = Signal(range(HOQ_TICK_CYCLES))
+        tick = Signal()
+        m.d.sync += tick_count.eq(tick_count + 1)
+        m.d.comb += tick.eq(tick_count == HOQ_TICK_CYCLES - 1)
+        lifetime = regs.hoq_lifetime
+        hoq_drop = [Signal(name=f"hoq_drop{i}") for i in range(P)]
+        hoq_head = [Signal(range(max(buffer.num_queues, 2)), name=f"hoq_queue{i}")
+                    for i, buffer in enumerate(self.buffers)]
+        for i, buffer in enumerate(self.buffers):
+            expired = Signal(buffer.num_queues, name=f"hoq_expired{i}")
+            for q in range(buffer.num_queues):
+                age = Signal(16, name=f"hoq_age{i}_{q}")
+                dequeued = buffer.grant_valid & (buffer.grant_queue == q)
+                with m.If(~buffer.heads[q].valid | dequeued):
+                    m.d.sync += age.eq(0)
+                with m.Elif(tick & (age != 0xFFFF)):
+                    m.d.sync += age.eq(age + 1)
+                m.d.comb += expired[q].eq(buffer.heads[q].valid & (lifetime != 0)
+                                          & (age >= lifetime))
+            for q in reversed(range(buffer.num_queues)):
+                with m.If(expired[q]):
+                    m.d.comb += hoq_head[i].eq(q)
+            m.d.comb += hoq_drop[i].eq(in_free[i] & ~allocator.grant_valid[i] & expired.any())
+            with m.If(hoq_drop[i]):
+                m.d.comb += [buffer.grant_valid.eq(1), buffer.grant_queue.eq(hoq_head[i]),
+                             buffer.grant_discard.eq(1)]
+
         # Matched inputs start their packets; matched outputs remember their input.
         connected = [Signal(range(P), name=f"connected{o}") for o in range(P)]
         for i, buffer in enumerate(self.buffers):
@@ -283,6 +312,13 @@ class Switch(wiring.Component):
                 bump("packets_out", when=sent)
                 bump("bytes_out", lrh_wire_bytes(egress.payload.data) - 2, when=sent)
                 bump("credit_stall_cycles", when=waiting[p][v])
+                # Discarded heads count at the output and VL they were waiting for.
+                bump("drop_hoq_lifetime", when=Cat(
+                    hoq_drop[i] & (Array(buffer.heads[q].port for q in range(buffer.num_queues))
+                                   [hoq_head[i]] == p)
+                    & (Array(buffer.heads[q].vl for q in range(buffer.num_queues))
+                       [hoq_head[i]] == v)
+                    for i, buffer in enumerate(self.buffers)).any())
                 for k, reason in enumerate(ROUTED_DROP_REASONS):
                     bump(f"drop_{reason}", when=rx.drop_event.reasons[k] & (rx.drop_event.vl == v))
         return m

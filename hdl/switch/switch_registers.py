@@ -55,7 +55,7 @@ class SwitchRegisters(wiring.Component):
       by the same strobe) answers ``ft_read_data``, so readback never disturbs the lookups.
     - ``sl_to_vl[sl]`` (4 bits, 15 = drop), ``vl_weight[port][vl]`` (8 bits, 64-byte blocks
       per turn, as :class:`hdl.link.link_transmitter.LinkTransmitter` takes them),
-      ``port_enable[port]``.
+      ``port_enable[port]``, ``hoq_lifetime`` (units of ``HOQ_TICK_CYCLES`` cycles, 0 = off).
 
     ``counters[port][vl]`` (:class:`CounterSignature`) are inputs, read when a read
     transaction addresses them (one 32-bit value per read; no snapshot across words).
@@ -88,6 +88,7 @@ class SwitchRegisters(wiring.Component):
             "sl_to_vl": Out(4).array(16),
             "vl_weight": Out(8).array(ports, num_vls),
             "port_enable": Out(1).array(ports),
+            "hoq_lifetime": Out(16),
             "counters": In(CounterSignature()).array(ports, num_vls),
         })
 
@@ -108,6 +109,8 @@ class SwitchRegisters(wiring.Component):
                 m.d.comb += self.vl_weight[reg.binding[1]][reg.binding[2]].eq(store[reg.name])
             elif kind == "port_enable":
                 m.d.comb += self.port_enable[reg.binding[1]].eq(store[reg.name])
+            elif kind == "hoq_lifetime":
+                m.d.comb += self.hoq_lifetime.eq(store[reg.name])
         ft_write = store["ft_write"]
         ft_read_lid = store["ft_read_lid"]
         m.d.comb += [

@@ -46,7 +46,8 @@ class VoqBuffer(wiring.Component):
     the writer. The end beat waits for the packet's verdict and leaves marked ``end_bad``
     if the packet turned out bad after it started out. A packet already known bad when it
     is granted is not sent: its cells are skipped (``sending`` stays low, so the output is
-    free again at once) and counted as discarded. Cells go back to the free list as they
+    free again at once) and counted as discarded; so is a packet granted with
+    ``grant_discard`` (its head-of-queue lifetime ran out). Cells go back to the free list as they
     are read; the packet's credit blocks return to the receiver with its end beat.
 
     Accounting: every input VL may hold ``share`` cells (the receiver's room), which its
@@ -89,6 +90,7 @@ class VoqBuffer(wiring.Component):
             "heads": Out(HeadSignature(ports, num_vls)).array(self.num_queues),
             "grant_valid": In(1),
             "grant_queue": In(range(max(self.num_queues, 2))),
+            "grant_discard": In(1),     # ... to be dropped unsent (its lifetime ran out)
             "out": Out(stream.Signature(BeatLayout(width))),
             "out_port": Out(range(ports)),
             "out_vl": Out(vl_index(num_vls)),
@@ -233,7 +235,8 @@ class VoqBuffer(wiring.Component):
         ]
         consume = Signal()
         m.d.comb += [
-            consume.eq(self.active & shown & (skip | (out.valid & out.ready))),
+            # A skipped packet, too, ends only once its verdict (and credit count) is in.
+            consume.eq(self.active & shown & Mux(skip, ~beat.end | known, out.valid & out.ready)),
             self.finishing.eq(consume & beat.end),
         ]
         written = known | (rd_index < wr_cells)
@@ -275,7 +278,8 @@ class VoqBuffer(wiring.Component):
             # out of the same output with no idle cycle between them.
             m.d.comb += [cell_rp.en.eq(1), cell_rp.addr.eq(granted.head)]
             m.d.sync += [
-                self.active.eq(1), rd_checked.eq(0), rd_skip.eq(0), rd_index.eq(1),
+                self.active.eq(1), rd_checked.eq(self.grant_discard),
+                rd_skip.eq(self.grant_discard), rd_index.eq(1),
                 shown.eq(1), shown_cell.eq(granted.head), shown_start.eq(1),
                 rd_seq.eq(granted.seq), rd_in_vl.eq(granted.in_vl),
                 self.out_port.eq(granted.port), self.out_vl.eq(granted.vl),
