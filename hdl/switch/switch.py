@@ -151,9 +151,8 @@ class Switch(wiring.Component):
             for v in range(V):
                 m.d.comb += space[o][v].eq(tx.credit_limit[v] - tx.fctbs[v])
 
-        def fits(o_value, v_value, blocks):
+        def fits(room, blocks):
             # IBA: send only if (FCCL - (FCTBS + blocks)) mod 4096 <= 2048.
-            room = Array(Array(row) for row in space)[o_value][v_value]
             return ((room - blocks) & 0xFFF) <= 2048
 
         # eligible[i][o][v]; waiting[o][v]: some head packet waits only for credit there.
@@ -170,10 +169,14 @@ class Switch(wiring.Component):
             for q in range(buffer.num_queues):
                 head = buffer.heads[q]
                 ok = Signal(name=f"fits{i}_{q}")
-                m.d.comb += ok.eq(fits(head.port, head.vl, head.blocks))
                 # VOQ: queue q holds one (o, v); FIFO: queue q holds VL q, any output.
-                pairs = ([divmod(q, V)] if self.mode == "voq"
-                         else [(o, q) for o in range(P)])
+                if self.mode == "voq":
+                    pairs = [divmod(q, V)]
+                    room = space[pairs[0][0]][pairs[0][1]]
+                else:
+                    pairs = [(o, q) for o in range(P)]
+                    room = Array(space[o][q] for o in range(P))[head.port]
+                m.d.comb += ok.eq(fits(room, head.blocks))
                 for o, v in pairs:
                     here = Signal(name=f"head{i}_{q}_for{o}")
                     m.d.comb += here.eq(head.valid & (head.port == o) & (head.vl == v))
@@ -186,9 +189,7 @@ class Switch(wiring.Component):
                         Cat(Cat(*ready_terms[o, v]).any() for v in range(V))
                         & (in_free[i] & ~out_busy[o] & enabled[o]).replicate(V)),
                     # At most one queue heads with a packet for (o, v): OR is a mux.
-                    head_blocks[i][o].eq(
-                        block_terms[o][0] if len(block_terms[o]) == 1
-                        else _or_all(block_terms[o])),
+                    head_blocks[i][o].eq(_or_all(block_terms[o])),
                 ]
         for o in range(P):
             m.d.comb += waiting[o].eq(Cat(Cat(*wait_terms[o, v]).any() for v in range(V)))
