@@ -21,7 +21,7 @@ from hdl.link.link_port import LinkPort
 from hdl.link.link_receiver import DROP_REASONS
 from hdl.link.signatures import BeatLayout, FCCL_BITS, LinkState, WireSignature
 
-__all__ = ["LinkPair", "SIDES", "STATUS_PORTS"]
+__all__ = ["LinkPair", "SIDES", "STATUS_PORTS", "COUNTER_PORTS", "port_members", "expose_port"]
 
 SIDES = ("a", "b")
 
@@ -50,6 +50,49 @@ COUNTER_PORTS = {
 }
 
 
+def port_members(prefix, width, num_vls):
+    """Top-level members through which a testbench drives and watches one LinkPort:
+    ``{prefix}_data_in``/``_data_out`` streams, ``_vl_weight``, state, overflow, link
+    inits, the per-VL :data:`STATUS_PORTS`, the :data:`COUNTER_PORTS` and one
+    ``_drop_<reason>`` per drop reason."""
+    members = {
+        f"{prefix}_data_in": In(stream.Signature(BeatLayout(width))).array(num_vls),
+        f"{prefix}_data_out": Out(stream.Signature(BeatLayout(width))).array(num_vls),
+        f"{prefix}_vl_weight": In(8).array(num_vls),
+        f"{prefix}_state": Out(LinkState),
+        f"{prefix}_overflow": Out(1),
+        f"{prefix}_link_inits": Out(32),
+    }
+    for name in STATUS_PORTS:
+        members[f"{prefix}_{name}"] = Out(32).array(num_vls)
+    for name in COUNTER_PORTS:
+        members[f"{prefix}_{name}"] = Out(32)
+    for reason in DROP_REASONS:
+        members[f"{prefix}_drop_{reason}"] = Out(32)
+    return members
+
+
+def expose_port(m, top, prefix, port):
+    """Join ``port`` (a LinkPort) to the members :func:`port_members` gave ``top``."""
+    def member(name):
+        return getattr(top, f"{prefix}_{name}")
+    for v in range(port.num_vls):
+        wiring.connect(m, wiring.flipped(member("data_in")[v]), port.data_in[v])
+        wiring.connect(m, port.data_out[v], wiring.flipped(member("data_out")[v]))
+        m.d.comb += port.vl_weight[v].eq(member("vl_weight")[v])
+        for name, (block, attr) in STATUS_PORTS.items():
+            m.d.comb += member(name)[v].eq(getattr(getattr(port, block), attr)[v])
+    for name, (block, attr) in COUNTER_PORTS.items():
+        m.d.comb += member(name).eq(getattr(getattr(port, block), attr))
+    for reason in DROP_REASONS:
+        m.d.comb += member(f"drop_{reason}").eq(getattr(port.receiver.drops, reason))
+    m.d.comb += [
+        member("state").eq(port.state),
+        member("overflow").eq(port.receiver.overflow),
+        member("link_inits").eq(port.link_inits),
+    ]
+
+
 class LinkPair(wiring.Component):
     def __init__(self, *, width=64, num_vls=2, mtu=4096, buffer_blocks=None, cut_through=False,
                  fc_period=1024, fc_min_interval=64, fc_batch_blocks=64, wire_delay=0,
@@ -69,18 +112,7 @@ class LinkPair(wiring.Component):
         members = {}
         for side in SIDES:
             members[f"{side}_reset"] = In(1)
-            members[f"{side}_data_in"] = In(stream.Signature(BeatLayout(width))).array(num_vls)
-            members[f"{side}_data_out"] = Out(stream.Signature(BeatLayout(width))).array(num_vls)
-            members[f"{side}_vl_weight"] = In(8).array(num_vls)
-            members[f"{side}_state"] = Out(LinkState)
-            members[f"{side}_overflow"] = Out(1)
-            members[f"{side}_link_inits"] = Out(32)
-            for name in STATUS_PORTS:
-                members[f"{side}_{name}"] = Out(32).array(num_vls)
-            for name in COUNTER_PORTS:
-                members[f"{side}_{name}"] = Out(32)
-            for reason in DROP_REASONS:
-                members[f"{side}_drop_{reason}"] = Out(32)
+            members.update(port_members(side, width, num_vls))
             if channel == "tb":
                 members[f"{side}_wire_out"] = Out(WireSignature(width))
                 members[f"{side}_wire_in"] = In(WireSignature(width))
@@ -101,23 +133,7 @@ class LinkPair(wiring.Component):
                 ResetSignal(side).eq(ResetSignal() | getattr(self, f"{side}_reset")),
             ]
             m.submodules[side] = DomainRenamer(side)(port)
-            for v in range(port.num_vls):
-                wiring.connect(m, wiring.flipped(getattr(self, f"{side}_data_in")[v]), port.data_in[v])
-                wiring.connect(m, port.data_out[v], wiring.flipped(getattr(self, f"{side}_data_out")[v]))
-                m.d.comb += port.vl_weight[v].eq(getattr(self, f"{side}_vl_weight")[v])
-                for name, (block, attr) in STATUS_PORTS.items():
-                    m.d.comb += getattr(self, f"{side}_{name}")[v].eq(
-                        getattr(getattr(port, block), attr)[v])
-            for name, (block, attr) in COUNTER_PORTS.items():
-                m.d.comb += getattr(self, f"{side}_{name}").eq(getattr(getattr(port, block), attr))
-            for reason in DROP_REASONS:
-                m.d.comb += getattr(self, f"{side}_drop_{reason}").eq(
-                    getattr(port.receiver.drops, reason))
-            m.d.comb += [
-                getattr(self, f"{side}_state").eq(port.state),
-                getattr(self, f"{side}_overflow").eq(port.receiver.overflow),
-                getattr(self, f"{side}_link_inits").eq(port.link_inits),
-            ]
+            expose_port(m, self, side, port)
             if self.channel == "tb":
                 wiring.connect(m, port.wire_out, wiring.flipped(getattr(self, f"{side}_wire_out")))
                 wiring.connect(m, wiring.flipped(getattr(self, f"{side}_wire_in")), port.wire_in)

@@ -23,20 +23,17 @@ is measured at the switch's own pins. ``switch_buffer_blocks`` and ``host_buffer
 are constants: the receive buffer per VL of a switch input and of a host.
 """
 from amaranth import *
-from amaranth.lib import stream, wiring
+from amaranth.lib import wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from hdl.link.link_port import LinkPort
-from hdl.link.link_receiver import DROP_REASONS
-from hdl.link.signatures import BeatLayout, LinkState, WireSignature
+from hdl.link.signatures import LinkState, WireSignature
 from hdl.switch.switch_registers import AxiLiteSignature
-from tb.link_pair import COUNTER_PORTS, STATUS_PORTS
+from tb.link_pair import expose_port, port_members
 
-__all__ = ["SwitchTop", "HOST_STATUS_PORTS", "HOST_COUNTER_PORTS"]
+__all__ = ["SwitchTop"]
 
-HOST_STATUS_PORTS = STATUS_PORTS
-HOST_COUNTER_PORTS = COUNTER_PORTS
 WIRE_FIELDS = tuple(WireSignature(8).members)
 
 
@@ -76,18 +73,7 @@ class SwitchTop(wiring.Component):
         }
         for p in range(ports):
             h = f"host{p}"
-            members[f"{h}_data_in"] = In(stream.Signature(BeatLayout(width))).array(num_vls)
-            members[f"{h}_data_out"] = Out(stream.Signature(BeatLayout(width))).array(num_vls)
-            members[f"{h}_vl_weight"] = In(8).array(num_vls)
-            members[f"{h}_state"] = Out(LinkState)
-            members[f"{h}_overflow"] = Out(1)
-            members[f"{h}_link_inits"] = Out(32)
-            for name in HOST_STATUS_PORTS:
-                members[f"{h}_{name}"] = Out(32).array(num_vls)
-            for name in HOST_COUNTER_PORTS:
-                members[f"{h}_{name}"] = Out(32)
-            for reason in DROP_REASONS:
-                members[f"{h}_drop_{reason}"] = Out(32)
+            members.update(port_members(h, width, num_vls))
             members[f"switch{p}_wire_monitor"] = Out(WireSignature(width))
             members[f"switch{p}_wire_in_monitor"] = Out(WireSignature(width))
             if p in tb_ports:
@@ -134,22 +120,8 @@ class SwitchTop(wiring.Component):
             m.d.comb += [
                 self.switch_link_state[p].eq(sw.link_state[p]),
                 self.switch_overflow[p].eq(sw.overflow[p]),
-                getattr(self, f"{h}_state").eq(host.state),
-                getattr(self, f"{h}_overflow").eq(host.receiver.overflow),
-                getattr(self, f"{h}_link_inits").eq(host.link_inits),
             ]
-            for v in range(self.num_vls):
-                wiring.connect(m, wiring.flipped(getattr(self, f"{h}_data_in")[v]), host.data_in[v])
-                wiring.connect(m, host.data_out[v], wiring.flipped(getattr(self, f"{h}_data_out")[v]))
-                m.d.comb += host.vl_weight[v].eq(getattr(self, f"{h}_vl_weight")[v])
-                for name, (block, attr) in HOST_STATUS_PORTS.items():
-                    m.d.comb += getattr(self, f"{h}_{name}")[v].eq(
-                        getattr(getattr(host, block), attr)[v])
-            for name, (block, attr) in HOST_COUNTER_PORTS.items():
-                m.d.comb += getattr(self, f"{h}_{name}").eq(getattr(getattr(host, block), attr))
-            for reason in DROP_REASONS:
-                m.d.comb += getattr(self, f"{h}_drop_{reason}").eq(
-                    getattr(host.receiver.drops, reason))
+            expose_port(m, self, h, host)
 
             # Host -> switch.
             if p in self.tb_ports:
