@@ -72,11 +72,11 @@ def make_top(ports, num_vls, lids):
                 table.write_valid.eq(regs.ft_write_valid),
                 self.ft_write_en.eq(regs.ft_write_en),
             ]
+            m.d.comb += self.hoq_lifetime.eq(regs.hoq_lifetime)
             for sl in range(16):
                 m.d.comb += self.sl_to_vl[sl].eq(regs.sl_to_vl[sl])
             for p in range(ports):
                 m.d.comb += self.port_enable[p].eq(regs.port_enable[p])
-                m.d.comb += self.hoq_lifetime.eq(regs.hoq_lifetime)
                 m.d.comb += [
                     table.lookup[p].lid.eq(self.lookup[p].lid),
                     self.lookup[p].port.eq(table.lookup[p].port),
