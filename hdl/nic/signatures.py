@@ -1,0 +1,333 @@
+"""Interfaces between the NIC's blocks, in one place (docs/nic.md draws them).
+
+Every record that travels between two NIC blocks is a ``lib.data`` struct here, with
+fixed-width fields (a QP number is always 8 bits, a CQ number 8 bits), so that blocks
+built with different ``num_qps`` still agree on layouts. The Python-side mirrors of the
+host-visible formats (WQE segments, CQEs, doorbells) live in :mod:`models.mlx5`.
+
+Pipeline, requester side::
+
+    AXI4-Lite ─► NicRegisters ──doorbell──► DoorbellScheduler ──fetch request──► WqeFetcher
+                   │ contexts (read ports)        ▲ fetch done / retire              │ AR id 0
+                   │                              │                                  ▼
+                   └──────────────► WqeExecutor ◄─┴───────── WQE descriptor ◄── parser
+                                      │ AR id 1 (payload)  │ packet descriptor
+                                      ▼                    ▼
+                                   AXI4 R id 1 ──────► PacketAssembler ──► LinkPort.data_in[vl]
+                                      │ completion record
+                                      ▼
+    LinkPort.data_out ──► CompletionUnit (ACK/NAK, READ response, ATOMIC ACK) ──► AXI4 AW/W (CQE)
+"""
+from amaranth.lib import data, enum, wiring
+from amaranth.lib.wiring import In, Out
+
+__all__ = [
+    "QpState", "QpConfigLayout", "CqConfigLayout", "MkeyLayout", "ContextReadSignature",
+    "EventSignature", "DoorbellLayout", "FetchRequestLayout", "FetchDoneLayout",
+    "RetireLayout", "WqeDescriptorLayout", "PayloadSource", "PacketDescriptorLayout",
+    "CompletionStatus", "CompletionRecordLayout", "AxiReadSignature", "AxiWriteSignature",
+    "MlxOpcode", "Syndrome", "Access",
+    "QPN_BITS", "CQN_BITS", "PSN_BITS", "WQEBB_BYTES", "MAX_WQE_BLOCKS", "MAX_INLINE_BYTES",
+    "MAX_HEADER_BYTES", "MAX_OUTSTANDING_BLOCKS", "MAX_MESSAGE_BYTES",
+    "FETCH_ID", "PAYLOAD_ID", "AXI_ID_BITS", "COUNTERS",
+]
+
+QPN_BITS = 8                 # QP index inside the NIC (at most 256 QPs)
+CQN_BITS = 8                 # CQ index (at most 256 CQs)
+PSN_BITS = 24
+WQEBB_BYTES = 64             # mlx5 WQE basic block
+MAX_WQE_BLOCKS = 16          # ds is 6 bits of 16-byte units: at most 63 * 16 B = 16 blocks
+MAX_INLINE_BYTES = 64        # inline data a WQE may carry (larger: LOCAL_LENGTH error CQE)
+MAX_HEADER_BYTES = 48        # LRH + BTH + AtomicETH, the longest header the requester sends
+MAX_OUTSTANDING_BLOCKS = 64  # per-QP window of fetched, not yet completed WQE basic blocks
+MAX_MESSAGE_BYTES = 1 << 31  # IBA maximum message size
+
+AXI_ID_BITS = 2
+FETCH_ID = 0                 # AR/R of WQE fetches
+PAYLOAD_ID = 1               # AR/R of payload reads
+
+
+# Every NIC counter (32 bits, wrapping), by the block that counts it. Each block has an
+# ``Out(32)`` member of that name; the top joins them to the register block in this order.
+COUNTERS = {
+    "DoorbellScheduler": (
+        ("doorbells_accepted", "doorbells that moved a QP's producer index forward"),
+        ("doorbells_duplicate", "doorbells repeating the QP's newest index (they collapse)"),
+        ("doorbells_bad_qpn", "doorbells for a QP number the NIC does not have"),
+        ("doorbells_not_ready", "doorbells for a QP in RESET"),
+        ("doorbells_backwards", "doorbells whose index is behind the newest one"),
+        ("doorbells_too_far", "doorbells more than the send queue's size ahead of completions"),
+        ("wqe_fetches", "fetch requests issued"),
+    ),
+    "WqeFetcher": (
+        ("wqe_blocks_fetched", "WQE basic blocks read from memory"),
+        ("wqes_parsed", "WQE descriptors produced"),
+        ("wqe_blocks_refetched", "blocks dropped because their WQE was cut by the fetch's end"),
+        ("fetch_read_errors", "WQE blocks read with RRESP not OKAY"),
+    ),
+    "WqeExecutor": (
+        ("wqes_executed", "WQEs turned into packets"),
+        ("packets_sent", "request packets handed to the assembler"),
+        ("payload_bytes_sent", "payload bytes of those packets"),
+        ("wqe_errors", "WQEs completed with a local error"),
+        ("wqes_flushed", "WQEs completed with a flush error by the executor"),
+    ),
+    "PacketAssembler": (
+        ("payload_read_errors", "payload beats read with RRESP not OKAY (packet sent end-bad)"),
+    ),
+    "CompletionUnit": (
+        ("acks_received", "ACK packets processed"),
+        ("naks_received", "NAK packets processed"),
+        ("read_responses", "RDMA READ response packets processed"),
+        ("atomic_acks", "ATOMIC ACKNOWLEDGE packets processed"),
+        ("cqes_written", "CQEs written, errors included"),
+        ("error_cqes", "error and flush CQEs written"),
+        ("rx_dropped_icrc", "received packets dropped for a bad ICRC"),
+        ("rx_dropped_unexpected", "received packets dropped: not a response, unknown or idle QP, "
+                                  "or a PSN no outstanding WQE waits for"),
+        ("cqe_write_errors", "CQE writes answered with BRESP not OKAY"),
+    ),
+}
+
+
+class QpState(enum.Enum, shape=3):
+    """IBA QP states, numbered as ``enum ibv_qp_state``; only these three are used."""
+    RESET = 0
+    RTS = 3
+    ERR = 6
+
+
+class MlxOpcode(enum.Enum, shape=8):
+    """mlx5 send opcodes (``MLX5_OPCODE_*``), the low byte of a control segment's
+    ``opmod_idx_opcode``."""
+    RDMA_WRITE = 0x08
+    RDMA_WRITE_IMM = 0x09
+    SEND = 0x0A
+    SEND_IMM = 0x0B
+    RDMA_READ = 0x10
+    ATOMIC_CS = 0x11
+    ATOMIC_FA = 0x12
+
+
+class Syndrome(enum.Enum, shape=8):
+    """mlx5 error-CQE syndromes (``MLX5_CQE_SYNDROME_*``)."""
+    LOCAL_LENGTH_ERR = 0x01
+    LOCAL_QP_OP_ERR = 0x02
+    LOCAL_PROT_ERR = 0x04
+    WR_FLUSH_ERR = 0x05
+    BAD_RESP_ERR = 0x10
+    LOCAL_ACCESS_ERR = 0x11
+    REMOTE_INVAL_REQ_ERR = 0x12
+    REMOTE_ACCESS_ERR = 0x13
+    REMOTE_OP_ERR = 0x14
+    TRANSPORT_RETRY_EXC_ERR = 0x15
+    RNR_RETRY_EXC_ERR = 0x16
+
+
+class Access(enum.Flag, shape=4):
+    """Memory-key access rights (the low bits of ``enum ibv_access_flags``)."""
+    LOCAL_WRITE = 1
+    REMOTE_WRITE = 2
+    REMOTE_READ = 4
+    REMOTE_ATOMIC = 8
+
+
+class QpConfigLayout(data.StructLayout):
+    """A QP's context as the host programs it (docs/nic-registers.md)."""
+    def __init__(self):
+        super().__init__({
+            "sq_base": 64,           # byte address of WQE basic block 0
+            "log_sq_size": 4,        # the send queue holds 2**log_sq_size basic blocks
+            "mtu": 3,                # IBA path MTU code: 1 = 256 B .. 5 = 4096 B
+            "sl": 4,
+            "max_outstanding": 7,    # WQE basic blocks fetched and not yet completed, 1..64
+            "dest_qpn": 24,
+            "dlid": 16,
+            "pd": 24,
+            "pkey": 16,
+            "sq_psn": PSN_BITS,      # PSN of the first packet after RESET -> RTS
+            "cqn": CQN_BITS,
+        })
+
+
+class CqConfigLayout(data.StructLayout):
+    def __init__(self):
+        super().__init__({
+            "base": 64,              # byte address of CQE 0
+            "log_size": 4,           # 2**log_size CQEs of 64 bytes
+            "collapsed": 1,          # every CQE goes to entry 0 (NVSHMEM IBGDA's setting)
+        })
+
+
+class MkeyLayout(data.StructLayout):
+    """One memory-key table entry; the entry for key ``k`` is at index
+    ``(k >> 8) % num_mkeys`` and matches only if ``key == k`` (mlx5 keys are
+    index << 8 | an 8-bit variant)."""
+    def __init__(self):
+        super().__init__({
+            "key": 32,
+            "base": 64,
+            "length": 64,
+            "access": Access,
+            "pd": 24,
+            "valid": 1,
+        })
+
+
+class ContextReadSignature(wiring.Signature):
+    """A synchronous read port on a context table, seen from the reader: ``data`` is the
+    entry at the ``addr`` of the previous cycle (always enabled, so holding ``addr``
+    keeps ``data`` current, one cycle late after a host write)."""
+    def __init__(self, depth, layout):
+        self.depth = depth
+        self.layout = layout
+        super().__init__({"addr": Out(range(depth)), "data": In(layout)})
+
+
+class EventSignature(wiring.Signature):
+    """A one-cycle strobe about one QP (``qp_reset``, ``qp_error``), seen from the sender."""
+    def __init__(self):
+        super().__init__({"valid": Out(1), "qpn": Out(QPN_BITS)})
+
+
+class DoorbellLayout(data.StructLayout):
+    """A doorbell write as the UAR page decodes it: the QPN (bits 31..8 of ``qpn_ds``)
+    and the producer index (bits 23..8 of ``opmod_idx_opcode``)."""
+    def __init__(self):
+        super().__init__({"qpn": 24, "pi": 16})
+
+
+class FetchRequestLayout(data.StructLayout):
+    """Read ``blocks`` WQE basic blocks of QP ``qpn`` from ``wqe_index`` on (modulo the
+    ring). ``first_only``: consume at most the first WQE (the QP's outstanding window
+    is smaller than a fetch, and nothing is outstanding)."""
+    def __init__(self):
+        super().__init__({
+            "qpn": QPN_BITS,
+            "wqe_index": 16,
+            "blocks": range(MAX_WQE_BLOCKS + 1),
+            "first_only": 1,
+        })
+
+
+class FetchDoneLayout(data.StructLayout):
+    """The parser finished a fetch: ``consumed`` blocks (whole WQEs) became WQE
+    descriptors; the rest of the fetch (a WQE cut by the fetch's end) is read again
+    later."""
+    def __init__(self):
+        super().__init__({"qpn": QPN_BITS, "consumed": range(MAX_WQE_BLOCKS + 1)})
+
+
+class RetireLayout(data.StructLayout):
+    """WQE basic blocks of a QP whose WQE completed (its CQE, if any, was written):
+    the send queue's consumer index moves on by ``blocks``."""
+    def __init__(self):
+        super().__init__({"qpn": QPN_BITS, "blocks": range(MAX_WQE_BLOCKS + 1)})
+
+
+class WqeDescriptorLayout(data.StructLayout):
+    """One parsed WQE. Fields of segments the opcode does not have are zero.
+    ``format_error`` with ``syndrome``: the WQE is malformed (unknown opcode, ``ds``
+    inconsistent with the opcode, more than one data segment, inline data too long);
+    it completes with an error CQE and moves its QP to the error state."""
+    def __init__(self):
+        super().__init__({
+            "qpn": QPN_BITS,
+            "wqe_index": 16,                         # basic-block index of the WQE's start
+            "wqe_blocks": range(MAX_WQE_BLOCKS + 1),
+            "opcode": 8,                             # mlx5 opcode, as in the control segment
+            "opmod": 8,
+            "ds": 6,
+            "fm_ce_se": 8,
+            "imm": 32,                               # control segment's imm (big-endian on the wire)
+            "raddr": 64,
+            "rkey": 32,
+            "swap_add": 64,
+            "compare": 64,
+            "has_data": 1,                           # a data segment (lkey/laddr/byte_count)
+            "lkey": 32,
+            "laddr": 64,
+            "byte_count": 32,                        # data segment or inline length
+            "inline": 1,
+            "inline_data": 8 * MAX_INLINE_BYTES,     # byte 0 in bits 7..0
+            "format_error": 1,
+            "syndrome": Syndrome,
+        })
+
+
+class PayloadSource(enum.Enum, shape=2):
+    NONE = 0
+    INLINE = 1      # the descriptor's ``inline_data``
+    DMA = 2         # the next beats of the payload buffer (AXI R, id PAYLOAD_ID)
+
+
+class PacketDescriptorLayout(data.StructLayout):
+    """One packet for the :class:`PacketAssembler`: ``header`` (LRH .. last extension
+    header, wire order, byte 0 in bits 7..0, ``header_bytes`` long, LRH.PktLen and
+    BTH.PadCnt already filled in) followed by ``payload_bytes`` of payload, the pad
+    and the ICRC the assembler computes. A DMA payload starts at byte ``offset`` of
+    the first payload-buffer beat and takes ``dma_beats`` beats of the buffer."""
+    def __init__(self):
+        super().__init__({
+            "vl": 4,
+            "header": 8 * MAX_HEADER_BYTES,
+            "header_bytes": range(MAX_HEADER_BYTES + 1),
+            "payload_bytes": range(4096 + 1),
+            "source": PayloadSource,
+            "offset": 6,
+            "dma_beats": range(4096 // 64 + 2),
+            "inline_data": 8 * MAX_INLINE_BYTES,
+        })
+
+
+class CompletionStatus(enum.Enum, shape=2):
+    SENT = 0        # packets went out; completes when the responder acknowledges it
+    ERROR = 1       # failed locally (``syndrome``); completes when it reaches the queue head
+    FLUSH = 2       # its QP is in error: completes with WR_FLUSH_ERR in order
+
+
+class CompletionRecordLayout(data.StructLayout):
+    """What the executor tells the completion unit about each WQE, in WQE order per QP."""
+    def __init__(self):
+        super().__init__({
+            "qpn": QPN_BITS,
+            "cqn": CQN_BITS,             # the QP's CQ
+            "wqe_index": 16,
+            "wqe_blocks": range(MAX_WQE_BLOCKS + 1),
+            "opcode": 8,                 # mlx5 opcode
+            "byte_count": 32,
+            "first_psn": PSN_BITS,
+            "last_psn": PSN_BITS,        # READ: PSN of the last expected response
+            "signaled": 1,               # fm_ce_se has CQ_UPDATE (0x08): write a CQE
+            "status": CompletionStatus,
+            "syndrome": Syndrome,
+        })
+
+
+class AxiReadSignature(wiring.Signature):
+    """AXI4 read address and data channels, seen from the master (member names as
+    cocotbext-axi's ``AxiBus`` expects them). INCR bursts only, ``arsize`` = the full
+    data width."""
+    def __init__(self, addr_width, data_bytes):
+        self.addr_width = addr_width
+        self.data_bytes = data_bytes
+        super().__init__({
+            "arid": Out(AXI_ID_BITS), "araddr": Out(addr_width), "arlen": Out(8),
+            "arsize": Out(3), "arburst": Out(2), "arvalid": Out(1), "arready": In(1),
+            "rid": In(AXI_ID_BITS), "rdata": In(8 * data_bytes), "rresp": In(2),
+            "rlast": In(1), "rvalid": In(1), "rready": Out(1),
+        })
+
+
+class AxiWriteSignature(wiring.Signature):
+    """AXI4 write address, data and response channels, seen from the master."""
+    def __init__(self, addr_width, data_bytes):
+        self.addr_width = addr_width
+        self.data_bytes = data_bytes
+        super().__init__({
+            "awid": Out(AXI_ID_BITS), "awaddr": Out(addr_width), "awlen": Out(8),
+            "awsize": Out(3), "awburst": Out(2), "awvalid": Out(1), "awready": In(1),
+            "wdata": Out(8 * data_bytes), "wstrb": Out(data_bytes), "wlast": Out(1),
+            "wvalid": Out(1), "wready": In(1),
+            "bid": In(AXI_ID_BITS), "bresp": In(2), "bvalid": In(1), "bready": Out(1),
+        })
