@@ -25,7 +25,7 @@ __all__ = [
     "QpState", "QpConfigLayout", "CqConfigLayout", "MkeyLayout", "ContextReadSignature",
     "EventSignature", "DoorbellLayout", "FetchRequestLayout", "FetchDoneLayout",
     "RetireLayout", "WqeDescriptorLayout", "PayloadSource", "PacketDescriptorLayout",
-    "CompletionStatus", "CompletionRecordLayout", "AxiReadSignature", "AxiWriteSignature",
+    "CompletionStatus", "CompletionRecordLayout", "ArLayout", "RBeatLayout", "AxiReadSignature", "AxiWriteSignature",
     "MlxOpcode", "Syndrome", "Access",
     "QPN_BITS", "CQN_BITS", "PSN_BITS", "WQEBB_BYTES", "MAX_WQE_BLOCKS", "MAX_INLINE_BYTES",
     "MAX_HEADER_BYTES", "MAX_OUTSTANDING_BLOCKS", "MAX_MESSAGE_BYTES",
@@ -302,6 +302,19 @@ class CompletionRecordLayout(data.StructLayout):
             "status": CompletionStatus,
             "syndrome": Syndrome,
         })
+
+
+class ArLayout(data.StructLayout):
+    """An AXI4 read request as a block issues it: an INCR burst of ``len + 1`` full-width
+    beats from ``addr`` (not crossing 4 KiB). The top arbitrates these into the AR channel."""
+    def __init__(self):
+        super().__init__({"id": AXI_ID_BITS, "addr": 64, "len": 8})
+
+
+class RBeatLayout(data.StructLayout):
+    """An AXI4 read data beat as the top routes it (by ``rid``) to the block that asked."""
+    def __init__(self, data_bytes=64):
+        super().__init__({"data": 8 * data_bytes, "resp": 2, "last": 1})
 
 
 class AxiReadSignature(wiring.Signature):
