@@ -21,7 +21,8 @@ from hdl.link.link_port import LinkPort
 from hdl.link.link_receiver import DROP_REASONS
 from hdl.link.signatures import BeatLayout, FCCL_BITS, LinkState, WireSignature
 
-__all__ = ["LinkPair", "SIDES", "STATUS_PORTS", "COUNTER_PORTS", "port_members", "expose_port"]
+__all__ = ["LinkPair", "SIDES", "STATUS_PORTS", "COUNTER_PORTS", "port_members", "expose_port",
+           "delay_line"]
 
 SIDES = ("a", "b")
 
@@ -91,6 +92,28 @@ def expose_port(m, top, prefix, port):
         member("overflow").eq(port.receiver.overflow),
         member("link_inits").eq(port.link_inits),
     ]
+
+
+def delay_line(m, name, value, cycles):
+    """``value`` delayed by a fixed ``cycles`` (0: ``value`` itself): registers for a
+    few cycles, a memory ring beyond that."""
+    if cycles == 0:
+        return value
+    if cycles <= 4:
+        out = value
+        for k in range(cycles):
+            stage = Signal(len(value), name=f"{name}_d{k + 1}")
+            m.d.sync += stage.eq(out)
+            out = stage
+        return out
+    line = Memory(shape=len(value), depth=cycles, init=[])
+    m.submodules[f"{name}_line"] = line
+    write, read = line.write_port(), line.read_port(domain="comb")
+    position = Signal(range(cycles), name=f"{name}_position")
+    m.d.sync += position.eq(Mux(position == cycles - 1, 0, position + 1))
+    m.d.comb += [write.addr.eq(position), write.data.eq(value), write.en.eq(1),
+                 read.addr.eq(position)]
+    return read.data
 
 
 class LinkPair(wiring.Component):

@@ -24,13 +24,12 @@ are constants: the receive buffer per VL of a switch input and of a host.
 """
 from amaranth import *
 from amaranth.lib import wiring
-from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from hdl.link.link_port import LinkPort
 from hdl.link.signatures import LinkState, WireSignature
 from hdl.switch.switch_registers import AxiLiteSignature
-from tb.link_pair import expose_port, port_members
+from tb.link_pair import delay_line, expose_port, port_members
 
 __all__ = ["SwitchTop"]
 
@@ -81,27 +80,6 @@ class SwitchTop(wiring.Component):
                 members[f"switch{p}_wire_in"] = In(WireSignature(width))
         super().__init__(members)
 
-    def _delay(self, m, name, value):
-        """``value`` delayed by ``wire_delay`` cycles."""
-        d = self.wire_delay
-        if d == 0:
-            return value
-        if d <= 4:
-            out = value
-            for k in range(d):
-                stage = Signal(len(value), name=f"{name}_d{k + 1}")
-                m.d.sync += stage.eq(out)
-                out = stage
-            return out
-        line = Memory(shape=len(value), depth=d, init=[])
-        m.submodules[f"{name}_line"] = line
-        write, read = line.write_port(), line.read_port(domain="comb")
-        position = Signal(range(d), name=f"{name}_position")
-        m.d.sync += position.eq(Mux(position == d - 1, 0, position + 1))
-        m.d.comb += [write.addr.eq(position), write.data.eq(value), write.en.eq(1),
-                     read.addr.eq(position)]
-        return read.data
-
     def elaborate(self, platform):
         m = Module()
         sw = m.submodules.switch = self.switch
@@ -128,7 +106,7 @@ class SwitchTop(wiring.Component):
                 wiring.connect(m, host.wire_out, wiring.flipped(getattr(self, f"{h}_wire_out")))
                 arriving = flat(getattr(self, f"switch{p}_wire_in"))
             else:
-                arriving = self._delay(m, f"host{p}_to_switch", flat(host.wire_out))
+                arriving = delay_line(m, f"host{p}_to_switch", flat(host.wire_out), self.wire_delay)
             m.d.comb += [
                 flat(sw.wire_in[p]).eq(arriving),
                 flat(getattr(self, f"switch{p}_wire_in_monitor")).eq(arriving),
@@ -137,6 +115,6 @@ class SwitchTop(wiring.Component):
             leaving = flat(sw.wire_out[p])
             m.d.comb += [
                 flat(getattr(self, f"switch{p}_wire_monitor")).eq(leaving),
-                flat(host.wire_in).eq(self._delay(m, f"switch_to_host{p}", leaving)),
+                flat(host.wire_in).eq(delay_line(m, f"switch_to_host{p}", leaving, self.wire_delay)),
             ]
         return m

@@ -1,0 +1,171 @@
+from amaranth import *
+from amaranth.lib import wiring
+from amaranth.lib.wiring import In, Out
+
+from hdl.link.link_port import LinkPort
+from hdl.link.signatures import LinkState, WireSignature
+
+from .axi_read_arbiter import AxiReadArbiter
+from .completion_unit import CompletionUnit
+from .doorbell_scheduler import DoorbellScheduler
+from .nic_registers import AxiLite64Signature, NicRegisters
+from .packet_assembler import PacketAssembler
+from .signatures import (COUNTERS, FETCH_ID, PAYLOAD_ID, AxiReadSignature, AxiWriteSignature)
+from .wqe_executor import WqeExecutor
+from .wqe_fetcher import WqeFetcher
+
+__all__ = ["Nic", "NIC_WIDTH"]
+
+NIC_WIDTH = 64          # bytes per beat, on the wire and on the AXI4 data bus
+
+
+class Nic(wiring.Component):
+    """The RDMA NIC, requester side (docs/nic.md): doorbells from GPU threads in, mlx5 WQEs
+    fetched from memory, InfiniBand RC packets out on one credit-based link port, CQEs
+    written back when the responder acknowledges.
+
+    Parameters
+    ----------
+    num_qps, num_cqs, num_mkeys : int
+        Context table sizes.
+    num_vls : int
+        Data VLs of the network port.
+    mtu : int
+        Largest packet the link port takes (bytes of payload, IBA MTU 256 .. 4096).
+    addr_width : int
+        AXI4 master address bits (GPU/host memory).
+    fetch_buffer_blocks, payload_buffer_beats : int
+        On-chip buffers that hide the memory latency: WQE basic blocks and payload beats
+        that can be in flight from memory at once.
+    link_buffer_blocks : int or None
+        Receive buffer of the network port, in 64-byte credits (None: the link's default).
+
+    Ports
+    -----
+    axil : In(AxiLite64Signature(16))
+        Registers and the UAR doorbell page (docs/nic-registers.md).
+    axi : Out(AXI4)
+        DMA master: WQE fetches (ARID 0), payload reads (ARID 1), CQE writes.
+    wire_out, wire_in : the network link.
+    link_state : Out(LinkState)
+    """
+    def __init__(self, *, num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2, mtu=4096,
+                 addr_width=64, fetch_buffer_blocks=256, payload_buffer_beats=512,
+                 link_buffer_blocks=None, fc_period=1024, fc_min_interval=64,
+                 fc_batch_blocks=64):
+        if not 12 <= addr_width <= 64:
+            raise ValueError(f"AXI address width must be 12 to 64 bits, not {addr_width!r}")
+        self.num_qps = num_qps
+        self.num_vls = num_vls
+        self.addr_width = addr_width
+        self.registers = NicRegisters(num_qps=num_qps, num_cqs=num_cqs, num_mkeys=num_mkeys,
+                                      num_vls=num_vls, qp_read_ports=2, cq_read_ports=1,
+                                      mkey_read_ports=1)
+        self.scheduler = DoorbellScheduler(num_qps=num_qps)
+        self.fetcher = WqeFetcher(num_qps=num_qps, buffer_blocks=fetch_buffer_blocks)
+        self.executor = WqeExecutor(num_qps=num_qps, num_mkeys=num_mkeys, num_vls=num_vls,
+                                    payload_buffer_beats=payload_buffer_beats)
+        self.assembler = PacketAssembler(num_vls=num_vls, payload_buffer_beats=payload_buffer_beats)
+        self.completions = CompletionUnit(num_qps=num_qps, num_cqs=num_cqs, num_vls=num_vls,
+                                          addr_width=addr_width)
+        self.reads = AxiReadArbiter(readers=2, addr_width=addr_width, data_bytes=NIC_WIDTH)
+        self.port = LinkPort(width=NIC_WIDTH, num_vls=num_vls, mtu=mtu,
+                             buffer_blocks=link_buffer_blocks, fc_period=fc_period,
+                             fc_min_interval=fc_min_interval, fc_batch_blocks=fc_batch_blocks)
+        axi = AxiReadSignature(addr_width, NIC_WIDTH).members | AxiWriteSignature(addr_width, NIC_WIDTH).members
+        super().__init__({
+            "axil": In(AxiLite64Signature(16)),
+            "axi": Out(wiring.Signature(dict(axi))),
+            "wire_out": Out(WireSignature(NIC_WIDTH)),
+            "wire_in": In(WireSignature(NIC_WIDTH)),
+            "link_state": Out(LinkState),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        regs = m.submodules.registers = self.registers
+        sched = m.submodules.scheduler = self.scheduler
+        fetch = m.submodules.fetcher = self.fetcher
+        exe = m.submodules.executor = self.executor
+        asm = m.submodules.assembler = self.assembler
+        comp = m.submodules.completions = self.completions
+        reads = m.submodules.reads = self.reads
+        port = m.submodules.port = self.port
+
+        wiring.connect(m, wiring.flipped(self.axil), regs.axi)
+
+        # Contexts and QP state.
+        wiring.connect(m, fetch.qp_config, regs.qp_read[0])
+        wiring.connect(m, exe.qp_config, regs.qp_read[1])
+        wiring.connect(m, exe.mkey, regs.mkey_read[0])
+        wiring.connect(m, comp.cq_config, regs.cq_read[0])
+        wiring.connect(m, exe.qp_error, regs.qp_error[0])
+        wiring.connect(m, comp.qp_error, regs.qp_error[1])
+        for q in range(self.num_qps):
+            m.d.comb += [
+                sched.qp_state[q].eq(regs.qp_state[q]),
+                sched.qp_log_sq_size[q].eq(regs.qp_log_sq_size[q]),
+                sched.qp_max_outstanding[q].eq(regs.qp_max_outstanding[q]),
+                exe.qp_state[q].eq(regs.qp_state[q]),
+                comp.qp_state[q].eq(regs.qp_state[q]),
+            ]
+        for block in (sched, exe, comp):
+            m.d.comb += [block.qp_reset.valid.eq(regs.qp_reset.valid),
+                         block.qp_reset.qpn.eq(regs.qp_reset.qpn)]
+        m.d.comb += [
+            regs.qp_busy.eq(sched.qp_busy),
+            exe.slid.eq(regs.slid),
+            regs.link_state.eq(port.state),
+            regs.link_inits.eq(port.link_inits),
+            self.link_state.eq(port.state),
+        ]
+        for sl in range(16):
+            m.d.comb += exe.sl_to_vl[sl].eq(regs.sl_to_vl[sl])
+
+        # Requester pipeline.
+        wiring.connect(m, regs.doorbell, sched.doorbell)
+        wiring.connect(m, sched.fetch, fetch.fetch)
+        wiring.connect(m, fetch.fetch_done, sched.fetch_done)
+        wiring.connect(m, fetch.wqe, exe.wqe)
+        wiring.connect(m, exe.packet, asm.packet)
+        wiring.connect(m, exe.completion, comp.completion)
+        wiring.connect(m, comp.retire, sched.retire)
+        m.d.comb += exe.payload_freed.eq(asm.payload_freed)
+
+        # Memory: reads by ID, writes from the completion unit.
+        wiring.connect(m, fetch.ar, reads.requests[FETCH_ID])
+        wiring.connect(m, exe.ar, reads.requests[PAYLOAD_ID])
+        wiring.connect(m, reads.responses[FETCH_ID], fetch.r)
+        wiring.connect(m, reads.responses[PAYLOAD_ID], asm.payload)
+        for name in AxiReadSignature(self.addr_width, NIC_WIDTH).members:
+            port_member = getattr(self.axi, name)
+            inner = getattr(reads.axi, name)
+            if AxiReadSignature(self.addr_width, NIC_WIDTH).members[name].flow == Out:
+                m.d.comb += port_member.eq(inner)
+            else:
+                m.d.comb += inner.eq(port_member)
+        for name, member in AxiWriteSignature(self.addr_width, NIC_WIDTH).members.items():
+            port_member = getattr(self.axi, name)
+            inner = getattr(comp.axi, name)
+            if member.flow == Out:
+                m.d.comb += port_member.eq(inner)
+            else:
+                m.d.comb += inner.eq(port_member)
+
+        # Network port.
+        for v in range(self.num_vls):
+            wiring.connect(m, asm.data_out[v], port.data_in[v])
+            wiring.connect(m, port.data_out[v], comp.rx[v])
+            m.d.comb += port.vl_weight[v].eq(regs.vl_weight[v])
+        wiring.connect(m, port.wire_out, wiring.flipped(self.wire_out))
+        wiring.connect(m, wiring.flipped(self.wire_in), port.wire_in)
+
+        # Counters, in the register map's order.
+        index = 0
+        blocks = {"DoorbellScheduler": sched, "WqeFetcher": fetch, "WqeExecutor": exe,
+                  "PacketAssembler": asm, "CompletionUnit": comp}
+        for block_name, counters in COUNTERS.items():
+            for name, _ in counters:
+                m.d.comb += regs.counters[index].eq(getattr(blocks[block_name], name))
+                index += 1
+        return m
