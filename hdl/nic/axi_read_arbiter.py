@@ -1,4 +1,5 @@
 from amaranth import *
+from amaranth.utils import exact_log2
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 

@@ -3,7 +3,7 @@
 GPU or host memory seen across PCIe answers a read after hundreds of nanoseconds, while
 cocotbext-axi's ``AxiRam`` answers at once. Put between a master's AR channel and the
 ``AxiRam``, this block gives every burst the same extra latency, ``latency`` cycles from
-its acceptance here to its appearance at the RAM, without limiting how many bursts are in
+its acceptance here to its appearance at the RAM (at least :data:`MIN_LATENCY`), without limiting how many bursts are in
 flight (up to ``depth``; beyond that the master sees ``arready`` low, as from a real
 interconnect that ran out of tags). Requests leave in order, as they came.
 
@@ -15,9 +15,12 @@ from amaranth.lib import data, wiring
 from amaranth.lib.fifo import SyncFIFOBuffered
 from amaranth.lib.wiring import In, Out
 
-__all__ = ["AxiReadDelay", "AR_MEMBERS"]
+__all__ = ["AxiReadDelay", "AR_MEMBERS", "MIN_LATENCY"]
 
 AR_MEMBERS = ("arid", "araddr", "arlen", "arsize", "arburst")
+
+# The request queue's own latency: ``latency`` values below it act as this.
+MIN_LATENCY = 2
 
 
 class AxiReadDelay(wiring.Component):
