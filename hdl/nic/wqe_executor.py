@@ -1,0 +1,450 @@
+from amaranth import *
+from amaranth.lib import data, fifo, stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from hdl.ib.headers import (
+    ATOMIC_ETH, ATOMIC_ETH_BYTES, BTH, BTH_BYTES, IMMDT, IMMDT_BYTES, LNH_IBA_LOCAL, LRH,
+    LRH_BYTES, PKTLEN_WORD_BYTES, RETH, RETH_BYTES, VL15, to_wire,
+)
+from hdl.nic.signatures import (
+    MAX_HEADER_BYTES, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, PAYLOAD_ID, PSN_BITS, Access, ArLayout,
+    CompletionRecordLayout, CompletionStatus, ContextReadSignature, EventSignature, MkeyLayout,
+    MlxOpcode, PacketDescriptorLayout, PayloadSource, QpConfigLayout, QpState, Syndrome,
+    WqeDescriptorLayout,
+)
+
+__all__ = ["WqeExecutor"]
+
+# IBA RC BTH opcodes (IBA table 38). SEND and RDMA WRITE messages take their opcode as
+# an offset from the message kind's FIRST opcode.
+SEND_FIRST = 0x00
+RDMA_WRITE_FIRST = 0x06
+RDMA_READ_REQUEST = 0x0C
+COMPARE_SWAP = 0x13
+FETCH_ADD = 0x14
+MIDDLE, LAST, LAST_IMM, ONLY, ONLY_IMM = 1, 2, 3, 4, 5
+
+SOLICITED = 0x02             # fm_ce_se bit: solicited event on the message's last packet
+CQ_UPDATE = 0x08             # fm_ce_se bit: write a CQE on success
+BEAT_BYTES = 64
+PAGE_BYTES = 4096            # AXI bursts may not cross this
+MAX_PACKET_BEATS = 4096 // BEAT_BYTES + 1
+EXT_BYTES = MAX_HEADER_BYTES - LRH_BYTES - BTH_BYTES
+
+
+class _JobLayout(data.StructLayout):
+    """A checked WQE, as the segmenter walks it: its completion record (status decided)
+    and what its packets' headers need."""
+    def __init__(self):
+        super().__init__({
+            "cmp": CompletionRecordLayout(),
+            "send": 1, "write": 1, "read": 1, "atomic": 1, "fetch_add": 1,
+            "with_imm": 1,           # SEND_IMM / RDMA_WRITE_IMM
+            "solicited": 1,          # SE on the last packet
+            "inline": 1,
+            "vl": 4, "sl": 4, "dlid": 16, "dest_qpn": 24, "pkey": 16, "mtu": 3,
+            "length": 32, "raddr": 64, "rkey": 32, "imm": 32, "swap_add": 64, "compare": 64,
+            "inline_data": 8 * MAX_INLINE_BYTES,
+        })
+
+
+class _ItemLayout(data.StructLayout):
+    """One packet (or, for a failed or flushed WQE, none) with the payload reads it needs
+    and, on a message's last packet, the WQE's completion record."""
+    def __init__(self):
+        super().__init__({
+            "desc": PacketDescriptorLayout(),
+            "has_packet": 1,
+            "cmp": CompletionRecordLayout(),
+            "has_completion": 1,
+            "n_ar": range(3),
+            "ar0_addr": 64, "ar0_len": 8,
+            "ar1_addr": 64, "ar1_len": 8,
+        })
+
+
+class WqeExecutor(wiring.Component):
+    """Turns parsed WQEs into IB RC request packet descriptors, payload reads and
+    completion records (docs/nic.md, "Execution").
+
+    Pipeline, each stage a register that moves on when the next one takes it:
+
+    1. the WQE descriptor, while its QP context and memory key are read (the read ports
+       are addressed by the incoming WQE in the cycle it is accepted, so their data is
+       there in the next cycle); the checks, the per-QP next PSN and the local error bit
+       are evaluated on it and it moves to
+    2. the segmenter, which cuts the message at the path MTU and builds one packet per
+       cycle (headers, payload location, AXI bursts, the completion record on the last);
+    3. the read stage, which reserves the packet's beats of the assembler's payload buffer
+       and issues its one or two payload bursts;
+    4. the output stage: the packet descriptor, and the completion record into a small
+       FIFO as the message's last descriptor leaves (so the record always comes after it).
+
+    A failed or flushed WQE goes through the same stages without a packet, so completion
+    records and packets come out in WQE order over all QPs. A stream of one-packet WQEs
+    runs at one per cycle while the outputs are ready; a packet whose payload crosses
+    4 KiB (two bursts) takes two cycles of the read stage.
+
+    Bad input with no row in docs/nic.md: a descriptor whose ``qpn`` is not below
+    ``num_qps`` is dropped and counted in ``wqe_errors`` (there is no QP to complete it
+    on); a WQE of a QP in ``RESET`` is flushed like one in ``ERR``; a descriptor the
+    parser should have flagged (unknown opcode; inline data together with a data
+    segment, or on a READ or atomic; an atomic without a data segment) fails with
+    LOCAL_QP_OP_ERR, one with more than 64 inline bytes or an atomic byte count other
+    than 8 with LOCAL_LENGTH_ERR, checked right after the parser's own format error; a
+    path MTU code outside 1..5, or an SL mapped to a VL this port does not have
+    (``num_vls`` .. 15), fails like VL 15 with LOCAL_QP_OP_ERR; ``payload_freed`` with
+    no beat reserved is ignored.
+    """
+
+    def __init__(self, *, num_qps=64, num_mkeys=64, num_vls=2, payload_buffer_beats=512):
+        for name, value, low, high in (
+                ("num_qps", num_qps, 1, 256),
+                ("num_mkeys", num_mkeys, 1, 1 << 24),
+                ("num_vls", num_vls, 1, 15),
+                ("payload_buffer_beats", payload_buffer_beats, MAX_PACKET_BEATS, 1 << 16)):
+            if not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{name} must be an integer from {low} to {high}, not {value!r}")
+        self.num_qps = num_qps
+        self.num_mkeys = num_mkeys
+        self.num_vls = num_vls
+        self.payload_buffer_beats = payload_buffer_beats
+        super().__init__({
+            "wqe": In(stream.Signature(WqeDescriptorLayout())),
+            "qp_config": Out(ContextReadSignature(num_qps, QpConfigLayout())),
+            "mkey": Out(ContextReadSignature(num_mkeys, MkeyLayout())),
+            "qp_state": In(QpState).array(num_qps),
+            "qp_reset": In(EventSignature()),
+            "qp_error": Out(EventSignature()),
+            "slid": In(16),
+            "sl_to_vl": In(4).array(16),
+            "ar": Out(stream.Signature(ArLayout())),
+            "payload_freed": In(1),
+            "packet": Out(stream.Signature(PacketDescriptorLayout())),
+            "completion": Out(stream.Signature(CompletionRecordLayout())),
+            "wqes_executed": Out(32),
+            "packets_sent": Out(32),
+            "payload_bytes_sent": Out(32),
+            "wqe_errors": Out(32),
+            "wqes_flushed": Out(32),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        num_qps = self.num_qps
+
+        # --- per-QP runtime state ----------------------------------------------------------
+        next_psn = Array(Signal(PSN_BITS, name=f"next_psn{q}") for q in range(num_qps))
+        psn_loaded = Array(Signal(name=f"psn_loaded{q}") for q in range(num_qps))
+        # Set with the qp_error strobe: the register block's QP state follows a cycle or
+        # two later, and the QP's next WQE must already be flushed.
+        local_error = Array(Signal(name=f"local_error{q}") for q in range(num_qps))
+        qp_states = Array(state.as_value() for state in self.qp_state)
+
+        # --- stage 1: the WQE and its contexts ------------------------------------------------
+        r1_valid = Signal()
+        r1 = Signal(WqeDescriptorLayout())
+        r1_advance = Signal()
+        m.d.comb += self.wqe.ready.eq(~r1_valid | r1_advance)
+        with m.If(self.wqe.valid & self.wqe.ready):
+            m.d.sync += [r1_valid.eq(1), r1.eq(self.wqe.payload)]
+        with m.Elif(r1_advance):
+            m.d.sync += r1_valid.eq(0)
+        read_from = Mux(self.wqe.ready, self.wqe.payload, r1)
+        read_from = WqeDescriptorLayout()(read_from)
+        m.d.comb += [
+            self.qp_config.addr.eq(read_from.qpn),
+            self.mkey.addr.eq((read_from.lkey >> 8) % self.num_mkeys),
+        ]
+        qp = self.qp_config.data
+        mk = self.mkey.data
+
+        opcode = r1.opcode
+        is_write = (opcode == MlxOpcode.RDMA_WRITE.value) | (opcode == MlxOpcode.RDMA_WRITE_IMM.value)
+        is_send = (opcode == MlxOpcode.SEND.value) | (opcode == MlxOpcode.SEND_IMM.value)
+        is_read = opcode == MlxOpcode.RDMA_READ.value
+        is_fetch_add = opcode == MlxOpcode.ATOMIC_FA.value
+        is_atomic = (opcode == MlxOpcode.ATOMIC_CS.value) | is_fetch_add
+        with_imm = (opcode == MlxOpcode.RDMA_WRITE_IMM.value) | (opcode == MlxOpcode.SEND_IMM.value)
+
+        qpn_bad = r1.qpn >= num_qps
+        length = Signal(32)
+        m.d.comb += length.eq(Mux(r1.has_data | r1.inline, r1.byte_count, 0))
+        uses_key = r1.has_data & ~r1.inline & (r1.byte_count != 0)
+        inconsistent = (~(is_write | is_send | is_read | is_atomic)
+                        | (r1.inline & (r1.has_data | is_read | is_atomic))
+                        | (is_atomic & ~r1.has_data))
+        bad_length = ((r1.inline & (r1.byte_count > MAX_INLINE_BYTES))
+                      | (is_atomic & (r1.byte_count != 8))
+                      | (length > MAX_MESSAGE_BYTES))
+        vl = Signal(4)
+        m.d.comb += vl.eq(Array(self.sl_to_vl)[qp.sl])
+        no_vl = (vl == VL15) | (vl >= self.num_vls) | (qp.mtu < 1) | (qp.mtu > 5)
+        key_ok = mk.valid & (mk.key == r1.lkey) & (mk.pd == qp.pd)
+        end = Signal(65)
+        limit = Signal(65)
+        m.d.comb += [end.eq(r1.laddr + length), limit.eq(mk.base + mk.length)]
+        in_range = (r1.laddr >= mk.base) & (end <= limit) & ~end[64]
+        local_write = (mk.access.as_value() & Access.LOCAL_WRITE.value) != 0
+
+        status = Signal(CompletionStatus)
+        syndrome = Signal(8)        # a Syndrome; 0 (none) while the WQE is good
+        flushing = (qp_states[r1.qpn] != QpState.RTS.value) | local_error[r1.qpn]
+        with m.If(flushing):
+            m.d.comb += [status.eq(CompletionStatus.FLUSH), syndrome.eq(Syndrome.WR_FLUSH_ERR)]
+        with m.Elif(r1.format_error):
+            m.d.comb += [status.eq(CompletionStatus.ERROR), syndrome.eq(r1.syndrome)]
+        with m.Elif(inconsistent):
+            m.d.comb += [status.eq(CompletionStatus.ERROR), syndrome.eq(Syndrome.LOCAL_QP_OP_ERR)]
+        with m.Elif(bad_length):
+            m.d.comb += [status.eq(CompletionStatus.ERROR), syndrome.eq(Syndrome.LOCAL_LENGTH_ERR)]
+        with m.Elif(no_vl):
+            m.d.comb += [status.eq(CompletionStatus.ERROR), syndrome.eq(Syndrome.LOCAL_QP_OP_ERR)]
+        with m.Elif(uses_key & (~key_ok | ~in_range | ((is_read | is_atomic) & ~local_write))):
+            m.d.comb += [status.eq(CompletionStatus.ERROR), syndrome.eq(Syndrome.LOCAL_PROT_ERR)]
+        with m.Else():
+            m.d.comb += status.eq(CompletionStatus.SENT)
+        sent = status == CompletionStatus.SENT
+
+        first_psn = Signal(PSN_BITS)
+        npsn = Signal(PSN_BITS)
+        length_less_one = Signal(32)
+        m.d.comb += [
+            first_psn.eq(Mux(psn_loaded[r1.qpn], next_psn[r1.qpn], qp.sq_psn)),
+            length_less_one.eq(length - 1),
+            npsn.eq(Mux(length == 0, 1, (length_less_one >> (qp.mtu + 7)) + 1)),
+        ]
+
+        # --- stage 2: segmenter ------------------------------------------------------------
+        j_valid = Signal()
+        job = Signal(_JobLayout())
+        laddr = Signal(64)
+        remaining = Signal(32)
+        psn = Signal(PSN_BITS)
+        first = Signal()
+        j_out = Signal()
+        j_last = Signal()
+        j_can_load = ~j_valid | (j_out & j_last)
+        r1_to_j = r1_valid & ~qpn_bad & j_can_load
+        m.d.comb += r1_advance.eq(r1_valid & (qpn_bad | j_can_load))
+
+        with m.If(r1_to_j):
+            m.d.sync += [
+                job.cmp.qpn.eq(r1.qpn),
+                job.cmp.cqn.eq(qp.cqn),
+                job.cmp.wqe_index.eq(r1.wqe_index),
+                job.cmp.wqe_blocks.eq(r1.wqe_blocks),
+                job.cmp.opcode.eq(opcode),
+                job.cmp.byte_count.eq(Mux(sent, length, 0)),
+                job.cmp.first_psn.eq(Mux(sent, first_psn, 0)),
+                job.cmp.last_psn.eq(Mux(sent, first_psn + npsn - 1, 0)),
+                job.cmp.signaled.eq((r1.fm_ce_se & CQ_UPDATE) != 0),
+                job.cmp.status.eq(status),
+                job.cmp.syndrome.eq(Mux(sent, 0, syndrome)),
+                job.send.eq(is_send), job.write.eq(is_write), job.read.eq(is_read),
+                job.atomic.eq(is_atomic), job.fetch_add.eq(is_fetch_add),
+                job.with_imm.eq(with_imm),
+                job.solicited.eq(((r1.fm_ce_se & SOLICITED) != 0) & (is_send | with_imm)),
+                job.inline.eq(r1.inline),
+                job.vl.eq(vl), job.sl.eq(qp.sl), job.dlid.eq(qp.dlid),
+                job.dest_qpn.eq(qp.dest_qpn), job.pkey.eq(qp.pkey), job.mtu.eq(qp.mtu),
+                job.length.eq(length), job.raddr.eq(r1.raddr), job.rkey.eq(r1.rkey),
+                job.imm.eq(r1.imm), job.swap_add.eq(r1.swap_add), job.compare.eq(r1.compare),
+                job.inline_data.eq(r1.inline_data),
+                laddr.eq(r1.laddr), remaining.eq(length), psn.eq(first_psn), first.eq(1),
+            ]
+        for q in range(num_qps):
+            with m.If(r1_to_j & (r1.qpn == q)):
+                with m.If(sent):
+                    m.d.sync += [next_psn[q].eq(first_psn + npsn), psn_loaded[q].eq(1)]
+                with m.If(status == CompletionStatus.ERROR):
+                    m.d.sync += local_error[q].eq(1)
+            # A reset of the QP (only while it is idle) wins over anything else.
+            with m.If(self.qp_reset.valid & (self.qp_reset.qpn == q)):
+                m.d.sync += [psn_loaded[q].eq(0), local_error[q].eq(0)]
+        m.d.sync += [
+            self.qp_error.valid.eq(r1_to_j & (status == CompletionStatus.ERROR)),
+            self.qp_error.qpn.eq(r1.qpn),
+        ]
+
+        mtu_bytes = Signal(range(4096 + 1))
+        m.d.comb += mtu_bytes.eq(Const(128, 13) << job.mtu)
+        job_sent = job.cmp.status == CompletionStatus.SENT
+        segmented = job.send | job.write
+        fits = remaining <= mtu_bytes
+        last = Signal()
+        plen = Signal(range(4096 + 1))
+        m.d.comb += [
+            last.eq(~segmented | fits),
+            plen.eq(Mux(segmented, Mux(fits, remaining, mtu_bytes), 0)),
+            j_last.eq(~job_sent | last),
+        ]
+
+        ib_opcode = Signal(8)
+        base = Mux(job.write, RDMA_WRITE_FIRST, SEND_FIRST)
+        with m.If(job.read):
+            m.d.comb += ib_opcode.eq(RDMA_READ_REQUEST)
+        with m.Elif(job.atomic):
+            m.d.comb += ib_opcode.eq(Mux(job.fetch_add, FETCH_ADD, COMPARE_SWAP))
+        with m.Elif(first & last):
+            m.d.comb += ib_opcode.eq(base + Mux(job.with_imm, ONLY_IMM, ONLY))
+        with m.Elif(first):
+            m.d.comb += ib_opcode.eq(base)
+        with m.Elif(last):
+            m.d.comb += ib_opcode.eq(base + Mux(job.with_imm, LAST_IMM, LAST))
+        with m.Else():
+            m.d.comb += ib_opcode.eq(base + MIDDLE)
+
+        with_reth = job.read | (job.write & first)
+        with_immdt = segmented & job.with_imm & last
+        header_bytes = Signal(range(MAX_HEADER_BYTES + 1))
+        m.d.comb += header_bytes.eq(
+            LRH_BYTES + BTH_BYTES + Mux(with_reth, RETH_BYTES, 0) + Mux(with_immdt, IMMDT_BYTES, 0)
+            + Mux(job.atomic, ATOMIC_ETH_BYTES, 0))
+
+        lrh = Signal(LRH)
+        bth = Signal(BTH)
+        reth = Signal(RETH)
+        immdt = Signal(IMMDT)
+        atomic_eth = Signal(ATOMIC_ETH)
+        pad = Signal(2)
+        m.d.comb += [
+            pad.eq(-plen),
+            lrh.vl.eq(job.vl), lrh.sl.eq(job.sl), lrh.lnh.eq(LNH_IBA_LOCAL),
+            lrh.dlid.eq(job.dlid), lrh.slid.eq(self.slid),
+            lrh.pktlen.eq((header_bytes + plen + pad + 4) // PKTLEN_WORD_BYTES),
+            bth.opcode.eq(ib_opcode), bth.se.eq(job.solicited & last), bth.padcnt.eq(pad),
+            bth.pkey.eq(job.pkey), bth.destqp.eq(job.dest_qpn), bth.ackreq.eq(last),
+            bth.psn.eq(psn),
+            reth.va.eq(job.raddr), reth.rkey.eq(job.rkey), reth.dmalen.eq(job.length),
+            immdt.imm.eq(job.imm),
+            atomic_eth.va.eq(job.raddr), atomic_eth.rkey.eq(job.rkey),
+            atomic_eth.swap_add.eq(job.swap_add), atomic_eth.compare.eq(job.compare),
+        ]
+        ext = Signal(8 * EXT_BYTES)
+        with m.If(job.atomic):
+            m.d.comb += ext.eq(to_wire(ATOMIC_ETH, atomic_eth))
+        with m.Elif(with_reth):
+            m.d.comb += ext.eq(Cat(to_wire(RETH, reth),
+                                   Mux(with_immdt, to_wire(IMMDT, immdt), 0)))
+        with m.Elif(with_immdt):
+            m.d.comb += ext.eq(to_wire(IMMDT, immdt))
+
+        # Payload reads: the 64-byte words holding the packet's bytes, cut at 4 KiB.
+        dma = job_sent & ~job.inline & (plen != 0)
+        offset = laddr[:6]
+        beats = Signal(range(MAX_PACKET_BEATS + 1))
+        page_left = Signal(range(PAGE_BYTES // BEAT_BYTES + 1))
+        m.d.comb += [
+            beats.eq((offset + plen + BEAT_BYTES - 1) >> 6),
+            page_left.eq(PAGE_BYTES // BEAT_BYTES - laddr[6:12]),
+        ]
+        two_bursts = beats > page_left
+
+        item = Signal(_ItemLayout())
+        m.d.comb += [
+            item.desc.vl.eq(job.vl),
+            item.desc.header.eq(Cat(to_wire(LRH, lrh), to_wire(BTH, bth), ext)),
+            item.desc.header_bytes.eq(header_bytes),
+            item.desc.payload_bytes.eq(plen),
+            item.has_packet.eq(job_sent),
+            item.cmp.eq(job.cmp),
+            item.has_completion.eq(j_last),
+        ]
+        with m.If(dma):
+            m.d.comb += [
+                item.desc.source.eq(PayloadSource.DMA),
+                item.desc.offset.eq(offset),
+                item.desc.dma_beats.eq(beats),
+                item.n_ar.eq(Mux(two_bursts, 2, 1)),
+                item.ar0_addr.eq(Cat(C(0, 6), laddr[6:])),
+                item.ar0_len.eq(Mux(two_bursts, page_left, beats) - 1),
+                item.ar1_addr.eq(Cat(C(0, 12), laddr[12:] + 1)),
+                item.ar1_len.eq(beats - page_left - 1),
+            ]
+        with m.Elif(job_sent & job.inline & (plen != 0)):
+            m.d.comb += [
+                item.desc.source.eq(PayloadSource.INLINE),
+                item.desc.inline_data.eq(job.inline_data),
+            ]
+
+        with m.If(j_out):
+            with m.If(j_last):
+                m.d.sync += j_valid.eq(0)
+            with m.Else():
+                m.d.sync += [
+                    laddr.eq(laddr + mtu_bytes),
+                    remaining.eq(remaining - mtu_bytes),
+                    psn.eq(psn + 1),
+                    first.eq(0),
+                ]
+        with m.If(r1_to_j):
+            m.d.sync += j_valid.eq(1)
+
+        # --- stage 3: payload reads ----------------------------------------------------------
+        p_valid = Signal()
+        p = Signal(_ItemLayout())
+        ars_left = Signal(range(3))
+        reserved = Signal(range(self.payload_buffer_beats + 1))
+        first_ar = ars_left == p.n_ar
+        room = reserved + p.desc.dma_beats <= self.payload_buffer_beats
+        m.d.comb += [
+            self.ar.valid.eq(p_valid & (ars_left != 0) & (~first_ar | room)),
+            self.ar.payload.id.eq(PAYLOAD_ID),
+            self.ar.payload.addr.eq(Mux(first_ar, p.ar0_addr, p.ar1_addr)),
+            self.ar.payload.len.eq(Mux(first_ar, p.ar0_len, p.ar1_len)),
+        ]
+        ar_fire = self.ar.valid & self.ar.ready
+        reserving = Signal(range(self.payload_buffer_beats + MAX_PACKET_BEATS + 1))
+        m.d.comb += reserving.eq(reserved + Mux(ar_fire & first_ar, p.desc.dma_beats, 0))
+        # The assembler frees only beats that were reserved; a stray strobe is ignored.
+        m.d.sync += reserved.eq(reserving - (self.payload_freed & (reserving != 0)))
+
+        d_can_load = Signal()
+        p_out = p_valid & ((ars_left == 0) | ((ars_left == 1) & ar_fire)) & d_can_load
+        m.d.comb += j_out.eq(j_valid & (~p_valid | p_out))
+        with m.If(ar_fire):
+            m.d.sync += ars_left.eq(ars_left - 1)
+        with m.If(p_out):
+            m.d.sync += p_valid.eq(0)
+        with m.If(j_out):
+            m.d.sync += [p_valid.eq(1), p.eq(item), ars_left.eq(item.n_ar)]
+
+        # --- stage 4: packet descriptor, completion record ---------------------------------
+        m.submodules.completions = completions = fifo.SyncFIFO(
+            width=CompletionRecordLayout().size, depth=4)
+        d_valid = Signal()
+        d = Signal(_ItemLayout())
+        completion_room = ~d.has_completion | completions.w_rdy
+        d_done = d_valid & completion_room & (~d.has_packet | self.packet.ready)
+        m.d.comb += [
+            d_can_load.eq(~d_valid | d_done),
+            self.packet.valid.eq(d_valid & d.has_packet & completion_room),
+            self.packet.payload.eq(d.desc),
+            completions.w_en.eq(d_done & d.has_completion),
+            completions.w_data.eq(d.cmp),
+            self.completion.valid.eq(completions.r_rdy),
+            self.completion.payload.eq(completions.r_data),
+            completions.r_en.eq(self.completion.ready),
+        ]
+        with m.If(d_done):
+            m.d.sync += d_valid.eq(0)
+        with m.If(p_out):
+            m.d.sync += [d_valid.eq(1), d.eq(p)]
+
+        # --- counters ------------------------------------------------------------------------
+        recorded = d_done & d.has_completion
+        with m.If(d_done & d.has_packet):
+            m.d.sync += [
+                self.packets_sent.eq(self.packets_sent + 1),
+                self.payload_bytes_sent.eq(self.payload_bytes_sent + d.desc.payload_bytes),
+            ]
+        with m.If(recorded & (d.cmp.status == CompletionStatus.SENT)):
+            m.d.sync += self.wqes_executed.eq(self.wqes_executed + 1)
+        with m.If(recorded & (d.cmp.status == CompletionStatus.FLUSH)):
+            m.d.sync += self.wqes_flushed.eq(self.wqes_flushed + 1)
+        m.d.sync += self.wqe_errors.eq(
+            self.wqe_errors + (recorded & (d.cmp.status == CompletionStatus.ERROR))
+            + (r1_valid & qpn_bad))
+
+        return m
