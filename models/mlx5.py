@@ -1,0 +1,382 @@
+"""mlx5 host-visible formats, as NVSHMEM's IBGDA device code writes them.
+
+Everything the GPU and the NIC exchange through memory: the doorbell (the 8 bytes a GPU
+thread stores to the UAR), the send queue's doorbell record, WQE segments and CQEs.
+Layouts are rdma-core's ``infiniband/mlx5dv.h`` structs (``mlx5_wqe_ctrl_seg``,
+``mlx5_wqe_raddr_seg``, ``mlx5_wqe_data_seg``, ``mlx5_wqe_inl_data_seg``,
+``mlx5_wqe_atomic_seg``, ``mlx5_cqe64``, ``mlx5_err_cqe``); every multi-byte field is
+big-endian. docs/nic-formats.md has the byte tables side by side with NVSHMEM's writers
+(``ibgda_write_rdma_write_wqe``, ``ibgda_ring_db``, ``ibgda_update_dbr``, ...).
+
+:func:`parse_wqe` is the reference of the NIC's WQE parser: the segment rules of
+docs/nic.md ("WQE fetch and parse") with the syndrome of each format error.
+"""
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import NamedTuple
+
+WQEBB_BYTES = 64             # a send WQE basic block (MLX5_SEND_WQE_BB)
+DS_BYTES = 16                # ds counts 16-byte units (octowords)
+MAX_WQE_BLOCKS = 16          # ds is 6 bits: at most ceil(63 / 4) blocks
+MAX_INLINE_BYTES = 64
+CQE_BYTES = 64
+MAX_MESSAGE_BYTES = 1 << 31
+
+INLINE_SEG = 0x80000000      # MLX5_INLINE_SEG: byte_count bit 31 marks an inline segment
+
+
+class Opcode(IntEnum):
+    """mlx5 send opcodes (``MLX5_OPCODE_*``) the NIC executes."""
+    RDMA_WRITE = 0x08
+    RDMA_WRITE_IMM = 0x09
+    SEND = 0x0A
+    SEND_IMM = 0x0B
+    RDMA_READ = 0x10
+    ATOMIC_CS = 0x11
+    ATOMIC_FA = 0x12
+
+
+# Opcodes NVSHMEM also writes that this NIC rejects (LOCAL_QP_OP_ERR); used by tests.
+OPCODE_NOP = 0x00
+OPCODE_ATOMIC_MASKED_CS = 0x14
+OPCODE_ATOMIC_MASKED_FA = 0x15
+OPCODE_DUMP = 0x23
+
+# fm_ce_se (byte 11 of the control segment), mlx5dv.h names.
+CTRL_SOLICITED = 0x02            # MLX5_WQE_CTRL_SOLICITED  (1 << 1)
+CTRL_CQ_UPDATE = 0x08            # MLX5_WQE_CTRL_CQ_UPDATE  (2 << 2)
+CTRL_INITIATOR_SMALL_FENCE = 0x20  # MLX5_WQE_CTRL_INITIATOR_SMALL_FENCE (1 << 5)
+CTRL_FENCE = 0x80                # MLX5_WQE_CTRL_FENCE (4 << 5)
+FM_MASK = 0xE0                   # fence mode, bits 7..5 (NVSHMEM's ibgda_mlx5_fm_t)
+
+
+class Syndrome(IntEnum):
+    """Error-CQE syndromes (``MLX5_CQE_SYNDROME_*``), as ``hdl/nic/signatures.py``."""
+    LOCAL_LENGTH_ERR = 0x01
+    LOCAL_QP_OP_ERR = 0x02
+    LOCAL_PROT_ERR = 0x04
+    WR_FLUSH_ERR = 0x05
+    BAD_RESP_ERR = 0x10
+    LOCAL_ACCESS_ERR = 0x11
+    REMOTE_INVAL_REQ_ERR = 0x12
+    REMOTE_ACCESS_ERR = 0x13
+    REMOTE_OP_ERR = 0x14
+    TRANSPORT_RETRY_EXC_ERR = 0x15
+    RNR_RETRY_EXC_ERR = 0x16
+
+
+class CqeOpcode(IntEnum):
+    """CQE opcodes, the high nibble of ``op_own`` (``MLX5_CQE_*``)."""
+    REQ = 0x0
+    RESP_WR_IMM = 0x1
+    RESP_SEND = 0x2
+    RESP_SEND_IMM = 0x3
+    RESP_SEND_INV = 0x4
+    REQ_ERR = 0xD
+    RESP_ERR = 0xE
+    INVALID = 0xF
+
+
+def _be(value: int, nbytes: int) -> bytes:
+    return (value & ((1 << (8 * nbytes)) - 1)).to_bytes(nbytes, "big")
+
+
+def _field(buf: bytes, offset: int, nbytes: int) -> int:
+    return int.from_bytes(buf[offset:offset + nbytes], "big")
+
+
+# --- WQE segments ----------------------------------------------------------------------
+
+def ctrl_segment(opcode: int, wqe_index: int, qpn: int, ds: int, *, opmod: int = 0,
+                 fm_ce_se: int = 0, imm: int = 0, signature: int = 0) -> bytes:
+    """``mlx5_wqe_ctrl_seg`` (16 B): opmod_idx_opcode, qpn_ds, signature, 2 reserved
+    bytes, fm_ce_se, imm."""
+    opmod_idx_opcode = (opmod & 0xFF) << 24 | (wqe_index & 0xFFFF) << 8 | (opcode & 0xFF)
+    qpn_ds = (qpn & 0xFFFFFF) << 8 | (ds & 0x3F)
+    return (_be(opmod_idx_opcode, 4) + _be(qpn_ds, 4) + bytes([signature & 0xFF, 0, 0,
+                                                              fm_ce_se & 0xFF])
+            + _be(imm, 4))
+
+
+def raddr_segment(raddr: int, rkey: int) -> bytes:
+    """``mlx5_wqe_raddr_seg`` (16 B): raddr, rkey, reserved."""
+    return _be(raddr, 8) + _be(rkey, 4) + bytes(4)
+
+
+def data_segment(byte_count: int, lkey: int, addr: int) -> bytes:
+    """``mlx5_wqe_data_seg`` (16 B): byte_count, lkey, addr."""
+    return _be(byte_count, 4) + _be(lkey, 4) + _be(addr, 8)
+
+
+def inline_segment(data: bytes) -> bytes:
+    """``mlx5_wqe_inl_data_seg``: byte_count | MLX5_INLINE_SEG, the data, zeros to 16 B."""
+    seg = _be(len(data) | INLINE_SEG, 4) + bytes(data)
+    return seg + bytes(-len(seg) % DS_BYTES)
+
+
+def atomic_segment(swap_add: int, compare: int = 0) -> bytes:
+    """``mlx5_wqe_atomic_seg`` (16 B): swap_add, compare."""
+    return _be(swap_add, 8) + _be(compare, 8)
+
+
+def pad_blocks(wqe: bytes) -> bytes:
+    """``wqe`` padded with zeros to whole 64-byte basic blocks (at least one)."""
+    blocks = max(1, -(-len(wqe) // WQEBB_BYTES))
+    return bytes(wqe).ljust(blocks * WQEBB_BYTES, b"\0")
+
+
+def wqe_blocks(ds: int) -> int:
+    """Basic blocks a WQE of ``ds`` occupies; ds 0 counts as one block (docs/nic.md)."""
+    return max(1, -(-ds // 4))
+
+
+class Wqe(NamedTuple):
+    data: bytes      # whole basic blocks
+    ds: int
+
+    @property
+    def blocks(self) -> int:
+        return len(self.data) // WQEBB_BYTES
+
+
+def build_wqe(opcode: int, wqe_index: int, qpn: int, *, fm_ce_se: int = CTRL_CQ_UPDATE,
+              imm: int = 0, opmod: int = 0, signature: int = 0,
+              raddr: int = 0, rkey: int = 0,
+              lkey: int = 0, laddr: int = 0, byte_count: int | None = None,
+              inline: bytes | None = None,
+              swap_add: int = 0, compare: int = 0) -> Wqe:
+    """A well-formed RC WQE as NVSHMEM/libmlx5 lay it out, padded to basic blocks.
+
+    WRITE/SEND: a data segment when ``byte_count`` is given (0 allowed), inline data when
+    ``inline`` is given, neither for a 0-byte message. READ: raddr + data segment.
+    Atomics: raddr + atomic + data segment (``byte_count`` defaults to 8).
+    """
+    opcode = int(opcode)
+    if byte_count is not None and inline is not None:
+        raise ValueError("give byte_count (data segment) or inline, not both")
+    segs = b""
+    if opcode in (Opcode.RDMA_WRITE, Opcode.RDMA_WRITE_IMM, Opcode.RDMA_READ,
+                  Opcode.ATOMIC_CS, Opcode.ATOMIC_FA):
+        segs += raddr_segment(raddr, rkey)
+    if opcode in (Opcode.ATOMIC_CS, Opcode.ATOMIC_FA):
+        segs += atomic_segment(swap_add, compare)
+        if byte_count is None:
+            byte_count = 8
+    if opcode == Opcode.RDMA_READ and byte_count is None:
+        raise ValueError("RDMA_READ needs byte_count (its data segment)")
+    if inline is not None:
+        segs += inline_segment(inline)
+    elif byte_count is not None:
+        segs += data_segment(byte_count, lkey, laddr)
+    ds = 1 + len(segs) // DS_BYTES
+    ctrl = ctrl_segment(opcode, wqe_index, qpn, ds, opmod=opmod, fm_ce_se=fm_ce_se, imm=imm,
+                        signature=signature)
+    return Wqe(pad_blocks(ctrl + segs), ds)
+
+
+# --- WQE parser (reference of the NIC's) --------------------------------------------------
+
+@dataclass(frozen=True)
+class ParsedWqe:
+    """A parsed WQE, field names as ``WqeDescriptorLayout``; fields of segments the WQE
+    does not have are 0. ``format_error`` with ``syndrome`` when a segment rule fails."""
+    opcode: int
+    opmod: int
+    ds: int
+    wqe_blocks: int
+    fm_ce_se: int
+    imm: int
+    raddr: int = 0
+    rkey: int = 0
+    swap_add: int = 0
+    compare: int = 0
+    has_data: bool = False
+    lkey: int = 0
+    laddr: int = 0
+    byte_count: int = 0
+    inline: bool = False
+    inline_data: bytes = b""
+    format_error: bool = False
+    syndrome: int = 0
+    ctrl_wqe_index: int = 0    # the idx the host wrote (the NIC does not use it)
+    ctrl_qpn: int = 0          # the qpn the host wrote (the NIC does not use it)
+
+    @property
+    def length(self) -> int:
+        """Message length in bytes (data segment or inline)."""
+        return self.byte_count if (self.has_data or self.inline) else 0
+
+
+_WRITES = (Opcode.RDMA_WRITE, Opcode.RDMA_WRITE_IMM)
+_SENDS = (Opcode.SEND, Opcode.SEND_IMM)
+_ATOMICS = (Opcode.ATOMIC_CS, Opcode.ATOMIC_FA)
+
+
+def parse_wqe(wqe: bytes) -> ParsedWqe:
+    """Parse one WQE (``wqe`` holds at least its ``wqe_blocks`` basic blocks).
+
+    Rules (docs/nic.md, segment rules), checked in this order:
+    ds 0 or an opcode not in :class:`Opcode` -> LOCAL_QP_OP_ERR; inline data longer than
+    64 bytes -> LOCAL_LENGTH_ERR (checked before its ds); ds not matching the opcode's
+    segments -> LOCAL_QP_OP_ERR; a READ or atomic whose data segment is marked inline ->
+    LOCAL_QP_OP_ERR; an atomic's byte count not 8 -> LOCAL_LENGTH_ERR.
+    """
+    wqe = bytes(wqe)
+    opmod_idx_opcode = _field(wqe, 0, 4)
+    qpn_ds = _field(wqe, 4, 4)
+    opcode = opmod_idx_opcode & 0xFF
+    ds = qpn_ds & 0x3F
+    base = dict(opcode=opcode, opmod=opmod_idx_opcode >> 24, ds=ds, wqe_blocks=wqe_blocks(ds),
+                fm_ce_se=wqe[11], imm=_field(wqe, 12, 4),
+                ctrl_wqe_index=(opmod_idx_opcode >> 8) & 0xFFFF, ctrl_qpn=qpn_ds >> 8)
+    if len(wqe) < base["wqe_blocks"] * WQEBB_BYTES:
+        raise ValueError(f"WQE of ds {ds} needs {base['wqe_blocks']} blocks, got {len(wqe)} bytes")
+
+    def error(syndrome):
+        return ParsedWqe(**base, format_error=True, syndrome=int(syndrome))
+
+    if ds == 0 or opcode not in Opcode._value2member_map_:
+        return error(Syndrome.LOCAL_QP_OP_ERR)
+
+    fields = {}
+    offset = 16
+    if opcode in _WRITES or opcode == Opcode.RDMA_READ or opcode in _ATOMICS:
+        fields.update(raddr=_field(wqe, offset, 8), rkey=_field(wqe, offset + 8, 4))
+        offset += 16
+    if opcode in _ATOMICS:
+        fields.update(swap_add=_field(wqe, offset, 8), compare=_field(wqe, offset + 8, 8))
+        offset += 16
+    header_ds = offset // DS_BYTES
+
+    if opcode in _WRITES or opcode in _SENDS:
+        if ds == header_ds:
+            return ParsedWqe(**base, **fields)
+        word = _field(wqe, offset, 4)
+        if word & INLINE_SEG:
+            n = word & ~INLINE_SEG
+            if n > MAX_INLINE_BYTES:
+                return error(Syndrome.LOCAL_LENGTH_ERR)
+            if ds != header_ds + -(-(4 + n) // DS_BYTES):
+                return error(Syndrome.LOCAL_QP_OP_ERR)
+            return ParsedWqe(**base, **fields, inline=True, byte_count=n,
+                             inline_data=wqe[offset + 4:offset + 4 + n])
+        if ds != header_ds + 1:
+            return error(Syndrome.LOCAL_QP_OP_ERR)
+    elif ds != header_ds + 1:
+        return error(Syndrome.LOCAL_QP_OP_ERR)
+
+    byte_count = _field(wqe, offset, 4)
+    if byte_count & INLINE_SEG:   # READ/atomic: the data segment must not be inline
+        return error(Syndrome.LOCAL_QP_OP_ERR)
+    if opcode in _ATOMICS and byte_count != 8:
+        return error(Syndrome.LOCAL_LENGTH_ERR)
+    return ParsedWqe(**base, **fields, has_data=True, byte_count=byte_count,
+                     lkey=_field(wqe, offset + 4, 4), laddr=_field(wqe, offset + 8, 8))
+
+
+# --- doorbells ----------------------------------------------------------------------------
+
+def doorbell(qpn: int, pi: int) -> bytes:
+    """The 8 bytes ``ibgda_ring_db`` stores to the UAR: the first 8 bytes of a control
+    segment with only the producer index (``opmod_idx_opcode = pi << 8``) and the QPN
+    (``qpn_ds = qpn << 8``)."""
+    return _be((pi & 0xFFFF) << 8, 4) + _be((qpn & 0xFFFFFF) << 8, 4)
+
+
+def parse_doorbell(data: bytes) -> tuple[int, int]:
+    """(qpn, pi) of an 8-byte UAR doorbell write, decoded as the NIC does
+    (``DoorbellLayout``: pi = bits 23..8 of opmod_idx_opcode, qpn = bits 31..8 of qpn_ds)."""
+    return _field(data, 4, 4) >> 8, (_field(data, 0, 4) >> 8) & 0xFFFF
+
+
+def doorbell_record(pi: int) -> bytes:
+    """The send queue's doorbell record as ``ibgda_update_dbr`` writes it:
+    ``HTOBE32(pi & 0xffff)``, the index of the next empty basic block."""
+    return _be(pi & 0xFFFF, 4)
+
+
+# --- CQEs ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Cqe:
+    """The fields of a 64-byte CQE the NIC writes (everything else is zero).
+
+    ``opcode`` is the CQE opcode (op_own >> 4); ``wqe_opcode`` the mlx5 opcode of the WQE
+    (bits 31..24 of sop_drop_qpn / s_wqe_opcode_qpn)."""
+    opcode: int
+    qpn: int
+    wqe_counter: int
+    wqe_opcode: int
+    byte_cnt: int = 0
+    syndrome: int = 0
+    vendor_err_synd: int = 0
+    signature: int = 0
+    owner: int = 0
+
+    @property
+    def is_error(self) -> bool:
+        return self.opcode in (CqeOpcode.REQ_ERR, CqeOpcode.RESP_ERR)
+
+    def pack(self) -> bytes:
+        cqe = bytearray(CQE_BYTES)
+        if self.is_error:
+            cqe[54] = self.vendor_err_synd & 0xFF
+            cqe[55] = self.syndrome & 0xFF
+        cqe[44:48] = _be(self.byte_cnt, 4)
+        cqe[56:60] = _be((self.wqe_opcode & 0xFF) << 24 | (self.qpn & 0xFFFFFF), 4)
+        cqe[60:62] = _be(self.wqe_counter, 2)
+        cqe[62] = self.signature & 0xFF
+        cqe[63] = (self.opcode & 0xF) << 4 | (self.owner & 1)
+        return bytes(cqe)
+
+
+def parse_cqe(data: bytes) -> Cqe:
+    """Read a 64-byte CQE (``mlx5_cqe64``, or ``mlx5_err_cqe`` when the opcode is an
+    error). Only the fields in :class:`Cqe` are read."""
+    data = bytes(data)
+    if len(data) != CQE_BYTES:
+        raise ValueError(f"a CQE is {CQE_BYTES} bytes, got {len(data)}")
+    op_own = data[63]
+    opcode = op_own >> 4
+    error = opcode in (CqeOpcode.REQ_ERR, CqeOpcode.RESP_ERR)
+    word = _field(data, 56, 4)
+    return Cqe(opcode=opcode, qpn=word & 0xFFFFFF, wqe_counter=_field(data, 60, 2),
+               wqe_opcode=word >> 24, byte_cnt=_field(data, 44, 4),
+               syndrome=data[55] if error else 0, vendor_err_synd=data[54] if error else 0,
+               signature=data[62], owner=op_own & 1)
+
+
+def requester_cqe(qpn: int, wqe_counter: int, wqe_opcode: int, byte_cnt: int,
+                  owner: int = 0) -> Cqe:
+    return Cqe(opcode=CqeOpcode.REQ, qpn=qpn, wqe_counter=wqe_counter & 0xFFFF,
+               wqe_opcode=wqe_opcode, byte_cnt=byte_cnt, owner=owner)
+
+
+def error_cqe(qpn: int, wqe_counter: int, wqe_opcode: int, syndrome: int,
+              owner: int = 0) -> Cqe:
+    return Cqe(opcode=CqeOpcode.REQ_ERR, qpn=qpn, wqe_counter=wqe_counter & 0xFFFF,
+               wqe_opcode=wqe_opcode, syndrome=int(syndrome), owner=owner)
+
+
+def build_requester_cqe(qpn: int, wqe_counter: int, wqe_opcode: int, byte_cnt: int,
+                        owner: int) -> bytes:
+    """The 64 bytes of a successful requester CQE (opcode REQ)."""
+    return requester_cqe(qpn, wqe_counter, wqe_opcode, byte_cnt, owner).pack()
+
+
+def build_error_cqe(qpn: int, wqe_counter: int, wqe_opcode: int, syndrome: int,
+                    owner: int) -> bytes:
+    """The 64 bytes of a requester error CQE (opcode REQ_ERR); a flush is syndrome
+    WR_FLUSH_ERR."""
+    return error_cqe(qpn, wqe_counter, wqe_opcode, syndrome, owner).pack()
+
+
+def cqe_owner(pi: int, log_size: int) -> int:
+    """Owner bit of the CQE written at CQ producer index ``pi``."""
+    return (pi >> log_size) & 1
+
+
+def cqe_address(base: int, log_size: int, collapsed: bool, pi: int) -> int:
+    """Where the CQE with producer index ``pi`` goes (entry 0 in collapsed mode)."""
+    return base if collapsed else base + CQE_BYTES * (pi % (1 << log_size))

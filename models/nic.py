@@ -1,0 +1,860 @@
+"""Reference models of both ends of an RC connection, for the NIC testbenches.
+
+* :class:`RequesterModel` is what the NIC's send side must do with each WQE
+  (docs/nic.md: segment rules, executor checks, MTU segmentation, PSNs): it returns the
+  request packets (LRH .. ICRC, byte-exact), the completion status and the CQE expected.
+* :class:`CompletionModel` is the NIC's completion unit: it takes the requester's results
+  in WQE order and the responses coming back, and gives the CQE writes (address, bytes,
+  owner bit) in the order the NIC must make them, with NAK error and flush handling.
+* :class:`ResponderModel` is the remote RC responder the testbench puts on the wire: it
+  checks ICRC, PSNs and opcode sequences, executes requests against its memory, and
+  answers with (coalesced) ACKs, READ responses, ATOMIC ACKNOWLEDGEs and injected NAKs.
+
+Packets are built with models.ib's header codecs; the ICRC is computed with zlib (the
+same CRC-32 as models.crc.icrc, whose masks are applied here) so that the responder
+keeps up with thousands of packets per second.
+"""
+
+import zlib
+from collections import deque
+from dataclasses import dataclass, field, replace
+from enum import IntEnum, IntFlag
+
+from models.ib import (AETH, BTH, LNH_IBA_LOCAL, LRH, RETH, AtomicAckETH, AtomicETH, ImmDt,
+                       Opcode, extension_headers)
+from models.mlx5 import (CQE_BYTES, MAX_MESSAGE_BYTES, WQEBB_BYTES, Cqe, Opcode as MlxOpcode,
+                         ParsedWqe, Syndrome, CTRL_CQ_UPDATE, CTRL_SOLICITED, cqe_address,
+                         cqe_owner, error_cqe, parse_wqe, requester_cqe, wqe_blocks)
+
+PSN_MOD = 1 << 24
+VL15 = 15
+ICRC_SIZE = 4
+
+
+# --- contexts (mirrors of hdl/nic/signatures.py records) -----------------------------------
+
+class QpState(IntEnum):
+    RESET = 0
+    RTS = 3
+    ERR = 6
+
+
+class Access(IntFlag):
+    LOCAL_WRITE = 1
+    REMOTE_WRITE = 2
+    REMOTE_READ = 4
+    REMOTE_ATOMIC = 8
+
+
+class CompletionStatus(IntEnum):
+    SENT = 0
+    ERROR = 1
+    FLUSH = 2
+
+
+@dataclass
+class QpConfig:
+    """``QpConfigLayout``."""
+    sq_base: int = 0
+    log_sq_size: int = 6
+    mtu: int = 5
+    sl: int = 0
+    max_outstanding: int = 64
+    dest_qpn: int = 0
+    dlid: int = 0
+    pd: int = 0
+    pkey: int = 0xFFFF
+    sq_psn: int = 0
+    cqn: int = 0
+
+    @property
+    def mtu_bytes(self) -> int:
+        return 128 << self.mtu
+
+
+@dataclass
+class CqConfig:
+    """``CqConfigLayout``."""
+    base: int = 0
+    log_size: int = 0
+    collapsed: bool = False
+
+
+@dataclass
+class Mkey:
+    """``MkeyLayout``; the entry for key ``k`` is at index ``(k >> 8) % num_mkeys``."""
+    key: int = 0
+    base: int = 0
+    length: int = 0
+    access: Access = Access(0)
+    pd: int = 0
+    valid: bool = False
+
+
+def mkey_index(key: int, num_mkeys: int) -> int:
+    return (key >> 8) % num_mkeys
+
+
+def qp_context_ok(qp: QpConfig, num_cqs: int) -> bool:
+    """Whether RESET -> RTS accepts this context (docs/nic.md, "Contexts and QP states")."""
+    ring_bytes = WQEBB_BYTES << qp.log_sq_size
+    return (1 <= qp.mtu <= 5 and 1 <= qp.max_outstanding <= 64 and qp.cqn < num_cqs
+            and qp.sq_base % min(4096, ring_bytes) == 0)
+
+
+# --- PSNs and packets -----------------------------------------------------------------------
+
+def psn_add(psn: int, n: int) -> int:
+    return (psn + n) % PSN_MOD
+
+
+def psn_diff(a: int, b: int) -> int:
+    """a - b modulo 2^24 as a signed number in [-2^23, 2^23)."""
+    d = (a - b) % PSN_MOD
+    return d - PSN_MOD if d >= PSN_MOD // 2 else d
+
+
+def psn_le(a: int, b: int) -> bool:
+    return psn_diff(a, b) <= 0
+
+
+def psn_lt(a: int, b: int) -> bool:
+    return psn_diff(a, b) < 0
+
+
+def _icrc(body: bytes) -> bytes:
+    """ICRC of LRH .. pad of an IBA-local packet: CRC-32 with LRH.VL and BTH.resv8a as ones."""
+    crc = zlib.crc32(bytes([body[0] | 0xF0]))
+    crc = zlib.crc32(body[1:12], crc)
+    crc = zlib.crc32(b"\xff", crc)
+    crc = zlib.crc32(body[13:], crc)
+    return crc.to_bytes(4, "little")
+
+
+def make_packet(*, vl: int, sl: int, dlid: int, slid: int, opcode: int, destqp: int, psn: int,
+                pkey: int = 0xFFFF, se: int = 0, ackreq: int = 0, ext=(),
+                payload: bytes = b"") -> bytes:
+    """LRH .. ICRC of an IBA-local RC packet (same bytes as models.packet.build_packet)."""
+    padcnt = -len(payload) % 4
+    transport = (BTH(opcode=opcode, se=se, m=0, padcnt=padcnt, tver=0, pkey=pkey, resv8a=0,
+                     destqp=destqp, ackreq=ackreq, psn=psn).pack()
+                 + b"".join(h.pack() for h in ext) + payload + bytes(padcnt))
+    pktlen = (LRH.SIZE + len(transport) + ICRC_SIZE) // 4
+    body = LRH(vl=vl, lver=0, sl=sl, lnh=LNH_IBA_LOCAL, dlid=dlid, pktlen=pktlen,
+               slid=slid).pack() + transport
+    return body + _icrc(body)
+
+
+@dataclass(frozen=True)
+class Packet:
+    """A received packet, decoded (what the responder and completion model look at)."""
+    lrh: LRH
+    bth: BTH
+    ext: tuple
+    payload: bytes
+    icrc_ok: bool
+
+
+def decode_packet(buf: bytes) -> Packet:
+    """Decode LRH .. ICRC (no VCRC). Raises ValueError on a malformed packet."""
+    buf = bytes(buf)
+    lrh = LRH.unpack(buf)
+    if lrh.pktlen * 4 != len(buf):
+        raise ValueError(f"LRH.PktLen says {lrh.pktlen * 4} bytes, packet has {len(buf)}")
+    body = buf[:-ICRC_SIZE]
+    if lrh.lnh == LNH_IBA_LOCAL:
+        icrc_ok = _icrc(body) == buf[-ICRC_SIZE:]
+        offset = LRH.SIZE
+    else:
+        raise ValueError(f"LNH {lrh.lnh:#04b}: only IBA-local packets are modelled")
+    bth = BTH.unpack(body[offset:])
+    offset += BTH.SIZE
+    ext = []
+    for cls in extension_headers(bth.opcode):
+        ext.append(cls.unpack(body[offset:]))
+        offset += cls.SIZE
+    end = len(body) - bth.padcnt
+    if end < offset:
+        raise ValueError("PadCnt runs into the headers")
+    return Packet(lrh, bth, tuple(ext), body[offset:end], icrc_ok)
+
+
+# --- requester --------------------------------------------------------------------------------
+
+_WRITE_OPS = {
+    # (first, middle, last, only) BTH opcodes per mlx5 opcode
+    MlxOpcode.RDMA_WRITE: (Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_MIDDLE,
+                           Opcode.RDMA_WRITE_LAST, Opcode.RDMA_WRITE_ONLY),
+    MlxOpcode.RDMA_WRITE_IMM: (Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_MIDDLE,
+                               Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE,
+                               Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE),
+    MlxOpcode.SEND: (Opcode.SEND_FIRST, Opcode.SEND_MIDDLE, Opcode.SEND_LAST, Opcode.SEND_ONLY),
+    MlxOpcode.SEND_IMM: (Opcode.SEND_FIRST, Opcode.SEND_MIDDLE, Opcode.SEND_LAST_WITH_IMMEDIATE,
+                         Opcode.SEND_ONLY_WITH_IMMEDIATE),
+}
+
+
+@dataclass
+class WqeResult:
+    """What the NIC does with one WQE: ``CompletionRecordLayout`` plus the packets."""
+    qpn: int
+    cqn: int
+    wqe_index: int
+    wqe_blocks: int
+    opcode: int                 # mlx5 opcode as written in the control segment
+    status: CompletionStatus
+    syndrome: int = 0
+    packets: list = field(default_factory=list)   # LRH .. ICRC, in send order
+    vl: int = 0
+    first_psn: int = 0
+    last_psn: int = 0
+    byte_count: int = 0
+    signaled: bool = False
+    laddr: int = 0              # where READ data / the atomic's original value go
+    mtu_bytes: int = 4096
+    wqe: ParsedWqe | None = None
+
+    @property
+    def cqe(self) -> Cqe:
+        """The CQE this WQE completes with if nothing goes wrong remotely (owner 0)."""
+        counter = self.wqe_index & 0xFFFF
+        if self.status == CompletionStatus.SENT:
+            return requester_cqe(self.qpn, counter, self.opcode, self.byte_count)
+        syndrome = Syndrome.WR_FLUSH_ERR if self.status == CompletionStatus.FLUSH else self.syndrome
+        return error_cqe(self.qpn, counter, self.opcode, syndrome)
+
+    @property
+    def writes_cqe(self) -> bool:
+        return self.signaled or self.status != CompletionStatus.SENT
+
+    def record(self) -> dict:
+        """The ``CompletionRecordLayout`` fields."""
+        return dict(qpn=self.qpn, cqn=self.cqn, wqe_index=self.wqe_index & 0xFFFF,
+                    wqe_blocks=self.wqe_blocks, opcode=self.opcode, byte_count=self.byte_count,
+                    first_psn=self.first_psn, last_psn=self.last_psn, signaled=int(self.signaled),
+                    status=int(self.status), syndrome=int(self.syndrome))
+
+
+class RequesterModel:
+    """The NIC's send side, WQE by WQE (docs/nic.md, "Execution" and "Packets").
+
+    ``qps``, ``cqs``, ``mkeys``: lists of contexts indexed by QP/CQ number and table index.
+    QPs start in RTS with their next PSN at ``sq_psn``.
+    """
+
+    def __init__(self, slid: int, sl_to_vl, qps, cqs, mkeys):
+        if len(sl_to_vl) != 16:
+            raise ValueError("sl_to_vl needs 16 entries")
+        if not mkeys:
+            raise ValueError("the memory-key table needs at least one entry")
+        self.slid = slid
+        self.sl_to_vl = list(sl_to_vl)
+        self.qps = list(qps)
+        self.cqs = list(cqs)
+        self.mkeys = list(mkeys)
+        self.state = [QpState.RTS] * len(self.qps)
+        self.next_psn = [qp.sq_psn for qp in self.qps]
+
+    def reset_qp(self, qpn: int, state: QpState = QpState.RTS):
+        """RESET (then ``state``): the next PSN restarts at ``sq_psn``."""
+        self.state[qpn] = state
+        self.next_psn[qpn] = self.qps[qpn].sq_psn
+
+    def set_qp_error(self, qpn: int):
+        """RTS -> ERR (host write or fatal NAK): every later WQE is flushed."""
+        self.state[qpn] = QpState.ERR
+
+    def fetch_and_execute(self, qpn: int, wqe_index: int, read_memory, **kwargs) -> WqeResult:
+        """Read the WQE at ``wqe_index`` from the QP's ring (wrapping) and execute it."""
+        qp = self.qps[qpn]
+        size = 1 << qp.log_sq_size
+
+        def block(i):
+            return bytes(read_memory(qp.sq_base + WQEBB_BYTES * ((wqe_index + i) % size),
+                                     WQEBB_BYTES))
+        first = block(0)
+        blocks = wqe_blocks(first[7] & 0x3F)
+        data = first + b"".join(block(i) for i in range(1, blocks))
+        return self.execute(qpn, wqe_index, data, read_memory, **kwargs)
+
+    def execute(self, qpn: int, wqe_index: int, wqe_bytes: bytes, read_memory, *,
+                fetch_error: bool = False) -> WqeResult:
+        """Execute one WQE; ``read_memory(addr, n) -> bytes`` supplies DMA payload.
+        ``fetch_error``: a block of the WQE was read with RRESP not OKAY."""
+        if self.state[qpn] == QpState.RESET:
+            raise ValueError(f"QP {qpn} is in RESET")
+        qp = self.qps[qpn]
+        wqe = parse_wqe(wqe_bytes)
+        result = WqeResult(qpn=qpn, cqn=qp.cqn, wqe_index=wqe_index & 0xFFFF,
+                           wqe_blocks=wqe.wqe_blocks, opcode=wqe.opcode,
+                           status=CompletionStatus.SENT, signaled=bool(wqe.fm_ce_se & CTRL_CQ_UPDATE),
+                           byte_count=wqe.length, laddr=wqe.laddr, mtu_bytes=qp.mtu_bytes, wqe=wqe)
+        if self.state[qpn] == QpState.ERR:
+            result.status = CompletionStatus.FLUSH
+            result.syndrome = Syndrome.WR_FLUSH_ERR
+            return result
+        syndrome = self._check(qp, wqe, fetch_error)
+        if syndrome:
+            result.status = CompletionStatus.ERROR
+            result.syndrome = syndrome
+            self.state[qpn] = QpState.ERR
+            return result
+        self._packets(qpn, qp, wqe, result, read_memory)
+        return result
+
+    def _check(self, qp: QpConfig, wqe: ParsedWqe, fetch_error: bool) -> int:
+        if fetch_error:
+            return Syndrome.LOCAL_QP_OP_ERR
+        if wqe.format_error:
+            return wqe.syndrome
+        length = wqe.length
+        if length > MAX_MESSAGE_BYTES:
+            return Syndrome.LOCAL_LENGTH_ERR
+        if self.sl_to_vl[qp.sl] == VL15:
+            return Syndrome.LOCAL_QP_OP_ERR
+        if wqe.has_data and length:
+            key = self.mkeys[mkey_index(wqe.lkey, len(self.mkeys))]
+            if not key.valid or key.key != wqe.lkey or key.pd != qp.pd:
+                return Syndrome.LOCAL_PROT_ERR
+            end = wqe.laddr + length
+            if wqe.laddr < key.base or end > key.base + key.length or end > 1 << 64:
+                return Syndrome.LOCAL_PROT_ERR
+            if (wqe.opcode in (MlxOpcode.RDMA_READ, MlxOpcode.ATOMIC_CS, MlxOpcode.ATOMIC_FA)
+                    and not Access(key.access) & Access.LOCAL_WRITE):
+                return Syndrome.LOCAL_PROT_ERR
+        return 0
+
+    def _packets(self, qpn, qp, wqe, result, read_memory):
+        mtu = qp.mtu_bytes
+        vl = self.sl_to_vl[qp.sl]
+        psn = self.next_psn[qpn]
+        length = wqe.length
+        common = dict(vl=vl, sl=qp.sl, dlid=qp.dlid, slid=self.slid, destqp=qp.dest_qpn,
+                      pkey=qp.pkey)
+        packets = []
+        op = wqe.opcode
+        if op in _WRITE_OPS:
+            first_op, middle_op, last_op, only_op = _WRITE_OPS[op]
+            count = max(1, -(-length // mtu))
+            is_write = op in (MlxOpcode.RDMA_WRITE, MlxOpcode.RDMA_WRITE_IMM)
+            solicited = int(bool(wqe.fm_ce_se & CTRL_SOLICITED))
+            for i in range(count):
+                start = i * mtu
+                size = min(mtu, length - start)
+                if wqe.inline:
+                    payload = wqe.inline_data[start:start + size]
+                elif size:
+                    payload = bytes(read_memory(wqe.laddr + start, size))
+                else:
+                    payload = b""
+                last = i == count - 1
+                opcode = (only_op if count == 1 else first_op if i == 0
+                          else last_op if last else middle_op)
+                ext = []
+                if is_write and i == 0:
+                    ext.append(RETH(va=wqe.raddr, rkey=wqe.rkey, dmalen=length))
+                if last and op in (MlxOpcode.RDMA_WRITE_IMM, MlxOpcode.SEND_IMM):
+                    ext.append(ImmDt(imm=wqe.imm))
+                packets.append(make_packet(**common, opcode=opcode, psn=psn_add(psn, i),
+                                           se=solicited if last else 0, ackreq=int(last),
+                                           ext=ext, payload=payload))
+            consumed = count
+        elif op == MlxOpcode.RDMA_READ:
+            packets.append(make_packet(**common, opcode=Opcode.RDMA_READ_REQUEST, psn=psn,
+                                       ackreq=1, ext=[RETH(va=wqe.raddr, rkey=wqe.rkey,
+                                                           dmalen=length)]))
+            consumed = max(1, -(-length // mtu))
+        else:
+            # FETCH_ADD: the compare field goes out as 0 (libmlx5 leaves it unwritten)
+            compare = wqe.compare if op == MlxOpcode.ATOMIC_CS else 0
+            opcode = Opcode.COMPARE_SWAP if op == MlxOpcode.ATOMIC_CS else Opcode.FETCH_ADD
+            packets.append(make_packet(**common, opcode=opcode, psn=psn, ackreq=1,
+                                       ext=[AtomicETH(va=wqe.raddr, rkey=wqe.rkey,
+                                                      swap_add=wqe.swap_add, compare=compare)]))
+            consumed = 1
+        result.packets = packets
+        result.vl = vl
+        result.first_psn = psn
+        result.last_psn = psn_add(psn, consumed - 1)
+        self.next_psn[qpn] = psn_add(psn, consumed)
+
+
+# --- completion unit ----------------------------------------------------------------------------
+
+NAK_CODE_SYNDROME = {1: Syndrome.REMOTE_INVAL_REQ_ERR, 2: Syndrome.REMOTE_ACCESS_ERR,
+                     3: Syndrome.REMOTE_OP_ERR}
+
+
+class NakCode(IntEnum):
+    """AETH NAK codes (syndrome 0b011_ccccc)."""
+    PSN_SEQUENCE_ERROR = 0
+    INVALID_REQUEST = 1
+    REMOTE_ACCESS_ERROR = 2
+    REMOTE_OPERATIONAL_ERROR = 3
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One WQE leaving the outstanding table: ``retire(qpn, wqe_blocks)``, after writing
+    ``cqe`` (owner bit set) at ``address`` of CQ ``cqn`` when ``cqe`` is not None."""
+    qpn: int
+    wqe_index: int
+    wqe_blocks: int
+    cqn: int
+    cqe: Cqe | None
+    address: int | None
+
+    @property
+    def data(self) -> bytes | None:
+        return None if self.cqe is None else self.cqe.pack()
+
+
+_RESPONSES = frozenset({Opcode.ACKNOWLEDGE, Opcode.ATOMIC_ACKNOWLEDGE,
+                        Opcode.RDMA_READ_RESPONSE_FIRST, Opcode.RDMA_READ_RESPONSE_MIDDLE,
+                        Opcode.RDMA_READ_RESPONSE_LAST, Opcode.RDMA_READ_RESPONSE_ONLY})
+_READ_RESPONSES = _RESPONSES - {Opcode.ACKNOWLEDGE, Opcode.ATOMIC_ACKNOWLEDGE}
+_ATOMIC_MLX = (MlxOpcode.ATOMIC_CS, MlxOpcode.ATOMIC_FA)
+
+
+class CompletionModel:
+    """The NIC's completion unit (docs/nic.md, "Completions").
+
+    Give it every :class:`WqeResult` in WQE order per QP (:meth:`post`) and every packet
+    that arrives (:meth:`receive`); both return the :class:`Completion` list they cause,
+    in order. ``write_memory(addr, data)`` receives READ response payload (at ``laddr`` +
+    offset) and atomics' original values (8 bytes, little-endian, at ``laddr``). A fatal
+    NAK calls ``requester.set_qp_error``. ``counters`` uses the CompletionUnit names.
+    """
+
+    def __init__(self, requester: RequesterModel, write_memory=None):
+        self.requester = requester
+        self.write_memory = write_memory
+        self.cq_pi = [0] * len(requester.cqs)
+        self.outstanding = [deque() for _ in requester.qps]
+        self.errored = [False] * len(requester.qps)
+        self.counters = dict.fromkeys(
+            ("acks_received", "naks_received", "read_responses", "atomic_acks", "cqes_written",
+             "error_cqes", "rx_dropped_icrc", "rx_dropped_unexpected"), 0)
+
+    def post(self, result: WqeResult) -> list:
+        self.outstanding[result.qpn].append(result)
+        out = []
+        self._drain(result.qpn, out)
+        return out
+
+    def flush_qp(self, qpn: int) -> list:
+        """The QP went to ERR (host write): everything outstanding, and every record
+        posted from now on, completes with a flush error."""
+        self.errored[qpn] = True
+        out = []
+        self._drain(qpn, out)
+        return out
+
+    def reset_qp(self, qpn: int):
+        """RESET: the outstanding table of the QP is emptied without completions."""
+        self.errored[qpn] = False
+        self.outstanding[qpn].clear()
+
+    def _complete(self, result: WqeResult, out: list, syndrome: int = 0):
+        cqe = None
+        address = None
+        if syndrome:
+            cqe = error_cqe(result.qpn, result.wqe_index, result.opcode, syndrome)
+        elif result.writes_cqe:
+            cqe = result.cqe
+        if cqe is not None:
+            cq = self.requester.cqs[result.cqn]
+            pi = self.cq_pi[result.cqn]
+            cqe = replace(cqe, owner=cqe_owner(pi, cq.log_size))
+            address = cqe_address(cq.base, cq.log_size, cq.collapsed, pi)
+            self.cq_pi[result.cqn] = (pi + 1) % (1 << 32)
+            self.counters["cqes_written"] += 1
+            self.counters["error_cqes"] += cqe.is_error
+        out.append(Completion(result.qpn, result.wqe_index, result.wqe_blocks, result.cqn,
+                              cqe, address))
+
+    def _drain(self, qpn: int, out: list):
+        queue = self.outstanding[qpn]
+        while queue and (queue[0].status != CompletionStatus.SENT or self.errored[qpn]):
+            head = queue.popleft()
+            flush = self.errored[qpn] and head.status == CompletionStatus.SENT
+            self._complete(head, out, syndrome=Syndrome.WR_FLUSH_ERR if flush else 0)
+
+    def _waiting(self, qpn: int, psn: int) -> bool:
+        return any(r.status == CompletionStatus.SENT and psn_le(r.first_psn, psn)
+                   and psn_le(psn, r.last_psn) for r in self.outstanding[qpn])
+
+    def _implicit(self, qpn: int, psn: int, out: list, *, inclusive: bool):
+        """Complete the SENT heads that a response for ``psn`` acknowledges."""
+        queue = self.outstanding[qpn]
+        while queue:
+            head = queue[0]
+            if head.status != CompletionStatus.SENT:
+                self._complete(queue.popleft(), out)
+                continue
+            if head.opcode == MlxOpcode.RDMA_READ:
+                return
+            if head.opcode in _ATOMIC_MLX or not inclusive:
+                done = psn_lt(head.last_psn, psn)
+            else:
+                done = psn_le(head.last_psn, psn)
+            if not done:
+                return
+            self._complete(queue.popleft(), out)
+
+    def receive(self, packet: bytes) -> list:
+        out = []
+        try:
+            pkt = decode_packet(packet)
+        except ValueError:
+            self.counters["rx_dropped_unexpected"] += 1
+            return out
+        if not pkt.icrc_ok:
+            self.counters["rx_dropped_icrc"] += 1
+            return out
+        qpn = pkt.bth.destqp
+        psn = pkt.bth.psn
+        opcode = pkt.bth.opcode
+        if (opcode not in _RESPONSES or qpn >= len(self.outstanding)
+                or self.requester.state[qpn] == QpState.RESET or not self._waiting(qpn, psn)):
+            self.counters["rx_dropped_unexpected"] += 1
+            return out
+        queue = self.outstanding[qpn]
+        if opcode == Opcode.ACKNOWLEDGE:
+            syndrome = pkt.ext[0].syndrome
+            kind = syndrome >> 5
+            if kind == 0:
+                self.counters["acks_received"] += 1
+                self._implicit(qpn, psn, out, inclusive=True)
+            else:
+                self.counters["naks_received"] += 1
+                code = syndrome & 0x1F
+                if kind == 0b011 and code in NAK_CODE_SYNDROME:
+                    self._fatal_nak(qpn, psn, NAK_CODE_SYNDROME[code], out)
+        elif opcode == Opcode.ATOMIC_ACKNOWLEDGE:
+            self._implicit(qpn, psn, out, inclusive=False)
+            head = queue[0] if queue else None
+            if head is None or head.opcode not in _ATOMIC_MLX or head.last_psn != psn:
+                self.counters["rx_dropped_unexpected"] += 1
+                return out
+            self.counters["atomic_acks"] += 1
+            if self.write_memory is not None:
+                self.write_memory(head.laddr, pkt.ext[1].orig.to_bytes(8, "little"))
+            self._complete(queue.popleft(), out)
+        else:
+            self._implicit(qpn, psn, out, inclusive=False)
+            head = queue[0] if queue else None
+            if (head is None or head.opcode != MlxOpcode.RDMA_READ
+                    or not (psn_le(head.first_psn, psn) and psn_le(psn, head.last_psn))):
+                self.counters["rx_dropped_unexpected"] += 1
+                return out
+            self.counters["read_responses"] += 1
+            if self.write_memory is not None and pkt.payload:
+                offset = psn_diff(psn, head.first_psn) * head.mtu_bytes
+                self.write_memory(head.laddr + offset, pkt.payload)
+            if psn == head.last_psn:
+                self._complete(queue.popleft(), out)
+        self._drain(qpn, out)
+        return out
+
+    def _fatal_nak(self, qpn: int, psn: int, syndrome: int, out: list):
+        queue = self.outstanding[qpn]
+        while queue and (queue[0].status != CompletionStatus.SENT
+                         or psn_lt(queue[0].last_psn, psn)):
+            self._complete(queue.popleft(), out)
+        if queue:
+            self._complete(queue.popleft(), out, syndrome=syndrome)
+        self.requester.set_qp_error(qpn)
+        self.errored[qpn] = True
+        self._drain(qpn, out)
+
+
+def expected_cqes(results, nak: tuple[int, int] | None = None) -> list:
+    """The CQEs (owner 0) one QP's WQEs complete with, in order, when every request is
+    acknowledged, or when the responder NAKs ``nak = (psn, code)`` with a fatal code.
+
+    ``results``: that QP's :class:`WqeResult` list in WQE order. Unsignaled successes
+    give no CQE and are left out.
+    """
+    cqes = []
+    errored = False
+    for r in results:
+        if errored:
+            cqes.append(error_cqe(r.qpn, r.wqe_index, r.opcode, Syndrome.WR_FLUSH_ERR))
+            continue
+        if (nak is not None and r.status == CompletionStatus.SENT
+                and psn_le(r.first_psn, nak[0]) and psn_le(nak[0], r.last_psn)):
+            cqes.append(error_cqe(r.qpn, r.wqe_index, r.opcode, NAK_CODE_SYNDROME[nak[1]]))
+            errored = True
+            continue
+        if r.writes_cqe:
+            cqes.append(r.cqe)
+        errored = r.status != CompletionStatus.SENT
+    return cqes
+
+
+# --- responder ------------------------------------------------------------------------------------
+
+@dataclass
+class ResponderQp:
+    """One responder QP. ``peer_qpn``: the requester's QP number (responses' DestQP);
+    ``epsn``: the next PSN expected; ``mtu``: path MTU code for READ responses."""
+    peer_qpn: int
+    epsn: int = 0
+    mtu: int = 5
+    msn: int = 0
+    error: bool = False
+    unacked: int = 0
+    last_psn: int = 0
+    pending_ack: bool = False
+    seq_nak_sent: bool = False
+    # message in progress: None, "send" or "write"
+    in_progress: str | None = None
+    write_va: int = 0
+    write_left: int = 0
+    send_buffer: bytearray = field(default_factory=bytearray)
+    received: list = field(default_factory=list)   # (payload, imm or None) per SEND message
+    reply_dlid: int = 0
+    reply_sl: int = 0
+    reply_vl: int = 0
+    reply_pkey: int = 0xFFFF
+
+
+_SEND_FIRST_MIDDLE = {Opcode.SEND_FIRST, Opcode.SEND_MIDDLE}
+_SEND_LASTS = {Opcode.SEND_LAST, Opcode.SEND_LAST_WITH_IMMEDIATE}
+_SEND_ONLYS = {Opcode.SEND_ONLY, Opcode.SEND_ONLY_WITH_IMMEDIATE}
+_WRITE_LASTS = {Opcode.RDMA_WRITE_LAST, Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE}
+_WRITE_ONLYS = {Opcode.RDMA_WRITE_ONLY, Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE}
+ACK_SYNDROME = 0x1F      # ACK, credit field "invalid" (no end-to-end credits)
+
+
+class _Nak(Exception):
+    def __init__(self, code):
+        self.code = code
+
+
+class ResponderModel:
+    """The remote end of the RC connections (IBA ch. 9.7, responder side).
+
+    ``qps``: ``{responder QPN (the requests' DestQP): ResponderQp}``. Memory: a
+    ``bytearray`` at ``base`` (accesses outside it get NAK remote access error), or
+    ``read(addr, n)`` / ``write(addr, data)`` callables. ``ack_every``: an ACK for the
+    newest PSN at least every that many SEND/WRITE packets, and for every AckReq packet
+    unless ``coalesce_ackreq`` (then only every ``ack_every`` packets and at :meth:`flush`).
+    Atomics operate on little-endian 64-bit words, 8-byte aligned.
+    """
+
+    def __init__(self, lid: int, qps: dict, *, memory: bytearray | None = None, base: int = 0,
+                 read=None, write=None, ack_every: int = 1, coalesce_ackreq: bool = False):
+        if ack_every < 1:
+            raise ValueError("ack_every must be at least 1")
+        if (memory is None) == (read is None or write is None):
+            raise ValueError("give memory, or both read and write")
+        self.lid = lid
+        self.qps = dict(qps)
+        self.memory = memory
+        self.base = base
+        self._read = read
+        self._write = write
+        self.ack_every = ack_every
+        self.coalesce_ackreq = coalesce_ackreq
+        self.naks = {}
+        self.counters = dict.fromkeys(("packets", "dropped_icrc", "dropped_unknown_qp",
+                                       "dropped_qp_error", "duplicates", "out_of_sequence",
+                                       "acks", "naks", "read_responses", "atomic_acks"), 0)
+
+    # memory
+    def _check_range(self, va: int, n: int):
+        if self.memory is not None and (va < self.base or va + n > self.base + len(self.memory)):
+            raise _Nak(NakCode.REMOTE_ACCESS_ERROR)
+
+    def read(self, va: int, n: int) -> bytes:
+        self._check_range(va, n)
+        if self.memory is None:
+            return bytes(self._read(va, n))
+        return bytes(self.memory[va - self.base:va - self.base + n])
+
+    def write(self, va: int, data: bytes):
+        self._check_range(va, len(data))
+        if self.memory is None:
+            self._write(va, bytes(data))
+        else:
+            self.memory[va - self.base:va - self.base + len(data)] = data
+
+    def inject_nak(self, qpn: int, psn: int, code: int):
+        """Answer the packet with PSN ``psn`` on responder QP ``qpn`` with NAK ``code``
+        (:class:`NakCode`) instead of executing it. Codes 1..3 put the QP in error: later
+        packets are dropped."""
+        self.naks[(qpn, psn)] = 0x60 | int(code)
+
+    def inject_rnr(self, qpn: int, psn: int, timer: int = 0):
+        """Answer ``psn`` with an RNR NAK (the packet is not executed)."""
+        self.naks[(qpn, psn)] = 0x20 | (timer & 0x1F)
+
+    # packets out
+    def _response(self, qp: ResponderQp, opcode: int, psn: int, ext=(), payload=b"") -> bytes:
+        return make_packet(vl=qp.reply_vl, sl=qp.reply_sl, dlid=qp.reply_dlid, slid=self.lid,
+                           opcode=opcode, destqp=qp.peer_qpn, psn=psn, pkey=qp.reply_pkey,
+                           ext=ext, payload=payload)
+
+    def _ack(self, qp: ResponderQp, psn: int, syndrome: int = ACK_SYNDROME) -> bytes:
+        if syndrome >> 5:
+            self.counters["naks"] += 1
+        else:
+            self.counters["acks"] += 1
+            qp.unacked = 0
+            qp.pending_ack = False
+        return self._response(qp, Opcode.ACKNOWLEDGE, psn, ext=[AETH(syndrome=syndrome,
+                                                                     msn=qp.msn)])
+
+    def flush(self) -> list:
+        """ACKs for every QP with executed, not yet acknowledged packets."""
+        return [self._ack(qp, qp.last_psn) for qp in self.qps.values()
+                if qp.unacked and not qp.error]
+
+    def receive(self, packet: bytes) -> list:
+        """Process one request packet (LRH .. ICRC); returns the response packets."""
+        self.counters["packets"] += 1
+        pkt = decode_packet(packet)
+        if not pkt.icrc_ok:
+            self.counters["dropped_icrc"] += 1
+            return []
+        qpn = pkt.bth.destqp
+        qp = self.qps.get(qpn)
+        if qp is None:
+            self.counters["dropped_unknown_qp"] += 1
+            return []
+        if qp.error:
+            self.counters["dropped_qp_error"] += 1
+            return []
+        qp.reply_dlid, qp.reply_sl, qp.reply_vl = pkt.lrh.slid, pkt.lrh.sl, pkt.lrh.vl
+        qp.reply_pkey = pkt.bth.pkey
+        psn = pkt.bth.psn
+        d = psn_diff(psn, qp.epsn)
+        if d < 0:
+            self.counters["duplicates"] += 1
+            return [self._ack(qp, psn_add(qp.epsn, -1))]
+        if d > 0:
+            self.counters["out_of_sequence"] += 1
+            if qp.seq_nak_sent:
+                return []
+            qp.seq_nak_sent = True
+            return [self._ack(qp, qp.epsn, 0x60 | NakCode.PSN_SEQUENCE_ERROR)]
+        qp.seq_nak_sent = False
+        nak = self.naks.pop((qpn, psn), None)
+        if nak is not None:
+            if nak >> 5 == 0b011:
+                qp.error = bool(nak & 0x1F)
+                qp.seq_nak_sent = not qp.error
+            return [self._ack(qp, psn, nak)]
+        try:
+            return self._execute(qp, pkt)
+        except _Nak as e:
+            if e.code != NakCode.PSN_SEQUENCE_ERROR:
+                qp.error = True
+            return [self._ack(qp, psn, 0x60 | e.code)]
+
+    def _execute(self, qp: ResponderQp, pkt: Packet) -> list:
+        op = pkt.bth.opcode
+        psn = pkt.bth.psn
+        mtu = 128 << qp.mtu
+        payload = pkt.payload
+        ext = {type(h): h for h in pkt.ext}
+        if op == Opcode.RDMA_READ_REQUEST:
+            return self._read_request(qp, psn, ext[RETH], mtu)
+        if op in (Opcode.COMPARE_SWAP, Opcode.FETCH_ADD):
+            return self._atomic(qp, op, psn, ext[AtomicETH])
+        if op not in _WRITE_OPS_ALL:
+            raise _Nak(NakCode.INVALID_REQUEST)
+        first = op in _FIRSTS
+        last = op in _LASTS
+        middle_or_first = not last
+        if (qp.in_progress is None) != first:
+            raise _Nak(NakCode.INVALID_REQUEST)
+        kind = "send" if op <= Opcode.SEND_ONLY_WITH_IMMEDIATE else "write"
+        if not first and qp.in_progress != kind:
+            raise _Nak(NakCode.INVALID_REQUEST)
+        if middle_or_first and len(payload) != mtu:
+            raise _Nak(NakCode.INVALID_REQUEST)
+        if last and len(payload) > mtu:
+            raise _Nak(NakCode.INVALID_REQUEST)
+        if op in (Opcode.SEND_LAST, Opcode.SEND_LAST_WITH_IMMEDIATE, Opcode.RDMA_WRITE_LAST,
+                  Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE) and not payload:
+            raise _Nak(NakCode.INVALID_REQUEST)
+        if kind == "write":
+            if first:
+                reth = ext[RETH]
+                if reth.dmalen:
+                    self._check_range(reth.va, reth.dmalen)
+                qp.write_va, qp.write_left = reth.va, reth.dmalen
+            if len(payload) > qp.write_left or (last and len(payload) != qp.write_left):
+                raise _Nak(NakCode.INVALID_REQUEST)
+            if payload:
+                self.write(qp.write_va, payload)
+            qp.write_va += len(payload)
+            qp.write_left -= len(payload)
+        else:
+            if first:
+                qp.send_buffer = bytearray()
+            qp.send_buffer += payload
+        qp.in_progress = None if last else kind
+        if last:
+            qp.msn = (qp.msn + 1) % PSN_MOD
+            if kind == "send":
+                imm = ext[ImmDt].imm if ImmDt in ext else None
+                qp.received.append((bytes(qp.send_buffer), imm))
+        qp.epsn = psn_add(psn, 1)
+        qp.last_psn = psn
+        qp.unacked += 1
+        if (pkt.bth.ackreq and not self.coalesce_ackreq) or qp.unacked >= self.ack_every:
+            return [self._ack(qp, psn)]
+        return []
+
+    def _read_request(self, qp: ResponderQp, psn: int, reth: RETH, mtu: int) -> list:
+        if qp.in_progress is not None:
+            raise _Nak(NakCode.INVALID_REQUEST)
+        data = self.read(reth.va, reth.dmalen) if reth.dmalen else b""
+        count = max(1, -(-len(data) // mtu))
+        qp.msn = (qp.msn + 1) % PSN_MOD
+        qp.unacked = 0
+        out = []
+        for i in range(count):
+            chunk = data[i * mtu:(i + 1) * mtu]
+            if count == 1:
+                op = Opcode.RDMA_READ_RESPONSE_ONLY
+            elif i == 0:
+                op = Opcode.RDMA_READ_RESPONSE_FIRST
+            elif i == count - 1:
+                op = Opcode.RDMA_READ_RESPONSE_LAST
+            else:
+                op = Opcode.RDMA_READ_RESPONSE_MIDDLE
+            ext = [] if op == Opcode.RDMA_READ_RESPONSE_MIDDLE else [AETH(syndrome=ACK_SYNDROME,
+                                                                          msn=qp.msn)]
+            out.append(self._response(qp, op, psn_add(psn, i), ext=ext, payload=chunk))
+        self.counters["read_responses"] += count
+        qp.epsn = psn_add(psn, count)
+        qp.last_psn = psn_add(psn, count - 1)
+        return out
+
+    def _atomic(self, qp: ResponderQp, op: int, psn: int, aeth: AtomicETH) -> list:
+        if qp.in_progress is not None or aeth.va % 8:
+            raise _Nak(NakCode.INVALID_REQUEST)
+        orig = int.from_bytes(self.read(aeth.va, 8), "little")
+        if op == Opcode.FETCH_ADD:
+            new = (orig + aeth.swap_add) % (1 << 64)
+        else:
+            new = aeth.swap_add if orig == aeth.compare else orig
+        self.write(aeth.va, new.to_bytes(8, "little"))
+        qp.msn = (qp.msn + 1) % PSN_MOD
+        qp.unacked = 0
+        qp.epsn = psn_add(psn, 1)
+        qp.last_psn = psn
+        self.counters["atomic_acks"] += 1
+        return [self._response(qp, Opcode.ATOMIC_ACKNOWLEDGE, psn,
+                               ext=[AETH(syndrome=ACK_SYNDROME, msn=qp.msn),
+                                    AtomicAckETH(orig=orig)])]
+
+
+_WRITE_OPS_ALL = frozenset(range(Opcode.SEND_FIRST, Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE + 1))
+_FIRSTS = frozenset({Opcode.SEND_FIRST, Opcode.RDMA_WRITE_FIRST} | _SEND_ONLYS | _WRITE_ONLYS)
+_LASTS = frozenset(_SEND_LASTS | _SEND_ONLYS | _WRITE_LASTS | _WRITE_ONLYS)

@@ -1,0 +1,770 @@
+"""models/mlx5.py and models/nic.py: mlx5 layouts byte by byte, the WQE format rules and
+executor checks of docs/nic.md, MTU segmentation and PSNs, and requester + responder +
+completion unit run against each other (data, CQEs, NAK error and flush)."""
+import dataclasses
+import random
+import shutil
+import time
+
+import pytest
+
+from hdl.nic import signatures as sig
+from models import mlx5 as m
+from models import nic as n
+from models.ib import AETH, BTH, LRH, RETH, AtomicAckETH, AtomicETH, ImmDt, Opcode
+from models.packet import build_packet, parse_packet
+
+H = bytes.fromhex
+
+
+# --- layouts, hand-computed from rdma-core mlx5dv.h and NVSHMEM ibgda_device.cuh -------------
+
+def test_ctrl_segment_bytes():
+    # struct mlx5_wqe_ctrl_seg { __be32 opmod_idx_opcode; __be32 qpn_ds; u8 signature;
+    # u8 rsvd[2]; u8 fm_ce_se; __be32 imm; }, filled as ibgda_write_rdma_write_wqe does:
+    # HTOBE32((wqe_idx << 8) | MLX5_OPCODE_RDMA_WRITE), HTOBE32((qpn << 8) | ds)
+    seg = m.ctrl_segment(m.Opcode.RDMA_WRITE, 0x1234, 0xABCDEF, 3, fm_ce_se=m.CTRL_CQ_UPDATE,
+                         imm=0x11223344)
+    assert seg == H("00123408" "abcdef03" "00000008" "11223344")
+    seg = m.ctrl_segment(0x12, 0xFFFF, 1, 63, opmod=0x09, fm_ce_se=0x82, signature=0x5A)
+    assert seg == H("09ffff12" "0000013f" "5a000082" "00000000")
+
+
+def test_other_segments_bytes():
+    # mlx5_wqe_raddr_seg { __be64 raddr; __be32 rkey; __be32 reserved; }
+    assert m.raddr_segment(0x0102030405060708, 0xAABBCCDD) == H("0102030405060708aabbccdd00000000")
+    # mlx5_wqe_data_seg { __be32 byte_count; __be32 lkey; __be64 addr; }
+    assert m.data_segment(0x40, 0x00123400, 0x7F0000001000) == H("0000004000123400" "00007f0000001000")
+    # mlx5_wqe_inl_data_seg { __be32 byte_count; } | MLX5_INLINE_SEG, then the data
+    assert m.inline_segment(b"\x01\x02\x03") == H("80000003010203") + bytes(9)
+    assert len(m.inline_segment(bytes(12))) == 16 and len(m.inline_segment(bytes(13))) == 32
+    # mlx5_wqe_atomic_seg { __be64 swap_add; __be64 compare; }
+    assert m.atomic_segment(1, 0xFEDCBA9876543210) == H("0000000000000001fedcba9876543210")
+    assert m.CTRL_CQ_UPDATE == 2 << 2 and m.CTRL_SOLICITED == 1 << 1 and m.CTRL_FENCE == 4 << 5
+
+
+def test_doorbell_and_record():
+    # ibgda_ring_db: ctrl_seg = {.opmod_idx_opcode = HTOBE32(prod_idx << 8),
+    #                            .qpn_ds = HTOBE32(qp->qpn << 8)}; 8-byte store to the UAR
+    assert m.doorbell(0x000123, 0x0456) == H("00045600" "00012300")
+    assert m.parse_doorbell(m.doorbell(0xABCDEF, 0xFFFF)) == (0xABCDEF, 0xFFFF)
+    assert m.doorbell(1, 0x10005)[:4] == H("00000500")       # pi is 16 bits
+    # ibgda_update_dbr: HTOBE32(dbrec_head & 0xffff)
+    assert m.doorbell_record(0x10456) == H("00000456")
+
+
+def test_cqe_bytes():
+    # mlx5_cqe64: byte_cnt @44, sop_drop_qpn @56, wqe_counter @60, signature @62, op_own @63
+    cqe = m.build_requester_cqe(qpn=5, wqe_counter=0x0102, wqe_opcode=0x08, byte_cnt=0x1000, owner=1)
+    expect = bytearray(64)
+    expect[44:48] = H("00001000")
+    expect[56:60] = H("08000005")
+    expect[60:62] = H("0102")
+    expect[63] = 0x01
+    assert cqe == bytes(expect)
+    # mlx5_err_cqe: vendor_err_synd @54, syndrome @55, s_wqe_opcode_qpn @56, op_own = 0xd << 4
+    err = m.build_error_cqe(qpn=0x42, wqe_counter=0xFFFF, wqe_opcode=0x12, syndrome=0x13, owner=0)
+    expect = bytearray(64)
+    expect[55] = 0x13
+    expect[56:60] = H("12000042")
+    expect[60:62] = H("ffff")
+    expect[63] = 0xD0
+    assert err == bytes(expect)
+    parsed = m.parse_cqe(err)
+    assert parsed.is_error and parsed.syndrome == 0x13 and parsed.qpn == 0x42 and parsed.owner == 0
+    assert parsed.pack() == err
+    assert m.parse_cqe(cqe) == m.requester_cqe(5, 0x102, 8, 0x1000, owner=1)
+    assert m.cqe_owner(7, 3) == 0 and m.cqe_owner(8, 3) == 1 and m.cqe_owner(3, 0) == 1
+    assert m.cqe_address(0x1000, 2, False, 5) == 0x1040 and m.cqe_address(0x1000, 2, True, 5) == 0x1000
+
+
+def test_enums_match_signatures():
+    for e in sig.Syndrome:
+        assert m.Syndrome[e.name] == e.value
+    for e in sig.MlxOpcode:
+        assert m.Opcode[e.name] == e.value
+    for e in sig.Access:
+        assert n.Access[e.name] == e.value
+    for e in sig.QpState:
+        assert n.QpState[e.name] == e.value
+    for e in sig.CompletionStatus:
+        assert n.CompletionStatus[e.name] == e.value
+    assert [f.name for f in dataclasses.fields(n.QpConfig)] == list(dict(sig.QpConfigLayout()))
+    assert [f.name for f in dataclasses.fields(n.CqConfig)] == list(dict(sig.CqConfigLayout()))
+    assert [f.name for f in dataclasses.fields(n.Mkey)] == list(dict(sig.MkeyLayout()))
+
+
+def test_build_parse_round_trip():
+    rng = random.Random(1)
+    for _ in range(300):
+        op = rng.choice(list(m.Opcode))
+        kw = dict(fm_ce_se=rng.choice([0, 8, 10]), imm=rng.getrandbits(32),
+                  raddr=rng.getrandbits(64), rkey=rng.getrandbits(32))
+        inline = None
+        if op in (m.Opcode.ATOMIC_CS, m.Opcode.ATOMIC_FA):
+            kw.update(swap_add=rng.getrandbits(64), compare=rng.getrandbits(64),
+                      lkey=rng.getrandbits(32), laddr=rng.getrandbits(64))
+        elif op == m.Opcode.RDMA_READ or rng.random() < 0.5:
+            kw.update(byte_count=rng.getrandbits(rng.choice([0, 12, 31])),
+                      lkey=rng.getrandbits(32), laddr=rng.getrandbits(64))
+        elif rng.random() < 0.8:
+            inline = rng.randbytes(rng.randrange(65))
+            kw.update(inline=inline)
+        idx = rng.getrandbits(16)
+        wqe = m.build_wqe(op, idx, 77, **kw)
+        assert len(wqe.data) == 64 * wqe.blocks == 64 * m.wqe_blocks(wqe.ds)
+        p = m.parse_wqe(wqe.data)
+        assert not p.format_error, (op, kw)
+        assert (p.opcode, p.ds, p.ctrl_wqe_index, p.ctrl_qpn, p.fm_ce_se, p.imm) == \
+            (op, wqe.ds, idx, 77, kw["fm_ce_se"], kw["imm"])
+        if op not in (m.Opcode.SEND, m.Opcode.SEND_IMM):
+            assert (p.raddr, p.rkey) == (kw["raddr"], kw["rkey"])
+        if inline is not None:
+            assert p.inline and p.inline_data == inline and p.byte_count == len(inline)
+        elif "byte_count" in kw:
+            assert p.has_data and (p.byte_count, p.lkey, p.laddr) == (kw["byte_count"], kw["lkey"], kw["laddr"])
+        if op in (m.Opcode.ATOMIC_CS, m.Opcode.ATOMIC_FA):
+            assert (p.swap_add, p.compare, p.byte_count) == (kw["swap_add"], kw["compare"], 8)
+
+
+def test_nvshmem_shapes():
+    # RC ds as NVSHMEM computes them: write/read 3, inline write of <= 12 bytes 3, atomics 4
+    assert m.build_wqe(m.Opcode.RDMA_WRITE, 0, 1, byte_count=8).ds == 3
+    assert m.build_wqe(m.Opcode.RDMA_READ, 0, 1, byte_count=8).ds == 3
+    assert m.build_wqe(m.Opcode.RDMA_WRITE, 0, 1, inline=bytes(12)).ds == 3
+    assert m.build_wqe(m.Opcode.ATOMIC_FA, 0, 1).ds == 4
+    assert m.build_wqe(m.Opcode.RDMA_WRITE, 0, 1, inline=bytes(64)).blocks == 2
+
+
+# --- a small world ----------------------------------------------------------------------------
+
+LOCAL_BASE = 0x10000
+REMOTE_BASE = 0x80000
+MEM = 0x8000
+PD = 3
+LKEY = 0x00000501           # index 5, variant 1
+
+
+def world(*, mtu=1, sq_psn=0, num_qps=2, sl_to_vl=None, log_cq=2, collapsed=False, access=None):
+    qps = [n.QpConfig(sq_base=0x4000 * (q + 1), log_sq_size=6, mtu=mtu, sl=q % 2,
+                      dest_qpn=0x100 + q, dlid=0x20, pd=PD, pkey=0x8001, sq_psn=sq_psn,
+                      cqn=q % 2) for q in range(num_qps)]
+    cqs = [n.CqConfig(base=0x9000 + 0x1000 * c, log_size=log_cq, collapsed=collapsed)
+           for c in range(2)]
+    mkeys = [n.Mkey() for _ in range(8)]
+    mkeys[5] = n.Mkey(key=LKEY, base=LOCAL_BASE, length=MEM,
+                      access=n.Access.LOCAL_WRITE if access is None else access, pd=PD, valid=True)
+    req = n.RequesterModel(0x11, sl_to_vl or [0, 1] + [0] * 14, qps, cqs, mkeys)
+    local = bytearray(random.Random(7).randbytes(MEM))
+    return req, local
+
+
+def reader(local):
+    def read(addr, size):
+        assert LOCAL_BASE <= addr and addr + size <= LOCAL_BASE + MEM
+        return bytes(local[addr - LOCAL_BASE:addr - LOCAL_BASE + size])
+    return read
+
+
+def writer(local):
+    def write(addr, data):
+        local[addr - LOCAL_BASE:addr - LOCAL_BASE + len(data)] = data
+    return write
+
+
+def run(req, local, qpn, idx, **kw):
+    op = kw.pop("op")
+    return req.execute(qpn, idx, m.build_wqe(op, idx, qpn, **kw).data, reader(local))
+
+
+# --- format rules and executor checks ---------------------------------------------------------
+
+def _raw(opcode, ds, *segs):
+    return m.pad_blocks(m.ctrl_segment(opcode, 0, 0, ds, fm_ce_se=8) + b"".join(segs))
+
+
+RA = m.raddr_segment(REMOTE_BASE, 9)
+DATA8 = m.data_segment(8, LKEY, LOCAL_BASE)
+FORMAT_ERRORS = [
+    ("ds 0", _raw(m.Opcode.SEND, 0, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("NOP", _raw(m.OPCODE_NOP, 1), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("masked FA (NVSHMEM)", _raw(m.OPCODE_ATOMIC_MASKED_FA, 4, RA, m.atomic_segment(1), DATA8),
+     m.Syndrome.LOCAL_QP_OP_ERR),
+    ("DUMP", _raw(m.OPCODE_DUMP, 2, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("write, two data segments", _raw(m.Opcode.RDMA_WRITE, 4, RA, DATA8, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("write, ds 1", _raw(m.Opcode.RDMA_WRITE, 1), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("write, inline ds too big", _raw(m.Opcode.RDMA_WRITE, 4, RA, m.inline_segment(bytes(10))),
+     m.Syndrome.LOCAL_QP_OP_ERR),
+    ("write, inline ds too small", _raw(m.Opcode.RDMA_WRITE_IMM, 3, RA, m.inline_segment(bytes(13))),
+     m.Syndrome.LOCAL_QP_OP_ERR),
+    ("write, inline 65", _raw(m.Opcode.RDMA_WRITE, 7, RA, m.inline_segment(bytes(65))),
+     m.Syndrome.LOCAL_LENGTH_ERR),
+    ("send, inline 100 bad ds", _raw(m.Opcode.SEND, 2, m.inline_segment(bytes(100))),
+     m.Syndrome.LOCAL_LENGTH_ERR),
+    ("send, two data segments", _raw(m.Opcode.SEND_IMM, 3, DATA8, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("read, no data segment", _raw(m.Opcode.RDMA_READ, 2, RA), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("read, inline", _raw(m.Opcode.RDMA_READ, 3, RA, m.inline_segment(bytes(8))), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("read, ds 4", _raw(m.Opcode.RDMA_READ, 4, RA, DATA8, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("atomic, ds 3", _raw(m.Opcode.ATOMIC_FA, 3, RA, m.atomic_segment(1)), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("atomic, ds 5", _raw(m.Opcode.ATOMIC_CS, 5, RA, m.atomic_segment(1), DATA8, DATA8),
+     m.Syndrome.LOCAL_QP_OP_ERR),
+    ("atomic, 4 bytes", _raw(m.Opcode.ATOMIC_FA, 4, RA, m.atomic_segment(1),
+                             m.data_segment(4, LKEY, LOCAL_BASE)), m.Syndrome.LOCAL_LENGTH_ERR),
+    ("atomic, inline data", _raw(m.Opcode.ATOMIC_CS, 4, RA, m.atomic_segment(1),
+                                 m.inline_segment(bytes(8))[:16]), m.Syndrome.LOCAL_QP_OP_ERR),
+]
+
+
+@pytest.mark.parametrize("name,wqe,syndrome", FORMAT_ERRORS, ids=[f[0] for f in FORMAT_ERRORS])
+def test_format_errors(name, wqe, syndrome):
+    p = m.parse_wqe(wqe)
+    assert p.format_error and p.syndrome == syndrome
+    assert p.wqe_blocks == m.wqe_blocks(p.ds)
+    req, local = world()
+    completion = n.CompletionModel(req)
+    r = req.execute(0, 3, wqe, reader(local))
+    assert r.status == n.CompletionStatus.ERROR and r.syndrome == syndrome and not r.packets
+    assert req.state[0] == n.QpState.ERR and req.state[1] == n.QpState.RTS
+    (c,) = completion.post(r)
+    assert c.cqe == m.error_cqe(0, 3, p.opcode, syndrome) and c.address == 0x9000
+    good = m.build_wqe(m.Opcode.SEND, 4, 0, byte_count=8, lkey=LKEY, laddr=LOCAL_BASE)
+    flushed = req.execute(0, 4, good.data, reader(local))
+    assert flushed.status == n.CompletionStatus.FLUSH and not flushed.packets
+    (c,) = completion.post(flushed)
+    assert c.cqe.syndrome == m.Syndrome.WR_FLUSH_ERR and c.cqe.owner == 0 and c.address == 0x9040
+    assert req.execute(1, 0, good.data, reader(local)).status == n.CompletionStatus.SENT
+
+
+def test_fetch_error():
+    req, local = world()
+    good = m.build_wqe(m.Opcode.SEND, 0, 0, byte_count=8, lkey=LKEY, laddr=LOCAL_BASE)
+    r = req.execute(0, 0, good.data, reader(local), fetch_error=True)
+    assert r.status == n.CompletionStatus.ERROR and r.syndrome == m.Syndrome.LOCAL_QP_OP_ERR
+
+
+EXECUTOR_CASES = [
+    ("sl to vl15", dict(sl_to_vl=[15] * 16), dict(op=m.Opcode.SEND, inline=b"x"), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("no key entry", {}, dict(op=m.Opcode.SEND, byte_count=4, lkey=0x601, laddr=LOCAL_BASE),
+     m.Syndrome.LOCAL_PROT_ERR),
+    ("key variant differs", {}, dict(op=m.Opcode.SEND, byte_count=4, lkey=0x502, laddr=LOCAL_BASE),
+     m.Syndrome.LOCAL_PROT_ERR),
+    ("key aliases index", {}, dict(op=m.Opcode.SEND, byte_count=4, lkey=0xD01, laddr=LOCAL_BASE),
+     m.Syndrome.LOCAL_PROT_ERR),
+    ("below the key", {}, dict(op=m.Opcode.RDMA_WRITE, byte_count=4, lkey=LKEY, laddr=LOCAL_BASE - 1),
+     m.Syndrome.LOCAL_PROT_ERR),
+    ("past the key", {}, dict(op=m.Opcode.RDMA_WRITE, byte_count=5, lkey=LKEY, laddr=LOCAL_BASE + MEM - 4),
+     m.Syndrome.LOCAL_PROT_ERR),
+    ("wraps", {}, dict(op=m.Opcode.RDMA_WRITE, byte_count=0x20, lkey=LKEY, laddr=(1 << 64) - 0x10),
+     m.Syndrome.LOCAL_PROT_ERR),
+    ("read without local write", dict(access=n.Access.REMOTE_READ),
+     dict(op=m.Opcode.RDMA_READ, byte_count=4, lkey=LKEY, laddr=LOCAL_BASE), m.Syndrome.LOCAL_PROT_ERR),
+    ("atomic without local write", dict(access=n.Access(0)),
+     dict(op=m.Opcode.ATOMIC_FA, lkey=LKEY, laddr=LOCAL_BASE), m.Syndrome.LOCAL_PROT_ERR),
+]
+
+
+@pytest.mark.parametrize("name,world_kw,wqe_kw,syndrome", EXECUTOR_CASES, ids=[c[0] for c in EXECUTOR_CASES])
+def test_executor_checks(name, world_kw, wqe_kw, syndrome):
+    req, local = world(**world_kw)
+    r = run(req, local, 0, 0, **wqe_kw)
+    assert r.status == n.CompletionStatus.ERROR and r.syndrome == syndrome and not r.packets
+    assert req.state[0] == n.QpState.ERR
+
+
+def test_executor_checks_pass():
+    # the PD must match too: a second world whose QP has another PD
+    req, local = world()
+    req.qps[0] = dataclasses.replace(req.qps[0], pd=PD + 1)
+    r = run(req, local, 0, 0, op=m.Opcode.SEND, byte_count=4, lkey=LKEY, laddr=LOCAL_BASE)
+    assert r.syndrome == m.Syndrome.LOCAL_PROT_ERR
+    # and what must not fail: a write needs no LOCAL_WRITE, 0 bytes need no key at all,
+    # the key's last byte is inside
+    req, local = world(access=n.Access(0))
+    for idx, kw in enumerate([
+            dict(op=m.Opcode.RDMA_WRITE, byte_count=4, lkey=LKEY, laddr=LOCAL_BASE + MEM - 4),
+            dict(op=m.Opcode.SEND, byte_count=0, lkey=0xBAD, laddr=0),
+            dict(op=m.Opcode.RDMA_READ, byte_count=0, lkey=0xBAD, laddr=0)]):
+        assert run(req, local, 0, idx, **kw).status == n.CompletionStatus.SENT, kw
+
+
+# --- packets ----------------------------------------------------------------------------------
+
+def _check_message(r, qp, req, local, laddr, length, op, *, imm=0, fm_ce_se=8, raddr=0, inline=None):
+    mtu = qp.mtu_bytes
+    parsed = [parse_packet(p) for p in r.packets]
+    payload = b"".join(p.payload for p in parsed)
+    if op == m.Opcode.RDMA_READ:
+        assert len(parsed) == 1 and parsed[0].bth.opcode == Opcode.RDMA_READ_REQUEST
+        assert parsed[0].ext == (RETH(va=raddr, rkey=9, dmalen=length),)
+        assert n.psn_diff(r.last_psn, r.first_psn) == max(1, -(-length // mtu)) - 1
+    else:
+        assert len(parsed) == max(1, -(-length // mtu))
+        assert payload == (inline if inline is not None else local[laddr - LOCAL_BASE:laddr - LOCAL_BASE + length])
+        assert n.psn_diff(r.last_psn, r.first_psn) == len(parsed) - 1
+    for i, p in enumerate(parsed):
+        last = i == len(parsed) - 1
+        assert p.icrc_ok and p.grh is None
+        assert (p.lrh.vl, p.lrh.lver, p.lrh.sl, p.lrh.dlid, p.lrh.slid) == \
+            (req.sl_to_vl[qp.sl], 0, qp.sl, qp.dlid, req.slid)
+        assert (p.bth.m, p.bth.tver, p.bth.pkey, p.bth.resv8a, p.bth.destqp) == (0, 0, qp.pkey, 0, qp.dest_qpn)
+        assert p.bth.psn == n.psn_add(r.first_psn, i)
+        assert p.bth.ackreq == int(last)
+        if op != m.Opcode.RDMA_READ:
+            assert len(p.payload) == (mtu if not last else length - mtu * i)
+        is_write = op in (m.Opcode.RDMA_WRITE, m.Opcode.RDMA_WRITE_IMM)
+        has_imm = last and op in (m.Opcode.RDMA_WRITE_IMM, m.Opcode.SEND_IMM)
+        expect_ext = ()
+        if is_write and i == 0:
+            expect_ext += (RETH(va=raddr, rkey=9, dmalen=length),)
+        if has_imm:
+            expect_ext += (ImmDt(imm=imm),)
+        if op != m.Opcode.RDMA_READ:
+            assert p.ext == expect_ext
+            assert p.bth.se == int(last and bool(fm_ce_se & m.CTRL_SOLICITED))
+        # byte-exact against the project's packet builder
+        assert r.packets[i] == build_packet(lrh=p.lrh, bth=p.bth, ext=p.ext, payload=p.payload)
+
+
+@pytest.mark.parametrize("mtu_code", [1, 3])
+def test_segmentation_edges(mtu_code):
+    req, local = world(mtu=mtu_code)
+    qp = req.qps[0]
+    mtu = qp.mtu_bytes
+    idx = 0
+    expected_psn = 0
+    for op in (m.Opcode.RDMA_WRITE, m.Opcode.RDMA_WRITE_IMM, m.Opcode.SEND, m.Opcode.SEND_IMM,
+               m.Opcode.RDMA_READ):
+        for length in (0, 1, 3, mtu - 1, mtu, mtu + 1, 2 * mtu, 3 * mtu + 5):
+            for laddr in (LOCAL_BASE, LOCAL_BASE + 1, LOCAL_BASE + 63, LOCAL_BASE + 4093):
+                fm = random.Random(idx).choice([0, 8, 10, 2])
+                r = run(req, local, 0, idx, op=op, byte_count=length, lkey=LKEY, laddr=laddr,
+                        raddr=REMOTE_BASE + 7, rkey=9, imm=0xA5A5_0000 + idx, fm_ce_se=fm)
+                assert r.status == n.CompletionStatus.SENT
+                assert r.first_psn == expected_psn and r.signaled == bool(fm & 8)
+                assert r.byte_count == length and r.cqe.byte_cnt == length
+                _check_message(r, qp, req, local, laddr, length, op, imm=0xA5A5_0000 + idx,
+                               fm_ce_se=fm, raddr=REMOTE_BASE + 7)
+                expected_psn = n.psn_add(r.last_psn, 1)
+                idx += 1
+    for length in (0, 1, 13, 64):
+        data = bytes(range(length))
+        for op in (m.Opcode.RDMA_WRITE_IMM, m.Opcode.SEND):
+            r = run(req, local, 0, idx, op=op, inline=data, raddr=REMOTE_BASE, rkey=9)
+            _check_message(r, qp, req, local, 0, length, op, inline=data, raddr=REMOTE_BASE)
+            idx += 1
+
+
+def test_zero_length_read_and_atomics_on_the_wire():
+    req, local = world()
+    r = run(req, local, 0, 0, op=m.Opcode.RDMA_READ, byte_count=0, lkey=LKEY, laddr=LOCAL_BASE,
+            raddr=REMOTE_BASE, rkey=9)
+    assert r.first_psn == r.last_psn == 0
+    r = run(req, local, 0, 1, op=m.Opcode.ATOMIC_FA, lkey=LKEY, laddr=LOCAL_BASE, raddr=REMOTE_BASE,
+            rkey=9, swap_add=5, compare=0x1234)
+    (p,) = [parse_packet(x) for x in r.packets]
+    assert p.bth.opcode == Opcode.FETCH_ADD and p.bth.psn == 1 and p.bth.ackreq == 1 and p.bth.se == 0
+    assert p.ext == (AtomicETH(va=REMOTE_BASE, rkey=9, swap_add=5, compare=0),) and not p.payload
+    assert r.byte_count == 8 and r.cqe.byte_cnt == 8
+    r = run(req, local, 0, 2, op=m.Opcode.ATOMIC_CS, lkey=LKEY, laddr=LOCAL_BASE, raddr=REMOTE_BASE,
+            rkey=9, swap_add=5, compare=0x1234, fm_ce_se=m.CTRL_SOLICITED)
+    (p,) = [parse_packet(x) for x in r.packets]
+    assert p.bth.opcode == Opcode.COMPARE_SWAP and p.bth.psn == 2 and p.bth.se == 0
+    assert p.ext[0].compare == 0x1234 and not r.signaled
+
+
+def test_psn_wrap():
+    req, local = world(mtu=1, sq_psn=(1 << 24) - 2)
+    r = run(req, local, 0, 0, op=m.Opcode.RDMA_WRITE, byte_count=600, lkey=LKEY, laddr=LOCAL_BASE,
+            raddr=REMOTE_BASE, rkey=9)
+    assert [parse_packet(p).bth.psn for p in r.packets] == [0xFFFFFE, 0xFFFFFF, 0]
+    assert (r.first_psn, r.last_psn) == (0xFFFFFE, 0)
+    r = run(req, local, 0, 1, op=m.Opcode.RDMA_READ, byte_count=257, lkey=LKEY, laddr=LOCAL_BASE,
+            raddr=REMOTE_BASE, rkey=9)
+    assert (r.first_psn, r.last_psn) == (1, 2)
+    req.next_psn[0] = 0xFFFFFF
+    r = run(req, local, 0, 2, op=m.Opcode.RDMA_READ, byte_count=600, lkey=LKEY, laddr=LOCAL_BASE,
+            raddr=REMOTE_BASE, rkey=9)
+    assert (r.first_psn, r.last_psn, req.next_psn[0]) == (0xFFFFFF, 1, 2)
+    assert n.psn_lt(0xFFFFFF, 0) and n.psn_le(0, 0) and not n.psn_lt(0, 0xFFFFFF)
+    req.reset_qp(0)
+    assert req.next_psn[0] == (1 << 24) - 2 and req.state[0] == n.QpState.RTS
+    # the QP (1) with its own PSN space is untouched
+    assert req.next_psn[1] == (1 << 24) - 2
+
+
+def test_fetch_from_ring_wraps():
+    req, local = world()
+    qp = req.qps[0]
+    ring = {}
+
+    def read(addr, size):
+        if qp.sq_base <= addr < qp.sq_base + 64 * 64:
+            return ring[addr]
+        return reader(local)(addr, size)
+    wqe = m.build_wqe(m.Opcode.RDMA_WRITE, 63, 0, inline=bytes(range(40)), raddr=1, rkey=2)
+    assert wqe.blocks == 2
+    ring[qp.sq_base + 63 * 64] = wqe.data[:64]
+    ring[qp.sq_base] = wqe.data[64:]
+    r = req.fetch_and_execute(0, 63, read)
+    assert r.wqe_blocks == 2 and parse_packet(r.packets[0]).payload == bytes(range(40))
+
+
+# --- both ends in a loop ----------------------------------------------------------------------
+
+def _random_wqe(rng, mtu):
+    op = rng.choice(list(m.Opcode))
+    kw = dict(op=op, raddr=REMOTE_BASE + rng.randrange(0, MEM - 8 * mtu), rkey=9, lkey=LKEY,
+              fm_ce_se=rng.choice([0, 8, 8, 10]), imm=rng.getrandbits(32))
+    if op in (m.Opcode.ATOMIC_CS, m.Opcode.ATOMIC_FA):
+        kw.update(raddr=REMOTE_BASE + 8 * rng.randrange(16), laddr=LOCAL_BASE + 0x7000 + 8 * rng.randrange(64),
+                  swap_add=rng.getrandbits(64), compare=rng.getrandbits(64))
+        if rng.random() < 0.5:
+            kw["compare"] = None       # filled in with the current value: the swap happens
+    elif op != m.Opcode.RDMA_READ and rng.random() < 0.3:
+        kw["inline"] = rng.randbytes(rng.randrange(65))
+    else:
+        length = rng.choice([0, 1, rng.randrange(2 * mtu), mtu, mtu + 1, rng.randrange(5 * mtu)])
+        kw.update(byte_count=length, laddr=LOCAL_BASE + rng.randrange(0, 0x7000 - length))
+    return kw
+
+
+def _loop(seed, *, ack_every, coalesce, count=120, collapsed=False):
+    rng = random.Random(seed)
+    req, local = world(mtu=1, sq_psn=(1 << 24) - 5, collapsed=collapsed)
+    local_ref = bytearray(local)
+    remote = bytearray(rng.randbytes(MEM))
+    remote_ref = bytearray(remote)
+    qps = {0x100 + q: n.ResponderQp(peer_qpn=q, epsn=(1 << 24) - 5, mtu=1) for q in range(2)}
+    resp = n.ResponderModel(0x55, qps, memory=remote, base=REMOTE_BASE, ack_every=ack_every,
+                            coalesce_ackreq=coalesce)
+    comp = n.CompletionModel(req, write_memory=writer(local))
+    results = {0: [], 1: []}
+    cqes = {0: [], 1: []}
+    sends = {0x100: [], 0x101: []}
+    idx = [0, 0]
+    for _ in range(count):
+        qpn = rng.randrange(2)
+        kw = _random_wqe(rng, 256)
+        if "compare" in kw and kw["compare"] is None:
+            off = kw["raddr"] - REMOTE_BASE
+            kw["compare"] = int.from_bytes(remote_ref[off:off + 8], "little")
+        r = run(req, local, qpn, idx[qpn], **kw)
+        idx[qpn] += r.wqe_blocks
+        assert r.status == n.CompletionStatus.SENT
+        results[qpn].append(r)
+        # the reference effect of the WQE
+        op = kw["op"]
+        data = kw.get("inline")
+        if data is None and "byte_count" in kw:
+            data = bytes(local_ref[kw["laddr"] - LOCAL_BASE:][:kw["byte_count"]])
+        roff = kw["raddr"] - REMOTE_BASE
+        if op in (m.Opcode.RDMA_WRITE, m.Opcode.RDMA_WRITE_IMM):
+            remote_ref[roff:roff + len(data)] = data
+        elif op in (m.Opcode.SEND, m.Opcode.SEND_IMM):
+            sends[0x100 + qpn].append((data, kw["imm"] if op == m.Opcode.SEND_IMM else None))
+        elif op == m.Opcode.RDMA_READ:
+            loff = kw["laddr"] - LOCAL_BASE
+            local_ref[loff:loff + len(data)] = remote_ref[roff:roff + len(data)]
+        else:
+            orig = int.from_bytes(remote_ref[roff:roff + 8], "little")
+            new = ((orig + kw["swap_add"]) % (1 << 64) if op == m.Opcode.ATOMIC_FA
+                   else kw["swap_add"] if orig == kw["compare"] else orig)
+            remote_ref[roff:roff + 8] = new.to_bytes(8, "little")
+            loff = kw["laddr"] - LOCAL_BASE
+            local_ref[loff:loff + 8] = orig.to_bytes(8, "little")
+        for c in comp.post(r):
+            cqes[c.qpn].append(c)
+        for packet in r.packets:
+            for answer in resp.receive(packet):
+                for c in comp.receive(answer):
+                    cqes[c.qpn].append(c)
+    for answer in resp.flush():
+        for c in comp.receive(answer):
+            cqes[c.qpn].append(c)
+    assert remote == remote_ref
+    assert local == local_ref
+    for qpn in (0, 1):
+        got = [dataclasses.replace(c.cqe, owner=0) for c in cqes[qpn] if c.cqe]
+        assert got == n.expected_cqes(results[qpn])
+        assert [c.wqe_index for c in cqes[qpn]] == [r.wqe_index for r in results[qpn]]
+        assert not comp.outstanding[qpn]
+        assert resp.qps[0x100 + qpn].received == sends[0x100 + qpn]
+    # owner bits and addresses per CQ follow the CQ's producer index
+    for cqn in (0, 1):
+        written = [c for qpn in (0, 1) for c in cqes[qpn] if c.cqe and c.cqn == cqn]
+        assert len(written) == comp.cq_pi[cqn]
+    assert comp.counters["rx_dropped_unexpected"] == comp.counters["rx_dropped_icrc"] == 0
+    return comp, resp, cqes
+
+
+@pytest.mark.parametrize("seed,ack_every,coalesce", [(1, 1, False), (2, 3, False), (3, 4, True)])
+def test_loop(seed, ack_every, coalesce):
+    _loop(seed, ack_every=ack_every, coalesce=coalesce)
+
+
+def test_loop_cq_owner_and_collapsed():
+    comp, _, cqes = _loop(4, ack_every=1, coalesce=False, count=40, collapsed=True)
+    for cqn in (0, 1):
+        written = [c for q in (0, 1) for c in cqes[q] if c.cqe and c.cqn == cqn]
+        assert written and all(c.address == 0x9000 + 0x1000 * cqn for c in written)
+    # in the non-collapsed case the owner bit flips every 2^log_size CQEs of one CQ
+    req, local = world(log_cq=1)
+    comp = n.CompletionModel(req)
+    owners, addresses = [], []
+    for i in range(6):
+        r = run(req, local, 0, i, op=m.Opcode.SEND, inline=b"a", fm_ce_se=8)
+        comp.post(r)
+        ack = n.make_packet(vl=0, sl=0, dlid=0x11, slid=0x55, opcode=Opcode.ACKNOWLEDGE, destqp=0,
+                            psn=r.last_psn, ext=[AETH(syndrome=0, msn=i + 1)])
+        (c,) = comp.receive(ack)
+        owners.append(c.cqe.owner)
+        addresses.append(c.address)
+    assert owners == [0, 0, 1, 1, 0, 0]
+    assert addresses == [0x9000, 0x9040] * 3
+
+
+@pytest.mark.parametrize("code", [n.NakCode.INVALID_REQUEST, n.NakCode.REMOTE_ACCESS_ERROR,
+                                  n.NakCode.REMOTE_OPERATIONAL_ERROR])
+def test_nak_error_and_flush(code):
+    req, local = world(mtu=1)
+    remote = bytearray(MEM)
+    resp = n.ResponderModel(0x55, {0x100: n.ResponderQp(peer_qpn=0, mtu=1)}, memory=remote,
+                            base=REMOTE_BASE, ack_every=2)
+    comp = n.CompletionModel(req)
+    results, got = [], []
+    lengths = [100, 700, 600, 50, 0]
+    idx = 0
+    for i, length in enumerate(lengths):
+        r = run(req, local, 0, idx, op=m.Opcode.RDMA_WRITE, byte_count=length, lkey=LKEY,
+                laddr=LOCAL_BASE, raddr=REMOTE_BASE + 0x1000 * i, rkey=9, fm_ce_se=8 if i != 1 else 0)
+        idx += r.wqe_blocks
+        results.append(r)
+    nak_psn = n.psn_add(results[2].first_psn, 1)       # the middle packet of the 3rd WQE
+    resp.inject_nak(0x100, nak_psn, code)
+    for r in results:
+        got += comp.post(r)
+        for p in r.packets:
+            for a in resp.receive(p):
+                got += comp.receive(a)
+    syndrome = {1: m.Syndrome.REMOTE_INVAL_REQ_ERR, 2: m.Syndrome.REMOTE_ACCESS_ERR,
+                3: m.Syndrome.REMOTE_OP_ERR}[code]
+    cqes = [dataclasses.replace(c.cqe, owner=0) for c in got if c.cqe]
+    assert [c.wqe_index for c in got] == [r.wqe_index for r in results]
+    assert cqes == [results[0].cqe,
+                    m.error_cqe(0, results[2].wqe_index, m.Opcode.RDMA_WRITE, syndrome),
+                    m.error_cqe(0, results[3].wqe_index, m.Opcode.RDMA_WRITE, m.Syndrome.WR_FLUSH_ERR),
+                    m.error_cqe(0, results[4].wqe_index, m.Opcode.RDMA_WRITE, m.Syndrome.WR_FLUSH_ERR)]
+    assert cqes == n.expected_cqes(results, nak=(nak_psn, code))
+    assert req.state[0] == n.QpState.ERR and comp.counters["naks_received"] == 1
+    assert resp.qps[0x100].error and resp.counters["dropped_qp_error"] > 0
+    r = run(req, local, 0, idx, op=m.Opcode.SEND, inline=b"x")
+    assert r.status == n.CompletionStatus.FLUSH
+    (c,) = comp.post(r)
+    assert c.cqe.syndrome == m.Syndrome.WR_FLUSH_ERR
+
+
+def test_nak_on_first_wqe_and_nonfatal_naks():
+    req, local = world()
+    resp = n.ResponderModel(0x55, {0x100: n.ResponderQp(peer_qpn=0)}, memory=bytearray(MEM),
+                            base=REMOTE_BASE)
+    comp = n.CompletionModel(req)
+    r0 = run(req, local, 0, 0, op=m.Opcode.SEND, inline=b"a")
+    r1 = run(req, local, 0, 1, op=m.Opcode.SEND, inline=b"b")
+    comp.post(r0)
+    comp.post(r1)
+    resp.inject_rnr(0x100, 0)
+    (rnr,) = resp.receive(r0.packets[0])
+    assert parse_packet(rnr).ext[0].syndrome >> 5 == 0b001
+    assert comp.receive(rnr) == [] and comp.counters["naks_received"] == 1
+    # not executed, so the next PSN is out of sequence: one PSN-sequence NAK, counted only
+    (seq,) = resp.receive(r1.packets[0])
+    assert parse_packet(seq).ext[0].syndrome == 0x60 and parse_packet(seq).bth.psn == 0
+    assert resp.receive(r1.packets[0]) == []
+    assert comp.receive(seq) == [] and req.state[0] == n.QpState.RTS
+    # a fatal NAK for the first WQE: it errs, the second is flushed
+    nak = n.make_packet(vl=0, sl=0, dlid=0x11, slid=0x55, opcode=Opcode.ACKNOWLEDGE, destqp=0,
+                        psn=0, ext=[AETH(syndrome=0x62, msn=0)])
+    c = comp.receive(nak)
+    assert [x.cqe.syndrome for x in c] == [m.Syndrome.REMOTE_ACCESS_ERR, m.Syndrome.WR_FLUSH_ERR]
+
+
+def test_completion_rules():
+    req, local = world(mtu=1)
+    comp = n.CompletionModel(req, write_memory=writer(local))
+
+    def resp(opcode, psn, qpn=0, ext=None, payload=b""):
+        if ext is None:
+            ext = [AETH(syndrome=0x1F, msn=1)]
+        return n.make_packet(vl=0, sl=0, dlid=0x11, slid=0x55, opcode=opcode, destqp=qpn,
+                             psn=psn, ext=ext, payload=payload)
+    w = run(req, local, 0, 0, op=m.Opcode.RDMA_WRITE, byte_count=300, lkey=LKEY, laddr=LOCAL_BASE,
+            raddr=REMOTE_BASE, rkey=9)                                   # PSN 0, 1
+    rd = run(req, local, 0, 1, op=m.Opcode.RDMA_READ, byte_count=300, lkey=LKEY,
+             laddr=LOCAL_BASE + 0x100, raddr=REMOTE_BASE, rkey=9)        # PSN 2, 3
+    at = run(req, local, 0, 2, op=m.Opcode.ATOMIC_FA, lkey=LKEY, laddr=LOCAL_BASE + 0x800,
+             raddr=REMOTE_BASE, rkey=9, swap_add=1)                      # PSN 4
+    s = run(req, local, 0, 3, op=m.Opcode.SEND, inline=b"z")           # PSN 5
+    for r in (w, rd, at, s):
+        assert comp.post(r) == []
+    # bad ICRC, not a response, an unknown QP, a PSN nobody waits for: dropped and counted
+    bad = bytearray(resp(Opcode.ACKNOWLEDGE, 1))
+    bad[-1] ^= 1
+    assert comp.receive(bytes(bad)) == [] and comp.counters["rx_dropped_icrc"] == 1
+    assert comp.receive(resp(Opcode.SEND_ONLY, 1, ext=[])) == []
+    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 1, qpn=7)) == []
+    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 100)) == []
+    assert comp.counters["rx_dropped_unexpected"] == 3
+    # an ACK of the first packet: nothing; an ACK past the READ: only the write completes
+    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 0)) == []
+    (c,) = comp.receive(resp(Opcode.ACKNOWLEDGE, 3))
+    assert c.wqe_index == 0
+    # READ response FIRST/LAST (data lands at laddr + offset)
+    assert comp.receive(resp(Opcode.RDMA_READ_RESPONSE_FIRST, 2, payload=bytes([1]) * 256)) == []
+    (c,) = comp.receive(resp(Opcode.RDMA_READ_RESPONSE_LAST, 3, payload=bytes([2]) * 44))
+    assert c.wqe_index == 1 and local[0x100:0x100 + 300] == bytes([1]) * 256 + bytes([2]) * 44
+    # an ACK of the atomic's own PSN does not complete it; an ATOMIC ACK does
+    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 4)) == []
+    (c,) = comp.receive(resp(Opcode.ATOMIC_ACKNOWLEDGE, 4,
+                             ext=[AETH(syndrome=0, msn=3), AtomicAckETH(orig=0x0102030405060708)]))
+    assert c.wqe_index == 2 and local[0x800:0x808] == H("0807060504030201")
+    (c,) = comp.receive(resp(Opcode.ACKNOWLEDGE, 5))
+    assert c.wqe_index == 3 and not comp.outstanding[0]
+    assert comp.counters["acks_received"] == 4 and comp.counters["read_responses"] == 2
+    assert comp.counters["atomic_acks"] == 1
+
+
+def test_responder_rejects():
+    remote = bytearray(MEM)
+    resp = n.ResponderModel(0x55, {0x100 + q: n.ResponderQp(peer_qpn=q, mtu=1) for q in range(6)},
+                            memory=remote, base=REMOTE_BASE)
+
+    def req_packet(opcode, psn, qp=0x100, ext=(), payload=b""):
+        return n.make_packet(vl=1, sl=1, dlid=0x55, slid=0x11, opcode=opcode, destqp=qp, psn=psn,
+                             ackreq=1, ext=ext, payload=payload)
+
+    def nak_code(packets):
+        (p,) = packets
+        p = parse_packet(p)
+        assert p.bth.opcode == Opcode.ACKNOWLEDGE and p.ext[0].syndrome >> 5 == 0b011
+        assert (p.lrh.dlid, p.lrh.slid, p.lrh.sl, p.lrh.vl) == (0x11, 0x55, 1, 1)
+        return p.ext[0].syndrome & 0x1F
+    bad = bytearray(req_packet(Opcode.SEND_ONLY, 0, payload=b"abc"))
+    bad[20] ^= 0xFF
+    assert resp.receive(bytes(bad)) == [] and resp.counters["dropped_icrc"] == 1
+    assert resp.receive(req_packet(Opcode.SEND_ONLY, 0, qp=0x99)) == []
+    assert nak_code(resp.receive(req_packet(Opcode.SEND_MIDDLE, 0, payload=bytes(256)))) == 1
+    assert nak_code(resp.receive(req_packet(Opcode.RDMA_WRITE_ONLY, 0, qp=0x101,
+                                            ext=[RETH(va=REMOTE_BASE + MEM - 2, rkey=1, dmalen=4)],
+                                            payload=bytes(4)))) == 2
+    assert nak_code(resp.receive(req_packet(Opcode.FETCH_ADD, 0, qp=0x102,
+                                            ext=[AtomicETH(va=REMOTE_BASE + 4, rkey=1, swap_add=1)]))) == 1
+    assert nak_code(resp.receive(req_packet(Opcode.SEND_FIRST, 0, qp=0x103, payload=bytes(100)))) == 1
+    assert nak_code(resp.receive(req_packet(Opcode.SEND_ONLY, 5, qp=0x104, payload=b"x"))) == 0
+    # a duplicate is acknowledged again with the newest PSN
+    assert resp.receive(req_packet(Opcode.SEND_ONLY, 0, qp=0x105, payload=b"x"))
+    (dup,) = resp.receive(req_packet(Opcode.SEND_ONLY, 0, qp=0x105, payload=b"x"))
+    assert parse_packet(dup).ext[0].syndrome == n.ACK_SYNDROME and resp.counters["duplicates"] == 1
+    # a READ at the MTU: FIRST/MIDDLE/LAST with AETH on FIRST and LAST only
+    remote[:600] = bytes(range(256)) * 2 + bytes(88)
+    out = resp.receive(req_packet(Opcode.RDMA_READ_REQUEST, 1, qp=0x105,
+                                  ext=[RETH(va=REMOTE_BASE, rkey=1, dmalen=600)]))
+    parsed = [parse_packet(p) for p in out]
+    assert [p.bth.opcode for p in parsed] == [Opcode.RDMA_READ_RESPONSE_FIRST,
+                                              Opcode.RDMA_READ_RESPONSE_MIDDLE,
+                                              Opcode.RDMA_READ_RESPONSE_LAST]
+    assert [p.bth.psn for p in parsed] == [1, 2, 3] and [len(p.ext) for p in parsed] == [1, 0, 1]
+    assert b"".join(p.payload for p in parsed) == bytes(remote[:600])
+    assert parsed[0].ext[0].msn == 2 and all(p.bth.destqp == 5 for p in parsed)
+
+
+def test_responder_ack_coalescing():
+    for ack_every, coalesce, expect in ((1, False, 6), (2, False, 3), (4, False, 1), (4, True, 1)):
+        resp = n.ResponderModel(0x55, {1: n.ResponderQp(peer_qpn=0, mtu=1)}, memory=bytearray(64),
+                                base=0, ack_every=ack_every, coalesce_ackreq=coalesce)
+        acks = []
+        for psn in range(6):
+            acks += resp.receive(n.make_packet(vl=0, sl=0, dlid=0x55, slid=0x11, opcode=Opcode.SEND_ONLY,
+                                               destqp=1, psn=psn, ackreq=int(psn == 2), payload=b"q"))
+        assert len(acks) == expect, (ack_every, coalesce)
+        if coalesce:
+            assert parse_packet(acks[0]).bth.psn == 3
+            (final,) = resp.flush()
+            assert parse_packet(final).bth.psn == 5 and parse_packet(final).ext[0].msn == 6
+            assert resp.flush() == []
+
+
+def test_responder_speed():
+    resp = n.ResponderModel(0x55, {1: n.ResponderQp(peer_qpn=0, mtu=5)}, memory=bytearray(1 << 16),
+                            base=0, ack_every=8)
+    packets = [n.make_packet(vl=0, sl=0, dlid=0x55, slid=0x11, opcode=Opcode.RDMA_WRITE_ONLY,
+                             destqp=1, psn=psn, ext=[RETH(va=256 * (psn % 200), rkey=1, dmalen=256)],
+                             payload=bytes(256)) for psn in range(3000)]
+    start = time.perf_counter()
+    for p in packets:
+        resp.receive(p)
+    assert time.perf_counter() - start < 1.5      # > 2000 packets per second
+
+
+def test_make_packet_matches_build_packet():
+    rng = random.Random(5)
+    for _ in range(50):
+        length = rng.randrange(300)
+        args = dict(vl=rng.randrange(15), sl=rng.randrange(16), dlid=rng.getrandbits(16),
+                    slid=rng.getrandbits(16), opcode=Opcode.SEND_ONLY, destqp=rng.getrandbits(24),
+                    psn=rng.getrandbits(24), pkey=rng.getrandbits(16), se=rng.getrandbits(1),
+                    ackreq=rng.getrandbits(1), payload=rng.randbytes(length))
+        ours = n.make_packet(**args)
+        theirs = build_packet(lrh=LRH(vl=args["vl"], sl=args["sl"], dlid=args["dlid"], slid=args["slid"]),
+                              bth=BTH(opcode=args["opcode"], se=args["se"], pkey=args["pkey"],
+                                      destqp=args["destqp"], ackreq=args["ackreq"], psn=args["psn"]),
+                              payload=args["payload"])
+        assert ours == theirs
+        assert n.decode_packet(ours).icrc_ok
+
+
+def test_qp_context_checks():
+    assert n.qp_context_ok(n.QpConfig(sq_base=0x1000, log_sq_size=6, mtu=5, max_outstanding=64), 1)
+    assert not n.qp_context_ok(n.QpConfig(mtu=0), 1)
+    assert not n.qp_context_ok(n.QpConfig(mtu=6), 1)
+    assert not n.qp_context_ok(n.QpConfig(max_outstanding=65), 1)
+    assert not n.qp_context_ok(n.QpConfig(max_outstanding=0), 1)
+    assert not n.qp_context_ok(n.QpConfig(cqn=1), 1)
+    assert not n.qp_context_ok(n.QpConfig(sq_base=0x800, log_sq_size=6), 1)
+    assert n.qp_context_ok(n.QpConfig(sq_base=0x800, log_sq_size=5), 1)
+
+
+def test_tshark_decodes_requests_and_responses(tmp_path):
+    if shutil.which("tshark") is None:
+        pytest.skip("tshark not installed: apt-get install tshark (CI installs it)")
+    from models.packet import wire_packet
+    from models.pcap import LinkCapture, tshark_decode
+    req, local = world(mtu=1, sq_psn=0xFFFFFE)
+    resp = n.ResponderModel(0x55, {0x100: n.ResponderQp(peer_qpn=0, epsn=0xFFFFFE, mtu=1)},
+                            memory=bytearray(MEM), base=REMOTE_BASE)
+    packets = []
+    for i, kw in enumerate([dict(op=m.Opcode.RDMA_WRITE_IMM, byte_count=600),
+                            dict(op=m.Opcode.RDMA_READ, byte_count=300),
+                            dict(op=m.Opcode.ATOMIC_CS, swap_add=1, compare=0),
+                            dict(op=m.Opcode.SEND, byte_count=10)]):
+        if kw["op"] == m.Opcode.ATOMIC_CS:
+            kw.pop("byte_count", None)
+        r = run(req, local, 0, i, lkey=LKEY, laddr=LOCAL_BASE, raddr=REMOTE_BASE, rkey=9, **kw)
+        for p in r.packets:
+            packets.append(p)
+            packets += resp.receive(p)
+    path = tmp_path / "nic.pcapng"
+    with LinkCapture(path) as capture:
+        for t, p in enumerate(packets):
+            capture.data(wire_packet(p), 10 * t)
+    frames = tshark_decode(path, ("infiniband.bth.opcode", "infiniband.bth.psn",
+                                  "infiniband.bth.destqp", "infiniband.lrh.dlid"))
+    assert len(frames) == len(packets)
+    for frame, p in zip(frames, packets):
+        parsed = parse_packet(p)
+        assert (frame["infiniband.bth.opcode"], frame["infiniband.bth.psn"],
+                frame["infiniband.bth.destqp"], frame["infiniband.lrh.dlid"]) == \
+            (parsed.bth.opcode, parsed.bth.psn, parsed.bth.destqp, parsed.lrh.dlid)
+    assert {f["infiniband.bth.opcode"] for f in frames} >= {
+        Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE, Opcode.RDMA_READ_REQUEST,
+        Opcode.RDMA_READ_RESPONSE_FIRST, Opcode.COMPARE_SWAP, Opcode.ATOMIC_ACKNOWLEDGE,
+        Opcode.SEND_ONLY, Opcode.ACKNOWLEDGE}
