@@ -1,0 +1,298 @@
+from amaranth import C, Cat, Const, Module, Mux, Signal
+from amaranth.lib import fifo, stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from hdl.crc.icrc_engine import IcrcEngine
+from hdl.link.signatures import BeatLayout
+from hdl.nic.signatures import (MAX_HEADER_BYTES, MAX_INLINE_BYTES, PacketDescriptorLayout,
+                                PayloadSource, RBeatLayout)
+
+__all__ = ["PacketAssembler", "MAX_DMA_BEATS", "MIN_HEADER_BYTES", "expected_dma_beats"]
+
+WIDTH = 64                  # bytes per beat, fixed in this version
+MAX_PAYLOAD_BYTES = 4096
+MIN_HEADER_BYTES = 20       # LRH + BTH
+# Source beats held in registers after the FIFO: an output beat reads two of them, and a
+# third keeps the next two ready when a packet's end beat drops two at once (a packet whose
+# first beat took none, so its window got one ahead).
+WINDOW_BEATS = 3
+MAX_DMA_BEATS = (MAX_PAYLOAD_BYTES + WIDTH - 1 + WIDTH - 1) // WIDTH   # 4096 B from offset 63: 65
+
+
+def expected_dma_beats(offset, payload_bytes):
+    """Payload-buffer beats a DMA payload of ``payload_bytes`` from byte ``offset`` takes."""
+    return 0 if payload_bytes == 0 else (offset + payload_bytes + WIDTH - 1) // WIDTH
+
+
+class PacketAssembler(wiring.Component):
+    """Turns packet descriptors and their payload beats into packets on the VL streams.
+
+    Payload beats (AXI R, id 1) go into a FIFO of ``payload_buffer_beats`` beats (the
+    room the executor reserves), then into a window of three beat registers: each output
+    beat is cut from two consecutive source beats. ``payload_freed`` strobes when a beat
+    leaves the FIFO for the window, at most one per cycle, so the executor's reservation
+    never exceeds the FIFO; the window's beats are extra room.
+
+    A packet starts once every one of its ``dma_beats`` beats is buffered, then leaves at
+    one beat per cycle (only ``data_out`` backpressure stalls it). With the payload source
+    byte ``offset`` and the header length ``H``, packet byte ``j >= H`` is source byte
+    ``j + offset - H``: each output beat is the window (two source beats) shifted right by
+    ``(offset - H) mod 64`` bytes. When ``offset < H`` the first output beat needs only
+    source beat 0 (the window's high half), and the window moves on one beat per output
+    beat after it; when ``offset >= H`` it moves on one beat per output beat from the
+    first. On the end beat, whatever is left of the packet's source beats (at most two)
+    is dropped from the window at once, so the next packet can start in the next cycle.
+    A packet never waits for the window while its payload is buffered unless a packet
+    took more source beats than it sent output beats (``offset >= H`` and the shift
+    pulled the payload's tail into an earlier beat): then the next packet may start one
+    cycle late if it needs two window beats; the payload input, one beat per cycle,
+    could not keep up with such a mix anyway.
+
+    After the payload come zero bytes to a multiple of 4 (BTH.PadCnt, from the header,
+    already says how many) and the ICRC (least-significant byte first), which lands in
+    one more beat when the padded body fills its last beat. Inline payloads are the
+    descriptor's ``inline_data`` taken as source beat 0 at offset 0.
+
+    Bad input:
+
+    * A descriptor that cannot be assembled is dropped, counted in ``bad_descriptors``,
+      and for ``source == DMA`` its ``dma_beats`` payload beats are taken from the buffer
+      and discarded (the executor reserved them): ``vl >= num_vls``, ``header_bytes`` not
+      a multiple of 4 in 20..48, ``payload_bytes > 4096``, INLINE with more than 64
+      bytes, NONE with a payload, DMA with ``dma_beats`` not ``ceil((offset +
+      payload_bytes) / 64)`` (0 for an empty payload), or an unknown ``source``.
+    * A payload beat with RRESP not OKAY is counted in ``payload_read_errors``; the
+      packet it belongs to leaves with ``end_bad`` on its end beat.
+    * Payload beats beyond the buffer's room (the executor over-reserving) are
+      backpressured: ``payload.ready`` is low while the FIFO is full.
+
+    Latency: a descriptor accepted in cycle t whose payload is already buffered has its
+    first beat on ``data_out`` in t + 1; the descriptor of the next packet is accepted
+    in the cycle the previous packet's end beat leaves, so packets follow back to back.
+
+    Ports
+    -----
+    packet : In(stream.Signature(PacketDescriptorLayout()))
+    payload : In(stream.Signature(RBeatLayout()))
+    payload_freed : Out(1)
+    data_out : Out(stream.Signature(BeatLayout(64))).array(num_vls)
+    payload_read_errors : Out(32)
+    bad_descriptors : Out(32)
+    """
+    def __init__(self, *, num_vls=2, payload_buffer_beats=512):
+        if not isinstance(num_vls, int) or not 1 <= num_vls <= 15:
+            raise ValueError(f"Data VLs must be 1 to 15, not {num_vls!r}")
+        if not isinstance(payload_buffer_beats, int) or payload_buffer_beats < MAX_DMA_BEATS:
+            raise ValueError(f"Payload buffer must hold at least one largest packet's "
+                             f"{MAX_DMA_BEATS} beats, not {payload_buffer_beats!r}")
+        self.num_vls = num_vls
+        self.payload_buffer_beats = payload_buffer_beats
+        super().__init__({
+            "packet": In(stream.Signature(PacketDescriptorLayout())),
+            "payload": In(stream.Signature(RBeatLayout(WIDTH))),
+            "payload_freed": Out(1),
+            "data_out": Out(stream.Signature(BeatLayout(WIDTH))).array(num_vls),
+            "payload_read_errors": Out(32),
+            "bad_descriptors": Out(32),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        beat_bits = 8 * WIDTH
+
+        # --- payload buffer: FIFO, then a two-beat window ---
+        m.submodules.buffer = buffer = fifo.SyncFIFOBuffered(width=beat_bits + 1,
+                                                              depth=self.payload_buffer_beats)
+        accepted_in = self.payload.valid & self.payload.ready
+        read_error = self.payload.payload.resp != 0
+        m.d.comb += [
+            buffer.w_data.eq(Cat(self.payload.payload.data, read_error)),
+            buffer.w_en.eq(self.payload.valid),
+            self.payload.ready.eq(buffer.w_rdy),
+        ]
+        with m.If(accepted_in & read_error):
+            m.d.sync += self.payload_read_errors.eq(self.payload_read_errors + 1)
+
+        window = [Signal(beat_bits + 1, name=f"window{i}") for i in range(WINDOW_BEATS)]
+        window_count = Signal(range(WINDOW_BEATS + 1))
+        pops = Signal(range(3))             # source beats leaving the window this cycle
+        # Beats written more than a cycle ago and not yet popped from the window: a FIFO
+        # entry becomes readable two cycles after its write, so counting it only then
+        # guarantees a started packet finds each of its beats in time.
+        buffered = Signal(range(self.payload_buffer_beats + WINDOW_BEATS + 2))
+        wrote = Signal()
+        m.d.sync += wrote.eq(accepted_in)
+        m.d.sync += buffered.eq(buffered + wrote - pops)
+
+        kept = Signal(range(WINDOW_BEATS + 1))
+        m.d.comb += kept.eq(window_count - pops)
+        refill = Signal()
+        m.d.comb += [
+            refill.eq(buffer.r_rdy & (kept < WINDOW_BEATS)),
+            buffer.r_en.eq(refill),
+            self.payload_freed.eq(refill),
+        ]
+        m.d.sync += window_count.eq(kept + refill)
+        for index, entry in enumerate(window):
+            with m.If(index < kept):
+                with m.Switch(pops):
+                    for popped in range(1, 3):
+                        if index + popped < WINDOW_BEATS:
+                            with m.Case(popped):
+                                m.d.sync += entry.eq(window[index + popped])
+            with m.Elif(index == kept):
+                m.d.sync += entry.eq(buffer.r_data)
+
+        # --- the packet being sent ---
+        loaded = Signal()           # cur_* hold a good descriptor, sent or waiting for payload
+        first = Signal()            # the beat on offer is the start beat
+        cur_vl = Signal(range(self.num_vls))
+        cur_header = Signal(8 * MAX_HEADER_BYTES)
+        cur_header_bytes = Signal(range(MAX_HEADER_BYTES + 1))
+        cur_inline = Signal()
+        cur_inline_data = Signal(8 * MAX_INLINE_BYTES)
+        cur_shift = Signal(6)       # (source offset - header_bytes) mod 64
+        cur_late = Signal()         # source offset < header_bytes: beat 0 uses one source beat
+        cur_need = Signal(range(3)) # window beats needed to start
+        dma_left = Signal(range(MAX_DMA_BEATS + 1))  # source beats of this packet still in the buffer
+        payload_left = Signal(range(-WIDTH, MAX_HEADER_BYTES + MAX_PAYLOAD_BYTES + 1))
+        body_left = Signal(range(MAX_HEADER_BYTES + MAX_PAYLOAD_BYTES + 4))  # LRH .. pad, from this beat on
+        bad = Signal()              # a source beat of this packet had a read error
+        draining = Signal()
+        drain_left = Signal(range(MAX_DMA_BEATS + 1))
+
+        can_start = Signal()
+        m.d.comb += can_start.eq((buffered >= dma_left) & (window_count >= cur_need))
+        out_valid = Signal()
+        m.d.comb += out_valid.eq(loaded & (~first | can_start))
+        out_ready = Signal()
+        for vl, port in enumerate(self.data_out):
+            m.d.comb += port.valid.eq(out_valid & (cur_vl == vl))
+            with m.If(cur_vl == vl):
+                m.d.comb += out_ready.eq(port.ready)
+        sent = Signal()
+        m.d.comb += sent.eq(out_valid & out_ready)
+
+        is_end = Signal()
+        m.d.comb += is_end.eq(body_left <= WIDTH - 4)
+        finishing = Signal()
+        m.d.comb += finishing.eq(sent & is_end)
+
+        # Source beats the window drops: one per output beat while this packet has some,
+        # except on a late packet's first beat; all that are left on the end beat.
+        with m.If(draining):
+            m.d.comb += pops.eq(window_count != 0)
+        with m.Elif(finishing):
+            m.d.comb += pops.eq(dma_left)
+        with m.Elif(sent & (dma_left != 0) & (~first | ~cur_late)):
+            m.d.comb += pops.eq(1)
+        popped_bad = Signal()
+        m.d.comb += popped_bad.eq(((pops != 0) & window[0][-1]) | ((pops == 2) & window[1][-1]))
+
+        with m.If(draining & (pops != 0)):
+            m.d.sync += drain_left.eq(drain_left - 1)
+            with m.If(drain_left == 1):
+                m.d.sync += draining.eq(0)
+
+        with m.If(sent):
+            m.d.sync += [
+                first.eq(0),
+                payload_left.eq(payload_left - WIDTH),
+                body_left.eq(body_left - WIDTH),
+                dma_left.eq(dma_left - pops),
+                bad.eq(bad | popped_bad),
+            ]
+        with m.If(finishing):
+            m.d.sync += loaded.eq(0)
+
+        # --- taking the next descriptor ---
+        desc = self.packet.payload
+        m.d.comb += self.packet.ready.eq((~loaded & ~draining) | finishing)
+        source = desc.source
+        is_dma = source == PayloadSource.DMA
+        source_offset = Mux(is_dma, desc.offset, 0)
+        good = Signal()
+        m.d.comb += good.eq(
+            (desc.vl < self.num_vls)
+            & (desc.header_bytes[:2] == 0)
+            & (desc.header_bytes >= MIN_HEADER_BYTES) & (desc.header_bytes <= MAX_HEADER_BYTES)
+            & (desc.payload_bytes <= MAX_PAYLOAD_BYTES)
+            & ((source == PayloadSource.NONE) & (desc.payload_bytes == 0)
+               | (source == PayloadSource.INLINE) & (desc.payload_bytes <= MAX_INLINE_BYTES)
+               | is_dma & (desc.dma_beats == Mux(desc.payload_bytes == 0, 0,
+                                                 (desc.offset + desc.payload_bytes + WIDTH - 1) >> 6))))
+        with m.If(self.packet.valid & self.packet.ready):
+            with m.If(good):
+                late = source_offset < desc.header_bytes
+                m.d.sync += [
+                    loaded.eq(1),
+                    first.eq(1),
+                    cur_vl.eq(desc.vl),
+                    cur_header.eq(desc.header),
+                    cur_header_bytes.eq(desc.header_bytes),
+                    cur_inline.eq(source == PayloadSource.INLINE),
+                    cur_inline_data.eq(desc.inline_data),
+                    cur_shift.eq(source_offset - desc.header_bytes),
+                    cur_late.eq(late),
+                    cur_need.eq(Mux(is_dma & (desc.dma_beats != 0),
+                                    Mux(late | (desc.dma_beats == 1), 1, 2), 0)),
+                    dma_left.eq(Mux(is_dma, desc.dma_beats, 0)),
+                    payload_left.eq(desc.header_bytes + desc.payload_bytes),
+                    body_left.eq((desc.header_bytes + desc.payload_bytes + 3) & ~3),
+                    bad.eq(0),
+                ]
+            with m.Else():
+                m.d.sync += self.bad_descriptors.eq(self.bad_descriptors + 1)
+                with m.If(is_dma & (desc.dma_beats != 0)):
+                    m.d.sync += [draining.eq(1), drain_left.eq(desc.dma_beats)]
+
+        # --- the beat on offer ---
+        low = Mux(cur_inline, cur_inline_data, window[0][:beat_bits])
+        high = Mux(first & cur_late, low, window[1][:beat_bits])
+        shifted = Signal(beat_bits)
+        m.d.comb += shifted.eq(Cat(low, high).bit_select(Cat(C(0, 3), cur_shift), beat_bits))
+
+        header_end = Signal(range(WIDTH + 1))     # lanes below are header
+        payload_end = Signal(range(WIDTH + 1))    # lanes below (and not header) are payload
+        m.d.comb += [
+            header_end.eq(Mux(first, cur_header_bytes, 0)),
+            payload_end.eq(Mux(payload_left >= WIDTH, WIDTH, Mux(payload_left < 0, 0, payload_left))),
+        ]
+        ones = Const((1 << WIDTH) - 1, WIDTH)
+        header_lanes = ~(ones << header_end)[:WIDTH]
+        payload_lanes = (ones << header_end)[:WIDTH] & ~(ones << payload_end)[:WIDTH]
+        header_beat = Cat(cur_header, C(0, beat_bits - len(cur_header)))
+        body = Signal(beat_bits)
+        m.d.comb += body.eq(Cat(
+            Mux(header_lanes[lane], header_beat.word_select(lane, 8),
+                Mux(payload_lanes[lane], shifted.word_select(lane, 8), 0))
+            for lane in range(WIDTH)))
+
+        m.submodules.icrc = icrc = IcrcEngine(WIDTH, "generate")
+        body_ends = Signal()
+        m.d.comb += body_ends.eq((body_left != 0) & (body_left <= WIDTH))
+        m.d.comb += [
+            icrc.valid.eq(sent & (body_left != 0)),
+            icrc.start.eq(first),
+            icrc.end.eq(body_ends),
+            icrc.count.eq(Mux(body_ends, body_left, WIDTH)),
+            icrc.data.eq(body),
+        ]
+        icrc_kept = Signal(32)      # for an ICRC that spills into the next beat
+        with m.If(sent & body_ends):
+            m.d.sync += icrc_kept.eq(icrc.icrc)
+        icrc_now = Mux(body_left == 0, icrc_kept, icrc.icrc)
+        icrc_lane = body_left[2:6]
+        beat_data = Cat(
+            Mux(is_end & (icrc_lane == word), icrc_now, body.word_select(word, 32))
+            for word in range(WIDTH // 4))
+
+        for port in self.data_out:
+            m.d.comb += [
+                port.payload.data.eq(beat_data),
+                port.payload.start.eq(first),
+                port.payload.end.eq(is_end),
+                port.payload.count.eq(Mux(is_end, body_left + 4, WIDTH)),
+                port.payload.end_bad.eq(is_end & (bad | popped_bad)),
+            ]
+        return m

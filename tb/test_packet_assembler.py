@@ -1,0 +1,358 @@
+"""PacketAssembler (hdl/nic/packet_assembler.py) against a Python reference, in Amaranth's simulator.
+
+One testbench drives the assembler cycle by cycle: descriptors and payload beats (in
+packet order, ``dma_beats`` per DMA packet, some with RRESP SLVERR/DECERR) offered with
+random gaps, random ``ready`` on each VL's ``data_out``. Every packet that comes out is
+checked byte for byte against header + payload + zero pad + ICRC (models/crc.py), with
+start/end/count on every beat, ``end_bad`` exactly on packets with a failed payload read,
+held valid and payload under backpressure, and the packets of each VL in descriptor
+order. At the end ``payload_freed`` strobed once per payload beat and the counters
+(``payload_read_errors``, ``bad_descriptors``) are exact.
+
+Runs: random descriptors of every header length 20..48 step 4, payload 0..4096 B at
+every source offset 0..63, inline 0..64 B and NONE, with bad descriptors mixed in (VL out
+of range, header length not in 20..48 step 4, payload too long, dma_beats wrong, unknown
+source); real IB headers from models/ib.py, each output parsed with models/packet.py;
+a minimum-size payload buffer that backpressures an eager payload source; one VL.
+Directed: back-to-back 1-beat packets (one per cycle), back-to-back long packets with
+no idle cycle, descriptor-to-first-beat latency.
+"""
+import random
+from collections import deque
+
+import pytest
+from amaranth.sim import Simulator
+
+from hdl.nic.packet_assembler import PacketAssembler, expected_dma_beats
+from hdl.nic.signatures import PacketDescriptorLayout, PayloadSource
+from models.crc import icrc_bytes
+from models.ib import BTH, RETH, AtomicETH, ImmDt, Opcode
+from models.packet import build_packet, parse_packet
+
+WIDTH = 64
+_garbage = random.Random(0)     # bytes of source beats outside the payload
+
+
+def random_header(rng, header_bytes):
+    """Random bytes with LRH.LNH = IBA local, so the ICRC masks lie inside them."""
+    header = bytearray(rng.randbytes(header_bytes))
+    header[1] = header[1] & 0xFC | 0b10
+    return bytes(header)
+
+
+class Descriptor:
+    def __init__(self, *, vl, header, payload=b"", source=PayloadSource.NONE, offset=0,
+                 dma_beats=None, header_bytes=None, payload_bytes=None, errors=(), good=True,
+                 expected=None):
+        self.vl = vl
+        self.header = header
+        self.header_bytes = len(header) if header_bytes is None else header_bytes
+        self.payload = payload
+        self.payload_bytes = len(payload) if payload_bytes is None else payload_bytes
+        self.source = source
+        self.offset = offset if source == PayloadSource.DMA else 0
+        self.good = good
+        self.beats = []             # (data, resp) of the payload buffer
+        self.inline = payload if source == PayloadSource.INLINE else b""
+        if source == PayloadSource.DMA:
+            if dma_beats is None:
+                dma_beats = expected_dma_beats(offset, len(payload))
+            stream = bytearray(_garbage.randbytes(dma_beats * WIDTH))
+            stream[offset:offset + len(payload)] = payload
+            for i in range(dma_beats):
+                self.beats.append((bytes(stream[i * WIDTH:(i + 1) * WIDTH]),
+                                   2 + (i % 2) if i in errors else 0))
+        self.dma_beats = dma_beats or 0
+        self.bad = any(resp for _, resp in self.beats)
+        if expected is None:
+            body = header + payload + bytes(-len(payload) % 4)
+            expected = body + icrc_bytes(body)
+        self.expected = expected
+
+    def value(self):
+        """The descriptor as the raw bits of the stream payload (``source`` may be no
+        valid PayloadSource)."""
+        layout = PacketDescriptorLayout()
+        fields = {
+            "vl": self.vl,
+            "header": int.from_bytes(self.header.ljust(48, b"\0"), "little"),
+            "header_bytes": self.header_bytes,
+            "payload_bytes": self.payload_bytes,
+            "source": PayloadSource.NONE,
+            "offset": self.offset,
+            "dma_beats": self.dma_beats,
+            "inline_data": int.from_bytes(self.inline.ljust(64, b"\0"), "little"),
+        }
+        raw = layout.const(fields).as_value().value
+        source = self.source.value if isinstance(self.source, PayloadSource) else self.source
+        return raw | source << layout["source"].offset
+
+
+def random_payload(rng, source):
+    if source == PayloadSource.NONE:
+        return b""
+    if source == PayloadSource.INLINE:
+        return rng.randbytes(rng.randint(0, 64))
+    size = rng.choice([rng.randint(0, 130), rng.randint(0, 700), rng.randint(0, 4096), 4096])
+    return rng.randbytes(size)
+
+
+def random_descriptor(rng, num_vls, error_rate=0.03):
+    source = rng.choice([PayloadSource.NONE, PayloadSource.INLINE, PayloadSource.DMA,
+                         PayloadSource.DMA, PayloadSource.DMA])
+    payload = random_payload(rng, source)
+    dma_beats = expected_dma_beats(offset := rng.randrange(64), len(payload))
+    errors = [i for i in range(dma_beats) if rng.random() < error_rate]
+    header = random_header(rng, rng.choice(range(20, 49, 4)))
+    return Descriptor(vl=rng.randrange(num_vls), header=header, payload=payload, source=source,
+                      offset=offset, errors=errors)
+
+
+def bad_descriptor(rng, num_vls):
+    """A descriptor the assembler must drop (and drain the payload beats of, for DMA)."""
+    kind = rng.choice(["vl", "header_odd", "header_long", "header_short", "payload_long",
+                       "inline_long", "none_payload", "dma_beats", "source"])
+    vl, header, source = rng.randrange(num_vls), random_header(rng, 20), PayloadSource.DMA
+    payload, offset, extra = rng.randbytes(rng.randint(1, 300)), rng.randrange(64), {}
+    if kind == "vl":
+        vl = rng.randint(num_vls, 15)
+    elif kind == "header_odd":
+        extra["header_bytes"] = rng.choice([21, 22, 23, 30, 45])
+    elif kind == "header_long":
+        extra["header_bytes"] = rng.choice([52, 60, 63])
+    elif kind == "header_short":
+        extra["header_bytes"] = rng.choice([0, 4, 16])
+    elif kind == "payload_long":
+        extra["payload_bytes"] = rng.choice([4097, 5000, 8191])
+        extra["dma_beats"] = rng.randint(0, 65)
+    elif kind == "inline_long":
+        source, extra["payload_bytes"] = PayloadSource.INLINE, rng.randint(65, 200)
+        payload = payload[:64]
+    elif kind == "none_payload":
+        source, extra["payload_bytes"] = PayloadSource.NONE, rng.randint(1, 100)
+    elif kind == "dma_beats":
+        right = expected_dma_beats(offset, len(payload))
+        extra["dma_beats"] = rng.choice([right + 1, right - 1, 0])
+    elif kind == "source":
+        source, extra["payload_bytes"] = 3, 0
+        payload = b""
+    descriptor = Descriptor(vl=vl, header=header, payload=payload, source=source, offset=offset,
+                            good=False, **extra)
+    if source == 3:
+        descriptor.source = 3
+    return descriptor
+
+
+def real_descriptor(rng, num_vls):
+    """A request packet built with models/ib.py: the header is its first bytes."""
+    opcode, ext = rng.choice([
+        (Opcode.SEND_ONLY, ()),
+        (Opcode.SEND_ONLY_WITH_IMMEDIATE, (ImmDt(imm=rng.getrandbits(32)),)),
+        (Opcode.RDMA_WRITE_ONLY, (RETH(va=rng.getrandbits(64), rkey=rng.getrandbits(32),
+                                       dmalen=rng.randint(0, 4096)),)),
+        (Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE, (RETH(va=rng.getrandbits(64)), ImmDt(imm=5))),
+        (Opcode.RDMA_WRITE_MIDDLE, ()),
+        (Opcode.RDMA_READ_REQUEST, (RETH(va=rng.getrandbits(64), dmalen=rng.randint(1, 1 << 20)),)),
+        (Opcode.COMPARE_SWAP, (AtomicETH(va=8 * rng.getrandbits(60), swap_add=rng.getrandbits(64),
+                                         compare=rng.getrandbits(64)),)),
+        (Opcode.FETCH_ADD, (AtomicETH(va=8 * rng.getrandbits(60), swap_add=1),)),
+    ])
+    carries = opcode not in (Opcode.RDMA_READ_REQUEST, Opcode.COMPARE_SWAP, Opcode.FETCH_ADD)
+    source = rng.choice([PayloadSource.INLINE, PayloadSource.DMA, PayloadSource.DMA]) if carries \
+        else PayloadSource.NONE
+    payload = random_payload(rng, source)
+    vl = rng.randrange(num_vls)
+    packet = build_packet(bth=BTH(opcode=opcode, destqp=rng.getrandbits(24), psn=rng.getrandbits(24),
+                                  ackreq=1, se=rng.getrandbits(1)),
+                          ext=ext, payload=payload, vl=vl, sl=rng.getrandbits(4),
+                          dlid=rng.getrandbits(16), slid=rng.getrandbits(16))
+    header_bytes = 20 + sum(h.SIZE for h in ext)
+    descriptor = Descriptor(vl=vl, header=packet[:header_bytes], payload=payload, source=source,
+                            offset=rng.randrange(64), expected=packet)
+    descriptor.real = True
+    return descriptor
+
+
+def run(descriptors, *, num_vls=2, buffer_beats=512, seed=0, desc_rate=0.8, beat_rate=0.8,
+        ready_rate=(0.7, 0.9), prefill=False, max_cycles=200_000):
+    """Simulate; returns per-packet (first cycle, last cycle) in output order, and the
+    cycles at which each descriptor was accepted."""
+    rng = random.Random(seed)
+    dut = PacketAssembler(num_vls=num_vls, payload_buffer_beats=buffer_beats)
+    beats = deque(beat for d in descriptors for beat in d.beats)
+    total_beats = len(beats)
+    total_errors = sum(1 for _, resp in beats if resp)
+    pending = deque(descriptors)
+    expected = [deque() for _ in range(num_vls)]
+    result = {"spans": [], "accepted": [], "first_beat": []}
+
+    async def bench(ctx):
+        desc = beat = None
+        partial = [bytearray() for _ in range(num_vls)]
+        held = [None] * num_vls          # a beat offered and not taken: must stay
+        starts = [None] * num_vls
+        freed = 0
+        cycle = 0
+        settle = 0
+        while True:
+            prefilling = prefill and beats
+            if desc is None and pending and not prefilling and rng.random() < desc_rate:
+                desc = pending.popleft()
+                ctx.set(dut.packet.payload.as_value(), desc.value())
+            ctx.set(dut.packet.valid, desc is not None)
+            if beat is None and beats and (prefilling or rng.random() < beat_rate):
+                beat = beats.popleft()
+                ctx.set(dut.payload.payload, {"data": int.from_bytes(beat[0], "little"),
+                                              "resp": beat[1], "last": 0})
+            ctx.set(dut.payload.valid, beat is not None)
+            for v in range(num_vls):
+                ctx.set(dut.data_out[v].ready, rng.random() < ready_rate[v % len(ready_rate)])
+
+            if desc is not None and ctx.get(dut.packet.ready):
+                result["accepted"].append(cycle)
+                if desc.good:
+                    expected[desc.vl].append(desc)
+                desc = None
+            if beat is not None and ctx.get(dut.payload.ready):
+                beat = None
+            freed += ctx.get(dut.payload_freed)
+            for v in range(num_vls):
+                port = dut.data_out[v]
+                if not ctx.get(port.valid):
+                    assert held[v] is None, f"cycle {cycle}: VL {v} dropped valid under backpressure"
+                    continue
+                out = ctx.get(port.payload)
+                now = (out.data, out.start, out.end, out.count, out.end_bad)
+                assert held[v] is None or held[v] == now, f"cycle {cycle}: VL {v} beat changed while held"
+                if not ctx.get(port.ready):
+                    held[v] = now
+                    continue
+                held[v] = None
+                data, start, end, count, end_bad = now
+                assert start == (len(partial[v]) == 0), f"cycle {cycle}: VL {v} start flag wrong"
+                assert count == WIDTH or end, f"cycle {cycle}: count {count} on a middle beat"
+                assert 0 < count <= WIDTH and (end or not end_bad)
+                if start:
+                    starts[v] = cycle
+                partial[v] += data.to_bytes(WIDTH, "little")[:count]
+                if end:
+                    assert expected[v], f"cycle {cycle}: VL {v} sent a packet nobody asked for"
+                    want = expected[v].popleft()
+                    got = bytes(partial[v])
+                    assert got == want.expected, (
+                        f"cycle {cycle}: VL {v} packet differs (H={want.header_bytes} "
+                        f"P={want.payload_bytes} source={want.source} offset={want.offset}): "
+                        f"first difference at byte "
+                        f"{next((i for i, (a, b) in enumerate(zip(got, want.expected)) if a != b), min(len(got), len(want.expected)))}, "
+                        f"lengths {len(got)}/{len(want.expected)}")
+                    assert end_bad == want.bad, f"cycle {cycle}: end_bad {end_bad}, expected {want.bad}"
+                    if getattr(want, "real", False):
+                        parsed = parse_packet(got)
+                        assert parsed.icrc_ok and parsed.payload == want.payload
+                    result["spans"].append((starts[v], cycle))
+                    partial[v].clear()
+            done = (desc is None and not pending and beat is None and not beats
+                    and not any(expected) and not any(partial))
+            if done:
+                settle += 1
+                if settle > 4:
+                    break
+            await ctx.tick()
+            cycle += 1
+            assert cycle < max_cycles, "simulation did not finish"
+        assert freed == total_beats, f"payload_freed strobed {freed} times for {total_beats} beats"
+        assert ctx.get(dut.payload_read_errors) == total_errors
+        assert ctx.get(dut.bad_descriptors) == sum(1 for d in descriptors if not d.good)
+        result["cycles"] = cycle
+
+    sim = Simulator(dut)
+    sim.add_clock(1e-8)
+    sim.add_testbench(bench)
+    sim.run()
+    return result
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random(seed):
+    rng = random.Random(seed)
+    descriptors = [bad_descriptor(rng, 2) if rng.random() < 0.06 else random_descriptor(rng, 2)
+                   for _ in range(70)]
+    run(descriptors, seed=seed)
+
+
+def test_every_alignment():
+    """Every header length with every source offset, short DMA payloads, no backpressure gaps."""
+    rng = random.Random(3)
+    descriptors = []
+    for header_bytes in range(20, 49, 4):
+        for offset in range(0, 64, 3):
+            payload = rng.randbytes(rng.choice([1, 2, 3, 44, 64 - offset, 65, 127, 128, 130]))
+            descriptors.append(Descriptor(vl=rng.randrange(2), header=random_header(rng, header_bytes),
+                                          payload=payload, source=PayloadSource.DMA, offset=offset))
+    run(descriptors, seed=3, desc_rate=1, beat_rate=1, ready_rate=(1, 0.9))
+
+
+def test_real_headers():
+    rng = random.Random(4)
+    run([real_descriptor(rng, 2) for _ in range(40)], seed=4)
+
+
+def test_small_buffer_backpressure():
+    """The minimum buffer with an eager payload source: payload.ready must hold it off."""
+    rng = random.Random(5)
+    descriptors = [random_descriptor(rng, 2, error_rate=0) for _ in range(30)]
+    run(descriptors, buffer_beats=65, seed=5, desc_rate=0.5, beat_rate=1.0, ready_rate=(0.5, 0.5))
+
+
+def test_one_vl():
+    rng = random.Random(6)
+    descriptors = [bad_descriptor(rng, 1) if rng.random() < 0.1 else random_descriptor(rng, 1)
+                   for _ in range(25)]
+    run(descriptors, num_vls=1, seed=6)
+
+
+def test_one_beat_packets_back_to_back():
+    """1-beat packets (DMA within one source beat, inline, none) leave one per cycle."""
+    rng = random.Random(7)
+    descriptors = []
+    for _ in range(60):
+        header_bytes = rng.choice(range(20, 49, 4))
+        room = WIDTH - 4 - header_bytes
+        source = rng.choice([PayloadSource.NONE, PayloadSource.INLINE, PayloadSource.DMA])
+        payload = b"" if source == PayloadSource.NONE else rng.randbytes(rng.randint(0, room))
+        offset = rng.randrange(WIDTH - len(payload) + 1) if source == PayloadSource.DMA else 0
+        descriptors.append(Descriptor(vl=rng.randrange(2), header=random_header(rng, header_bytes),
+                                      payload=payload, source=source, offset=min(offset, 63)))
+    result = run(descriptors, seed=7, desc_rate=1, ready_rate=(1,), prefill=True)
+    spans = result["spans"]
+    assert all(first == last for first, last in spans)
+    assert [first for first, _ in spans] == list(range(spans[0][0], spans[0][0] + len(spans)))
+    # descriptor accepted in cycle t: its beat is out in t + 1
+    assert spans[0][0] == result["accepted"][0] + 1
+
+
+def test_long_packets_back_to_back():
+    """Packets whose source beats do not outnumber their output beats follow with no idle cycle."""
+    rng = random.Random(8)
+    descriptors = []
+    while len(descriptors) < 25:
+        header_bytes = rng.choice(range(20, 49, 4))
+        payload = rng.randbytes(rng.randint(1, 1500))
+        offset = rng.randrange(64)
+        total = header_bytes + len(payload) + (-len(payload) % 4) + 4
+        if expected_dma_beats(offset, len(payload)) <= -(-total // WIDTH):
+            descriptors.append(Descriptor(vl=rng.randrange(2), header=random_header(rng, header_bytes),
+                                          payload=payload, source=PayloadSource.DMA, offset=offset))
+    result = run(descriptors, seed=8, desc_rate=1, ready_rate=(1,), prefill=True)
+    spans = result["spans"]
+    for (_, last), (first, _) in zip(spans, spans[1:]):
+        assert first == last + 1, f"idle cycles between packets: {spans}"
+
+
+def test_parameters():
+    with pytest.raises(ValueError):
+        PacketAssembler(num_vls=0)
+    with pytest.raises(ValueError):
+        PacketAssembler(num_vls=16)
+    with pytest.raises(ValueError):
+        PacketAssembler(payload_buffer_beats=64)
