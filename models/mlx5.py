@@ -372,6 +372,11 @@ def build_error_cqe(qpn: int, wqe_counter: int, wqe_opcode: int, syndrome: int,
     return error_cqe(qpn, wqe_counter, wqe_opcode, syndrome, owner).pack()
 
 
+def make_key(index: int, variant: int) -> int:
+    """An mlx5-style memory key: table index << 8 | an 8-bit variant."""
+    return (index << 8) | (variant & 0xFF)
+
+
 def cqe_owner(pi: int, log_size: int) -> int:
     """Owner bit of the CQE written at CQ producer index ``pi``."""
     return (pi >> log_size) & 1

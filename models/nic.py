@@ -16,9 +16,9 @@ keeps up with thousands of packets per second.
 """
 
 import zlib
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field, replace
-from enum import IntEnum, IntFlag
+from enum import Enum, IntEnum, IntFlag
 
 from models.ib import (AETH, BTH, LNH_IBA_LOCAL, LRH, RETH, AtomicAckETH, AtomicETH, ImmDt,
                        Opcode, extension_headers)
@@ -46,15 +46,21 @@ class Access(IntFlag):
     REMOTE_ATOMIC = 8
 
 
-class CompletionStatus(IntEnum):
-    SENT = 0
-    ERROR = 1
-    FLUSH = 2
+class CompletionStatus(str, Enum):
+    """``CompletionStatus``; compares equal to its name ("SENT", ...); ``code`` is the
+    value in ``hdl/nic/signatures.py``."""
+    SENT = "SENT"
+    ERROR = "ERROR"
+    FLUSH = "FLUSH"
+
+    @property
+    def code(self) -> int:
+        return ("SENT", "ERROR", "FLUSH").index(self.value)
 
 
 @dataclass
-class QpConfig:
-    """``QpConfigLayout``."""
+class QpContext:
+    """``QpConfigLayout`` (same fields, same order), plus the QP's number."""
     sq_base: int = 0
     log_sq_size: int = 6
     mtu: int = 5
@@ -66,6 +72,7 @@ class QpConfig:
     pkey: int = 0xFFFF
     sq_psn: int = 0
     cqn: int = 0
+    qpn: int = 0
 
     @property
     def mtu_bytes(self) -> int:
@@ -73,11 +80,16 @@ class QpConfig:
 
 
 @dataclass
-class CqConfig:
-    """``CqConfigLayout``."""
+class CqContext:
+    """``CqConfigLayout`` (same fields, same order), plus the CQ's number."""
     base: int = 0
     log_size: int = 0
     collapsed: bool = False
+    cqn: int = 0
+
+
+QpConfig = QpContext
+CqConfig = CqContext
 
 
 @dataclass
@@ -95,7 +107,7 @@ def mkey_index(key: int, num_mkeys: int) -> int:
     return (key >> 8) % num_mkeys
 
 
-def qp_context_ok(qp: QpConfig, num_cqs: int) -> bool:
+def qp_context_ok(qp: QpContext, num_cqs: int) -> bool:
     """Whether RESET -> RTS accepts this context (docs/nic.md, "Contexts and QP states")."""
     ring_bytes = WQEBB_BYTES << qp.log_sq_size
     return (1 <= qp.mtu <= 5 and 1 <= qp.max_outstanding <= 64 and qp.cqn < num_cqs
@@ -214,14 +226,13 @@ class WqeResult:
     mtu_bytes: int = 4096
     wqe: ParsedWqe | None = None
 
-    @property
-    def cqe(self) -> Cqe:
-        """The CQE this WQE completes with if nothing goes wrong remotely (owner 0)."""
+    def cqe(self, owner: int = 0) -> Cqe:
+        """The CQE this WQE completes with if nothing goes wrong remotely."""
         counter = self.wqe_index & 0xFFFF
         if self.status == CompletionStatus.SENT:
-            return requester_cqe(self.qpn, counter, self.opcode, self.byte_count)
+            return requester_cqe(self.qpn, counter, self.opcode, self.byte_count, owner)
         syndrome = Syndrome.WR_FLUSH_ERR if self.status == CompletionStatus.FLUSH else self.syndrome
-        return error_cqe(self.qpn, counter, self.opcode, syndrome)
+        return error_cqe(self.qpn, counter, self.opcode, syndrome, owner)
 
     @property
     def writes_cqe(self) -> bool:
@@ -232,33 +243,63 @@ class WqeResult:
         return dict(qpn=self.qpn, cqn=self.cqn, wqe_index=self.wqe_index & 0xFFFF,
                     wqe_blocks=self.wqe_blocks, opcode=self.opcode, byte_count=self.byte_count,
                     first_psn=self.first_psn, last_psn=self.last_psn, signaled=int(self.signaled),
-                    status=int(self.status), syndrome=int(self.syndrome))
+                    status=self.status.code, syndrome=int(self.syndrome))
 
 
 class RequesterModel:
     """The NIC's send side, WQE by WQE (docs/nic.md, "Execution" and "Packets").
 
-    ``qps``, ``cqs``, ``mkeys``: lists of contexts indexed by QP/CQ number and table index.
-    QPs start in RTS with their next PSN at ``sq_psn``.
+    ``qps``, ``cqs``: contexts by QP/CQ number (a list, or a dict that is read when
+    needed, so contexts may be added or changed later). ``mkeys``: the memory-key table as
+    a list indexed like the NIC's (entry ``(key >> 8) % len``), or a dict ``{key: Mkey}``;
+    give ``num_mkeys`` with a dict to model the NIC's table of that size exactly (a later
+    key at the same index replaces an earlier one), without it a dict is looked up by the
+    exact key. QPs start in RTS with their next PSN at ``sq_psn``.
     """
 
-    def __init__(self, slid: int, sl_to_vl, qps, cqs, mkeys):
+    def __init__(self, slid: int, sl_to_vl, qps, cqs, mkeys, num_mkeys: int | None = None):
         if len(sl_to_vl) != 16:
             raise ValueError("sl_to_vl needs 16 entries")
         if not mkeys:
             raise ValueError("the memory-key table needs at least one entry")
         self.slid = slid
         self.sl_to_vl = list(sl_to_vl)
-        self.qps = list(qps)
-        self.cqs = list(cqs)
-        self.mkeys = list(mkeys)
-        self.state = [QpState.RTS] * len(self.qps)
-        self.next_psn = [qp.sq_psn for qp in self.qps]
+        self.qps = qps
+        self.cqs = cqs
+        if isinstance(mkeys, dict) and num_mkeys is not None:
+            table = [Mkey() for _ in range(num_mkeys)]
+            for key in mkeys.values():
+                table[mkey_index(key.key, num_mkeys)] = key
+            mkeys = table
+        self.mkeys = mkeys
+        self.state = defaultdict(lambda: QpState.RTS)
+        self.next_psn = {}
+
+    def next_psn_of(self, qpn: int) -> int:
+        """The PSN the next packet of QP ``qpn`` will carry."""
+        if qpn not in self.next_psn:
+            self.next_psn[qpn] = self.qps[qpn].sq_psn
+        return self.next_psn[qpn]
+
+    def _mkey(self, lkey: int) -> Mkey | None:
+        if isinstance(self.mkeys, dict):
+            return self.mkeys.get(lkey)
+        return self.mkeys[mkey_index(lkey, len(self.mkeys))]
 
     def reset_qp(self, qpn: int, state: QpState = QpState.RTS):
-        """RESET (then ``state``): the next PSN restarts at ``sq_psn``."""
-        self.state[qpn] = state
+        """RESET (then ``state``, RTS by default): the next PSN restarts at ``sq_psn``
+        (read from the context now)."""
+        self.state[qpn] = QpState(state)
         self.next_psn[qpn] = self.qps[qpn].sq_psn
+
+    def set_state(self, qpn: int, state):
+        """Set a QP's state (a :class:`QpState`, its value or its name, e.g. "ERR");
+        RESET also restarts the PSN."""
+        state = QpState[state] if isinstance(state, str) else QpState(state)
+        if state == QpState.RESET:
+            self.reset_qp(qpn, QpState.RESET)
+        else:
+            self.state[qpn] = state
 
     def set_qp_error(self, qpn: int):
         """RTS -> ERR (host write or fatal NAK): every later WQE is flushed."""
@@ -302,7 +343,7 @@ class RequesterModel:
         self._packets(qpn, qp, wqe, result, read_memory)
         return result
 
-    def _check(self, qp: QpConfig, wqe: ParsedWqe, fetch_error: bool) -> int:
+    def _check(self, qp: QpContext, wqe: ParsedWqe, fetch_error: bool) -> int:
         if fetch_error:
             return Syndrome.LOCAL_QP_OP_ERR
         if wqe.format_error:
@@ -313,8 +354,8 @@ class RequesterModel:
         if self.sl_to_vl[qp.sl] == VL15:
             return Syndrome.LOCAL_QP_OP_ERR
         if wqe.has_data and length:
-            key = self.mkeys[mkey_index(wqe.lkey, len(self.mkeys))]
-            if not key.valid or key.key != wqe.lkey or key.pd != qp.pd:
+            key = self._mkey(wqe.lkey)
+            if key is None or not key.valid or key.key != wqe.lkey or key.pd != qp.pd:
                 return Syndrome.LOCAL_PROT_ERR
             end = wqe.laddr + length
             if wqe.laddr < key.base or end > key.base + key.length or end > 1 << 64:
@@ -327,7 +368,7 @@ class RequesterModel:
     def _packets(self, qpn, qp, wqe, result, read_memory):
         mtu = qp.mtu_bytes
         vl = self.sl_to_vl[qp.sl]
-        psn = self.next_psn[qpn]
+        psn = self.next_psn_of(qpn)
         length = wqe.length
         common = dict(vl=vl, sl=qp.sl, dlid=qp.dlid, slid=self.slid, destqp=qp.dest_qpn,
                       pkey=qp.pkey)
@@ -429,9 +470,9 @@ class CompletionModel:
     def __init__(self, requester: RequesterModel, write_memory=None):
         self.requester = requester
         self.write_memory = write_memory
-        self.cq_pi = [0] * len(requester.cqs)
-        self.outstanding = [deque() for _ in requester.qps]
-        self.errored = [False] * len(requester.qps)
+        self.cq_pi = defaultdict(int)
+        self.outstanding = defaultdict(deque)
+        self.errored = defaultdict(bool)
         self.counters = dict.fromkeys(
             ("acks_received", "naks_received", "read_responses", "atomic_acks", "cqes_written",
              "error_cqes", "rx_dropped_icrc", "rx_dropped_unexpected"), 0)
@@ -461,13 +502,13 @@ class CompletionModel:
         if syndrome:
             cqe = error_cqe(result.qpn, result.wqe_index, result.opcode, syndrome)
         elif result.writes_cqe:
-            cqe = result.cqe
+            cqe = result.cqe()
         if cqe is not None:
             cq = self.requester.cqs[result.cqn]
             pi = self.cq_pi[result.cqn]
             cqe = replace(cqe, owner=cqe_owner(pi, cq.log_size))
             address = cqe_address(cq.base, cq.log_size, cq.collapsed, pi)
-            self.cq_pi[result.cqn] = (pi + 1) % (1 << 32)
+            self.cq_pi[result.cqn] = pi + 1
             self.counters["cqes_written"] += 1
             self.counters["error_cqes"] += cqe.is_error
         out.append(Completion(result.qpn, result.wqe_index, result.wqe_blocks, result.cqn,
@@ -515,7 +556,7 @@ class CompletionModel:
         qpn = pkt.bth.destqp
         psn = pkt.bth.psn
         opcode = pkt.bth.opcode
-        if (opcode not in _RESPONSES or qpn >= len(self.outstanding)
+        if (opcode not in _RESPONSES or not self.outstanding.get(qpn)
                 or self.requester.state[qpn] == QpState.RESET or not self._waiting(qpn, psn)):
             self.counters["rx_dropped_unexpected"] += 1
             return out
@@ -588,7 +629,7 @@ def expected_cqes(results, nak: tuple[int, int] | None = None) -> list:
             errored = True
             continue
         if r.writes_cqe:
-            cqes.append(r.cqe)
+            cqes.append(r.cqe())
         errored = r.status != CompletionStatus.SENT
     return cqes
 
@@ -636,22 +677,30 @@ class _Nak(Exception):
 class ResponderModel:
     """The remote end of the RC connections (IBA ch. 9.7, responder side).
 
-    ``qps``: ``{responder QPN (the requests' DestQP): ResponderQp}``. Memory: a
-    ``bytearray`` at ``base`` (accesses outside it get NAK remote access error), or
-    ``read(addr, n)`` / ``write(addr, data)`` callables. ``ack_every``: an ACK for the
+    ``qps``: ``{responder QPN (the requests' DestQP): ResponderQp}``; more with
+    :meth:`add_qp`. With ``peer_qpn`` (a function DestQP -> requester QPN), a packet for
+    an unknown QP creates one, expecting that packet's PSN, with path MTU code ``mtu``
+    (it must be the requester QP's: READ responses are cut at it). Memory: a
+    ``bytearray`` (or ``memory_bytes`` zeros) at ``base``, accesses outside it get NAK
+    remote access error; or ``read(addr, n)`` / ``write(addr, data)`` callables. ``ack_every``: an ACK for the
     newest PSN at least every that many SEND/WRITE packets, and for every AckReq packet
     unless ``coalesce_ackreq`` (then only every ``ack_every`` packets and at :meth:`flush`).
     Atomics operate on little-endian 64-bit words, 8-byte aligned.
     """
 
-    def __init__(self, lid: int, qps: dict, *, memory: bytearray | None = None, base: int = 0,
-                 read=None, write=None, ack_every: int = 1, coalesce_ackreq: bool = False):
+    def __init__(self, lid: int, qps: dict | None = None, *, memory: bytearray | None = None,
+                 memory_bytes: int | None = None, base: int = 0, read=None, write=None,
+                 ack_every: int = 1, coalesce_ackreq: bool = False, peer_qpn=None, mtu: int = 5):
         if ack_every < 1:
             raise ValueError("ack_every must be at least 1")
+        if memory is None and memory_bytes is not None:
+            memory = bytearray(memory_bytes)
         if (memory is None) == (read is None or write is None):
-            raise ValueError("give memory, or both read and write")
+            raise ValueError("give memory (or memory_bytes), or both read and write")
         self.lid = lid
-        self.qps = dict(qps)
+        self.qps = dict(qps or {})
+        self.peer_qpn = peer_qpn
+        self.mtu = mtu
         self.memory = memory
         self.base = base
         self._read = read
@@ -680,6 +729,12 @@ class ResponderModel:
             self._write(va, bytes(data))
         else:
             self.memory[va - self.base:va - self.base + len(data)] = data
+
+    def add_qp(self, qpn: int, peer_qpn: int, epsn: int = 0, mtu: int | None = None) -> ResponderQp:
+        """Responder QP ``qpn`` answering requester QP ``peer_qpn``, expecting ``epsn``."""
+        qp = ResponderQp(peer_qpn=peer_qpn, epsn=epsn, mtu=self.mtu if mtu is None else mtu)
+        self.qps[qpn] = qp
+        return qp
 
     def inject_nak(self, qpn: int, psn: int, code: int):
         """Answer the packet with PSN ``psn`` on responder QP ``qpn`` with NAK ``code``
@@ -721,6 +776,8 @@ class ResponderModel:
             return []
         qpn = pkt.bth.destqp
         qp = self.qps.get(qpn)
+        if qp is None and self.peer_qpn is not None:
+            qp = self.add_qp(qpn, self.peer_qpn(qpn), pkt.bth.psn)
         if qp is None:
             self.counters["dropped_unknown_qp"] += 1
             return []

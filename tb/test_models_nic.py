@@ -88,9 +88,10 @@ def test_enums_match_signatures():
     for e in sig.QpState:
         assert n.QpState[e.name] == e.value
     for e in sig.CompletionStatus:
-        assert n.CompletionStatus[e.name] == e.value
-    assert [f.name for f in dataclasses.fields(n.QpConfig)] == list(dict(sig.QpConfigLayout()))
-    assert [f.name for f in dataclasses.fields(n.CqConfig)] == list(dict(sig.CqConfigLayout()))
+        assert n.CompletionStatus[e.name].code == e.value and n.CompletionStatus[e.name] == e.name
+    # the layouts' fields, in order, then the context's own number
+    assert [f.name for f in dataclasses.fields(n.QpContext)] == list(dict(sig.QpConfigLayout())) + ["qpn"]
+    assert [f.name for f in dataclasses.fields(n.CqContext)] == list(dict(sig.CqConfigLayout())) + ["cqn"]
     assert [f.name for f in dataclasses.fields(n.Mkey)] == list(dict(sig.MkeyLayout()))
 
 
@@ -341,7 +342,7 @@ def test_segmentation_edges(mtu_code):
                         raddr=REMOTE_BASE + 7, rkey=9, imm=0xA5A5_0000 + idx, fm_ce_se=fm)
                 assert r.status == n.CompletionStatus.SENT
                 assert r.first_psn == expected_psn and r.signaled == bool(fm & 8)
-                assert r.byte_count == length and r.cqe.byte_cnt == length
+                assert r.byte_count == length and r.cqe().byte_cnt == length
                 _check_message(r, qp, req, local, laddr, length, op, imm=0xA5A5_0000 + idx,
                                fm_ce_se=fm, raddr=REMOTE_BASE + 7)
                 expected_psn = n.psn_add(r.last_psn, 1)
@@ -364,7 +365,7 @@ def test_zero_length_read_and_atomics_on_the_wire():
     (p,) = [parse_packet(x) for x in r.packets]
     assert p.bth.opcode == Opcode.FETCH_ADD and p.bth.psn == 1 and p.bth.ackreq == 1 and p.bth.se == 0
     assert p.ext == (AtomicETH(va=REMOTE_BASE, rkey=9, swap_add=5, compare=0),) and not p.payload
-    assert r.byte_count == 8 and r.cqe.byte_cnt == 8
+    assert r.byte_count == 8 and r.cqe().byte_cnt == 8
     r = run(req, local, 0, 2, op=m.Opcode.ATOMIC_CS, lkey=LKEY, laddr=LOCAL_BASE, raddr=REMOTE_BASE,
             rkey=9, swap_add=5, compare=0x1234, fm_ce_se=m.CTRL_SOLICITED)
     (p,) = [parse_packet(x) for x in r.packets]
@@ -389,7 +390,7 @@ def test_psn_wrap():
     req.reset_qp(0)
     assert req.next_psn[0] == (1 << 24) - 2 and req.state[0] == n.QpState.RTS
     # the QP (1) with its own PSN space is untouched
-    assert req.next_psn[1] == (1 << 24) - 2
+    assert req.next_psn_of(1) == (1 << 24) - 2
 
 
 def test_fetch_from_ring_wraps():
@@ -550,7 +551,7 @@ def test_nak_error_and_flush(code):
                 3: m.Syndrome.REMOTE_OP_ERR}[code]
     cqes = [dataclasses.replace(c.cqe, owner=0) for c in got if c.cqe]
     assert [c.wqe_index for c in got] == [r.wqe_index for r in results]
-    assert cqes == [results[0].cqe,
+    assert cqes == [results[0].cqe(),
                     m.error_cqe(0, results[2].wqe_index, m.Opcode.RDMA_WRITE, syndrome),
                     m.error_cqe(0, results[3].wqe_index, m.Opcode.RDMA_WRITE, m.Syndrome.WR_FLUSH_ERR),
                     m.error_cqe(0, results[4].wqe_index, m.Opcode.RDMA_WRITE, m.Syndrome.WR_FLUSH_ERR)]
@@ -768,3 +769,51 @@ def test_tshark_decodes_requests_and_responses(tmp_path):
         Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE, Opcode.RDMA_READ_REQUEST,
         Opcode.RDMA_READ_RESPONSE_FIRST, Opcode.COMPARE_SWAP, Opcode.ATOMIC_ACKNOWLEDGE,
         Opcode.SEND_ONLY, Opcode.ACKNOWLEDGE}
+
+
+def test_context_forms_and_states():
+    """Contexts as dicts (read when needed), a key dict with and without the table size,
+    host state changes, and a responder that creates its QPs from the first packet."""
+    qps = {3: n.QpContext(qpn=3, mtu=1, dest_qpn=0x103, pd=PD, sq_psn=10, cqn=1)}
+    cqs = {1: n.CqContext(cqn=1, base=0x9000, log_size=0)}
+    keys = {LKEY: n.Mkey(key=LKEY, base=LOCAL_BASE, length=MEM, access=n.Access.LOCAL_WRITE, pd=PD, valid=1),
+            0xD01: n.Mkey(key=0xD01, base=LOCAL_BASE, length=MEM, access=0xF, pd=PD, valid=1)}
+    local = bytearray(MEM)
+    exact = n.RequesterModel(1, [0] * 16, qps, cqs, keys)
+    table = n.RequesterModel(1, [0] * 16, qps, cqs, keys, num_mkeys=8)
+    kw = dict(op=m.Opcode.SEND, byte_count=4, lkey=LKEY, laddr=LOCAL_BASE)
+    assert run(exact, local, 3, 0, **kw).status == "SENT"
+    # 0xD01 takes table entry 5 from 0x501 in an 8-entry table
+    assert run(table, local, 3, 0, **kw).syndrome == m.Syndrome.LOCAL_PROT_ERR
+    req = n.RequesterModel(1, [0] * 16, qps, cqs, keys)
+    comp = n.CompletionModel(req)
+    resp = n.ResponderModel(2, memory_bytes=MEM, peer_qpn=lambda qpn: qpn - 0x100, mtu=1)
+    results = [run(req, local, 3, i, op=m.Opcode.RDMA_WRITE, byte_count=300, lkey=LKEY,
+                   laddr=LOCAL_BASE, raddr=64, rkey=1) for i in range(3)]
+    assert results[0].first_psn == 10 and req.next_psn_of(3) == 16
+    got = []
+    for r in results[:2]:
+        got += comp.post(r)
+        for p in r.packets:
+            for a in resp.receive(p):
+                got += comp.receive(a)
+    assert [c.cqe for c in got] == [results[0].cqe(0), results[1].cqe(1)]
+    assert resp.qps[0x103].peer_qpn == 3 and resp.qps[0x103].epsn == 14
+    # the host moves the QP to ERR: the outstanding WQE and every later one are flushed
+    got = comp.post(results[2])
+    assert got == []
+    req.set_state(3, "ERR")
+    (c,) = comp.flush_qp(3)
+    assert c.cqe.syndrome == m.Syndrome.WR_FLUSH_ERR and c.wqe_index == 2
+    r = run(req, local, 3, 3, **kw)
+    assert r.status == n.CompletionStatus.FLUSH and r.status.code == 2
+    (c,) = comp.post(r)
+    assert c.cqe.syndrome == m.Syndrome.WR_FLUSH_ERR
+    # RESET restarts the PSN from the context as it is now
+    qps[3].sq_psn = 0xFFFFFF
+    req.set_state(3, "RESET")
+    comp.reset_qp(3)
+    with pytest.raises(ValueError):
+        run(req, local, 3, 0, **kw)
+    req.set_state(3, n.QpState.RTS)
+    assert run(req, local, 3, 0, **kw).first_psn == 0xFFFFFF
