@@ -252,6 +252,7 @@ class Bench:
         self.packet_cycles = []
         self.record_cycles = []
         self.free_enabled = True
+        self.stray_frees = 0                # payload_freed strobes with no beat reserved
 
     def _set(self, ctx, sig, value):
         if self.cache.get(id(sig)) != value:
@@ -259,6 +260,7 @@ class Bench:
             ctx.set(sig, value)
 
     def submit(self, wqes):
+        exps = []
         for w in wqes:
             exp = self.ref.execute(w)
             self.inputs.append((w, exp))
@@ -276,6 +278,8 @@ class Bench:
                 self.counts["wqe_errors"] += 1
             self.counts["packets_sent"] += len(exp.packets)
             self.counts["payload_bytes_sent"] += sum(p.desc["payload_bytes"] for p in exp.packets)
+            exps.append(exp)
+        return exps
 
     def busy(self):
         return bool(self.inputs or self.offered or self.packets or self.records or self.ars
@@ -331,7 +335,9 @@ class Bench:
         self._set(ctx, dut.completion.ready, int(rng.random() < self.p_completion))
         self._set(ctx, dut.ar.ready, int(rng.random() < self.p_ar))
         freed = int(self.free_enabled and self.issued_beats > 0 and rng.random() < self.p_free)
-        self._set(ctx, dut.payload_freed, freed)
+        stray = not freed and self.stray_frees > 0
+        self.stray_frees -= stray
+        self._set(ctx, dut.payload_freed, int(freed or stray))
 
         # Outputs.
         if ctx.get(dut.wqe.valid) and ctx.get(dut.wqe.ready):
@@ -556,5 +562,208 @@ def random_body(batches, wqes_per_batch):
 def test_random(seed):
     dut = WqeExecutor(num_qps=NUM_QPS, num_mkeys=NUM_MKEYS, num_vls=NUM_VLS,
                       payload_buffer_beats=130)
-    bench = simulate(dut, random_body(3, 60), seed=seed)
+    bench = simulate(dut, random_body(6, 35), seed=seed)
     assert bench.max_reserved > 65      # the reservation limit was reached and held
+
+
+def test_random_other_shape():
+    """QP and key counts that are not powers of two (the key index is a true modulo),
+    one data VL, the default payload buffer."""
+    dut = WqeExecutor(num_qps=3, num_mkeys=5, num_vls=1)
+    simulate(dut, random_body(4, 30), seed=4, p_free=0.9)
+
+
+def make_wqe(qpn, kind, **fields):
+    w = {name: 0 for name, _ in WQE}
+    w.update(qpn=qpn, opcode=OP[kind], wqe_blocks=1, fm_ce_se=0x08)
+    w.update(fields)
+    return w
+
+
+def directed_world(ref, rng):
+    for q in range(ref.num_qps):
+        ref.qps[q] = dict(random_qp(rng), mtu=1, sl=0, pd=1)
+    ref.mkeys[1] = dict(key=0x101, base=0x10000, length=0x10000, access=15, pd=1, valid=1)
+    ref.mkeys[2] = dict(key=0x202, base=0x20000, length=0x1000, access=14, pd=1, valid=1)
+    ref.mkeys[3] = dict(key=0x303, base=0x30000, length=0x1000, access=15, pd=2, valid=1)
+    ref.mkeys[4] = dict(key=0x404, base=(1 << 64) - 4096, length=8192, access=15, pd=1, valid=1)
+    ref.mkeys[5] = dict(key=0x505, base=0x50000, length=0x1000, access=15, pd=1, valid=0)
+
+
+OP_ERR = Syndrome.LOCAL_QP_OP_ERR.value
+LEN_ERR = Syndrome.LOCAL_LENGTH_ERR.value
+PROT_ERR = Syndrome.LOCAL_PROT_ERR.value
+FLUSH_ERR = Syndrome.WR_FLUSH_ERR.value
+
+# (name, QP context changes, QP state, WQE fields over a good 100-byte SEND, status, syndrome)
+CHECK_ROWS = [
+    ("parser format error (op)", {}, RTS, dict(format_error=1, syndrome=OP_ERR), ERROR, OP_ERR),
+    ("parser format error (length)", {}, RTS, dict(format_error=1, syndrome=LEN_ERR), ERROR, LEN_ERR),
+    ("unknown opcode", {}, RTS, dict(opcode=0x01), ERROR, OP_ERR),
+    ("inline and a data segment", {}, RTS, dict(inline=1, byte_count=10), ERROR, OP_ERR),
+    ("inline READ", {}, RTS, dict(opcode=OP["RDMA_READ"], has_data=0, inline=1, byte_count=8),
+     ERROR, OP_ERR),
+    ("atomic without data segment", {}, RTS, dict(opcode=OP["ATOMIC_FA"], has_data=0, byte_count=8),
+     ERROR, OP_ERR),
+    ("inline longer than 64", {}, RTS, dict(has_data=0, inline=1, byte_count=65), ERROR, LEN_ERR),
+    ("atomic of 16 bytes", {}, RTS, dict(opcode=OP["ATOMIC_CS"], byte_count=16), ERROR, LEN_ERR),
+    ("longer than 2^31", {}, RTS, dict(byte_count=(1 << 31) + 1), ERROR, LEN_ERR),
+    ("2^31 exactly, missing key", {}, RTS, dict(byte_count=1 << 31, lkey=0x505, laddr=0x50000),
+     ERROR, PROT_ERR),
+    ("SL maps to VL 15", dict(sl=13), RTS, {}, ERROR, OP_ERR),
+    ("SL maps to a VL the port lacks", dict(sl=14), RTS, {}, ERROR, OP_ERR),
+    ("MTU code 0", dict(mtu=0), RTS, {}, ERROR, OP_ERR),
+    ("MTU code 6", dict(mtu=6), RTS, {}, ERROR, OP_ERR),
+    ("key missing", {}, RTS, dict(lkey=0x505, laddr=0x50000), ERROR, PROT_ERR),
+    ("key variant differs", {}, RTS, dict(lkey=0x1FF), ERROR, PROT_ERR),
+    ("key of another PD", {}, RTS, dict(lkey=0x303, laddr=0x30000), ERROR, PROT_ERR),
+    ("below the key's base", {}, RTS, dict(laddr=0xFFFF), ERROR, PROT_ERR),
+    ("past the key's end", {}, RTS, dict(laddr=0x20000 - 99), ERROR, PROT_ERR),
+    ("ends at the key's end", {}, RTS, dict(laddr=0x20000 - 100), SENT, 0),
+    ("wraps past 2^64", {}, RTS, dict(lkey=0x404, laddr=(1 << 64) - 16, byte_count=32),
+     ERROR, PROT_ERR),
+    ("ends at 2^64", {}, RTS, dict(lkey=0x404, laddr=(1 << 64) - 32, byte_count=32), SENT, 0),
+    ("READ without LOCAL_WRITE", {}, RTS, dict(opcode=OP["RDMA_READ"], lkey=0x202, laddr=0x20000),
+     ERROR, PROT_ERR),
+    ("atomic without LOCAL_WRITE", {}, RTS,
+     dict(opcode=OP["ATOMIC_FA"], lkey=0x202, laddr=0x20000, byte_count=8), ERROR, PROT_ERR),
+    ("WRITE without LOCAL_WRITE", {}, RTS,
+     dict(opcode=OP["RDMA_WRITE"], lkey=0x202, laddr=0x20000), SENT, 0),
+    ("READ of 0 bytes needs no key", {}, RTS,
+     dict(opcode=OP["RDMA_READ"], lkey=0x505, byte_count=0), SENT, 0),
+    ("QP in ERR", {}, ERR, {}, FLUSH, FLUSH_ERR),
+    ("QP in RESET", {}, RESET, {}, FLUSH, FLUSH_ERR),
+]
+
+
+def test_checks():
+    """Each check row: its syndrome, one qp_error, no packet; the QP's next WQE flushed
+    while another QP's goes out."""
+    dut = WqeExecutor(num_qps=4, num_mkeys=8, num_vls=NUM_VLS)
+
+    async def body(ctx, bench, rng):
+        ref = bench.ref
+        directed_world(ref, rng)
+        good = dict(has_data=1, lkey=0x101, laddr=0x10010, byte_count=100)
+        qp0 = dict(ref.qps[0])
+        for name, qp_changes, state, fields, status, syndrome in CHECK_ROWS:
+            qp = dict(qp0, **qp_changes)
+            await bench.reconfigure(ctx, {"reset": {0: qp}, "state": {0: state}})
+            bad, follow, other = bench.submit([
+                make_wqe(0, "SEND", **{**good, **fields}),
+                make_wqe(0, "SEND", **good),
+                make_wqe(1, "SEND", **good),
+            ])
+            assert (bad.record["status"], bad.record["syndrome"]) == (status, syndrome), name
+            assert bool(bad.packets) == (status == SENT), name
+            assert follow.record["status"] == (SENT if status == SENT else FLUSH), name
+            assert other.record["status"] == SENT, name
+            await bench.drain(ctx)
+        dropped, = bench.submit([make_wqe(200, "SEND", **good)])   # no QP 200: dropped, counted
+        assert dropped.record is None
+
+    simulate(dut, body, seed=5)
+
+
+def test_psn_wrap_and_reset():
+    dut = WqeExecutor(num_qps=4, num_mkeys=8, num_vls=NUM_VLS)
+
+    async def body(ctx, bench, rng):
+        ref = bench.ref
+        directed_world(ref, rng)
+        write = dict(has_data=1, lkey=0x101, laddr=0x10003, byte_count=1000)   # 4 packets at 256
+        await bench.reconfigure(ctx, {"reset": {2: dict(ref.qps[2], sq_psn=0xFFFFFE)}})
+        a, b, c = bench.submit([make_wqe(2, "RDMA_WRITE", **write), make_wqe(2, "RDMA_READ", **write),
+                                make_wqe(2, "SEND", has_data=0)])
+        wire_psns = [int.from_bytes(p.desc["header"].to_bytes(48, "little")[17:20], "big")
+                     for p in a.packets]
+        assert wire_psns == [0xFFFFFE, 0xFFFFFF, 0, 1]
+        assert (a.record["first_psn"], a.record["last_psn"]) == (0xFFFFFE, 1)
+        assert (b.record["first_psn"], b.record["last_psn"]) == (2, 5)
+        assert (c.record["first_psn"], c.record["last_psn"]) == (6, 6)
+        await bench.drain(ctx)
+        await bench.reconfigure(ctx, {"reset": {2: dict(ref.qps[2], sq_psn=77)}})
+        d, = bench.submit([make_wqe(2, "SEND", has_data=0)])
+        assert d.record["first_psn"] == 77
+        await bench.drain(ctx)
+
+    simulate(dut, body, seed=6)
+
+
+def test_reservation_exact():
+    """Stray payload_freed strobes are ignored; with nothing freed, a 65-beat buffer holds
+    exactly one 65-beat packet's bursts and the next packet waits for room."""
+    dut = WqeExecutor(num_qps=4, num_mkeys=8, num_vls=NUM_VLS, payload_buffer_beats=65)
+
+    async def body(ctx, bench, rng):
+        ref = bench.ref
+        directed_world(ref, rng)
+        await bench.reconfigure(ctx, {"reset": {1: dict(ref.qps[1], mtu=5)}})
+        bench.p_ar = bench.p_packet = bench.p_completion = 1.0
+        bench.stray_frees = 10
+        for _ in range(12):
+            await bench.cycle(ctx)
+        bench.free_enabled = False
+        exps = bench.submit([make_wqe(1, "RDMA_WRITE", has_data=1, lkey=0x101, laddr=0x10001,
+                                      byte_count=3 * 4096)])
+        assert [p.desc["dma_beats"] for p in exps[0].packets] == [65, 65, 65]
+        assert all(len(p.ars) == 2 for p in exps[0].packets)
+        for _ in range(60):
+            await bench.cycle(ctx)
+        assert bench.reserved == 65 and len(bench.ars) == 4 and len(bench.packets) == 2
+        bench.free_enabled = True
+        bench.p_free = 1.0
+        await bench.drain(ctx)
+
+    simulate(dut, body, seed=7)
+
+
+def test_throughput():
+    """All outputs ready: one-packet WQEs at one per cycle; an N-packet message in N cycles."""
+    dut = WqeExecutor(num_qps=4, num_mkeys=8, num_vls=NUM_VLS)
+
+    async def body(ctx, bench, rng):
+        ref = bench.ref
+        directed_world(ref, rng)
+        bench.p_wqe = bench.p_ar = bench.p_packet = bench.p_completion = bench.p_free = 1.0
+        wqes = []
+        for i in range(200):
+            q = i % 4
+            kind = rng.choice(["inline", "dma", "read", "atomic"])
+            if kind == "inline":
+                n = rng.randint(0, 64)
+                wqes.append(make_wqe(q, "SEND", inline=1, byte_count=n, inline_data=rng.getrandbits(8 * n)))
+            elif kind == "dma":
+                wqes.append(make_wqe(q, "RDMA_WRITE", has_data=1, lkey=0x101,
+                                     laddr=0x10000 + 64 * rng.randrange(100), byte_count=rng.randint(1, 64)))
+            elif kind == "read":
+                wqes.append(make_wqe(q, "RDMA_READ", has_data=1, lkey=0x101, laddr=0x10000,
+                                     byte_count=rng.randint(0, 5000)))
+            else:
+                wqes.append(make_wqe(q, "ATOMIC_FA", has_data=1, lkey=0x101, laddr=0x10008,
+                                     byte_count=8, swap_add=rng.getrandbits(64)))
+        bench.submit(wqes)
+        await bench.drain(ctx)
+        cycles = bench.packet_cycles
+        assert len(cycles) == 200 and cycles[-1] - cycles[0] + 1 <= 201, cycles[-1] - cycles[0]
+        records = bench.record_cycles
+        assert records[-1] - records[0] + 1 <= 201
+
+        bench.packet_cycles = []
+        exps = bench.submit([make_wqe(0, "RDMA_WRITE", has_data=1, lkey=0x101, laddr=0x10000,
+                                      byte_count=64 * 256)])
+        assert len(exps[0].packets) == 64
+        await bench.drain(ctx)
+        cycles = bench.packet_cycles
+        assert cycles[-1] - cycles[0] + 1 == 64, cycles
+
+    simulate(dut, body, seed=8)
+
+
+@pytest.mark.parametrize("args", [
+    dict(num_qps=0), dict(num_qps=257), dict(num_mkeys=0), dict(num_vls=0), dict(num_vls=16),
+    dict(payload_buffer_beats=64), dict(payload_buffer_beats=1 << 17), dict(num_qps=4.0),
+])
+def test_parameters(args):
+    with pytest.raises(ValueError, match=next(iter(args))):
+        WqeExecutor(**args)

@@ -184,7 +184,8 @@ class WqeExecutor(wiring.Component):
         end = Signal(65)
         limit = Signal(65)
         m.d.comb += [end.eq(r1.laddr + length), limit.eq(mk.base + mk.length)]
-        in_range = (r1.laddr >= mk.base) & (end <= limit) & ~end[64]
+        wraps = end[64] & (end[:64] != 0)      # ending exactly at 2**64 is fine
+        in_range = (r1.laddr >= mk.base) & (end <= limit) & ~wraps
         local_write = (mk.access.as_value() & Access.LOCAL_WRITE.value) != 0
 
         status = Signal(CompletionStatus)
