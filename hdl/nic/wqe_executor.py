@@ -95,6 +95,9 @@ class WqeExecutor(wiring.Component):
     path MTU code outside 1..5, or an SL mapped to a VL this port does not have
     (``num_vls`` .. 15), fails like VL 15 with LOCAL_QP_OP_ERR; ``payload_freed`` with
     no beat reserved is ignored.
+
+    A FETCH_ADD goes out with AtomicETH.CompareData 0: IBA has the responder ignore it,
+    and libmlx5 leaves the atomic segment's compare field unwritten (stale ring bytes).
     """
 
     def __init__(self, *, num_qps=64, num_mkeys=64, num_vls=2, payload_buffer_beats=512):
@@ -250,7 +253,7 @@ class WqeExecutor(wiring.Component):
                 job.vl.eq(vl), job.sl.eq(qp.sl), job.dlid.eq(qp.dlid),
                 job.dest_qpn.eq(qp.dest_qpn), job.pkey.eq(qp.pkey), job.mtu.eq(qp.mtu),
                 job.length.eq(length), job.raddr.eq(r1.raddr), job.rkey.eq(r1.rkey),
-                job.imm.eq(r1.imm), job.swap_add.eq(r1.swap_add), job.compare.eq(r1.compare),
+                job.imm.eq(r1.imm), job.swap_add.eq(r1.swap_add), job.compare.eq(Mux(is_fetch_add, 0, r1.compare)),
                 job.inline_data.eq(r1.inline_data),
                 laddr.eq(r1.laddr), remaining.eq(length), psn.eq(first_psn), first.eq(1),
             ]
