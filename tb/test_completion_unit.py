@@ -1,0 +1,721 @@
+"""CompletionUnit (hdl/nic/completion_unit.py) against a Python reference, in Amaranth's simulator.
+
+One testbench drives the unit cycle by cycle. The reference keeps, per QP, the queue of
+records the unit accepted, ``sent_psn``/``ack_psn``/``read_psn``/``atomic_psn``, a pending
+fatal NAK and the flushing flag, and completes head records by the rules of docs/nic.md
+(as the unit's docstring states them exactly). Responses are real packets (models/packet.py,
+with ICRC), applied to the reference when they are queued for the unit; all packets about
+one QP's state travel on that QP's VL, so the unit sees them in the order the reference
+applied them, and a response only ever refers to records the unit already took.
+
+Random test: records for several QPs (WRITE/SEND/READ/atomics, SENT/ERROR/FLUSH, signaled
+or not, PSNs near the 2^24 wrap) with random ``valid``; a responder that answers in PSN
+order with coalesced ACKs (also over an atomic, or a write before a READ), partial ACKs,
+READ responses FIRST/MIDDLE/LAST/ONLY with payload, ATOMIC ACKs, non-fatal NAKs (code 0,
+4, RNR) and fatal NAKs (codes 1-3; the QP is reset once drained and starts again); junk:
+bad ICRC, end_bad, unknown QP, QP in RESET, request opcodes, stale and future PSNs, GRH,
+wrong PktLen, reserved AETH syndromes, an ACK with an ATOMIC ACK's length. At most one
+beat per cycle over all VLs (as from one link), random gaps. AXI: random AWREADY/WREADY,
+B answers after random delays, some SLVERR. Checked: ``rx.ready`` always high; every
+retire (per QP order, blocks) against the reference, and that its CQE (AW and W) was
+accepted at or before it; every CQE's address (CQ base, producer index modulo the ring,
+entry 0 when collapsed) and all 64 bytes (owner bit included); AXI constants; qp_error
+before the retire of the NAKed record; all counters at the end; nothing completes that
+the reference does not complete.
+
+Directed: a full per-QP queue backpressures ``completion``; both VLs flooding 1-beat ACKs
+(events dropped and counted, never ready low); a READ ACKed beyond stays outstanding while
+the atomic behind it ... ; qp_reset; parameter checks.
+"""
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+from amaranth.sim import Simulator
+
+from hdl.link.signatures import BeatLayout
+from hdl.nic.completion_unit import CompletionUnit
+from hdl.nic.signatures import CompletionRecordLayout, CqConfigLayout, QpState
+from models.crc import icrc_bytes
+from models.ib import AETH, BTH, AtomicAckETH, Opcode
+from models.packet import build_packet
+
+M24 = 1 << 24
+WIDTH = 64
+BEAT = BeatLayout(WIDTH)
+
+WRITE, WRITE_IMM, SEND, SEND_IMM, READ, ATOMIC_CS, ATOMIC_FA = 0x08, 0x09, 0x0A, 0x0B, 0x10, 0x11, 0x12
+ATOMICS = (ATOMIC_CS, ATOMIC_FA)
+SENT, ERROR, FLUSH = 0, 1, 2
+WR_FLUSH_ERR = 0x05
+NAK_SYNDROME = {1: 0x12, 2: 0x13, 3: 0x14}
+LOCAL_SYNDROMES = (0x01, 0x02, 0x04)
+
+
+def le(a, b):
+    return (b - a) % M24 < (1 << 23)
+
+
+def lt(a, b):
+    return a != b and le(a, b)
+
+
+# --- Reference --------------------------------------------------------------------------------
+
+@dataclass
+class Rec:
+    qpn: int
+    cqn: int
+    wqe_index: int
+    wqe_blocks: int
+    opcode: int
+    byte_count: int
+    first_psn: int
+    last_psn: int
+    signaled: int
+    status: int
+    syndrome: int = 1
+    # filled in by the reference at completion
+    error: bool = False
+    cqe_syndrome: int = 0
+    write_cqe: bool = False
+    nak_error: bool = False
+    qp_error_seen: bool = False
+
+    def payload(self):
+        return {k: getattr(self, k) for k in (
+            "qpn", "cqn", "wqe_index", "wqe_blocks", "opcode", "byte_count", "first_psn",
+            "last_psn", "signaled", "status", "syndrome")}
+
+
+class QpRef:
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.queue = deque()
+        self.started = False
+        self.sent = self.ack = self.read = self.atomic = 0
+        self.nak = None
+        self.flushing = False
+
+
+class Reference:
+    def __init__(self, num_qps, num_cqs, qp_states):
+        self.num_qps = num_qps
+        self.num_cqs = num_cqs
+        self.qp_states = qp_states
+        self.qps = [QpRef() for _ in range(num_qps)]
+        self.completed = [deque() for _ in range(num_qps)]     # completed, not yet retired
+        self.counters = dict.fromkeys((
+            "acks_received", "naks_received", "read_responses", "atomic_acks", "cqes_written",
+            "error_cqes", "rx_dropped_icrc", "rx_dropped_unexpected", "cqe_write_errors"), 0)
+
+    def enqueue(self, rec):
+        if rec.qpn >= self.num_qps:
+            return
+        qp = self.qps[rec.qpn]
+        qp.queue.append(rec)
+        if rec.status == SENT:
+            if not qp.started:
+                qp.ack = qp.read = qp.atomic = (rec.first_psn - 1) % M24
+                qp.started = True
+            qp.sent = rec.last_psn
+        self.advance(rec.qpn)
+
+    def packet(self, destqp, opcode, psn, syndrome):
+        """A well-formed response with a good ICRC; returns whether it was taken."""
+        c = self.counters
+        qp = self.qps[destqp] if destqp < self.num_qps else None
+        if (qp is None or self.qp_states[destqp] == QpState.RESET or not qp.started
+                or qp.nak is not None or qp.flushing
+                or not (lt(qp.ack, psn) and le(psn, qp.sent))):
+            c["rx_dropped_unexpected"] += 1
+            return False
+        kind, code = syndrome >> 5, syndrome & 31
+        if opcode == Opcode.ACKNOWLEDGE:
+            if kind == 0:
+                c["acks_received"] += 1
+                qp.ack = psn
+            else:
+                c["naks_received"] += 1
+                if kind == 3 and code in NAK_SYNDROME:
+                    qp.ack = (psn - 1) % M24
+                    qp.nak = (psn, NAK_SYNDROME[code])
+        elif opcode in (Opcode.RDMA_READ_RESPONSE_FIRST, Opcode.RDMA_READ_RESPONSE_MIDDLE):
+            c["read_responses"] += 1
+        elif opcode in (Opcode.RDMA_READ_RESPONSE_LAST, Opcode.RDMA_READ_RESPONSE_ONLY):
+            c["read_responses"] += 1
+            qp.ack = qp.read = psn
+        else:
+            assert opcode == Opcode.ATOMIC_ACKNOWLEDGE
+            c["atomic_acks"] += 1
+            qp.ack = qp.atomic = psn
+        self.advance(destqp)
+        return True
+
+    def advance(self, q):
+        qp = self.qps[q]
+        while qp.queue:
+            r = qp.queue[0]
+            error, syndrome, nak_error = False, 0, False
+            if qp.flushing:
+                error, syndrome = True, WR_FLUSH_ERR
+            elif r.status == ERROR:
+                error, syndrome = True, r.syndrome
+            elif r.status != SENT:
+                error, syndrome = True, WR_FLUSH_ERR
+            elif qp.nak is not None:
+                if not lt(r.last_psn, qp.nak[0]):
+                    error, syndrome, nak_error = True, qp.nak[1], True
+            elif r.opcode == READ:
+                if not le(r.last_psn, qp.read):
+                    return
+            elif r.opcode in ATOMICS:
+                if not (le(r.last_psn, qp.atomic) or lt(r.last_psn, qp.ack)):
+                    return
+            elif not le(r.last_psn, qp.ack):
+                return
+            qp.queue.popleft()
+            if nak_error:
+                qp.nak = None
+                qp.flushing = True
+            if not error:
+                if lt(qp.read, r.last_psn):
+                    qp.read = r.last_psn
+                if lt(qp.atomic, r.last_psn):
+                    qp.atomic = r.last_psn
+            r.error, r.cqe_syndrome, r.nak_error = error, syndrome, nak_error
+            r.write_cqe = bool((error or r.signaled) and r.cqn < self.num_cqs)
+            self.completed[q].append(r)
+
+
+def cqe_bytes(rec, owner):
+    b = bytearray(64)
+    b[56:60] = ((rec.opcode << 24) | rec.qpn).to_bytes(4, "big")
+    b[60:62] = rec.wqe_index.to_bytes(2, "big")
+    if rec.error:
+        b[55] = rec.cqe_syndrome
+        b[63] = 0xD0 | owner
+    else:
+        b[44:48] = rec.byte_count.to_bytes(4, "big")
+        b[63] = owner
+    return bytes(b)
+
+
+# --- Packets ----------------------------------------------------------------------------------
+
+def response(opcode, destqp, psn, syndrome=0, payload=b"", rng=None):
+    ext = {
+        Opcode.ACKNOWLEDGE: lambda: (AETH(syndrome=syndrome, msn=rng.getrandbits(24)),),
+        Opcode.RDMA_READ_RESPONSE_FIRST: lambda: (AETH(syndrome=syndrome, msn=rng.getrandbits(24)),),
+        Opcode.RDMA_READ_RESPONSE_MIDDLE: lambda: (),
+        Opcode.RDMA_READ_RESPONSE_LAST: lambda: (AETH(syndrome=syndrome, msn=rng.getrandbits(24)),),
+        Opcode.RDMA_READ_RESPONSE_ONLY: lambda: (AETH(syndrome=syndrome, msn=rng.getrandbits(24)),),
+        Opcode.ATOMIC_ACKNOWLEDGE: lambda: (AETH(syndrome=syndrome, msn=rng.getrandbits(24)),
+                                            AtomicAckETH(orig=rng.getrandbits(64))),
+    }[opcode]()
+    bth = BTH(opcode=opcode, destqp=destqp, psn=psn, pkey=rng.getrandbits(16),
+              ackreq=rng.getrandbits(1))
+    return build_packet(bth=bth, ext=ext, payload=payload, sl=rng.getrandbits(4),
+                        vl=rng.getrandbits(4), dlid=rng.getrandbits(16), slid=rng.getrandbits(16))
+
+
+def reseal(body):
+    """``body`` (LRH .. pad) with a fresh, good ICRC."""
+    return bytes(body) + icrc_bytes(bytes(body))
+
+
+def beats_of(packet, end_bad=False):
+    beats = []
+    for offset in range(0, len(packet), WIDTH):
+        chunk = packet[offset:offset + WIDTH]
+        beats.append({"data": int.from_bytes(chunk, "little"), "start": int(offset == 0),
+                      "end": int(offset + WIDTH >= len(packet)), "count": len(chunk),
+                      "end_bad": int(end_bad and offset + WIDTH >= len(packet))})
+    return beats
+
+
+# --- Bench ------------------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, dut, rng, *, qp_states, cqs, p_rec=0.5, p_beat=0.7, p_aw=0.7, p_w=0.7,
+                 b_delay=8, p_slverr=0.1, wire=True):
+        self.dut = dut
+        self.rng = rng
+        self.t = 0
+        self.qp_states = qp_states
+        self.cqs = cqs                  # [(base, log_size, collapsed)]
+        self.ref = Reference(dut.num_qps, dut.num_cqs, qp_states)
+        self.to_offer = deque()
+        self.offer = None
+        self.rx = [deque() for _ in range(dut.num_vls)]     # per VL: (qpn or None, beats)
+        self.rx_cur = [None] * dut.num_vls
+        self.in_flight = [0] * dut.num_qps                  # packets about a QP not yet ended
+        self.last_end = [-1000] * dut.num_qps
+        self.outstanding = [0] * dut.num_qps                # accepted and not retired
+        self.p_rec, self.p_beat, self.p_aw, self.p_w = p_rec, p_beat, p_aw, p_w
+        self.b_delay, self.p_slverr = b_delay, p_slverr
+        self.wire = wire
+        self.aw = deque()
+        self.w = deque()
+        self.b_due = deque()
+        self.b_cur = None
+        self.cq_pi = [0] * dut.num_cqs
+        self.cq_addr = 0
+        self.retired = 0
+        self.cqes = 0
+        self.resets = deque()
+        self.ready_low = 0
+        self._cache = {}
+        self.qp_errors = []
+
+    def _set(self, ctx, sig, value):
+        key = id(sig)
+        if self._cache.get(key) != value:
+            self._cache[key] = value
+            ctx.set(sig, value)
+
+    def queue_packet(self, vl, qpn, packet, end_bad=False):
+        self.rx[vl].append((qpn, beats_of(packet, end_bad)))
+        if qpn is not None and qpn < self.dut.num_qps:
+            self.in_flight[qpn] += 1
+
+    def quiet(self, q, cycles=30):
+        return self.in_flight[q] == 0 and self.t - self.last_end[q] > cycles
+
+    def idle(self):
+        return (self.offer is None and not self.to_offer and not any(self.rx)
+                and all(c is None for c in self.rx_cur) and not self.aw and not self.w
+                and not self.b_due and self.b_cur is None
+                and not any(self.ref.completed) and not self.resets)
+
+    async def cycle(self, ctx):
+        dut, rng, t = self.dut, self.rng, self.t
+
+        # completion records
+        if self.offer is None and self.to_offer and rng.random() < self.p_rec:
+            self.offer = self.to_offer.popleft()
+        self._set(ctx, dut.completion.valid, int(self.offer is not None))
+        if self.offer is not None and self._cache.get("offer") is not self.offer:
+            self._cache["offer"] = self.offer
+            ctx.set(dut.completion.payload, CompletionRecordLayout().const(self.offer.payload()))
+
+        # rx beats: at most one per cycle over all VLs when ``wire``
+        busy = [v for v in range(dut.num_vls) if self.rx_cur[v] is not None or self.rx[v]]
+        send = set()
+        if busy:
+            if self.wire:
+                if rng.random() < self.p_beat:
+                    send.add(rng.choice(busy))
+            else:
+                send = {v for v in busy if rng.random() < self.p_beat}
+        ended = []
+        for v in range(dut.num_vls):
+            if v in send:
+                if self.rx_cur[v] is None:
+                    qpn, beats = self.rx[v].popleft()
+                    self.rx_cur[v] = [qpn, deque(beats)]
+                qpn, beats = self.rx_cur[v]
+                beat = beats.popleft()
+                self._set(ctx, dut.rx[v].valid, 1)
+                ctx.set(dut.rx[v].payload, BEAT.const(beat))
+                if not beats:
+                    self.rx_cur[v] = None
+                    ended.append(qpn)
+            else:
+                self._set(ctx, dut.rx[v].valid, 0)
+
+        # QP reset strobe
+        reset_q = self.resets.popleft() if self.resets else None
+        self._set(ctx, dut.qp_reset.valid, int(reset_q is not None))
+        if reset_q is not None:
+            self._set(ctx, dut.qp_reset.qpn, reset_q)
+
+        # AXI
+        awready = int(rng.random() < self.p_aw)
+        wready = int(rng.random() < self.p_w)
+        self._set(ctx, dut.axi.awready, awready)
+        self._set(ctx, dut.axi.wready, wready)
+        if self.b_cur is None and self.b_due and self.b_due[0][0] <= t:
+            self.b_cur = self.b_due.popleft()[1]
+        self._set(ctx, dut.axi.bvalid, int(self.b_cur is not None))
+        if self.b_cur is not None:
+            self._set(ctx, dut.axi.bresp, self.b_cur)
+            assert ctx.get(dut.axi.bready)
+            if self.b_cur:
+                self.ref.counters["cqe_write_errors"] += 1
+            self.b_cur = None
+
+        # outputs
+        for v in range(dut.num_vls):
+            assert ctx.get(dut.rx[v].ready), (t, "rx not ready")
+        comp_ready = ctx.get(dut.completion.ready)
+        if self.offer is not None and not comp_ready:
+            self.ready_low += 1
+        axi = dut.axi
+        if ctx.get(axi.awvalid) and awready:
+            assert (ctx.get(axi.awlen), ctx.get(axi.awsize), ctx.get(axi.awburst),
+                    ctx.get(axi.awid)) == (0, 6, 1, 0), t
+            self.aw.append(ctx.get(axi.awaddr))
+        if ctx.get(axi.wvalid) and wready:
+            assert ctx.get(axi.wstrb) == (1 << 64) - 1 and ctx.get(axi.wlast) == 1, t
+            self.w.append(ctx.get(axi.wdata).to_bytes(64, "little"))
+        if ctx.get(dut.qp_error.valid):
+            q = ctx.get(dut.qp_error.qpn)
+            done = self.ref.completed[q]
+            nak = [r for r in done if r.nak_error and not r.qp_error_seen]
+            assert nak, (t, "qp_error without a NAKed record", q)
+            nak[0].qp_error_seen = True
+            self.qp_errors.append(q)
+        if ctx.get(dut.retire.valid):
+            q = ctx.get(dut.retire.payload.qpn)
+            blocks = ctx.get(dut.retire.payload.blocks)
+            assert self.ref.completed[q], (t, "retire of a record the reference did not complete", q)
+            rec = self.ref.completed[q].popleft()
+            assert blocks == rec.wqe_blocks, (t, rec, blocks)
+            assert not rec.nak_error or rec.qp_error_seen, (t, "qp_error after retire", rec)
+            if rec.write_cqe:
+                assert self.aw and self.w, (t, "retire before its CQE was issued", rec)
+                addr, data = self.aw.popleft(), self.w.popleft()
+                base, log_size, collapsed = self.cqs[rec.cqn]
+                log = 0 if collapsed else log_size
+                pi = self.cq_pi[rec.cqn]
+                assert addr == base + 64 * (pi % (1 << log)), (t, rec, hex(addr), pi)
+                expect = cqe_bytes(rec, (pi >> log) & 1)
+                assert data == expect, (t, rec, pi, data.hex(), expect.hex())
+                self.cq_pi[rec.cqn] = (pi + 1) % (1 << 16)
+                self.b_due.append((t + rng.randint(1, self.b_delay), int(rng.random() < self.p_slverr) * 2))
+                self.ref.counters["cqes_written"] += 1
+                self.ref.counters["error_cqes"] += rec.error
+                self.cqes += 1
+            else:
+                assert not (self.aw and self.w), (t, "a CQE issued for a record without one", rec)
+            self.outstanding[q] -= 1
+            self.retired += 1
+        self.cq_addr = ctx.get(dut.cq_config.addr)
+
+        await ctx.tick()
+
+        if self.offer is not None and comp_ready:
+            rec = self.offer
+            self.offer = None
+            if rec.qpn < dut.num_qps:
+                self.outstanding[rec.qpn] += 1
+            self.ref.enqueue(rec)
+        for qpn in ended:
+            if qpn is not None and qpn < dut.num_qps:
+                self.in_flight[qpn] -= 1
+                self.last_end[qpn] = t
+        if reset_q is not None:
+            self.ref.qps[reset_q].reset()
+        cq = self.cqs[self.cq_addr] if self.cq_addr < len(self.cqs) else (0, 0, 0)
+        if self._cache.get("cq") != cq:
+            self._cache["cq"] = cq
+            ctx.set(dut.cq_config.data, CqConfigLayout().const(
+                {"base": cq[0], "log_size": cq[1], "collapsed": cq[2]}))
+        self.t += 1
+
+    async def drain(self, ctx, limit=20000):
+        start = self.t
+        while not self.idle():
+            await self.cycle(ctx)
+            assert self.t - start < limit, ("no progress", [list(q) for q in self.ref.completed][:3])
+        for _ in range(40):
+            await self.cycle(ctx)
+
+    async def check_counters(self, ctx):
+        for name, value in self.ref.counters.items():
+            assert ctx.get(getattr(self.dut, name)) == value, (name, ctx.get(getattr(self.dut, name)), value)
+
+
+def run(dut, bench_factory, body, vcd=None):
+    sim = Simulator(dut)
+    sim.add_clock(1e-8)
+    result = {}
+
+    async def testbench(ctx):
+        bench = bench_factory()
+        result["bench"] = bench
+        await body(ctx, bench)
+    sim.add_testbench(testbench)
+    if vcd:
+        with sim.write_vcd(vcd):
+            sim.run()
+    else:
+        sim.run()
+    return result["bench"]
+
+
+# --- Random traffic ---------------------------------------------------------------------------
+
+class Traffic:
+    """Records and responses for the live QPs; junk for everyone."""
+
+    def __init__(self, bench, rng, live_qps, *, p_fatal=0.01):
+        self.bench = bench
+        self.rng = rng
+        self.live = list(live_qps)
+        n = bench.dut.num_qps
+        self.next_psn = [rng.choice([rng.getrandbits(24), M24 - rng.randint(1, 40)]) for _ in range(n)]
+        self.wqe_index = [rng.getrandbits(16) for _ in range(n)]
+        self.cqn = [rng.randrange(bench.dut.num_cqs + (1 if q == 1 else 0)) for q in range(n)]
+        self.sent = [[] for _ in range(n)]          # SENT records offered, PSN order
+        self.cursor = [0] * n
+        self.killed = [False] * n
+        self.p_fatal = p_fatal
+        self.generated = 0
+        self.fatal = 0
+
+    def vl(self, q):
+        return q % self.bench.dut.num_vls
+
+    def new_record(self, q):
+        rng = self.rng
+        op = rng.choice([WRITE, WRITE_IMM, SEND, SEND_IMM, READ, READ, ATOMIC_CS, ATOMIC_FA])
+        blocks = rng.randint(1, 4)
+        nbytes = 8 if op in ATOMICS else rng.choice([0, 1, rng.randint(1, 3000)])
+        status = rng.choices([SENT, ERROR, FLUSH], [90, 5, 5])[0]
+        if status == SENT:
+            npsn = 1 if op in ATOMICS else max(1, -(-nbytes // 256))
+            first = self.next_psn[q]
+            last = (first + npsn - 1) % M24
+            self.next_psn[q] = (last + 1) % M24
+        else:
+            first, last = rng.getrandbits(24), rng.getrandbits(24)
+        rec = Rec(qpn=q, cqn=self.cqn[q], wqe_index=self.wqe_index[q], wqe_blocks=blocks,
+                  opcode=op, byte_count=nbytes, first_psn=first, last_psn=last,
+                  signaled=int(rng.random() < 0.7), status=status,
+                  syndrome=rng.choice(LOCAL_SYNDROMES + (WR_FLUSH_ERR,)))
+        self.wqe_index[q] = (self.wqe_index[q] + blocks) % (1 << 16)
+        if status == SENT:
+            self.sent[q].append(rec)
+        self.generated += 1
+        return rec
+
+    def accepted_sent(self, q):
+        """SENT records of q the unit has accepted (the responder answers only those)."""
+        ref_qp = self.bench.ref.qps[q]
+        return ref_qp.started
+
+    def respond(self, q):
+        """Queue the next in-order response(s) of q's responder, if any."""
+        bench, rng, ref = self.bench, self.rng, self.bench.ref
+        qp = ref.qps[q]
+        recs = self.sent[q]
+        i = self.cursor[q]
+        # only records the unit accepted: their PSNs are at or before sent_psn
+        if i >= len(recs) or not qp.started or not le(recs[i].last_psn, qp.sent):
+            return
+        r = recs[i]
+        vl = self.vl(q)
+
+        def send(opcode, psn, syndrome=0, payload=b""):
+            pkt = response(opcode, q, psn, syndrome, payload, rng)
+            ref.packet(q, opcode, psn, syndrome)
+            bench.queue_packet(vl, q, pkt)
+
+        if not lt(qp.ack, r.last_psn) and r.opcode not in (READ,) + ATOMICS:
+            self.cursor[q] += 1     # already covered
+            return
+        roll = rng.random()
+        if roll < self.p_fatal:
+            psn = rng.choice([r.first_psn, r.last_psn])
+            if lt(qp.ack, psn):
+                send(Opcode.ACKNOWLEDGE, psn, 0x60 | rng.choice([1, 2, 3]))
+                self.killed[q] = True
+                self.fatal += 1
+            return
+        if roll < 0.06:
+            send(Opcode.ACKNOWLEDGE, r.last_psn, rng.choice([0x60, 0x64, 0x20 | rng.getrandbits(5)]))
+            return
+        if r.opcode == READ:
+            n = (r.last_psn - r.first_psn) % M24 + 1
+            if n == 1:
+                send(Opcode.RDMA_READ_RESPONSE_ONLY, r.last_psn, 0, rng.randbytes(rng.randint(0, 100)))
+            else:
+                for k in range(n):
+                    op = (Opcode.RDMA_READ_RESPONSE_FIRST if k == 0 else
+                          Opcode.RDMA_READ_RESPONSE_LAST if k == n - 1 else
+                          Opcode.RDMA_READ_RESPONSE_MIDDLE)
+                    send(op, (r.first_psn + k) % M24, 0, rng.randbytes(rng.randint(0, 130)))
+            self.cursor[q] += 1
+        elif r.opcode in ATOMICS:
+            nxt = recs[i + 1] if i + 1 < len(recs) else None
+            if (nxt is not None and nxt.opcode not in (READ,) + ATOMICS and rng.random() < 0.3
+                    and le(nxt.last_psn, qp.sent)):
+                send(Opcode.ACKNOWLEDGE, nxt.last_psn)     # later ACK covers the atomic
+                self.cursor[q] += 2
+            else:
+                send(Opcode.ATOMIC_ACKNOWLEDGE, r.last_psn)
+                self.cursor[q] += 1
+        else:
+            if r.first_psn != r.last_psn and rng.random() < 0.2:
+                lo = r.first_psn if lt(qp.ack, r.first_psn) else (qp.ack + 1) % M24
+                span = (r.last_psn - lo) % M24
+                if span > 0:
+                    send(Opcode.ACKNOWLEDGE, (lo + rng.randrange(span)) % M24)
+                    return
+            j = i
+            while (j + 1 < len(recs) and recs[j + 1].opcode not in (READ,) + ATOMICS
+                   and le(recs[j + 1].last_psn, qp.sent) and rng.random() < 0.5):
+                j += 1
+            if j + 1 < len(recs) and recs[j + 1].opcode == READ and rng.random() < 0.3:
+                self.cursor[q] = j + 1      # the READ's LAST will acknowledge these too
+                return
+            send(Opcode.ACKNOWLEDGE, recs[j].last_psn)
+            self.cursor[q] = j + 1
+
+    def junk(self):
+        bench, rng, ref = self.bench, self.rng, self.bench.ref
+        dut = bench.dut
+        n = dut.num_qps
+        q = rng.randrange(n)
+        qp = ref.qps[q]
+        kind = rng.choice(["icrc", "end_bad", "unknown", "reset", "request", "stale", "future",
+                           "grh", "pktlen", "syndrome", "long_ack"])
+        vl = rng.randrange(dut.num_vls)
+        psn = rng.getrandbits(24)
+        if kind in ("icrc", "end_bad"):
+            pkt = response(Opcode.ACKNOWLEDGE, q, (qp.ack + 1) % M24, 0, b"", rng)
+            if kind == "icrc":
+                pkt = pkt[:-1] + bytes([pkt[-1] ^ (1 << rng.randrange(8))])
+            bench.queue_packet(vl, q, pkt, end_bad=kind == "end_bad")
+            ref.counters["rx_dropped_icrc"] += 1
+            return
+        if kind == "unknown":
+            q = rng.randrange(n, M24)
+            pkt = response(Opcode.ACKNOWLEDGE, q, psn, 0, b"", rng)
+        elif kind == "reset":
+            resets = [x for x in range(n) if bench.qp_states[x] == QpState.RESET]
+            if not resets:
+                return
+            q = rng.choice(resets)
+            pkt = response(Opcode.ACKNOWLEDGE, q, psn, 0, b"", rng)
+        elif kind == "request":
+            pkt = build_packet(bth=BTH(opcode=Opcode.SEND_ONLY, destqp=q, psn=(qp.ack + 1) % M24),
+                               payload=rng.randbytes(rng.randint(0, 80)))
+        elif kind == "stale":
+            if not qp.started:
+                return
+            pkt = response(Opcode.ACKNOWLEDGE, q, (qp.ack - rng.randint(0, 3)) % M24, 0, b"", rng)
+        elif kind == "future":
+            if not qp.started:
+                return
+            pkt = response(rng.choice([Opcode.ACKNOWLEDGE, Opcode.RDMA_READ_RESPONSE_LAST]), q,
+                           (qp.sent + (1 << 20) + rng.randint(0, 99)) % M24, 0, b"", rng)
+        elif kind == "grh":
+            pkt = build_packet(bth=BTH(opcode=Opcode.ACKNOWLEDGE, destqp=q, psn=(qp.ack + 1) % M24),
+                               ext=(AETH(),), grh=bytes(40))
+        elif kind == "pktlen":
+            body = bytearray(response(Opcode.RDMA_READ_RESPONSE_ONLY, q, (qp.ack + 1) % M24, 0,
+                                      rng.randbytes(rng.randint(0, 100)), rng)[:-4])
+            words = ((body[4] & 7) << 8 | body[5]) + rng.choice([-1, 1])
+            body[4] = (body[4] & 0xF8) | (words >> 8)
+            body[5] = words & 0xFF
+            pkt = reseal(body)
+        elif kind == "syndrome":
+            op = rng.choice([Opcode.ACKNOWLEDGE, Opcode.RDMA_READ_RESPONSE_ONLY, Opcode.ATOMIC_ACKNOWLEDGE])
+            bad = (0x40 | rng.getrandbits(5) if op == Opcode.ACKNOWLEDGE and rng.random() < 0.5 else
+                   0x60 | rng.randint(5, 31) if op == Opcode.ACKNOWLEDGE else
+                   rng.choice([0x20, 0x60, 0x80, 0xE0]) | rng.getrandbits(5))
+            pkt = response(op, q, (qp.ack + 1) % M24, bad, b"", rng)
+        else:   # an ACK opcode with an ATOMIC ACK's length
+            body = bytearray(response(Opcode.ATOMIC_ACKNOWLEDGE, q, (qp.ack + 1) % M24, 0, b"", rng)[:-4])
+            body[8] = Opcode.ACKNOWLEDGE
+            pkt = reseal(body)
+        bench.queue_packet(vl, q if q < n else None, pkt)
+        ref.counters["rx_dropped_unexpected"] += 1
+
+
+def random_cqs(rng, num_cqs):
+    cqs = []
+    for c in range(num_cqs):
+        log_size = rng.randint(0, 3)
+        base = 0x100000 * (c + 1) + 64 * rng.randrange(64)
+        cqs.append((base, log_size, int(rng.random() < 0.4)))
+    return cqs
+
+
+async def random_body(ctx, bench, rng, traffic, *, records, p_resp=0.3, p_junk=0.05):
+    dut = bench.dut
+    killed_reset = set()
+    while traffic.generated < records or any(
+            traffic.cursor[q] < len(traffic.sent[q]) and not traffic.killed[q] for q in traffic.live):
+        if traffic.generated < records and len(bench.to_offer) < 4:
+            q = rng.choice(traffic.live)
+            if not traffic.killed[q] and bench.outstanding[q] + sum(
+                    1 for r in bench.to_offer if r.qpn == q) < 60:
+                bench.to_offer.append(traffic.new_record(q))
+        if rng.random() < p_resp:
+            q = rng.choice(traffic.live)
+            if not traffic.killed[q] and sum(len(x) for x in bench.rx) < 6:
+                traffic.respond(q)
+        if rng.random() < p_junk and sum(len(x) for x in bench.rx) < 6:
+            traffic.junk()
+        # A QP killed by a fatal NAK: once drained and quiet, reset it and start over.
+        for q in traffic.live:
+            if (traffic.killed[q] and bench.outstanding[q] == 0 and bench.quiet(q)
+                    and not any(r.qpn == q for r in bench.to_offer) and bench.offer is None
+                    and not bench.ref.completed[q]):
+                bench.resets.append(q)
+                traffic.killed[q] = False
+                traffic.sent[q] = []
+                traffic.cursor[q] = 0
+                traffic.wqe_index[q] = 0
+                traffic.next_psn[q] = rng.getrandbits(24)
+                killed_reset.add(q)
+        await bench.cycle(ctx)
+        assert bench.t < 60000, "test ran away"
+    await bench.drain(ctx)
+    await bench.check_counters(ctx)
+    return killed_reset
+
+
+@pytest.mark.parametrize("seed,num_vls,records,wire", [
+    (1, 2, 400, True),
+    (2, 2, 400, True),
+    (3, 1, 300, True),
+    (4, 3, 300, False),
+])
+def test_random(seed, num_vls, records, wire):
+    rng = random.Random(seed)
+    num_qps, num_cqs = 6, 3
+    dut = CompletionUnit(num_qps=num_qps, num_cqs=num_cqs, num_vls=num_vls, addr_width=48)
+    qp_states = [QpState.RTS] * num_qps
+    qp_states[2] = QpState.ERR
+    qp_states[num_qps - 1] = QpState.RESET
+    live = [q for q in range(num_qps) if qp_states[q] != QpState.RESET]
+    cqs = random_cqs(rng, num_cqs)
+    stats = {}
+
+    def factory():
+        bench = Bench(dut, rng, qp_states=qp_states, cqs=cqs, wire=wire,
+                      p_beat=0.7 if wire else 0.25)
+        return bench
+
+    async def body(ctx, bench):
+        for q in range(num_qps):
+            ctx.set(dut.qp_state[q], qp_states[q])
+        traffic = Traffic(bench, rng, live, p_fatal=0.02)
+        stats["reset"] = await random_body(ctx, bench, rng, traffic, records=records)
+        stats["fatal"] = traffic.fatal
+    bench = run(dut, factory, body)
+    c = bench.ref.counters
+    # the run exercised what it is meant to
+    assert bench.retired >= records * 0.8, bench.retired
+    assert c["acks_received"] > 20 and c["read_responses"] > 20 and c["atomic_acks"] > 5, c
+    assert c["naks_received"] > 3 and c["rx_dropped_icrc"] > 2 and c["rx_dropped_unexpected"] > 10, c
+    assert c["error_cqes"] > 10 and c["cqe_write_errors"] > 0, c
+    assert stats["fatal"] > 0 and stats["reset"], stats
+    assert bench.qp_errors, "no qp_error seen"
+    assert max(bench.cq_pi) > 8, bench.cq_pi
+    print(c, bench.t, bench.retired, bench.cqes, bench.cq_pi, stats)
+
+
+if __name__ == "__main__":
+    import sys, time
+    t0 = time.time()
+    test_random(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1")
+    print(time.time() - t0)
