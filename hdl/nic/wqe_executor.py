@@ -83,7 +83,16 @@ class WqeExecutor(wiring.Component):
     A failed or flushed WQE goes through the same stages without a packet, so completion
     records and packets come out in WQE order over all QPs. A stream of one-packet WQEs
     runs at one per cycle while the outputs are ready; a packet whose payload crosses
-    4 KiB (two bursts) takes two cycles of the read stage.
+    4 KiB (two bursts) takes two cycles of the read stage. A WQE accepted in cycle t has
+    its first burst on ``ar`` in t + 3 at the earliest, its first descriptor on
+    ``packet`` in t + 4 and its record on ``completion`` one cycle after its last
+    descriptor left.
+
+    Records: ``byte_count`` is the message length (8 for an atomic) and ``first_psn`` /
+    ``last_psn`` its PSNs for ``SENT``; an ``ERROR`` or ``FLUSH`` record has
+    ``byte_count``, ``first_psn`` and ``last_psn`` 0 and consumes no PSN; ``syndrome`` is
+    0 for ``SENT``. BTH.SE is set only where IBA defines it (the last packet of a SEND
+    or RDMA WRITE with immediate), never on a plain RDMA WRITE.
 
     Bad input with no row in docs/nic.md: a descriptor whose ``qpn`` is not below
     ``num_qps`` is dropped and counted in ``wqe_errors`` (there is no QP to complete it
