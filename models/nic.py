@@ -254,15 +254,18 @@ class RequesterModel:
     a list indexed like the NIC's (entry ``(key >> 8) % len``), or a dict ``{key: Mkey}``;
     give ``num_mkeys`` with a dict to model the NIC's table of that size exactly (a later
     key at the same index replaces an earlier one), without it a dict is looked up by the
-    exact key. QPs start in RTS with their next PSN at ``sq_psn``.
+    exact key. QPs start in RTS with their next PSN at ``sq_psn``. ``num_vls``: data VLs
+    of the port (an SL mapped to VL ``num_vls`` .. 15 fails like VL 15).
     """
 
-    def __init__(self, slid: int, sl_to_vl, qps, cqs, mkeys, num_mkeys: int | None = None):
+    def __init__(self, slid: int, sl_to_vl, qps, cqs, mkeys, num_mkeys: int | None = None,
+                 num_vls: int = 15):
         if len(sl_to_vl) != 16:
             raise ValueError("sl_to_vl needs 16 entries")
         if not mkeys:
             raise ValueError("the memory-key table needs at least one entry")
         self.slid = slid
+        self.num_vls = num_vls
         self.sl_to_vl = list(sl_to_vl)
         self.qps = qps
         self.cqs = cqs
@@ -321,16 +324,15 @@ class RequesterModel:
     def execute(self, qpn: int, wqe_index: int, wqe_bytes: bytes, read_memory, *,
                 fetch_error: bool = False) -> WqeResult:
         """Execute one WQE; ``read_memory(addr, n) -> bytes`` supplies DMA payload.
-        ``fetch_error``: a block of the WQE was read with RRESP not OKAY."""
-        if self.state[qpn] == QpState.RESET:
-            raise ValueError(f"QP {qpn} is in RESET")
+        ``fetch_error``: a block of the WQE was read with RRESP not OKAY. A QP in ERR (or
+        RESET, which a doorbell cannot reach) flushes the WQE."""
         qp = self.qps[qpn]
         wqe = parse_wqe(wqe_bytes)
         result = WqeResult(qpn=qpn, cqn=qp.cqn, wqe_index=wqe_index & 0xFFFF,
                            wqe_blocks=wqe.wqe_blocks, opcode=wqe.opcode,
                            status=CompletionStatus.SENT, signaled=bool(wqe.fm_ce_se & CTRL_CQ_UPDATE),
                            byte_count=wqe.length, laddr=wqe.laddr, mtu_bytes=qp.mtu_bytes, wqe=wqe)
-        if self.state[qpn] == QpState.ERR:
+        if self.state[qpn] != QpState.RTS:
             result.status = CompletionStatus.FLUSH
             result.syndrome = Syndrome.WR_FLUSH_ERR
             return result
@@ -351,7 +353,8 @@ class RequesterModel:
         length = wqe.length
         if length > MAX_MESSAGE_BYTES:
             return Syndrome.LOCAL_LENGTH_ERR
-        if self.sl_to_vl[qp.sl] == VL15:
+        vl = self.sl_to_vl[qp.sl]
+        if vl == VL15 or vl >= self.num_vls or not 1 <= qp.mtu <= 5:
             return Syndrome.LOCAL_QP_OP_ERR
         if wqe.has_data and length:
             key = self._mkey(wqe.lkey)
@@ -378,7 +381,8 @@ class RequesterModel:
             first_op, middle_op, last_op, only_op = _WRITE_OPS[op]
             count = max(1, -(-length // mtu))
             is_write = op in (MlxOpcode.RDMA_WRITE, MlxOpcode.RDMA_WRITE_IMM)
-            solicited = int(bool(wqe.fm_ce_se & CTRL_SOLICITED))
+            # IBA: SE only on SEND and RDMA WRITE with immediate (a plain WRITE raises no event)
+            solicited = int(bool(wqe.fm_ce_se & CTRL_SOLICITED) and op != MlxOpcode.RDMA_WRITE)
             for i in range(count):
                 start = i * mtu
                 size = min(mtu, length - start)
@@ -457,14 +461,38 @@ _READ_RESPONSES = _RESPONSES - {Opcode.ACKNOWLEDGE, Opcode.ATOMIC_ACKNOWLEDGE}
 _ATOMIC_MLX = (MlxOpcode.ATOMIC_CS, MlxOpcode.ATOMIC_FA)
 
 
+@dataclass
+class _QpProgress:
+    """The completion unit's per-QP PSN state (hdl/nic/completion_unit.py)."""
+    has_sent: bool = False
+    ack_psn: int = 0         # newest acknowledged PSN
+    sent_psn: int = 0        # last PSN of the newest SENT record
+    read_psn: int = 0        # newest READ response LAST/ONLY
+    atomic_psn: int = 0      # newest ATOMIC ACKNOWLEDGE
+    nak: tuple | None = None  # (psn, syndrome) of a fatal NAK not yet applied
+    flushing: bool = False
+
+
 class CompletionModel:
-    """The NIC's completion unit (docs/nic.md, "Completions").
+    """The NIC's completion unit (docs/nic.md, "Completions"; the PSN rules of
+    hdl/nic/completion_unit.py).
 
     Give it every :class:`WqeResult` in WQE order per QP (:meth:`post`) and every packet
     that arrives (:meth:`receive`); both return the :class:`Completion` list they cause,
-    in order. ``write_memory(addr, data)`` receives READ response payload (at ``laddr`` +
-    offset) and atomics' original values (8 bytes, little-endian, at ``laddr``). A fatal
-    NAK calls ``requester.set_qp_error``. ``counters`` uses the CompletionUnit names.
+    in order. A response for QP q at PSN p is taken only if q has had a SENT record since
+    its reset, is not flushing, and ``ack_psn < p <= sent_psn``; else it is dropped and
+    counted (``rx_dropped_unexpected``, or ``rx_dropped_icrc``). ACK: ``ack_psn = p``;
+    fatal NAK (codes 1..3): records ending before p complete, the one holding p gets the
+    NAK's error, the rest and every later one are flushed, ``requester.set_qp_error``;
+    RNR NAK and NAK codes 0/4, READ response FIRST/MIDDLE: counted only; READ response
+    LAST/ONLY: ``ack_psn = read_psn = p``; ATOMIC ACK: ``ack_psn = atomic_psn = p``. A
+    SENT head completes: READ when ``last_psn <= read_psn``, atomic when ``last_psn <=
+    atomic_psn`` or ``< ack_psn``, others when ``last_psn <= ack_psn``.
+
+    ``write_memory(addr, data)``, if given, receives READ response payload (at ``laddr`` +
+    offset) and atomics' original values (8 bytes, little-endian, at ``laddr``): the
+    NIC's completion unit does not write them yet. ``counters`` uses the CompletionUnit
+    names.
     """
 
     def __init__(self, requester: RequesterModel, write_memory=None):
@@ -472,28 +500,34 @@ class CompletionModel:
         self.write_memory = write_memory
         self.cq_pi = defaultdict(int)
         self.outstanding = defaultdict(deque)
-        self.errored = defaultdict(bool)
+        self.progress = defaultdict(_QpProgress)
         self.counters = dict.fromkeys(
             ("acks_received", "naks_received", "read_responses", "atomic_acks", "cqes_written",
              "error_cqes", "rx_dropped_icrc", "rx_dropped_unexpected"), 0)
 
     def post(self, result: WqeResult) -> list:
         self.outstanding[result.qpn].append(result)
+        if result.status == CompletionStatus.SENT:
+            st = self.progress[result.qpn]
+            if not st.has_sent:
+                st.has_sent = True
+                st.ack_psn = st.read_psn = st.atomic_psn = psn_add(result.first_psn, -1)
+            st.sent_psn = result.last_psn
         out = []
-        self._drain(result.qpn, out)
+        self._advance(result.qpn, out)
         return out
 
     def flush_qp(self, qpn: int) -> list:
         """The QP went to ERR (host write): everything outstanding, and every record
         posted from now on, completes with a flush error."""
-        self.errored[qpn] = True
+        self.progress[qpn].flushing = True
         out = []
-        self._drain(qpn, out)
+        self._advance(qpn, out)
         return out
 
     def reset_qp(self, qpn: int):
-        """RESET: the outstanding table of the QP is emptied without completions."""
-        self.errored[qpn] = False
+        """RESET: the QP's outstanding table and PSN state are cleared, no completions."""
+        self.progress[qpn] = _QpProgress()
         self.outstanding[qpn].clear()
 
     def _complete(self, result: WqeResult, out: list, syndrome: int = 0):
@@ -506,7 +540,8 @@ class CompletionModel:
         if cqe is not None:
             cq = self.requester.cqs[result.cqn]
             pi = self.cq_pi[result.cqn]
-            cqe = replace(cqe, owner=cqe_owner(pi, cq.log_size))
+            log_size = 0 if cq.collapsed else cq.log_size
+            cqe = replace(cqe, owner=cqe_owner(pi, log_size))
             address = cqe_address(cq.base, cq.log_size, cq.collapsed, pi)
             self.cq_pi[result.cqn] = pi + 1
             self.counters["cqes_written"] += 1
@@ -514,100 +549,99 @@ class CompletionModel:
         out.append(Completion(result.qpn, result.wqe_index, result.wqe_blocks, result.cqn,
                               cqe, address))
 
-    def _drain(self, qpn: int, out: list):
+    def _advance(self, qpn: int, out: list):
         queue = self.outstanding[qpn]
-        while queue and (queue[0].status != CompletionStatus.SENT or self.errored[qpn]):
-            head = queue.popleft()
-            flush = self.errored[qpn] and head.status == CompletionStatus.SENT
-            self._complete(head, out, syndrome=Syndrome.WR_FLUSH_ERR if flush else 0)
-
-    def _waiting(self, qpn: int, psn: int) -> bool:
-        return any(r.status == CompletionStatus.SENT and psn_le(r.first_psn, psn)
-                   and psn_le(psn, r.last_psn) for r in self.outstanding[qpn])
-
-    def _implicit(self, qpn: int, psn: int, out: list, *, inclusive: bool):
-        """Complete the SENT heads that a response for ``psn`` acknowledges."""
-        queue = self.outstanding[qpn]
+        st = self.progress[qpn]
         while queue:
             head = queue[0]
-            if head.status != CompletionStatus.SENT:
-                self._complete(queue.popleft(), out)
+            if st.flushing or head.status == CompletionStatus.FLUSH:
+                self._complete(queue.popleft(), out, Syndrome.WR_FLUSH_ERR)
+                continue
+            if head.status == CompletionStatus.ERROR:
+                self._complete(queue.popleft(), out, head.syndrome)
+                continue
+            if st.nak is not None:
+                psn, syndrome = st.nak
+                if psn_lt(head.last_psn, psn):
+                    self._complete(queue.popleft(), out)
+                else:
+                    self._complete(queue.popleft(), out, syndrome)
+                    st.nak = None
+                    st.flushing = True
+                    self.requester.set_qp_error(qpn)
                 continue
             if head.opcode == MlxOpcode.RDMA_READ:
-                return
-            if head.opcode in _ATOMIC_MLX or not inclusive:
-                done = psn_lt(head.last_psn, psn)
+                done = psn_le(head.last_psn, st.read_psn)
+            elif head.opcode in _ATOMIC_MLX:
+                done = psn_le(head.last_psn, st.atomic_psn) or psn_lt(head.last_psn, st.ack_psn)
             else:
-                done = psn_le(head.last_psn, psn)
+                done = psn_le(head.last_psn, st.ack_psn)
             if not done:
                 return
             self._complete(queue.popleft(), out)
+            if psn_lt(st.read_psn, head.last_psn):
+                st.read_psn = head.last_psn
+            if psn_lt(st.atomic_psn, head.last_psn):
+                st.atomic_psn = head.last_psn
+
+    def _drop(self) -> list:
+        self.counters["rx_dropped_unexpected"] += 1
+        return []
 
     def receive(self, packet: bytes) -> list:
-        out = []
         try:
             pkt = decode_packet(packet)
         except ValueError:
-            self.counters["rx_dropped_unexpected"] += 1
-            return out
+            return self._drop()
         if not pkt.icrc_ok:
             self.counters["rx_dropped_icrc"] += 1
-            return out
-        qpn = pkt.bth.destqp
-        psn = pkt.bth.psn
+            return []
         opcode = pkt.bth.opcode
-        if (opcode not in _RESPONSES or not self.outstanding.get(qpn)
-                or self.requester.state[qpn] == QpState.RESET or not self._waiting(qpn, psn)):
-            self.counters["rx_dropped_unexpected"] += 1
-            return out
-        queue = self.outstanding[qpn]
+        if opcode not in _RESPONSES:
+            return self._drop()
+        qpn, psn = pkt.bth.destqp, pkt.bth.psn
+        aeth = pkt.ext[0].syndrome if pkt.ext and isinstance(pkt.ext[0], AETH) else None
+        kind = None if aeth is None else aeth >> 5
         if opcode == Opcode.ACKNOWLEDGE:
-            syndrome = pkt.ext[0].syndrome
-            kind = syndrome >> 5
-            if kind == 0:
+            if not (kind in (0b000, 0b001) or (kind == 0b011 and aeth & 0x1F <= 4)):
+                return self._drop()
+        elif aeth is not None and kind != 0b000:
+            return self._drop()
+        st = self.progress.get(qpn)
+        if (st is None or not st.has_sent or st.flushing or st.nak is not None
+                or self.requester.state[qpn] == QpState.RESET
+                or not (psn_lt(st.ack_psn, psn) and psn_le(psn, st.sent_psn))):
+            return self._drop()
+        out = []
+        if opcode == Opcode.ACKNOWLEDGE:
+            if kind == 0b000:
                 self.counters["acks_received"] += 1
-                self._implicit(qpn, psn, out, inclusive=True)
+                st.ack_psn = psn
             else:
                 self.counters["naks_received"] += 1
-                code = syndrome & 0x1F
+                code = aeth & 0x1F
                 if kind == 0b011 and code in NAK_CODE_SYNDROME:
-                    self._fatal_nak(qpn, psn, NAK_CODE_SYNDROME[code], out)
+                    st.ack_psn = psn_add(psn, -1)
+                    st.nak = (psn, NAK_CODE_SYNDROME[code])
         elif opcode == Opcode.ATOMIC_ACKNOWLEDGE:
-            self._implicit(qpn, psn, out, inclusive=False)
-            head = queue[0] if queue else None
-            if head is None or head.opcode not in _ATOMIC_MLX or head.last_psn != psn:
-                self.counters["rx_dropped_unexpected"] += 1
-                return out
             self.counters["atomic_acks"] += 1
-            if self.write_memory is not None:
-                self.write_memory(head.laddr, pkt.ext[1].orig.to_bytes(8, "little"))
-            self._complete(queue.popleft(), out)
+            st.ack_psn = st.atomic_psn = psn
+            for r in self.outstanding[qpn]:
+                if (r.opcode in _ATOMIC_MLX and r.last_psn == psn and r.status == CompletionStatus.SENT
+                        and self.write_memory is not None):
+                    self.write_memory(r.laddr, pkt.ext[1].orig.to_bytes(8, "little"))
         else:
-            self._implicit(qpn, psn, out, inclusive=False)
-            head = queue[0] if queue else None
-            if (head is None or head.opcode != MlxOpcode.RDMA_READ
-                    or not (psn_le(head.first_psn, psn) and psn_le(psn, head.last_psn))):
-                self.counters["rx_dropped_unexpected"] += 1
-                return out
             self.counters["read_responses"] += 1
-            if self.write_memory is not None and pkt.payload:
-                offset = psn_diff(psn, head.first_psn) * head.mtu_bytes
-                self.write_memory(head.laddr + offset, pkt.payload)
-            if psn == head.last_psn:
-                self._complete(queue.popleft(), out)
-        self._drain(qpn, out)
+            for r in self.outstanding[qpn]:
+                if (r.opcode == MlxOpcode.RDMA_READ and r.status == CompletionStatus.SENT
+                        and psn_le(r.first_psn, psn) and psn_le(psn, r.last_psn)
+                        and self.write_memory is not None and pkt.payload):
+                    self.write_memory(r.laddr + psn_diff(psn, r.first_psn) * r.mtu_bytes,
+                                      pkt.payload)
+            if opcode in (Opcode.RDMA_READ_RESPONSE_LAST, Opcode.RDMA_READ_RESPONSE_ONLY):
+                st.ack_psn = st.read_psn = psn
+        self._advance(qpn, out)
         return out
-
-    def _fatal_nak(self, qpn: int, psn: int, syndrome: int, out: list):
-        queue = self.outstanding[qpn]
-        while queue and (queue[0].status != CompletionStatus.SENT
-                         or psn_lt(queue[0].last_psn, psn)):
-            self._complete(queue.popleft(), out)
-        if queue:
-            self._complete(queue.popleft(), out, syndrome=syndrome)
-        self.requester.set_qp_error(qpn)
-        self.errored[qpn] = True
-        self._drain(qpn, out)
 
 
 def expected_cqes(results, nak: tuple[int, int] | None = None) -> list:

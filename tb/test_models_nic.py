@@ -146,7 +146,8 @@ PD = 3
 LKEY = 0x00000501           # index 5, variant 1
 
 
-def world(*, mtu=1, sq_psn=0, num_qps=2, sl_to_vl=None, log_cq=2, collapsed=False, access=None):
+def world(*, mtu=1, sq_psn=0, num_qps=2, sl_to_vl=None, log_cq=2, collapsed=False, access=None,
+          num_vls=15):
     qps = [n.QpConfig(sq_base=0x4000 * (q + 1), log_sq_size=6, mtu=mtu, sl=q % 2,
                       dest_qpn=0x100 + q, dlid=0x20, pd=PD, pkey=0x8001, sq_psn=sq_psn,
                       cqn=q % 2) for q in range(num_qps)]
@@ -155,7 +156,7 @@ def world(*, mtu=1, sq_psn=0, num_qps=2, sl_to_vl=None, log_cq=2, collapsed=Fals
     mkeys = [n.Mkey() for _ in range(8)]
     mkeys[5] = n.Mkey(key=LKEY, base=LOCAL_BASE, length=MEM,
                       access=n.Access.LOCAL_WRITE if access is None else access, pd=PD, valid=True)
-    req = n.RequesterModel(0x11, sl_to_vl or [0, 1] + [0] * 14, qps, cqs, mkeys)
+    req = n.RequesterModel(0x11, sl_to_vl or [0, 1] + [0] * 14, qps, cqs, mkeys, num_vls=num_vls)
     local = bytearray(random.Random(7).randbytes(MEM))
     return req, local
 
@@ -245,6 +246,9 @@ def test_fetch_error():
 
 EXECUTOR_CASES = [
     ("sl to vl15", dict(sl_to_vl=[15] * 16), dict(op=m.Opcode.SEND, inline=b"x"), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("sl to a VL the port lacks", dict(num_vls=1, sl_to_vl=[1] * 16), dict(op=m.Opcode.SEND, inline=b"x"),
+     m.Syndrome.LOCAL_QP_OP_ERR),
+    ("mtu code 0", dict(mtu=0), dict(op=m.Opcode.SEND, inline=b"x"), m.Syndrome.LOCAL_QP_OP_ERR),
     ("no key entry", {}, dict(op=m.Opcode.SEND, byte_count=4, lkey=0x601, laddr=LOCAL_BASE),
      m.Syndrome.LOCAL_PROT_ERR),
     ("key variant differs", {}, dict(op=m.Opcode.SEND, byte_count=4, lkey=0x502, laddr=LOCAL_BASE),
@@ -321,7 +325,7 @@ def _check_message(r, qp, req, local, laddr, length, op, *, imm=0, fm_ce_se=8, r
             expect_ext += (ImmDt(imm=imm),)
         if op != m.Opcode.RDMA_READ:
             assert p.ext == expect_ext
-            assert p.bth.se == int(last and bool(fm_ce_se & m.CTRL_SOLICITED))
+            assert p.bth.se == int(last and bool(fm_ce_se & m.CTRL_SOLICITED) and op != m.Opcode.RDMA_WRITE)
         # byte-exact against the project's packet builder
         assert r.packets[i] == build_packet(lrh=p.lrh, bth=p.bth, ext=p.ext, payload=p.payload)
 
@@ -441,6 +445,7 @@ def _loop(seed, *, ack_every, coalesce, count=120, collapsed=False):
     comp = n.CompletionModel(req, write_memory=writer(local))
     results = {0: [], 1: []}
     cqes = {0: [], 1: []}
+    ordered = []
     sends = {0x100: [], 0x101: []}
     idx = [0, 0]
     for _ in range(count):
@@ -473,15 +478,17 @@ def _loop(seed, *, ack_every, coalesce, count=120, collapsed=False):
             remote_ref[roff:roff + 8] = new.to_bytes(8, "little")
             loff = kw["laddr"] - LOCAL_BASE
             local_ref[loff:loff + 8] = orig.to_bytes(8, "little")
-        for c in comp.post(r):
-            cqes[c.qpn].append(c)
+        done = comp.post(r)
         for packet in r.packets:
             for answer in resp.receive(packet):
-                for c in comp.receive(answer):
-                    cqes[c.qpn].append(c)
+                done += comp.receive(answer)
+        for c in done:
+            cqes[c.qpn].append(c)
+            ordered.append(c)
     for answer in resp.flush():
         for c in comp.receive(answer):
             cqes[c.qpn].append(c)
+            ordered.append(c)
     assert remote == remote_ref
     assert local == local_ref
     for qpn in (0, 1):
@@ -495,7 +502,7 @@ def _loop(seed, *, ack_every, coalesce, count=120, collapsed=False):
         written = [c for qpn in (0, 1) for c in cqes[qpn] if c.cqe and c.cqn == cqn]
         assert len(written) == comp.cq_pi[cqn]
     assert comp.counters["rx_dropped_unexpected"] == comp.counters["rx_dropped_icrc"] == 0
-    return comp, resp, cqes
+    return comp, resp, ordered
 
 
 @pytest.mark.parametrize("seed,ack_every,coalesce", [(1, 1, False), (2, 3, False), (3, 4, True)])
@@ -504,10 +511,12 @@ def test_loop(seed, ack_every, coalesce):
 
 
 def test_loop_cq_owner_and_collapsed():
-    comp, _, cqes = _loop(4, ack_every=1, coalesce=False, count=40, collapsed=True)
+    # collapsed (log_size 2 here, which then counts as 0): entry 0, the owner flips every CQE
+    comp, _, ordered = _loop(4, ack_every=1, coalesce=False, count=40, collapsed=True)
     for cqn in (0, 1):
-        written = [c for q in (0, 1) for c in cqes[q] if c.cqe and c.cqn == cqn]
+        written = [c for c in ordered if c.cqe and c.cqn == cqn]
         assert written and all(c.address == 0x9000 + 0x1000 * cqn for c in written)
+        assert [c.cqe.owner for c in written] == [i & 1 for i in range(len(written))]
     # in the non-collapsed case the owner bit flips every 2^log_size CQEs of one CQ
     req, local = world(log_cq=1)
     comp = n.CompletionModel(req)
@@ -615,23 +624,51 @@ def test_completion_rules():
     assert comp.receive(resp(Opcode.ACKNOWLEDGE, 1, qpn=7)) == []
     assert comp.receive(resp(Opcode.ACKNOWLEDGE, 100)) == []
     assert comp.counters["rx_dropped_unexpected"] == 3
-    # an ACK of the first packet: nothing; an ACK past the READ: only the write completes
+    # an ACK of the first packet: nothing; of the second: the write completes
     assert comp.receive(resp(Opcode.ACKNOWLEDGE, 0)) == []
-    (c,) = comp.receive(resp(Opcode.ACKNOWLEDGE, 3))
+    (c,) = comp.receive(resp(Opcode.ACKNOWLEDGE, 1))
     assert c.wqe_index == 0
+    # a stale ACK is dropped: PSNs at or before the newest acknowledged one
+    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 1)) == []
+    # an ACK does not complete a READ: it waits for its LAST response
     # READ response FIRST/LAST (data lands at laddr + offset)
     assert comp.receive(resp(Opcode.RDMA_READ_RESPONSE_FIRST, 2, payload=bytes([1]) * 256)) == []
     (c,) = comp.receive(resp(Opcode.RDMA_READ_RESPONSE_LAST, 3, payload=bytes([2]) * 44))
     assert c.wqe_index == 1 and local[0x100:0x100 + 300] == bytes([1]) * 256 + bytes([2]) * 44
-    # an ACK of the atomic's own PSN does not complete it; an ATOMIC ACK does
-    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 4)) == []
+    # an ATOMIC ACK completes the atomic and hands back the original value
     (c,) = comp.receive(resp(Opcode.ATOMIC_ACKNOWLEDGE, 4,
                              ext=[AETH(syndrome=0, msn=3), AtomicAckETH(orig=0x0102030405060708)]))
     assert c.wqe_index == 2 and local[0x800:0x808] == H("0807060504030201")
     (c,) = comp.receive(resp(Opcode.ACKNOWLEDGE, 5))
     assert c.wqe_index == 3 and not comp.outstanding[0]
-    assert comp.counters["acks_received"] == 4 and comp.counters["read_responses"] == 2
-    assert comp.counters["atomic_acks"] == 1
+    assert comp.counters["acks_received"] == 3 and comp.counters["read_responses"] == 2
+    assert comp.counters["atomic_acks"] == 1 and comp.counters["rx_dropped_unexpected"] == 4
+    # an ACK of an atomic's own PSN does not complete it, a later one does
+    at = run(req, local, 0, 4, op=m.Opcode.ATOMIC_CS, lkey=LKEY, laddr=LOCAL_BASE, raddr=REMOTE_BASE,
+             rkey=9)                                                     # PSN 6
+    s = run(req, local, 0, 5, op=m.Opcode.SEND, inline=b"z")           # PSN 7
+    comp.post(at)
+    comp.post(s)
+    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 6)) == []
+    assert [c.wqe_index for c in comp.receive(resp(Opcode.ACKNOWLEDGE, 7))] == [4, 5]
+    # a READ is not completed by a later ACK, but by a later READ's LAST response
+    r1 = run(req, local, 0, 6, op=m.Opcode.RDMA_READ, byte_count=8, lkey=LKEY, laddr=LOCAL_BASE,
+             raddr=REMOTE_BASE, rkey=9)                                  # PSN 8
+    s = run(req, local, 0, 7, op=m.Opcode.SEND, inline=b"z")           # PSN 9
+    r2 = run(req, local, 0, 8, op=m.Opcode.RDMA_READ, byte_count=8, lkey=LKEY, laddr=LOCAL_BASE,
+             raddr=REMOTE_BASE, rkey=9)                                  # PSN 10
+    for r in (r1, s, r2):
+        comp.post(r)
+    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 9)) == []
+    assert [c.wqe_index for c in comp.receive(resp(Opcode.RDMA_READ_RESPONSE_ONLY, 10,
+                                                   payload=bytes(8)))] == [6, 7, 8]
+    # malformed AETHs: a READ response with a NAK syndrome, a reserved NAK code
+    comp.post(run(req, local, 0, 9, op=m.Opcode.SEND, inline=b"z"))  # PSN 11
+    before = comp.counters["rx_dropped_unexpected"]
+    assert comp.receive(resp(Opcode.RDMA_READ_RESPONSE_ONLY, 11, ext=[AETH(syndrome=0x61)])) == []
+    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 11, ext=[AETH(syndrome=0x65)])) == []
+    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 11, ext=[AETH(syndrome=0x40)])) == []
+    assert comp.counters["rx_dropped_unexpected"] == before + 3
 
 
 def test_responder_rejects():
@@ -813,7 +850,24 @@ def test_context_forms_and_states():
     qps[3].sq_psn = 0xFFFFFF
     req.set_state(3, "RESET")
     comp.reset_qp(3)
-    with pytest.raises(ValueError):
-        run(req, local, 3, 0, **kw)
+    assert run(req, local, 3, 0, **kw).status == "FLUSH"
     req.set_state(3, n.QpState.RTS)
     assert run(req, local, 3, 0, **kw).first_psn == 0xFFFFFF
+
+
+def test_completion_psn_marks_follow_completions():
+    """read_psn/atomic_psn are pulled up by every completion, so a READ or atomic far
+    (< 2^23) ahead of the last READ/atomic response never looks already answered."""
+    for op in (m.Opcode.ATOMIC_FA, m.Opcode.RDMA_READ):
+        req, local = world()
+        comp = n.CompletionModel(req)
+        first = run(req, local, 0, 0, op=m.Opcode.SEND, inline=b"a")           # PSN 0
+        comp.post(first)
+        ack = n.make_packet(vl=0, sl=0, dlid=0x11, slid=0x55, opcode=Opcode.ACKNOWLEDGE,
+                            destqp=0, psn=0, ext=[AETH(syndrome=0, msn=1)])
+        assert len(comp.receive(ack)) == 1
+        req.next_psn[0] = 0x7FFFFF          # a long, fully acknowledged history
+        far = run(req, local, 0, 1, op=op, byte_count=8, lkey=LKEY, laddr=LOCAL_BASE,
+                  raddr=REMOTE_BASE, rkey=9)
+        assert far.first_psn == 0x7FFFFF
+        assert comp.post(far) == []
