@@ -219,8 +219,9 @@ def parse_wqe(wqe: bytes) -> ParsedWqe:
     Rules (docs/nic.md, segment rules), checked in this order:
     ds 0 or an opcode not in :class:`Opcode` -> LOCAL_QP_OP_ERR; inline data longer than
     64 bytes -> LOCAL_LENGTH_ERR (checked before its ds); ds not matching the opcode's
-    segments -> LOCAL_QP_OP_ERR; a READ or atomic whose data segment is marked inline ->
-    LOCAL_QP_OP_ERR; an atomic's byte count not 8 -> LOCAL_LENGTH_ERR.
+    segments -> LOCAL_QP_OP_ERR; an atomic's data-segment word not 8 (an inline-marked
+    segment included) -> LOCAL_LENGTH_ERR; a READ whose data segment is marked inline ->
+    LOCAL_QP_OP_ERR. The same rules as hdl/nic/wqe_fetcher.py.
     """
     wqe = bytes(wqe)
     opmod_idx_opcode = _field(wqe, 0, 4)
@@ -267,10 +268,10 @@ def parse_wqe(wqe: bytes) -> ParsedWqe:
         return error(Syndrome.LOCAL_QP_OP_ERR)
 
     byte_count = _field(wqe, offset, 4)
-    if byte_count & INLINE_SEG:   # READ/atomic: the data segment must not be inline
-        return error(Syndrome.LOCAL_QP_OP_ERR)
-    if opcode in _ATOMICS and byte_count != 8:
+    if opcode in _ATOMICS and byte_count != 8:    # an inline-marked segment too
         return error(Syndrome.LOCAL_LENGTH_ERR)
+    if byte_count & INLINE_SEG:                   # a READ's data segment must not be inline
+        return error(Syndrome.LOCAL_QP_OP_ERR)
     return ParsedWqe(**base, **fields, has_data=True, byte_count=byte_count,
                      lkey=_field(wqe, offset + 4, 4), laddr=_field(wqe, offset + 8, 8))
 

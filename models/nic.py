@@ -208,7 +208,8 @@ _WRITE_OPS = {
 
 @dataclass
 class WqeResult:
-    """What the NIC does with one WQE: ``CompletionRecordLayout`` plus the packets."""
+    """What the NIC does with one WQE: ``CompletionRecordLayout`` plus the packets
+    (byte_count and PSNs are 0 unless SENT, as the executor's record has them)."""
     qpn: int
     cqn: int
     wqe_index: int
@@ -335,11 +336,13 @@ class RequesterModel:
         if self.state[qpn] != QpState.RTS:
             result.status = CompletionStatus.FLUSH
             result.syndrome = Syndrome.WR_FLUSH_ERR
+            result.byte_count = 0
             return result
         syndrome = self._check(qp, wqe, fetch_error)
         if syndrome:
             result.status = CompletionStatus.ERROR
             result.syndrome = syndrome
+            result.byte_count = 0
             self.state[qpn] = QpState.ERR
             return result
         self._packets(qpn, qp, wqe, result, read_memory)

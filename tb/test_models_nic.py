@@ -213,7 +213,7 @@ FORMAT_ERRORS = [
     ("atomic, 4 bytes", _raw(m.Opcode.ATOMIC_FA, 4, RA, m.atomic_segment(1),
                              m.data_segment(4, LKEY, LOCAL_BASE)), m.Syndrome.LOCAL_LENGTH_ERR),
     ("atomic, inline data", _raw(m.Opcode.ATOMIC_CS, 4, RA, m.atomic_segment(1),
-                                 m.inline_segment(bytes(8))[:16]), m.Syndrome.LOCAL_QP_OP_ERR),
+                                 m.inline_segment(bytes(8))[:16]), m.Syndrome.LOCAL_LENGTH_ERR),
 ]
 
 
@@ -274,6 +274,9 @@ def test_executor_checks(name, world_kw, wqe_kw, syndrome):
     r = run(req, local, 0, 0, **wqe_kw)
     assert r.status == n.CompletionStatus.ERROR and r.syndrome == syndrome and not r.packets
     assert req.state[0] == n.QpState.ERR
+    assert r.record() == dict(qpn=0, cqn=0, wqe_index=0, wqe_blocks=r.wqe_blocks, opcode=wqe_kw["op"],
+                              byte_count=0, first_psn=0, last_psn=0, signaled=1, status=1,
+                              syndrome=int(syndrome))
 
 
 def test_executor_checks_pass():
