@@ -22,7 +22,7 @@ from enum import Enum, IntEnum, IntFlag
 
 from models.ib import (AETH, BTH, LNH_IBA_LOCAL, LRH, RETH, AtomicAckETH, AtomicETH, ImmDt,
                        Opcode, extension_headers)
-from models.mlx5 import (CQE_BYTES, MAX_MESSAGE_BYTES, WQEBB_BYTES, Cqe, Opcode as MlxOpcode,
+from models.mlx5 import (MAX_MESSAGE_BYTES, WQEBB_BYTES, Cqe, Opcode as MlxOpcode,
                          ParsedWqe, Syndrome, CTRL_CQ_UPDATE, CTRL_SOLICITED, cqe_address,
                          cqe_owner, error_cqe, parse_wqe, requester_cqe, wqe_blocks)
 
@@ -684,7 +684,6 @@ class ResponderQp:
     error: bool = False
     unacked: int = 0
     last_psn: int = 0
-    pending_ack: bool = False
     seq_nak_sent: bool = False
     # message in progress: None, "send" or "write"
     in_progress: str | None = None
@@ -698,7 +697,6 @@ class ResponderQp:
     reply_pkey: int = 0xFFFF
 
 
-_SEND_FIRST_MIDDLE = {Opcode.SEND_FIRST, Opcode.SEND_MIDDLE}
 _SEND_LASTS = {Opcode.SEND_LAST, Opcode.SEND_LAST_WITH_IMMEDIATE}
 _SEND_ONLYS = {Opcode.SEND_ONLY, Opcode.SEND_ONLY_WITH_IMMEDIATE}
 _WRITE_LASTS = {Opcode.RDMA_WRITE_LAST, Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE}
@@ -795,7 +793,6 @@ class ResponderModel:
         else:
             self.counters["acks"] += 1
             qp.unacked = 0
-            qp.pending_ack = False
         return self._response(qp, Opcode.ACKNOWLEDGE, psn, ext=[AETH(syndrome=syndrome,
                                                                      msn=qp.msn)])
 
