@@ -9,8 +9,9 @@
   plain :class:`hdl.link.link_port.LinkPort`, the remote end, whose packet streams and
   state come out as ``remote_*`` ports (:func:`tb.link_pair.port_members`); a Python
   responder model answers there.
-- ``nic_wire_monitor`` is the NIC's ``wire_out`` at its own pins (before the cable), for
-  latency measurements and captures.
+- ``nic_wire_monitor`` is the NIC's ``wire_out`` at its own pins (before the cable), and
+  ``nic_ar_fire``/``nic_ar_id`` mark each read burst the NIC issues (before the memory
+  delay), so a latency can be split into NIC cycles and memory waits.
 """
 from amaranth import *
 from amaranth.lib import wiring
@@ -47,6 +48,8 @@ class NicTop(wiring.Component):
             "axi": Out(self.nic.signature.members["axi"].signature),
             "memory_latency": In(range(max_memory_latency + 1)),
             "nic_link_state": Out(LinkState),
+            "nic_ar_fire": Out(1),          # the NIC issued a read burst this cycle ...
+            "nic_ar_id": Out(2),            # ... with this ARID (before the memory delay)
             "nic_wire_monitor": Out(WireSignature(NIC_WIDTH)),
             **port_members("remote", NIC_WIDTH, num_vls),
         }
@@ -74,6 +77,8 @@ class NicTop(wiring.Component):
             delay.down_arready.eq(self.axi.arready),
             delay.latency.eq(self.memory_latency),
             self.nic_link_state.eq(nic.link_state),
+            self.nic_ar_fire.eq(nic.axi.arvalid & delay.up_arready),
+            self.nic_ar_id.eq(nic.axi.arid),
         ]
 
         expose_port(m, self, "remote", remote)

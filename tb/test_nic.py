@@ -1,0 +1,337 @@
+"""The NIC's requester side under Verilator: a GPU model posting IBGDA-style, a responder
+model answering, every packet and every CQE checked against models/ (tb/nic_tb.py).
+
+Every test ends with :meth:`tb.nic_tb.NicTB.check_clean`: each predicted packet was on
+the wire byte for byte and in order per QP, each signaled WQE completed exactly once and
+in order per QP, no link overflow and no link re-initialisation.
+"""
+import random
+
+import cocotb
+import pytest
+
+from hdl.nic import register_map as rmap
+from models import mlx5
+from tb import runner
+from tb.nic_tb import DATA_BYTES, DATA_REGION, PD, NicTB
+
+Op = mlx5.Opcode
+RTS, ERR, RESET = 3, 6, 0
+
+
+def random_wqe(tb, rng, *, small=False):
+    """One random, valid WQE's fields (for :meth:`NicTB.builder`)."""
+    kind = rng.choice(["write_inline", "write", "write_imm", "send", "send_imm", "read",
+                       "fetch_add", "compare_swap", "send_inline"])
+    signaled = mlx5.CTRL_CQ_UPDATE if rng.random() < 0.8 else 0
+    fields = dict(fm_ce_se=signaled | (mlx5.CTRL_SOLICITED if rng.random() < 0.2 else 0))
+    limit = 600 if small else rng.choice([64, 600, 5000, 12000])
+    length = rng.randrange(0, limit + 1)
+    laddr = DATA_REGION + rng.randrange(0, DATA_BYTES - length - 8)
+    raddr = rng.getrandbits(64)
+    rkey = rng.getrandbits(32)
+    if kind in ("write_inline", "send_inline"):
+        fields.update(opcode=Op.RDMA_WRITE if kind == "write_inline" else Op.SEND,
+                      inline=rng.randbytes(rng.randrange(0, 65)))
+        if kind == "write_inline":
+            fields.update(raddr=raddr, rkey=rkey)
+    elif kind in ("write", "write_imm", "send", "send_imm"):
+        opcode = {"write": Op.RDMA_WRITE, "write_imm": Op.RDMA_WRITE_IMM, "send": Op.SEND,
+                  "send_imm": Op.SEND_IMM}[kind]
+        fields.update(opcode=opcode, byte_count=length, lkey=tb.data_key, laddr=laddr,
+                      imm=rng.getrandbits(32))
+        if kind.startswith("write"):
+            fields.update(raddr=raddr, rkey=rkey)
+    elif kind == "read":
+        fields.update(opcode=Op.RDMA_READ, byte_count=length, lkey=tb.data_key, laddr=laddr,
+                      raddr=raddr, rkey=rkey)
+    else:
+        fields.update(opcode=Op.ATOMIC_FA if kind == "fetch_add" else Op.ATOMIC_CS,
+                      lkey=tb.data_key, laddr=laddr & ~7, raddr=raddr & ~7, rkey=rkey,
+                      swap_add=rng.getrandbits(64), compare=rng.getrandbits(64))
+    return fields
+
+
+def fill_data(tb, rng):
+    tb.memory.write(DATA_REGION, rng.randbytes(1 << 16) * (DATA_BYTES >> 16))
+
+
+async def post_all(tb, work):
+    """Run one warp per work list and wait for all of them."""
+    for task in tb.gpu.start_warps(work):
+        await task
+
+
+@cocotb.test()
+async def zero_load_latency(dut):
+    """Doorbell to first beat on the wire, one 8-byte inline RDMA WRITE at a time, with
+    the split into NIC cycles and memory waits (the fetch's AR issue to its first R beat)."""
+    tb = NicTB(dut, memory_latency=200)
+    await tb.reset()
+    await tb.setup(qps=4, mtu=5)
+    rng = random.Random(1)
+    nic_cycles = []
+    for trial in range(8):
+        q = trial % 4
+        fields = dict(opcode=Op.RDMA_WRITE, inline=rng.randbytes(8), raddr=rng.getrandbits(64),
+                      rkey=0x1234, fm_ce_se=mlx5.CTRL_CQ_UPDATE)
+        before = len(tb.wire.data_packets), len(tb.bus.doorbells), len(tb.bus.ar[0]), len(tb.bus.r[0])
+        await tb.gpu.post(q, 1, tb.builder(q, **fields), last=True)
+        await tb.drain()
+        t_db = tb.bus.doorbells[before[1]]
+        t_ar = tb.bus.ar[0][before[2]]
+        t_r = tb.bus.r[0][before[3]]
+        t_wire = tb.wire.data_packets[before[0]][2]
+        memory = t_r - t_ar
+        nic = (t_ar - t_db) + (t_wire - t_r)
+        assert t_db < t_ar < t_r < t_wire
+        assert memory >= tb.memory_latency
+        nic_cycles.append(nic)
+        dut._log.info(f"trial {trial}: doorbell -> wire {t_wire - t_db} cycles = NIC {nic} "
+                      f"(doorbell -> AR {t_ar - t_db}, R -> wire {t_wire - t_r}) + memory {memory}")
+    assert max(nic_cycles) <= 24, f"NIC cycles {nic_cycles} (budget 24)"
+    await tb.check_clean()
+
+
+@cocotb.test()
+@cocotb.parametrize(
+    (("ring_every", "backpressure", "collapsed", "seed"),
+     [(1, 0.0, False, 1), (4, 0.3, False, 2), (32, 0.0, True, 3)]),
+)
+async def random_operations(dut, ring_every, backpressure, collapsed, seed):
+    """Random mixes of every operation over 16 QPs (path MTU random per QP), posted by 32
+    warps, doorbells every 1, 4 or 32 WQEs (DeepEP rings every 4, NVSHMEM batches 32)."""
+    rng = random.Random(seed)
+    tb = NicTB(dut, seed=seed, memory_latency=rng.choice([50, 200]), backpressure=backpressure,
+               ack_every=rng.choice([1, 3]))
+    await tb.reset()
+    qps = await tb.setup(qps=16, collapsed=collapsed, ring_every=ring_every)
+    fill_data(tb, rng)
+    work = [[] for _ in range(32)]
+    for n in range(320):
+        q = rng.choice(qps)
+        fields = random_wqe(tb, rng)
+        work[n % 32].append((q, tb.blocks_of(**fields), tb.builder(q, **fields), n))
+    await post_all(tb, work)
+    await tb.drain(limit=400_000)
+    await tb.check_clean()
+    counters = await tb.counters()
+    assert counters["wqes_parsed"] == 320
+    assert counters["wqe_errors"] == counters["wqes_flushed"] == counters["error_cqes"] == 0
+
+
+@cocotb.test()
+async def doorbell_storm(dut):
+    """64 QPs, thousands of doorbells: every WQE rung, plus duplicates, stale and
+    out-of-order indices, doorbells for QPs that do not exist or are in RESET, and indices
+    beyond the ring. Nothing is lost, nothing runs twice, and every doorbell is counted."""
+    rng = random.Random(7)
+    tb = NicTB(dut, seed=7, memory_latency=100)
+    await tb.reset()
+    qps = await tb.setup(qps=60, cqs=16, log_sq_size=6)
+    junk = {"duplicate": 0, "bad_qpn": 0, "not_ready": 0, "backwards": 0, "too_far": 0}
+    stop = False
+
+    async def chaos():
+        while not stop:
+            kind = rng.choice(list(junk))
+            qp = tb.gpu.qps[rng.choice(qps)]
+            if kind == "duplicate" and qp.rung_head:
+                data = mlx5.doorbell(qp.qpn, qp.rung_head)
+            elif kind == "backwards" and qp.rung_head > 2:
+                data = mlx5.doorbell(qp.qpn, qp.rung_head - rng.randrange(1, min(qp.rung_head, 300)))
+            elif kind == "bad_qpn":
+                data = mlx5.doorbell(rng.choice([64, 65, 255, 0xFFFFFF]), rng.getrandbits(16))
+            elif kind == "not_ready":
+                data = mlx5.doorbell(rng.choice([60, 61, 62, 63]), rng.randrange(1, 10))
+            elif kind == "too_far":
+                data = mlx5.doorbell(qp.qpn, qp.cons_head + 64 + rng.randrange(1, 1000))
+            else:
+                continue
+            await tb.ring_doorbell(data)
+            junk[kind] += 1
+
+    chaos_task = cocotb.start_soon(chaos())
+    work = [[] for _ in range(64)]
+    for n in range(1500):
+        q = rng.choice(qps)
+        fields = dict(opcode=Op.RDMA_WRITE, inline=rng.randbytes(rng.choice([4, 8, 16])),
+                      raddr=rng.getrandbits(64), rkey=7, fm_ce_se=mlx5.CTRL_CQ_UPDATE)
+        work[n % 64].append((q, 1, tb.builder(q, **fields), n))
+    await post_all(tb, work)
+    stop = True
+    await chaos_task
+    await tb.drain(limit=400_000)
+    await tb.check_clean()
+    c = await tb.counters()
+    rung = tb.gpu.doorbells_rung
+    total = rung + sum(junk.values())
+    seen = sum(c[f"doorbells_{k}"] for k in ("accepted", "duplicate", "bad_qpn", "not_ready",
+                                             "backwards", "too_far"))
+    assert seen == total, f"{seen} doorbells counted of {total} written ({c})"
+    assert c["doorbells_bad_qpn"] == junk["bad_qpn"]
+    assert c["doorbells_not_ready"] == junk["not_ready"]
+    assert c["doorbells_too_far"] == junk["too_far"]
+    # Warps of one QP ring with indices that may already be stale: those count as
+    # duplicates or backwards too, never as accepted twice.
+    assert c["doorbells_accepted"] <= rung
+    assert c["wqes_parsed"] == 1500
+    dut._log.info(f"doorbells: {total} written, counters {c}")
+
+
+BAD_WQES = {
+    # name: (fields, syndrome)
+    "unknown_opcode": (dict(opcode=0x13, byte_count=8), mlx5.Syndrome.LOCAL_QP_OP_ERR),
+    "nop_opcode": (dict(opcode=mlx5.OPCODE_NOP), mlx5.Syndrome.LOCAL_QP_OP_ERR),
+    "inline_too_long": (dict(opcode=Op.RDMA_WRITE, inline=bytes(65)), mlx5.Syndrome.LOCAL_LENGTH_ERR),
+    "atomic_length": (dict(opcode=Op.ATOMIC_FA, byte_count=16), mlx5.Syndrome.LOCAL_LENGTH_ERR),
+    "key_not_found": (dict(opcode=Op.RDMA_WRITE, byte_count=64, lkey=(9 << 8) | 1),
+                      mlx5.Syndrome.LOCAL_PROT_ERR),
+    "key_variant": (dict(opcode=Op.RDMA_WRITE, byte_count=64, lkey=(1 << 8) | 0x5B),
+                    mlx5.Syndrome.LOCAL_PROT_ERR),
+    "other_pd": (dict(opcode=Op.SEND, byte_count=64, lkey=(2 << 8) | 0x5A),
+                 mlx5.Syndrome.LOCAL_PROT_ERR),
+    "below_region": (dict(opcode=Op.RDMA_WRITE, byte_count=64, laddr=DATA_REGION - 8),
+                     mlx5.Syndrome.LOCAL_PROT_ERR),
+    "beyond_region": (dict(opcode=Op.RDMA_WRITE, byte_count=4096,
+                           laddr=DATA_REGION + DATA_BYTES - 100), mlx5.Syndrome.LOCAL_PROT_ERR),
+    "read_without_local_write": (dict(opcode=Op.RDMA_READ, byte_count=64, lkey=(3 << 8) | 0x5A),
+                                 mlx5.Syndrome.LOCAL_PROT_ERR),
+    "atomic_without_local_write": (dict(opcode=Op.ATOMIC_CS, lkey=(3 << 8) | 0x5A),
+                                   mlx5.Syndrome.LOCAL_PROT_ERR),
+}
+
+
+@cocotb.test()
+async def bad_wqes(dut):
+    """Each bad WQE on its own QP, between good ones, while QP 0 streams good traffic: the
+    bad one completes with its syndrome, its QP goes to ERR and flushes every later WQE, and
+    every other QP carries on untouched."""
+    from models.nic import Mkey
+    rng = random.Random(11)
+    tb = NicTB(dut, seed=11, memory_latency=100)
+    await tb.reset()
+    key = tb_key = (1 << 8) | 0x5A
+    extra = [Mkey(key=key, base=DATA_REGION, length=DATA_BYTES, access=0xF, pd=PD, valid=1),
+             Mkey(key=(2 << 8) | 0x5A, base=DATA_REGION, length=DATA_BYTES, access=0xF,
+                  pd=PD + 1, valid=1),
+             Mkey(key=(3 << 8) | 0x5A, base=DATA_REGION, length=DATA_BYTES, access=0x6,
+                  pd=PD, valid=1)]
+    qps = await tb.setup(qps=len(BAD_WQES) + 1, mkeys=extra)
+    fill_data(tb, rng)
+    work = []
+    good = [random_wqe(tb, rng, small=True) for _ in range(60)]
+    work.append([(0, tb.blocks_of(**f), tb.builder(0, **f), n) for n, f in enumerate(good)])
+    for q, (name, (fields, syndrome)) in zip(qps[1:], BAD_WQES.items()):
+        fields = {"lkey": tb_key, "laddr": DATA_REGION + 256, "raddr": 0x1000, "rkey": 1,
+                  "fm_ce_se": mlx5.CTRL_CQ_UPDATE, **fields}
+        items = [random_wqe(tb, rng, small=True) for _ in range(2)] + [fields] + \
+                [random_wqe(tb, rng, small=True) for _ in range(3)]
+        for f in items:
+            f["fm_ce_se"] = f.get("fm_ce_se", 0) | mlx5.CTRL_CQ_UPDATE
+        work.append([(q, tb.blocks_of(**f), tb.builder(q, **f), name) for f in items])
+    await post_all(tb, work)
+    await tb.drain()
+    await tb.check_clean()
+    for q, (name, (fields, syndrome)) in zip(qps[1:], BAD_WQES.items()):
+        cqes = tb.completed[q]
+        assert [c.syndrome for c in cqes] == [0, 0, int(syndrome)] + [mlx5.Syndrome.WR_FLUSH_ERR] * 3, \
+            (name, cqes)
+        assert await tb.read(rmap.context_offset("qp", q, "state")) == ERR, name
+    assert await tb.read(rmap.context_offset("qp", 0, "state")) == RTS
+    assert len(tb.completed[0]) == 60
+    c = await tb.counters()
+    assert c["wqe_errors"] == len(BAD_WQES)
+    assert c["error_cqes"] == 4 * len(BAD_WQES)
+
+
+@cocotb.test()
+async def remote_naks(dut):
+    """The responder answers one WQE per QP with a NAK (invalid request, remote access
+    error, remote operational error): the WQEs before it complete, it gets the matching
+    error CQE, its QP goes to ERR and every WQE behind it is flushed; a QP without a NAK
+    carries on."""
+    rng = random.Random(13)
+    tb = NicTB(dut, seed=13, memory_latency=100)
+    await tb.reset()
+    qps = await tb.setup(qps=4)
+    fill_data(tb, rng)
+    codes = {1: (1, mlx5.Syndrome.REMOTE_INVAL_REQ_ERR), 2: (2, mlx5.Syndrome.REMOTE_ACCESS_ERR),
+             3: (3, mlx5.Syndrome.REMOTE_OP_ERR)}
+    work = []
+    for q in qps:
+        items = [random_wqe(tb, rng, small=True) for _ in range(8)]
+        for f in items:
+            f["fm_ce_se"] = mlx5.CTRL_CQ_UPDATE
+        work.append([(q, tb.blocks_of(**f), tb.builder(q, **f), n) for n, f in enumerate(items)])
+    for q, (code, syndrome) in codes.items():
+        tb.nak_wqe(q, 4, code, syndrome)
+    await post_all(tb, work)
+    await tb.drain()
+    await tb.check_clean()
+    assert len(tb.completed[0]) == 8 and all(c.syndrome == 0 for c in tb.completed[0])
+    for q, (code, syndrome) in codes.items():
+        assert [c.syndrome for c in tb.completed[q]] == \
+            [0] * 4 + [int(syndrome)] + [mlx5.Syndrome.WR_FLUSH_ERR] * 3
+        assert await tb.read(rmap.context_offset("qp", q, "state")) == ERR
+    assert (await tb.counters())["naks_received"] == 3
+
+
+@cocotb.test()
+async def qp_states(dut):
+    """Host-side QP state rules: context writes only in RESET, a busy QP cannot be reset,
+    an errored and drained QP can be reset and run again from index 0 with a new PSN."""
+    rng = random.Random(17)
+    tb = NicTB(dut, seed=17, memory_latency=400)
+    await tb.reset()
+    qps = await tb.setup(qps=2)
+    fill_data(tb, rng)
+    # Context words are read-only outside RESET.
+    await tb.write(rmap.context_offset("qp", 0, "sq_base"), 0, expect_error=True)
+    # A QP with work in flight (memory is slow) cannot be reset.
+    fields = dict(opcode=Op.RDMA_WRITE, byte_count=4096, lkey=tb.data_key, laddr=DATA_REGION,
+                  raddr=0, rkey=1, fm_ce_se=mlx5.CTRL_CQ_UPDATE)
+    await tb.gpu.post(0, 1, tb.builder(0, **fields), last=True)
+    await tb.set_qp_state(0, RESET, expect_error=True)
+    await tb.drain()
+    # Host moves QP 0 to ERR: its next WQEs are flushed.
+    await tb.set_qp_state(0, ERR)
+    tb.requester.set_state(0, "ERR")
+    for _ in range(3):
+        await tb.gpu.post(0, 1, tb.builder(0, **fields), last=True)
+    await tb.drain()
+    assert [c.syndrome for c in tb.completed[0]] == [0] + [mlx5.Syndrome.WR_FLUSH_ERR] * 3
+    # Drained: reset, new context, run again from index 0.
+    await tb.set_qp_state(0, RESET)
+    qp = tb.qps[0]
+    qp.sq_psn = 0xFFFFFE        # wraps within the next message
+    await tb.program_qp(qp)
+    tb.requester.reset_qp(0)
+    tb.gpu.qps[0].__init__(qpn=0, sq_base=qp.sq_base, log_sq_size=qp.log_sq_size,
+                           dbr_address=tb.gpu.qps[0].dbr_address)
+    for _ in range(4):
+        await tb.gpu.post(0, 1, tb.builder(0, **fields), last=True)
+    await tb.drain()
+    await tb.check_clean()
+    assert [c.wqe_counter for c in tb.completed[0][-4:]] == [0, 1, 2, 3]
+    # A doorbell for a QP in RESET is ignored and counted.
+    await tb.set_qp_state(1, RESET)
+    before = await tb.counter("doorbells_not_ready")
+    await tb.ring_doorbell(mlx5.doorbell(1, 5))
+    assert await tb.counter("doorbells_not_ready") == before + 1
+    # Invalid transitions answer SLVERR.
+    await tb.set_qp_state(1, 2, expect_error=True)
+    await tb.set_qp_state(1, ERR, expect_error=True)
+
+
+NIC = dict(num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2, mtu=4096, wire_delay=2)
+
+
+def nic_top(**params):
+    from tb.nic_top import NicTop
+    return NicTop(**params)
+
+
+def test_nic():
+    runner.run(module="tb.test_nic", toplevel="nic_top", factory=nic_top, params=NIC,
+               expect_tests=8)
