@@ -481,7 +481,7 @@ def test_random_traffic(seed, config):
         rng, m = bench.rng, bench.model
         for k in range(NUM_COUNTER_INPUTS):
             bench.set_counter(k, rng.getrandbits(32))
-        for n in range(900):
+        for n in range(700):
             r = rng.random()
             q = rng.choice([0, 1, 2, dut.num_qps - 1])
             if r < 0.12:
@@ -726,7 +726,8 @@ def test_qp_error_strobes():
         await bench.strobe_errors([0, 5])                    # ERR QP, RESET QP
         await bench.idle(1)
         bench.check_outputs()
-        assert [ctx.get(dut.qp_state[q]).value for q in range(6)] == [ERR, ERR, ERR, RTS, RESET, RESET]
+        states = [ctx.get(dut.qp_state[q]).value for q in range(6)]
+        assert states == [ERR, ERR, ERR, RTS, RESET, RESET]
         await bench.strobe_errors([3])
         await bench.idle(1)
         assert ctx.get(dut.qp_state[3]).value == ERR
@@ -793,6 +794,52 @@ def test_bus_timing():
         bench.port_addr = {}            # the bench did not drive the read ports meanwhile
 
     run(dut, body, seed=7)
+
+
+def test_read_and_write_offered_together():
+    """Six writes and six reads offered back to back at once, AR and AW/W valid whenever
+    one is pending: the slave alternates (the write first: nothing went before it) and
+    each read returns what the writes before it left."""
+    dut = NicRegisters(num_qps=2, num_cqs=2, num_mkeys=2)
+
+    async def body(bench):
+        ctx, axi, m = bench.ctx, dut.axi, bench.model
+        writes = [0x1000 + k for k in range(6)]
+        reads = 6
+        order, b_want, r_want, b_got, r_got = [], [], [], [], []
+        ctx.set(axi.bready, 1)
+        ctx.set(axi.rready, 1)
+        ctx.set(axi.awaddr, 0x10)
+        ctx.set(axi.araddr, 0x10)
+        ctx.set(axi.wstrb, 0xFF)
+        while len(b_got) < 6 or len(r_got) < reads:
+            w_pending = len(order) - order.count("r") < len(writes)
+            r_pending = order.count("r") < reads
+            ctx.set(axi.awvalid, w_pending)
+            ctx.set(axi.wvalid, w_pending)
+            ctx.set(axi.arvalid, r_pending)
+            if w_pending:
+                ctx.set(axi.wdata, writes[order.count("w")])
+            if w_pending and ctx.get(axi.awready):
+                assert ctx.get(axi.wready)
+                b_want.append(m.write(0x10, writes[order.count("w")], 0xFF))
+                order.append("w")
+            elif r_pending and ctx.get(axi.arready):
+                r_want.append(m.read(0x10))
+                order.append("r")
+            if ctx.get(axi.bvalid):
+                b_got.append(ctx.get(axi.bresp))
+            if ctx.get(axi.rvalid):
+                r_got.append((ctx.get(axi.rresp), ctx.get(axi.rdata)))
+            await bench.step()
+        ctx.set(axi.awvalid, 0)
+        ctx.set(axi.wvalid, 0)
+        ctx.set(axi.arvalid, 0)
+        assert order == ["w", "r"] * 6, order
+        assert b_got == b_want and r_got == r_want
+        assert r_want == [(OKAY, w) for w in writes]
+
+    run(dut, body, seed=9)
 
 
 # --- Configuration -----------------------------------------------------------------------------

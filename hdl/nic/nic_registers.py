@@ -4,7 +4,7 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from hdl.nic.register_map import (ADDRESS_BITS, COUNTER_BASE, COUNTER_SPACE, MAX_ENTRIES,
-                                  OKAY, SLVERR, UAR_BASE, UAR_SIZE, field_value, register_map)
+                                  OKAY, SLVERR, UAR_BASE, UAR_SIZE, register_map)
 from hdl.nic.signatures import (COUNTERS, MAX_OUTSTANDING_BLOCKS, ContextReadSignature,
                                 CqConfigLayout, DoorbellLayout, EventSignature, MkeyLayout,
                                 QpConfigLayout, QpState)
@@ -159,6 +159,8 @@ class NicRegisters(wiring.Component):
                 out[w.index] = (value, entry)
             return out
 
+        words = {name: context_words(t) for name, t in tables.items()}
+
         # --- Global registers ------------------------------------------------------------
         store = {}
         for reg in self.map.registers:
@@ -223,7 +225,7 @@ class NicRegisters(wiring.Component):
             with m.Switch(want):
                 with m.Case(QpState.RESET):
                     with m.If((now == QpState.RESET.value) | ~qp_busy_now):
-                        m.d.comb += [state_we.eq(now != QpState.RESET.value),
+                        m.d.comb += [state_we.eq(1),
                                      state_new.eq(QpState.RESET)]
                         m.d.sync += [self.qp_reset.valid.eq(1), self.qp_reset.qpn.eq(qpn)]
                     with m.Else():
@@ -288,7 +290,6 @@ class NicRegisters(wiring.Component):
 
             with m.State("EXEC"):
                 value = Signal(64)      # read data
-                words = {name: context_words(t) for name, t in tables.items()}
                 in_regs = high_ok & ((a < UAR_BASE) | ((a >= COUNTER_BASE)
                                                        & (a < COUNTER_BASE + COUNTER_SPACE)))
                 in_uar = high_ok & (a >= UAR_BASE) & (a < UAR_BASE + UAR_SIZE)

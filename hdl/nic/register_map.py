@@ -326,10 +326,10 @@ def render_markdown(num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2):
         "`QpConfigLayout`, `CqConfigLayout` and `MkeyLayout` (`hdl/nic/signatures.py`). "
         "Words beyond an entry's last are unmapped.",
         "",
-        f"CQ contexts and memory keys may be written at any time; the new value reaches the "
-        f"datapath one or two cycles after the write response. Changing a CQ or memory key "
-        f"that a running QP uses is the host's problem (as on mlx5: destroy and recreate it "
-        f"while nothing uses it).",
+        "CQ contexts and memory keys may be written at any time; a datapath read port that "
+        "holds the entry's address shows the new value from the cycle after the first cycle "
+        "of the write response. Changing a CQ or memory key that a running QP uses is the "
+        "host's problem (as on mlx5: destroy and recreate it while nothing uses it).",
         "",
     ]
     for table in rmap.tables:
