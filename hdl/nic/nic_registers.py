@@ -3,8 +3,9 @@ from amaranth.lib import stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
-from hdl.nic.register_map import (ADDRESS_BITS, COUNTER_BASE, COUNTER_SPACE, MAX_ENTRIES,
-                                  OKAY, SLVERR, UAR_BASE, UAR_SIZE, register_map)
+from hdl.nic.register_map import (ADDRESS_BITS, COUNTER_BASE, COUNTER_SPACE, LINK_FIELDS,
+                                  MAX_ENTRIES, OKAY, OWN_COUNTERS, SLVERR, UAR_BASE, UAR_SIZE,
+                                  register_map)
 from hdl.nic.signatures import (COUNTERS, MAX_OUTSTANDING_BLOCKS, ContextReadSignature,
                                 CqConfigLayout, DoorbellLayout, EventSignature, MkeyLayout,
                                 QpConfigLayout, QpState)
@@ -129,7 +130,7 @@ class NicRegisters(wiring.Component):
             m.submodules[f"{table.name}_mem"] = mem
             wp = mem.write_port()
             host = mem.read_port()
-            for k, port in enumerate(ports):
+            for port in ports:
                 rp = mem.read_port()
                 m.d.comb += [rp.addr.eq(port.addr), port.data.eq(rp.data)]
             m.d.comb += [host.addr.eq(index), wp.addr.eq(index)]
@@ -171,15 +172,18 @@ class NicRegisters(wiring.Component):
             m.d.comb += self.sl_to_vl[sl].eq(store["sl_to_vl"].word_select(sl, 4))
         for v in range(self.num_vls):
             m.d.comb += self.vl_weight[v].eq(store["vl_weights"].word_select(v, 8))
-        own = {name: Signal(32, name=name) for name in ("doorbells_partial",
-                                                        "register_write_errors")}
+        own = {name: Signal(32, name=name) for name, _ in OWN_COUNTERS}
+        link_status = Signal(64)
+        link_inputs = {"link_state": self.link_state, "link_inits": self.link_inits}
+        for f in LINK_FIELDS:
+            m.d.comb += link_status[f.lo:f.lo + f.width].eq(link_inputs[f.name])
 
         def read_value(reg):
             kind = reg.binding[0]
             if kind == "const":
                 return C(reg.reset, 64)
             if kind == "link":
-                return Cat(self.link_state, C(0, 30), self.link_inits)
+                return link_status
             if kind == "counter":
                 return self.counters[reg.binding[1]]
             if kind == "own_counter":
@@ -218,6 +222,8 @@ class NicRegisters(wiring.Component):
             & (cur_qp.cqn < self.num_cqs if self.num_cqs < MAX_ENTRIES else C(1, 1))
             & ((cur_qp.sq_base[:12] & ((C(1, 13) << align_bits) - 1)[:12]) == 0))
 
+        error = Signal()            # the transaction answers SLVERR
+
         def state_write():
             """A host write to a QP's state word (docs/nic-registers.md, QP states)."""
             now = qp_state_now
@@ -225,8 +231,7 @@ class NicRegisters(wiring.Component):
             with m.Switch(want):
                 with m.Case(QpState.RESET):
                     with m.If((now == QpState.RESET.value) | ~qp_busy_now):
-                        m.d.comb += [state_we.eq(1),
-                                     state_new.eq(QpState.RESET)]
+                        m.d.comb += [state_we.eq(1), state_new.eq(QpState.RESET)]
                         m.d.sync += [self.qp_reset.valid.eq(1), self.qp_reset.qpn.eq(qpn)]
                     with m.Else():
                         m.d.comb += error.eq(1)
@@ -248,7 +253,6 @@ class NicRegisters(wiring.Component):
                     m.d.comb += error.eq(1)
 
         # --- AXI4-Lite slave, one transaction at a time ----------------------------------
-        error = Signal()        # the transaction answers SLVERR
         prefer_read = Signal()      # the last transaction was a write
         bresp = Signal(2)
         rresp = Signal(2)
