@@ -877,6 +877,22 @@ def test_extreme_sizes_elaborate():
         run(dut, body, seed=8)
 
 
+def test_offset_helpers():
+    assert rmap.register_offset("slid") == 0x10
+    assert rmap.register_offset("register_write_errors") == rmap.COUNTER_BASE + 8
+    assert rmap.register_offset("doorbells_accepted") == rmap.COUNTER_BASE + 16
+    assert rmap.context_offset("qp", 3, "state") == qp_addr(3, 0)
+    assert rmap.context_offset("qp", 255, "psn_cq") == qp_addr(255, 5)
+    assert rmap.context_offset("cq", 2, "config") == cq_addr(2, 1)
+    assert rmap.context_offset("mkey", 7, "length") == mkey_addr(7, 3)
+    with pytest.raises(KeyError):
+        rmap.register_offset("nope")
+    with pytest.raises(KeyError):
+        rmap.context_offset("cq", 0, "sq_base")
+    with pytest.raises(ValueError):
+        rmap.context_offset("qp", 256, "state")
+
+
 def test_doc_is_generated():
     text = (REPO / "docs" / "nic-registers.md").read_text()
     assert text == rmap.render_markdown(), \

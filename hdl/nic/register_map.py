@@ -27,6 +27,7 @@ from hdl.nic.signatures import COUNTERS
 
 __all__ = ["Field", "Register", "ContextWord", "ContextTable", "RegisterMap", "register_map",
            "render_markdown", "check_config", "counter_words", "field_value", "place_fields",
+           "register_offset", "context_offset",
            "VERSION", "ID_VALUE", "DEFAULT_VL_WEIGHT", "MAX_ENTRIES", "MAX_VLS",
            "UAR_BASE", "UAR_SIZE", "COUNTER_BASE", "COUNTER_SPACE", "OWN_COUNTERS",
            "QP_BASE", "QP_STRIDE", "CQ_BASE", "CQ_STRIDE", "MKEY_BASE", "MKEY_STRIDE",
@@ -169,6 +170,29 @@ def place_fields(fields, **values):
     return word
 
 
+def register_offset(name):
+    """Byte offset of the global register or counter ``name`` (the same in every
+    configuration)."""
+    for reg in register_map().registers:
+        if reg.name == name:
+            return reg.offset
+    raise KeyError(name)
+
+
+def context_offset(table, index, word):
+    """Byte offset of the word named ``word`` of entry ``index`` of context table ``table``
+    (``"qp"``, ``"cq"`` or ``"mkey"``)."""
+    base, stride, words = {"qp": (QP_BASE, QP_STRIDE, QP_WORDS),
+                           "cq": (CQ_BASE, CQ_STRIDE, CQ_WORDS),
+                           "mkey": (MKEY_BASE, MKEY_STRIDE, MKEY_WORDS)}[table]
+    if not 0 <= index < MAX_ENTRIES:
+        raise ValueError(f"Context index must be 0 to {MAX_ENTRIES - 1}, not {index!r}")
+    for w in words:
+        if w.name == word:
+            return base + stride * index + 8 * w.index
+    raise KeyError(word)
+
+
 def counter_words():
     """Every counter in address order: (name, block, what it counts); the register block's
     own first, then :data:`hdl.nic.signatures.COUNTERS` flattened in dict order (input
@@ -260,7 +284,6 @@ def render_markdown(num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2):
     args = "".join(f" --{opt} {value}" for opt, value, default in (
         ("qps", num_qps, 64), ("cqs", num_cqs, 16), ("mkeys", num_mkeys, 64),
         ("vls", num_vls, 2)) if value != default)
-    qp, cq, mkey = rmap.tables
     lines = [
         "# NIC registers (AXI4-Lite)",
         "",
