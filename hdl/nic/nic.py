@@ -72,10 +72,11 @@ class Nic(wiring.Component):
         self.port = LinkPort(width=NIC_WIDTH, num_vls=num_vls, mtu=mtu,
                              buffer_blocks=link_buffer_blocks, fc_period=fc_period,
                              fc_min_interval=fc_min_interval, fc_batch_blocks=fc_batch_blocks)
-        axi = AxiReadSignature(addr_width, NIC_WIDTH).members | AxiWriteSignature(addr_width, NIC_WIDTH).members
+        axi = {**dict(AxiReadSignature(addr_width, NIC_WIDTH).members),
+               **dict(AxiWriteSignature(addr_width, NIC_WIDTH).members)}
         super().__init__({
             "axil": In(AxiLite64Signature(16)),
-            "axi": Out(wiring.Signature(dict(axi))),
+            "axi": Out(wiring.Signature(axi)),
             "wire_out": Out(WireSignature(NIC_WIDTH)),
             "wire_in": In(WireSignature(NIC_WIDTH)),
             "link_state": Out(LinkState),
