@@ -1,9 +1,10 @@
 from amaranth import C, Cat, Const, Module, Mux, Signal
 from amaranth.lib import fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
+from amaranth.utils import exact_log2
 
 from hdl.crc.icrc_engine import IcrcEngine
-from hdl.link.signatures import BeatLayout
+from hdl.link.signatures import BeatLayout, vl_index
 from hdl.nic.signatures import (MAX_HEADER_BYTES, MAX_INLINE_BYTES, PacketDescriptorLayout,
                                 PayloadSource, RBeatLayout)
 
@@ -66,9 +67,14 @@ class PacketAssembler(wiring.Component):
     * Payload beats beyond the buffer's room (the executor over-reserving) are
       backpressured: ``payload.ready`` is low while the FIFO is full.
 
+    The header goes out as given (LRH.VL included: the descriptor's ``vl`` only picks the
+    stream). The AXI ``last`` flag of payload beats is not used: ``dma_beats`` counts
+    them. A dropped DMA descriptor's beats leave the window at one per cycle.
+
     Latency: a descriptor accepted in cycle t whose payload is already buffered has its
     first beat on ``data_out`` in t + 1; the descriptor of the next packet is accepted
-    in the cycle the previous packet's end beat leaves, so packets follow back to back.
+    in the cycle the previous packet's end beat leaves, so packets follow back to back
+    (``packet.ready`` depends on the ``ready`` of the current packet's VL stream).
 
     Ports
     -----
@@ -100,7 +106,7 @@ class PacketAssembler(wiring.Component):
         m = Module()
         beat_bits = 8 * WIDTH
 
-        # --- payload buffer: FIFO, then a two-beat window ---
+        # --- payload buffer: FIFO, then the window ---
         m.submodules.buffer = buffer = fifo.SyncFIFOBuffered(width=beat_bits + 1,
                                                               depth=self.payload_buffer_beats)
         accepted_in = self.payload.valid & self.payload.ready
@@ -146,7 +152,7 @@ class PacketAssembler(wiring.Component):
         # --- the packet being sent ---
         loaded = Signal()           # cur_* hold a good descriptor, sent or waiting for payload
         first = Signal()            # the beat on offer is the start beat
-        cur_vl = Signal(range(self.num_vls))
+        cur_vl = Signal(vl_index(self.num_vls))
         cur_header = Signal(8 * MAX_HEADER_BYTES)
         cur_header_bytes = Signal(range(MAX_HEADER_BYTES + 1))
         cur_inline = Signal()
@@ -220,7 +226,7 @@ class PacketAssembler(wiring.Component):
             & ((source == PayloadSource.NONE) & (desc.payload_bytes == 0)
                | (source == PayloadSource.INLINE) & (desc.payload_bytes <= MAX_INLINE_BYTES)
                | is_dma & (desc.dma_beats == Mux(desc.payload_bytes == 0, 0,
-                                                 (desc.offset + desc.payload_bytes + WIDTH - 1) >> 6))))
+                                                 (desc.offset + desc.payload_bytes + WIDTH - 1) >> exact_log2(WIDTH)))))
         with m.If(self.packet.valid & self.packet.ready):
             with m.If(good):
                 late = source_offset < desc.header_bytes
