@@ -142,6 +142,17 @@ class CompletionUnit(wiring.Component):
     cycle the record's AW and W have both been accepted (at once without a CQE), in
     completion order, which is WQE order per QP. ``cqes_written``/``error_cqes`` count
     at the same time.
+
+    Limits and assumptions: a SENT record reaches the unit before any response to it can
+    (the executor emits it with the message's last packet descriptor, a round trip ahead
+    of the response), else that response is dropped as a future PSN. AETH.MSN, P_Key,
+    LIDs and SL of a response are not checked; responses with a GRH are dropped.
+    Retransmission and its timers are not done: after a PSN-sequence-error or RNR NAK, or
+    a READ whose responses were lost (a later ACK does not complete a READ), the QP's
+    records wait, and a QP the host moves to ERR keeps waiting for the acknowledgements of
+    its SENT records. ``qp_reset`` is for an idle QP (all its records retired); CQ producer
+    indices have no reset (the interface has no CQ-reset strobe) and continue across a
+    reprogramming of the CQ.
     """
 
     def __init__(self, *, num_qps=64, num_cqs=16, num_vls=2, addr_width=64):
