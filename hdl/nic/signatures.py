@@ -74,6 +74,7 @@ COUNTERS = {
     ),
     "PacketAssembler": (
         ("payload_read_errors", "payload beats read with RRESP not OKAY (packet sent end-bad)"),
+        ("bad_descriptors", "packet descriptors dropped as malformed (their DMA beats discarded)"),
     ),
     "CompletionUnit": (
         ("acks_received", "ACK packets processed"),
