@@ -69,7 +69,8 @@ def _round_robin(m, requests, last, name):
     """The first requester after ``last``, wrapping around; and whether there is one."""
     n = len(requests)
     after = Signal(n, name=f"{name}_after")
-    m.d.comb += after.eq(requests & Cat(Const(i, range(n + 1)) > last for i in range(n)))
+    m.d.comb += after.eq(requests & Cat(Const(0, 1) if i == 0 else Const(i, range(n + 1)) > last
+                                             for i in range(n)))
     lowest_after = _lowest(m, after, f"{name}_lowest_after")
     lowest_any = _lowest(m, requests, f"{name}_lowest_any")
     return requests.any(), Mux(after.any(), lowest_after, lowest_any)
@@ -501,21 +502,18 @@ class CompletionUnit(wiring.Component):
         log_size = Mux(cq.collapsed, 0, cq.log_size)
         entry = pi & ((Const(1, 17) << log_size) - 1)
         owner = (pi >> log_size)[0]
-        cqe = Signal(8 * WIDTH)
-        cqe_bytes = [cqe[8 * i:8 * i + 8] for i in range(WIDTH)]
-
-        def put(first, value, nbytes):
+        def big_endian(value, nbytes):
             value = Value.cast(value)
-            return [cqe_bytes[first + k].eq(value[8 * (nbytes - 1 - k):8 * (nbytes - k)])
-                    for k in range(nbytes)]
-        m.d.comb += put(56, Cat(p_job.qpn, Const(0, 16), p_job.opcode), 4)
-        m.d.comb += put(60, p_job.wqe_index, 2)
-        with m.If(p_job.error):
-            m.d.comb += put(55, p_job.syndrome, 1)
-            m.d.comb += put(63, Cat(owner, Const(0, 3), Const(CQE_OPCODE_REQ_ERR, 4)), 1)
-        with m.Else():
-            m.d.comb += put(44, p_job.byte_count, 4)
-            m.d.comb += put(63, Cat(owner, Const(0, 3), Const(CQE_OPCODE_REQ, 4)), 1)
+            return [value[8 * (nbytes - 1 - k):8 * (nbytes - k)] for k in range(nbytes)]
+        cqe_bytes = [Const(0, 8)] * WIDTH
+        cqe_bytes[44:48] = big_endian(Mux(p_job.error, 0, p_job.byte_count), 4)
+        cqe_bytes[55] = Mux(p_job.error, p_job.syndrome, 0)
+        cqe_bytes[56:60] = big_endian(Cat(p_job.qpn, Const(0, 16), p_job.opcode), 4)
+        cqe_bytes[60:62] = big_endian(p_job.wqe_index, 2)
+        cqe_bytes[63] = Cat(owner, Const(0, 3),
+                            Mux(p_job.error, CQE_OPCODE_REQ_ERR, CQE_OPCODE_REQ)[:4])
+        cqe = Signal(8 * WIDTH)
+        m.d.comb += cqe.eq(Cat(*cqe_bytes))
 
         with m.If(aw_fire):
             m.d.sync += aw_pending.eq(0)
