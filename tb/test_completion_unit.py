@@ -284,6 +284,7 @@ class Bench:
         self.ready_low = 0
         self._cache = {}
         self.qp_errors = []
+        self.retire_cycles = []
 
     def _set(self, ctx, sig, value):
         key = id(sig)
@@ -409,6 +410,7 @@ class Bench:
                 assert not (self.aw and self.w), (t, "a CQE issued for a record without one", rec)
             self.outstanding[q] -= 1
             self.retired += 1
+            self.retire_cycles.append(t)
         self.cq_addr = ctx.get(dut.cq_config.addr)
 
         await ctx.tick()
@@ -786,7 +788,8 @@ def make_rec(q, op, first, npsn=1, *, cqn=0, status=SENT, signaled=1, index=0, b
 def test_directed():
     """One small unit (1 VL, 4 QPs): full queue backpressure (QP 0); an ACK naming an
     atomic's own PSN does not complete it but a later ACK does, an ACK beyond a READ leaves
-    it outstanding and its late READ response is stale (QP 1); ACKs before any SENT record,
+    it outstanding and its late READ response is stale (QP 1); a coalesced ACK completes
+    records at one per cycle; ACKs before any SENT record,
     a fatal NAK with records before, at and behind its PSN, records arriving after it,
     responses while flushing, then qp_reset and a fresh start (QP 2); a QP in RESET (QP 3);
     non-fatal NAKs (QP 0)."""
@@ -832,6 +835,17 @@ def test_directed():
         send(bench, 0, Opcode.ACKNOWLEDGE, base + 65, taken=False)     # duplicate: stale
         await bench.drain(ctx)
         assert not ref.qps[0].queue
+
+        # One ACK over 32 signaled records completes them at one per cycle (AXI always ready).
+        bench.p_aw = bench.p_w = 1.0
+        recs = [make_rec(0, SEND, base + 66 + k, index=66 + k) for k in range(32)]
+        await offer(ctx, bench, *recs)
+        send(bench, 0, Opcode.ACKNOWLEDGE, base + 97)
+        first = len(bench.retire_cycles)
+        await bench.drain(ctx)
+        burst = bench.retire_cycles[first:]
+        assert len(burst) == 32 and burst[-1] - burst[0] == 31, burst
+        bench.p_aw = bench.p_w = 0.7
 
         # QP 1: atomic at P, WRITE P+1, READ P+2..P+4, WRITE P+5.
         p = 1000
