@@ -12,7 +12,8 @@ Random test: records for several QPs (WRITE/SEND/READ/atomics, SENT/ERROR/FLUSH,
 or not, PSNs near the 2^24 wrap) with random ``valid``; a responder that answers in PSN
 order with coalesced ACKs (also over an atomic, or a write before a READ), partial ACKs,
 READ responses FIRST/MIDDLE/LAST/ONLY with payload, ATOMIC ACKs, non-fatal NAKs (code 0,
-4, RNR) and fatal NAKs (codes 1-3; the QP is reset once drained and starts again); junk:
+4, RNR) and fatal NAKs (codes 1-3) or a host flush (``qp_flush``), after which the QP is
+reset once drained and starts again; junk:
 bad ICRC, end_bad, unknown QP, QP in RESET, request opcodes, stale and future PSNs, GRH,
 wrong PktLen, reserved AETH syndromes, an ACK with an ATOMIC ACK's length. At most one
 beat per cycle over all VLs (as from one link), random gaps. AXI: random AWREADY/WREADY,
@@ -131,6 +132,10 @@ class Reference:
                 qp.started = True
             qp.sent = rec.last_psn
         self.advance(rec.qpn)
+
+    def flush(self, q):
+        self.qps[q].flushing = True
+        self.advance(q)
 
     def packet(self, destqp, opcode, psn, syndrome):
         """A well-formed response with a good ICRC; returns whether it was taken."""
@@ -281,6 +286,7 @@ class Bench:
         self.retired = 0
         self.cqes = 0
         self.resets = deque()
+        self.flushes = deque()
         self.ready_low = 0
         self._cache = {}
         self.qp_errors = []
@@ -304,7 +310,7 @@ class Bench:
         return (self.offer is None and not self.to_offer and not any(self.rx)
                 and all(c is None for c in self.rx_cur) and not self.aw and not self.w
                 and not self.b_due and self.b_cur is None
-                and not any(self.ref.completed) and not self.resets)
+                and not any(self.ref.completed) and not self.resets and not self.flushes)
 
     async def cycle(self, ctx):
         dut, rng, t = self.dut, self.rng, self.t
@@ -342,7 +348,11 @@ class Bench:
             else:
                 self._set(ctx, dut.rx[v].valid, 0)
 
-        # QP reset strobe
+        # QP flush and reset strobes
+        flush_q = self.flushes.popleft() if self.flushes else None
+        self._set(ctx, dut.qp_flush.valid, int(flush_q is not None))
+        if flush_q is not None:
+            self._set(ctx, dut.qp_flush.qpn, flush_q)
         reset_q = self.resets.popleft() if self.resets else None
         self._set(ctx, dut.qp_reset.valid, int(reset_q is not None))
         if reset_q is not None:
@@ -425,6 +435,8 @@ class Bench:
             if qpn is not None and qpn < dut.num_qps:
                 self.in_flight[qpn] -= 1
                 self.last_end[qpn] = t
+        if flush_q is not None:
+            self.ref.flush(flush_q)
         if reset_q is not None:
             self.ref.qps[reset_q].reset()
         cq = self.cqs[self.cq_addr] if self.cq_addr < len(self.cqs) else (0, 0, 0)
@@ -485,6 +497,7 @@ class Traffic:
         self.p_fatal = p_fatal
         self.generated = 0
         self.fatal = 0
+        self.flushed = 0
 
     def read_payload(self):
         """Mostly one-beat responses, sometimes two or three beats."""
@@ -681,7 +694,14 @@ async def random_body(ctx, bench, rng, traffic, *, records, p_resp=0.3, p_junk=0
                 traffic.respond(q)
         if rng.random() < p_junk and sum(len(x) for x in bench.rx) < 6:
             traffic.junk()
-        # A QP killed by a fatal NAK: once drained and quiet, reset it and start over.
+        # Now and then the host moves a quiet QP to ERR (qp_flush): it is killed as by a NAK.
+        if rng.random() < 0.004:
+            q = rng.choice(traffic.live)
+            if not traffic.killed[q] and bench.quiet(q):
+                bench.flushes.append(q)
+                traffic.killed[q] = True
+                traffic.flushed += 1
+        # A QP killed by a fatal NAK or a flush: once drained and quiet, reset it and start over.
         for q in traffic.live:
             if (traffic.killed[q] and bench.outstanding[q] == 0 and bench.quiet(q)
                     and not any(r.qpn == q for r in bench.to_offer) and bench.offer is None
@@ -760,6 +780,7 @@ def test_random(seed, num_vls, records, wire):
         traffic = Traffic(bench, rng, live, p_fatal=0.02)
         stats["reset"] = await random_body(ctx, bench, rng, traffic, records=records)
         stats["fatal"] = traffic.fatal
+        stats["flushed"] = traffic.flushed
         if num_vls > 1:
             await flood(ctx, bench, traffic)
     bench = run(dut, factory, body)
@@ -769,7 +790,7 @@ def test_random(seed, num_vls, records, wire):
     assert c["acks_received"] > 20 and c["read_responses"] > 20 and c["atomic_acks"] > 5, c
     assert c["naks_received"] > 3 and c["rx_dropped_icrc"] > 2 and c["rx_dropped_unexpected"] > 10, c
     assert c["error_cqes"] > 10 and c["cqe_write_errors"] > 0, c
-    assert stats["fatal"] > 0 and stats["reset"], stats
+    assert stats["fatal"] > 0 and stats["flushed"] > 0 and stats["reset"], stats
     assert bench.qp_errors, "no qp_error seen"
     # ring CQs wrapped (owner bit toggled) and collapsed ones took several CQEs
     assert any(pi > 2 << log for pi, (_, log, collapsed) in zip(bench.cq_pi, cqs) if not collapsed), cqs
@@ -788,7 +809,8 @@ def make_rec(q, op, first, npsn=1, *, cqn=0, status=SENT, signaled=1, index=0, b
 def test_directed():
     """One small unit (1 VL, 4 QPs): full queue backpressure (QP 0); an ACK naming an
     atomic's own PSN does not complete it but a later ACK does, an ACK beyond a READ leaves
-    it outstanding and its late READ response is stale (QP 1); a coalesced ACK completes
+    it outstanding and its late READ response is stale, until qp_flush flushes them (QP 1);
+    a coalesced ACK completes
     records at one per cycle; ACKs before any SENT record,
     a fatal NAK with records before, at and behind its PSN, records arriving after it,
     responses while flushing, then qp_reset and a fresh start (QP 2); a QP in RESET (QP 3);
@@ -862,6 +884,15 @@ def test_directed():
         send(bench, 1, Opcode.ATOMIC_ACKNOWLEDGE, p + 6, taken=False)   # future
         await bench.drain(ctx)
         assert len(ref.qps[1].queue) == 2, "the READ completed without its response"
+        # The host moves QP 1 to ERR: both flush; later records too; responses are dropped.
+        bench.flushes.append(1)
+        await cycles(ctx, bench, 3)
+        await offer(ctx, bench, make_rec(1, WRITE, p + 6, cqn=1))
+        send(bench, 1, Opcode.ACKNOWLEDGE, p + 6, taken=False)
+        await bench.drain(ctx)
+        assert not ref.qps[1].queue
+        bench.resets.append(1)
+        await cycles(ctx, bench, 3)
 
         # QP 2: an ERROR record before any SENT one; an ACK then is unexpected.
         await offer(ctx, bench, make_rec(2, SEND, 5, status=ERROR, syndrome=0x04, signaled=0))
@@ -891,7 +922,7 @@ def test_directed():
         ref.counters["rx_dropped_unexpected"] += 1
         await bench.drain(ctx)
         await bench.check_counters(ctx)
-        assert ref.counters["naks_received"] == 4 and ref.counters["rx_dropped_unexpected"] == 7
+        assert ref.counters["naks_received"] == 4 and ref.counters["rx_dropped_unexpected"] == 8
 
     run(dut, factory, body)
 

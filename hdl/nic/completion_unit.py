@@ -134,6 +134,12 @@ class CompletionUnit(wiring.Component):
     more than the outstanding PSNs behind (the modulo-2^24 compares assume a QP's
     unacknowledged PSNs span less than 2^23).
 
+    ``qp_flush`` (the host moved the QP from RTS to ERR; not in docs/nic.md's interface
+    list yet) makes the QP flushing at once: every record it holds and gets completes
+    with WR_FLUSH_ERR, and its responses are dropped, until ``qp_reset``. Without it, a
+    QP in ERR keeps waiting for the acknowledgements of its SENT records (a QP errored by
+    the executor or a NAK must: its earlier records may still be acknowledged).
+
     CQEs: a completed record with ``signaled`` or an error, and a CQ number below
     ``num_cqs``, gets one 64-byte CQE (AXI4 INCR burst of one beat, awid 0) at
     ``base + 64 * (pi mod 2^log_size)`` (entry 0 when collapsed, where ``log_size``
@@ -150,8 +156,7 @@ class CompletionUnit(wiring.Component):
     LIDs and SL of a response are not checked; responses with a GRH are dropped.
     Retransmission and its timers are not done: after a PSN-sequence-error or RNR NAK, or
     a READ whose responses were lost (a later ACK does not complete a READ), the QP's
-    records wait, and a QP the host moves to ERR keeps waiting for the acknowledgements of
-    its SENT records. ``qp_reset`` is for an idle QP (all its records retired); CQ producer
+    records wait until ``qp_flush``. ``qp_reset`` is for an idle QP (all its records retired); CQ producer
     indices have no reset (the interface has no CQ-reset strobe) and continue across a
     reprogramming of the CQ.
     """
@@ -174,6 +179,7 @@ class CompletionUnit(wiring.Component):
             "completion": In(stream.Signature(CompletionRecordLayout())),
             "qp_state": In(QpState).array(num_qps),
             "qp_reset": In(EventSignature()),
+            "qp_flush": In(EventSignature()),
             "qp_error": Out(EventSignature()),
             "cq_config": Out(ContextReadSignature(num_cqs, CqConfigLayout())),
             "retire": Out(stream.Signature(RetireLayout(), always_ready=True)),
@@ -452,6 +458,11 @@ class CompletionUnit(wiring.Component):
                 for nak_code, nak_syn in NAK_FATAL.items():
                     with m.Case(nak_code):
                         m.d.sync += nak_syndrome[eq].eq(nak_syn)
+
+        # --- The host moved the QP to ERR: nothing it waits for will be retransmitted ---
+        with m.If(self.qp_flush.valid & (self.qp_flush.qpn < num_qps)):
+            fq = self.qp_flush.qpn[:qp_bits]
+            m.d.sync += [flushing[fq].eq(1), marked[fq].eq(1)]
 
         # --- QP reset last: it wins over everything else in its cycle ---
         with m.If(self.qp_reset.valid & (self.qp_reset.qpn < num_qps)):
