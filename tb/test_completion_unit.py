@@ -37,7 +37,7 @@ an unknown QP number. Parameter checks.
 """
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 from amaranth.sim import Simulator
@@ -284,7 +284,6 @@ class Bench:
         self.cq_pi = [0] * dut.num_cqs
         self.cq_addr = 0
         self.retired = 0
-        self.cqes = 0
         self.resets = deque()
         self.flushes = deque()
         self.ready_low = 0
@@ -415,7 +414,6 @@ class Bench:
                 self.b_due.append((t + rng.randint(1, self.b_delay), int(rng.random() < self.p_slverr) * 2))
                 self.ref.counters["cqes_written"] += 1
                 self.ref.counters["error_cqes"] += rec.error
-                self.cqes += 1
             else:
                 assert not (self.aw and self.w), (t, "a CQE issued for a record without one", rec)
             self.outstanding[q] -= 1
@@ -530,11 +528,6 @@ class Traffic:
             self.sent[q].append(rec)
         self.generated += 1
         return rec
-
-    def accepted_sent(self, q):
-        """SENT records of q the unit has accepted (the responder answers only those)."""
-        ref_qp = self.bench.ref.qps[q]
-        return ref_qp.started
 
     def respond(self, q):
         """Queue the next in-order response(s) of q's responder, if any."""

@@ -108,7 +108,7 @@ class CompletionUnit(wiring.Component):
 
     Processor, per event for QP q at PSN p. Dropped (``rx_dropped_unexpected``) when q is
     in RESET, has had no SENT record since its reset, has a fatal NAK pending or is
-    flushing after one, or when p is not in ``(ack_psn, sent_psn]``: ``sent_psn`` is the
+    flushing (after a fatal NAK or ``qp_flush``), or when p is not in ``(ack_psn, sent_psn]``: ``sent_psn`` is the
     last PSN of q's newest SENT record, ``ack_psn`` the newest acknowledged PSN (the first
     SENT record's ``first_psn - 1`` after reset). So stale, duplicate and future PSNs
     are dropped. Otherwise:
@@ -156,9 +156,9 @@ class CompletionUnit(wiring.Component):
     LIDs and SL of a response are not checked; responses with a GRH are dropped.
     Retransmission and its timers are not done: after a PSN-sequence-error or RNR NAK, or
     a READ whose responses were lost (a later ACK does not complete a READ), the QP's
-    records wait until ``qp_flush``. ``qp_reset`` is for an idle QP (all its records retired); CQ producer
-    indices have no reset (the interface has no CQ-reset strobe) and continue across a
-    reprogramming of the CQ.
+    records wait until ``qp_flush``. ``qp_reset`` is for an idle QP (all its records
+    retired). CQ producer indices have no reset (the interface has no CQ-reset strobe)
+    and continue across a reprogramming of the CQ.
     """
 
     def __init__(self, *, num_qps=64, num_cqs=16, num_vls=2, addr_width=64):
