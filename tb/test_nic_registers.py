@@ -210,6 +210,7 @@ class Bench:
         self.t = 0
         self.doorbells = []         # (cycle, qpn, pi)
         self.resets = []            # (cycle, qpn)
+        self.flushes = []           # (cycle, qpn) of every qp_flush strobe
         self.errors_at = {}         # cycle -> qpns strobed on qp_error[0], [1]
         self.writing = False
         self.check_from = 0
@@ -234,6 +235,8 @@ class Bench:
                                    ctx.get(dut.doorbell.payload.pi)))
         if ctx.get(dut.qp_reset.valid):
             self.resets.append((self.t, ctx.get(dut.qp_reset.qpn)))
+        if ctx.get(dut.qp_flush.valid):
+            self.flushes.append((self.t, ctx.get(dut.qp_flush.qpn)))
         settled = not self.writing and self.t >= self.check_from
         for k, (table, port) in enumerate(self.ports):
             if settled and k in self.port_addr:
@@ -679,6 +682,7 @@ def test_qp_transitions():
             await bench.write(st, RESET, expect=OKAY)
             await state(RESET)
         await bench.write(st, ERR, expect=SLVERR)            # RESET -> ERR
+        assert bench.flushes == []
         await bench.write(st, RESET, expect=OKAY)            # RESET -> RESET strobes
         await bench.write(st, RTS, expect=OKAY)
         for v in (1, 2, 4, 5, 7, 0x13):     # not states; 0x13: bits above [2:0] are ignored
@@ -692,6 +696,8 @@ def test_qp_transitions():
         await bench.write(st, ERR, expect=OKAY)
         await state(ERR)
         await bench.write(st, ERR, expect=OKAY)              # ERR -> ERR
+        # Both host ERR writes flush (the completion unit drains what the QP waits for).
+        assert [qpn for _, qpn in bench.flushes] == [q, q]
         await bench.write(st, RTS, expect=SLVERR)            # ERR -> RTS
         await bench.write(st, RESET, expect=SLVERR)
         await bench.write(qp_addr(q, 2), 0, expect=SLVERR)

@@ -113,6 +113,7 @@ class Nic(wiring.Component):
         for block in (sched, exe, comp):
             m.d.comb += [block.qp_reset.valid.eq(regs.qp_reset.valid),
                          block.qp_reset.qpn.eq(regs.qp_reset.qpn)]
+        wiring.connect(m, regs.qp_flush, comp.qp_flush)
         m.d.comb += [
             regs.qp_busy.eq(sched.qp_busy),
             exe.slid.eq(regs.slid),

@@ -61,7 +61,10 @@ class NicRegisters(wiring.Component):
       (data = the entry at the previous cycle's ``addr``; a host write shows from the
       second cycle after its commit).
     - ``qp_state``, ``qp_log_sq_size``, ``qp_max_outstanding``: flip-flops per QP.
-      ``qp_reset`` strobes (registered) in the cycle the QP's state becomes RESET.
+      ``qp_reset`` strobes (registered) in the cycle the QP's state becomes RESET;
+      ``qp_flush`` when the host writes ERR to a QP in RTS or ERR (the completion unit
+      then flushes everything the QP still waits for, so a QP whose responses never come
+      can still be drained and reset).
     - ``qp_error[i]``: a strobe moves its QP from RTS to ERR; two strobes in one cycle
       may name the same or different QPs.
     - ``slid``, ``sl_to_vl``, ``vl_weight``: the global registers.
@@ -96,6 +99,7 @@ class NicRegisters(wiring.Component):
             "qp_max_outstanding": Out(7).array(num_qps),
             "qp_error": In(EventSignature()).array(2),
             "qp_reset": Out(EventSignature()),
+            "qp_flush": Out(EventSignature()),
             "qp_busy": In(num_qps),
             "slid": Out(16),
             "sl_to_vl": Out(4).array(16),
@@ -202,7 +206,7 @@ class NicRegisters(wiring.Component):
         state_new = Signal(QpState)
         copies_we = Signal()                # load QP qpn's flip-flop copies from copies_src
         copies_src = Signal(QpConfigLayout())
-        m.d.sync += self.qp_reset.valid.eq(0)
+        m.d.sync += [self.qp_reset.valid.eq(0), self.qp_flush.valid.eq(0)]
         for q in range(self.num_qps):
             errored = Cat(e.valid & (e.qpn == q) for e in self.qp_error).any()
             with m.If(state_we & (qpn == q)):
@@ -247,7 +251,9 @@ class NicRegisters(wiring.Component):
                 with m.Case(QpState.ERR):
                     with m.If(now == QpState.RTS.value):
                         m.d.comb += [state_we.eq(1), state_new.eq(QpState.ERR)]
-                    with m.Elif(now == QpState.RESET.value):
+                    with m.If(now != QpState.RESET.value):
+                        m.d.sync += [self.qp_flush.valid.eq(1), self.qp_flush.qpn.eq(qpn)]
+                    with m.Else():
                         m.d.comb += error.eq(1)
                 with m.Default():
                     m.d.comb += error.eq(1)
