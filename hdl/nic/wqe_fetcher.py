@@ -1,0 +1,340 @@
+from amaranth import *
+from amaranth.lib import data, fifo, stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from hdl.nic.signatures import (
+    FETCH_ID, MAX_INLINE_BYTES, MAX_WQE_BLOCKS, QPN_BITS, WQEBB_BYTES, ArLayout,
+    ContextReadSignature, FetchDoneLayout, FetchRequestLayout, MlxOpcode, QpConfigLayout,
+    RBeatLayout, Syndrome, WqeDescriptorLayout,
+)
+
+__all__ = ["WqeFetcher"]
+
+_INLINE_FLAG = 1 << 31      # MLX5_INLINE_SEG: the segment's first word is 0x80000000 | length
+
+
+def _be(block, start, n):
+    """The big-endian number in bytes ``start .. start + n - 1`` of ``block`` (byte 0 in
+    bits 7..0)."""
+    return Cat(*(block[8 * (start + n - 1 - i):8 * (start + n - i)] for i in range(n)))
+
+
+def _segment(block, start):
+    return block[8 * start:8 * (start + 16)]
+
+
+class WqeFetcher(wiring.Component):
+    """Reads mlx5 WQE basic blocks for fetch requests and parses them into WQE descriptors
+    (docs/nic.md, "WQE fetch and parse").
+
+    Issue stage: a request is held while its QP's context is read (``qp_config``, one
+    cycle), then its blocks go out as INCR bursts (``ar``, id ``FETCH_ID``), one per cycle,
+    each cut at the ring's end (the next one starts at ``sq_base``) and at 4 KiB
+    boundaries. The first burst waits until the block buffer has room for all the
+    fetch's blocks and reserves them, so every R beat is accepted at once (``r.ready`` is
+    always 1) and R beats of this block never wait on the parser. A request with
+    ``blocks`` 0 or above 16, or a ``qpn`` of a QP the NIC does not have, reads nothing
+    and finishes with ``consumed`` 0.
+
+    Parser: walks the buffered blocks in fetch order, one block per cycle (blocks go back
+    to the buffer as they are popped). A WQE's first block gives its length
+    (``ceil(ds / 4)`` blocks, ds 0 or a block read with RRESP not OKAY counts as one); a
+    WQE longer than what is left of the fetch is dropped with the rest of the fetch; a
+    whole WQE becomes one descriptor in the cycle of its last block, registered on
+    ``wqe``. With ``first_only`` the blocks after the first WQE are dropped. Dropped blocks
+    count in ``wqe_blocks_refetched`` (every block fetched and not consumed is read again
+    later). ``fetch_done`` pulses in the cycle after a fetch's last block was handled (it
+    does not wait for the last descriptor to be taken).
+
+    Descriptor fields: multi-byte fields hold the numeric value of the big-endian bytes in
+    memory; ``imm`` is the big-endian value of control-segment bytes 12..15, so sending it
+    most significant byte first puts those bytes on the wire unchanged. ``wqe_index`` is
+    the fetch position of the WQE's first block (mod 2^16), not the control segment's copy.
+    ``inline_data`` holds ``byte_count`` bytes, the rest zero. A WQE with a format error
+    carries only its control-segment fields (opcode, opmod, ds, fm_ce_se, imm), all
+    segment fields zero; one whose first block was read with an error carries none (its
+    contents are unknown) and is one block long.
+    """
+
+    def __init__(self, *, num_qps=64, buffer_blocks=256):
+        if not isinstance(num_qps, int) or not 1 <= num_qps <= 1 << QPN_BITS:
+            raise ValueError(f"QPs must be an integer 1 to {1 << QPN_BITS}, not {num_qps!r}")
+        if not isinstance(buffer_blocks, int) or not MAX_WQE_BLOCKS <= buffer_blocks <= 4096:
+            raise ValueError(f"Buffer blocks must be an integer {MAX_WQE_BLOCKS} to 4096 "
+                             f"(a fetch of {MAX_WQE_BLOCKS} blocks must fit), "
+                             f"not {buffer_blocks!r}")
+        self.num_qps = num_qps
+        self.buffer_blocks = buffer_blocks
+        super().__init__({
+            "fetch": In(stream.Signature(FetchRequestLayout())),
+            "qp_config": Out(ContextReadSignature(num_qps, QpConfigLayout())),
+            "ar": Out(stream.Signature(ArLayout())),
+            "r": In(stream.Signature(RBeatLayout(WQEBB_BYTES))),
+            "wqe": Out(stream.Signature(WqeDescriptorLayout())),
+            "fetch_done": Out(stream.Signature(FetchDoneLayout(), always_ready=True)),
+            "wqe_blocks_fetched": Out(32),
+            "wqes_parsed": Out(32),
+            "wqe_blocks_refetched": Out(32),
+            "fetch_read_errors": Out(32),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        block_layout = data.StructLayout({"data": 8 * WQEBB_BYTES, "bad": 1})
+        # In flight between the two halves: every issued fetch (in order) and every block
+        # read. The info queue is as deep as the buffer so one-block fetches can fill it.
+        m.submodules.info = info = fifo.SyncFIFOBuffered(
+            width=FetchRequestLayout().size, depth=self.buffer_blocks)
+        m.submodules.blocks = blocks = fifo.SyncFIFOBuffered(
+            width=block_layout.size, depth=self.buffer_blocks)
+        free = Signal(range(self.buffer_blocks + 1), init=self.buffer_blocks)
+        reserve = Signal(range(MAX_WQE_BLOCKS + 1))
+        release = Signal()
+        m.d.sync += free.eq(free - reserve + release)
+
+        self._issue(m, info, free, reserve)
+
+        m.d.comb += [
+            self.r.ready.eq(1),
+            blocks.w_en.eq(self.r.valid),
+            blocks.w_data.eq(Cat(self.r.payload.data, self.r.payload.resp != 0)),
+        ]
+        with m.If(self.r.valid):
+            m.d.sync += self.wqe_blocks_fetched.eq(self.wqe_blocks_fetched + 1)
+            with m.If(self.r.payload.resp != 0):
+                m.d.sync += self.fetch_read_errors.eq(self.fetch_read_errors + 1)
+
+        self._parse(m, info, blocks, block_layout, release)
+        return m
+
+    def _issue(self, m, info, free, reserve):
+        fetch, ar, cfg = self.fetch, self.ar, self.qp_config.data
+        held = Signal()
+        req = Signal(FetchRequestLayout())
+        at = Signal(16)                             # ring index of the next burst
+        left = Signal(range(MAX_WQE_BLOCKS + 1))    # blocks still to request
+        first = Signal()                            # the fetch has not reserved yet
+
+        ring_mask = Signal(16)
+        m.d.comb += ring_mask.eq((Const(1, 17) << cfg.log_sq_size) - 1)
+        index = Signal(16)
+        m.d.comb += index.eq(at & ring_mask)
+        addr = Signal(64)
+        m.d.comb += addr.eq(cfg.sq_base + Cat(C(0, 6), index))
+        to_end = Signal(17)
+        m.d.comb += to_end.eq(ring_mask + 1 - index)
+        to_4k = Signal(range(65))
+        m.d.comb += to_4k.eq(64 - addr[6:12])
+        to_end_or_left = Signal(range(MAX_WQE_BLOCKS + 1))
+        m.d.comb += to_end_or_left.eq(Mux(to_end < left, to_end, left))
+        beats = Signal(range(MAX_WQE_BLOCKS + 1))
+        m.d.comb += beats.eq(Mux(to_4k < to_end_or_left, to_4k, to_end_or_left))
+
+        room = Signal()
+        m.d.comb += room.eq(info.w_rdy & (free >= req.blocks))
+        m.d.comb += [
+            ar.valid.eq(held & (left != 0) & (~first | room)),
+            ar.payload.id.eq(FETCH_ID),
+            ar.payload.addr.eq(addr),
+            ar.payload.len.eq(beats - 1),
+        ]
+        fire = Signal()
+        m.d.comb += fire.eq(ar.valid & ar.ready)
+        # A rejected request (left 0 from the start) only has to queue its empty fetch.
+        empty = Signal()
+        m.d.comb += empty.eq(held & first & (left == 0) & info.w_rdy)
+        finish = Signal()
+        m.d.comb += finish.eq((fire & (left == beats)) | empty)
+        m.d.comb += [
+            info.w_en.eq((fire & first) | empty),
+            info.w_data.eq(req),
+            reserve.eq(Mux(fire & first, req.blocks, 0)),
+            fetch.ready.eq(~held | finish),
+            # The context is read in the accept cycle; holding the address keeps it current.
+            self.qp_config.addr.eq(Mux(fetch.ready, fetch.payload.qpn, req.qpn)),
+        ]
+        with m.If(fire):
+            m.d.sync += [at.eq(at + beats), left.eq(left - beats), first.eq(0)]
+        with m.If(finish):
+            m.d.sync += held.eq(0)
+        with m.If(fetch.valid & fetch.ready):
+            p = fetch.payload
+            ok = (p.blocks != 0) & (p.blocks <= MAX_WQE_BLOCKS) & (p.qpn < self.num_qps)
+            m.d.sync += [
+                held.eq(1), first.eq(1), at.eq(p.wqe_index),
+                req.eq(p), req.blocks.eq(Mux(ok, p.blocks, 0)), left.eq(Mux(ok, p.blocks, 0)),
+            ]
+
+    def _parse(self, m, info, blocks, block_layout, release):
+        wqe = self.wqe
+        cur = data.View(FetchRequestLayout(), info.r_data)
+        head = data.View(block_layout, blocks.r_data)
+
+        pos = Signal(range(MAX_WQE_BLOCKS + 1))         # block of the fetch at the head
+        consumed = Signal(range(MAX_WQE_BLOCKS + 1))
+        dropping = Signal()                             # the rest of the fetch is dropped
+        part = Signal(range(MAX_WQE_BLOCKS))            # block of the WQE at the head (0: first)
+        wqe_blocks = Signal(range(MAX_WQE_BLOCKS + 1))
+        wqe_start = Signal(range(MAX_WQE_BLOCKS))
+        read_err = Signal()                             # a later block of the WQE was bad
+        block0 = Signal(8 * WQEBB_BYTES)
+
+        ds = head.data[56:62]
+        head_blocks = Signal(range(MAX_WQE_BLOCKS + 1))
+        m.d.comb += head_blocks.eq(Mux(head.bad | (ds == 0), 1, (ds + 3) >> 2))
+        at_start = Signal()
+        m.d.comb += at_start.eq(~dropping & (part == 0))
+        fits = Signal()
+        m.d.comb += fits.eq(head_blocks <= cur.blocks - pos)
+        emit = Signal()
+        m.d.comb += emit.eq(Mux(at_start, fits & (head_blocks == 1),
+                                ~dropping & (part == wqe_blocks - 1)))
+        pop = Signal()
+        m.d.comb += pop.eq(info.r_rdy & (cur.blocks != 0) & blocks.r_rdy &
+                           (~emit | ~wqe.valid | wqe.ready))
+        empty_fetch = Signal()
+        m.d.comb += empty_fetch.eq(info.r_rdy & (cur.blocks == 0))
+        last = Signal()
+        m.d.comb += last.eq(pos == cur.blocks - 1)
+        m.d.comb += [
+            blocks.r_en.eq(pop),
+            release.eq(pop),
+            info.r_en.eq(empty_fetch | (pop & last)),
+        ]
+
+        desc = Signal(WqeDescriptorLayout())
+        self._decode(m, desc,
+                     block0=Mux(at_start, head.data, block0), block1=head.data,
+                     bad0=at_start & head.bad, bad_later=~at_start & (read_err | head.bad))
+        m.d.comb += [
+            desc.qpn.eq(cur.qpn),
+            desc.wqe_index.eq(cur.wqe_index + Mux(at_start, pos, wqe_start)),
+            desc.wqe_blocks.eq(Mux(at_start, 1, wqe_blocks)),
+        ]
+
+        added = Signal(range(MAX_WQE_BLOCKS + 1))       # blocks consumed by this pop
+        m.d.comb += added.eq(Mux(pop & emit, Mux(at_start, 1, wqe_blocks), 0))
+        with m.If(wqe.valid & wqe.ready):
+            m.d.sync += [wqe.valid.eq(0), self.wqes_parsed.eq(self.wqes_parsed + 1)]
+        m.d.sync += self.fetch_done.valid.eq(0)
+        with m.If(pop):
+            m.d.sync += pos.eq(pos + 1)
+            with m.If(dropping | (at_start & ~fits)):
+                m.d.sync += [
+                    dropping.eq(1),
+                    self.wqe_blocks_refetched.eq(self.wqe_blocks_refetched + 1),
+                ]
+            with m.Elif(emit):
+                m.d.sync += [wqe.valid.eq(1), wqe.payload.eq(desc), part.eq(0),
+                             consumed.eq(consumed + added), dropping.eq(cur.first_only)]
+            with m.Elif(at_start):
+                m.d.sync += [part.eq(1), wqe_blocks.eq(head_blocks), wqe_start.eq(pos),
+                             block0.eq(head.data), read_err.eq(0)]
+            with m.Else():
+                m.d.sync += [part.eq(part + 1), read_err.eq(read_err | head.bad)]
+            with m.If(last):
+                m.d.sync += [
+                    pos.eq(0), consumed.eq(0), dropping.eq(0), part.eq(0),
+                    self.fetch_done.valid.eq(1),
+                    self.fetch_done.payload.qpn.eq(cur.qpn),
+                    self.fetch_done.payload.consumed.eq(consumed + added),
+                ]
+        with m.If(empty_fetch):
+            m.d.sync += [
+                self.fetch_done.valid.eq(1),
+                self.fetch_done.payload.qpn.eq(cur.qpn),
+                self.fetch_done.payload.consumed.eq(0),
+            ]
+
+    @staticmethod
+    def _decode(m, desc, *, block0, block1, bad0, bad_later):
+        """Fields and format checks of the WQE whose first two blocks are ``block0`` and
+        ``block1`` (docs/nic.md's segment table)."""
+        opcode = block0[24:32]
+        ds = block0[56:62]
+        raddr_at = _segment(block0, 16)
+        word16 = _be(block0, 16, 4)
+        word32 = _be(block0, 32, 4)
+        word48 = _be(block0, 48, 4)
+
+        ok = Signal()
+        syndrome = Signal(Syndrome, init=Syndrome.LOCAL_QP_OP_ERR)
+        has_raddr = Signal()
+        has_atomic = Signal()
+        has_data = Signal()
+        has_inline = Signal()
+        data_at = Signal(2)         # data segment at byte 16, 32, 48 (1, 2, 3)
+        inline_len = Signal(range(MAX_INLINE_BYTES + 1))
+
+        def data_or_inline(at, word, base):
+            # ``base``: ds of the WQE without its data (the empty form).
+            length = word[:31]
+            segments = (length[:7] + 4 + 15) >> 4
+            # The segment's first word is part of the WQE only when ds goes beyond the base.
+            with m.If(ds == base):
+                m.d.comb += ok.eq(1)
+            with m.Elif((ds > base) & word[31]):
+                with m.If(length > MAX_INLINE_BYTES):
+                    m.d.comb += syndrome.eq(Syndrome.LOCAL_LENGTH_ERR)
+                with m.Elif(ds == base + segments):
+                    m.d.comb += [ok.eq(1), has_inline.eq(1), inline_len.eq(length)]
+            with m.Elif(ds == base + 1):
+                m.d.comb += [ok.eq(1), has_data.eq(1), data_at.eq(at)]
+
+        with m.Switch(opcode):
+            with m.Case(MlxOpcode.RDMA_WRITE, MlxOpcode.RDMA_WRITE_IMM):
+                m.d.comb += has_raddr.eq(1)
+                data_or_inline(2, word32, 2)
+            with m.Case(MlxOpcode.SEND, MlxOpcode.SEND_IMM):
+                data_or_inline(1, word16, 1)
+            with m.Case(MlxOpcode.RDMA_READ):
+                m.d.comb += [has_raddr.eq(1), has_data.eq(1), data_at.eq(2),
+                             ok.eq((ds == 3) & ~word32[31])]
+            with m.Case(MlxOpcode.ATOMIC_CS, MlxOpcode.ATOMIC_FA):
+                m.d.comb += [has_raddr.eq(1), has_atomic.eq(1), has_data.eq(1), data_at.eq(3)]
+                with m.If((ds == 4) & (word48 != 8)):
+                    m.d.comb += syndrome.eq(Syndrome.LOCAL_LENGTH_ERR)
+                m.d.comb += ok.eq((ds == 4) & (word48 == 8))
+
+        good = Signal()
+        m.d.comb += good.eq(ok & ~bad0 & ~bad_later)
+        segment = Signal(128)
+        with m.Switch(data_at):
+            for at in (1, 2, 3):
+                with m.Case(at):
+                    m.d.comb += segment.eq(_segment(block0, 16 * at))
+        # Inline data runs on from the first block into the second.
+        both = Cat(block0, block1)
+        window = Mux(opcode[1], both[8 * 20:8 * (20 + MAX_INLINE_BYTES)],
+                     both[8 * 36:8 * (36 + MAX_INLINE_BYTES)])
+        inline_data = Cat(*(Mux(k < inline_len, window[8 * k:8 * (k + 1)], 0)
+                            for k in range(MAX_INLINE_BYTES)))
+
+        with m.If(~bad0):
+            m.d.comb += [
+                desc.opcode.eq(opcode),
+                desc.opmod.eq(block0[0:8]),
+                desc.ds.eq(ds),
+                desc.fm_ce_se.eq(block0[88:96]),
+                desc.imm.eq(_be(block0, 12, 4)),
+            ]
+        with m.If(good):
+            with m.If(has_raddr):
+                m.d.comb += [desc.raddr.eq(_be(raddr_at, 0, 8)), desc.rkey.eq(_be(raddr_at, 8, 4))]
+            with m.If(has_atomic):
+                m.d.comb += [desc.swap_add.eq(_be(block0, 32, 8)),
+                             desc.compare.eq(_be(block0, 40, 8))]
+            with m.If(has_data):
+                m.d.comb += [
+                    desc.has_data.eq(1),
+                    desc.byte_count.eq(_be(segment, 0, 4)),
+                    desc.lkey.eq(_be(segment, 4, 4)),
+                    desc.laddr.eq(_be(segment, 8, 8)),
+                ]
+            with m.If(has_inline):
+                m.d.comb += [desc.inline.eq(1), desc.byte_count.eq(inline_len),
+                             desc.inline_data.eq(inline_data)]
+        with m.Else():
+            m.d.comb += [desc.format_error.eq(1), desc.syndrome.eq(syndrome)]
+            with m.If(bad0 | bad_later):
+                m.d.comb += desc.syndrome.eq(Syndrome.LOCAL_QP_OP_ERR)
