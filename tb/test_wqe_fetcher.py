@@ -32,10 +32,13 @@ end; the reservation with a stalled consumer (exactly ``buffer_blocks`` blocks +
 parser took); throughput (one-block WQEs at one descriptor per cycle, within a fetch and
 across one-block fetches); parameter checks.
 """
+import gc
 import random
+import warnings
 from collections import deque
 
 import pytest
+from amaranth.hdl import UnusedElaboratable
 from amaranth.sim import Simulator
 
 from hdl.nic.signatures import MlxOpcode, Syndrome, WqeDescriptorLayout
@@ -138,6 +141,7 @@ def bad_wqes(rng):
         (LEN, wqe_bytes(rng, ctrl_seg(rng, w, inline_ds(2, 65)), r(rng), inline_seg(rng, 65))),
         (LEN, wqe_bytes(rng, ctrl_seg(rng, s, 7), inline_seg(rng, 80))),
         (LEN, wqe_bytes(rng, ctrl_seg(rng, si, 3), inline_seg(rng, 12, length=0x7FFFFFFF))),
+        (LEN, wqe_bytes(rng, ctrl_seg(rng, wi, 10), r(rng), inline_seg(rng, 130))),
         # SEND: two data segments, inline ds wrong, ds 0
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, s, 3), data_seg(rng), data_seg(rng))),
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, si, inline_ds(1, 44) + 1), inline_seg(rng, 44))),
@@ -340,6 +344,7 @@ class Bench:
         self.descriptors = 0
         self.ar_log = []                # (cycle, address, beats)
         self.wqe_cycles = []
+        self.desc_log = []
         self.done_log = []
 
     def config(self, qpn):
@@ -474,6 +479,7 @@ class Bench:
             fetch[1] += got["wqe_blocks"]
             self.parsed += got["wqe_blocks"]
         self.wqe_cycles.append(t)
+        self.desc_log.append(got)
 
     def take_done(self, t, qpn, consumed):
         assert self.exp_done, (t, "unexpected fetch done")
@@ -584,36 +590,29 @@ def test_format_errors():
     assert sum(len(wqe) for wqe in wqes) <= 64 * 128
     ring = one_ring(rng, wqes, log=7)
     requests = [(0, index, len(wqe) // 64, 0) for index, wqe in zip(ring.starts, wqes)]
-    bench = Bench(WqeFetcher(num_qps=1), {0: ring}, requests, rng=rng)
-    seen = []
-    take = bench.take_descriptor
-
-    def record(t, got):
-        seen.append((got["format_error"], got["syndrome"]))
-        take(t, got)
-
-    bench.take_descriptor = record
-
-    async def body(ctx):
-        await bench.run(ctx)
-
-    simulate(bench.dut, body)
+    bench = run_bench(WqeFetcher(num_qps=1), {0: ring}, requests, rng=rng)
+    seen = [(d["format_error"], d["syndrome"]) for d in bench.desc_log]
     assert seen == [(1, syndrome) for syndrome, _ in cases] + [(0, 0)] * 5
 
 
 def test_read_errors():
     """RRESP not OKAY: on a WQE's first block it is a one-block error WQE (its contents
     unknown) and the next block starts a WQE; on a later block the WQE keeps its control
-    fields."""
+    fields, and LOCAL_QP_OP wins over the WQE's own format error (a three-block WQE with
+    too long inline data and a bad middle block)."""
     rng = random.Random(11)
     w = OPS["RDMA_WRITE"]
     two = [wqe_bytes(rng, ctrl_seg(rng, w, inline_ds(2, 64)), raddr_seg(rng), inline_seg(rng, 64))
            for _ in range(3)]
     one = good_wqe(rng, "read")
-    ring = one_ring(rng, two + [one], bad={0, 3})
-    requests = [(0, 0, 2, 0), (0, 2, 2, 0), (0, 4, 2, 0), (0, 6, 1, 0)]
+    three = wqe_bytes(rng, ctrl_seg(rng, w, 10), raddr_seg(rng), inline_seg(rng, 130))
+    ring = one_ring(rng, two + [one, three], bad={0, 3, 8})
+    requests = [(0, 0, 2, 0), (0, 2, 2, 0), (0, 4, 2, 0), (0, 6, 1, 0), (0, 7, 3, 0)]
     bench = run_bench(WqeFetcher(num_qps=1), {0: ring}, requests, rng=rng)
-    assert bench.read_errors == 2
+    assert bench.read_errors == 3
+    last = bench.desc_log[-1]
+    assert (last["wqe_index"], last["wqe_blocks"], last["ds"]) == (7, 3, 10)
+    assert (last["format_error"], last["syndrome"]) == (1, QP_OP)
     # first fetch: the bad control block alone, then its second block parsed as a WQE
     first = ref_descriptor([ring.block(0)], [True], 0, 0)
     assert first["wqe_blocks"] == 1 and first["opcode"] == 0
@@ -621,7 +620,7 @@ def test_read_errors():
     # second fetch: good control block, bad second block
     second = ref_descriptor([ring.block(2), ring.block(3)], [False, True], 0, 2)
     assert second["opcode"] == w and second["format_error"] == 1 and second["raddr"] == 0
-    assert [d[1:] for d in bench.done_log[1:]] == [(0, 2), (0, 2), (0, 1)]
+    assert [d[1:] for d in bench.done_log[1:]] == [(0, 2), (0, 2), (0, 1), (0, 3)]
 
 
 def test_bursts_split():
@@ -728,5 +727,12 @@ def test_two_block_wqes_rate():
     dict(buffer_blocks=15), dict(buffer_blocks=4097), dict(buffer_blocks=None),
 ])
 def test_parameters(kwargs):
-    with pytest.raises(ValueError):
-        WqeFetcher(**kwargs)
+    # A component whose constructor raised would warn, when collected, that it was never
+    # elaborated: collect it here with that warning off.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnusedElaboratable)
+        try:
+            with pytest.raises(ValueError, match="must be"):
+                WqeFetcher(**kwargs)
+        finally:
+            gc.collect()
