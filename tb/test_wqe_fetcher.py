@@ -135,8 +135,10 @@ def bad_wqes(rng):
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, wi, 1), r(rng))),
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, w, 5), r(rng), data_seg(rng))),
         # WRITE inline: ds one too many / one too few for the length
-        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, w, inline_ds(2, 20) + 1), r(rng), inline_seg(rng, 20))),
-        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, wi, inline_ds(2, 61) - 1), r(rng), inline_seg(rng, 61))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, w, inline_ds(2, 20) + 1), r(rng),
+                          inline_seg(rng, 20))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, wi, inline_ds(2, 61) - 1), r(rng),
+                          inline_seg(rng, 61))),
         # inline longer than 64 bytes (LOCAL_LENGTH even when ds matches the length)
         (LEN, wqe_bytes(rng, ctrl_seg(rng, w, inline_ds(2, 65)), r(rng), inline_seg(rng, 65))),
         (LEN, wqe_bytes(rng, ctrl_seg(rng, s, 7), inline_seg(rng, 80))),

@@ -10,8 +10,6 @@ from hdl.nic.signatures import (
 
 __all__ = ["WqeFetcher"]
 
-_INLINE_FLAG = 1 << 31      # MLX5_INLINE_SEG: the segment's first word is 0x80000000 | length
-
 
 def _be(block, start, n):
     """The big-endian number in bytes ``start .. start + n - 1`` of ``block`` (byte 0 in
@@ -32,7 +30,9 @@ class WqeFetcher(wiring.Component):
     each cut at the ring's end (the next one starts at ``sq_base``) and at 4 KiB
     boundaries. The first burst waits until the block buffer has room for all the
     fetch's blocks and reserves them, so every R beat is accepted at once (``r.ready`` is
-    always 1) and R beats of this block never wait on the parser. A request with
+    always 1) and the shared R channel never waits on the parser. Blocks are read modulo
+    the ring whatever their count (a fetch longer than the ring reads blocks again). R
+    beats are taken in request order; ``r.last`` is not looked at. A request with
     ``blocks`` 0 or above 16, or a ``qpn`` of a QP the NIC does not have, reads nothing
     and finishes with ``consumed`` 0.
 
