@@ -5,8 +5,6 @@ Run by ``make bench`` through tb/bench.py, which passes the scenario in
 by ``BENCH_RECORDS``. All figures are
 simulated cycles; nanoseconds are cycles times the clock period.
 """
-import json
-import os
 import random
 
 import cocotb
@@ -15,6 +13,7 @@ from cocotb.clock import Clock
 from models.ib import Opcode
 from models.packet import random_packet
 from tb import runner
+from tb.runner import bench_record as record
 from tb.beats import CycleLoop, PacketSink, PacketSource, WireMonitor
 from tb.link_pair_tb import bring_up
 
@@ -69,14 +68,6 @@ class BenchTB:
         last_end = self.sink.packets[-1][3]
         delivered = (packets - warmup) * payload
         return delivered / ((last_end - first_end) * self.width)
-
-
-def record(name, value, unit, config):
-    path = os.environ["BENCH_RECORDS"]
-    records = json.load(open(path)) if os.path.exists(path) else []
-    records.append({"name": name, "value": value, "unit": unit, "config": config})
-    with open(path, "w") as f:
-        json.dump(records, f, indent=1)
 
 
 @cocotb.test()

@@ -26,23 +26,13 @@ from cocotb.triggers import RisingEdge, Timer
 
 from hdl.link.signatures import LinkState
 from tb import runner
+from tb.runner import bench_record as record
 from tb.switch_bench_top import GEN_SHARED, LID_BASE
 
 OVERHEAD = 8 + 12 + 4 + 2           # LRH + BTH + ICRC + VCRC around a SEND_ONLY payload
 # The histogram memories keep their contents through a reset (each cocotb test resets the
 # design): bins above the largest latency any test of this run has seen are still zero.
 _HIST_TOP = [0]
-
-
-def record(name, value, unit, config):
-    path = os.environ["BENCH_RECORDS"]
-    records = []
-    if os.path.exists(path):
-        with open(path) as f:
-            records = json.load(f)
-    records.append({"name": name, "value": value, "unit": unit, "config": config})
-    with open(path, "w") as f:
-        json.dump(records, f, indent=1)
 
 
 def jain(values):

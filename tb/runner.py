@@ -143,3 +143,12 @@ def run(*, module, toplevel, factory, params, testcase=None, expect_tests=None,
 def tb_params():
     """The parameter dict the pytest launcher passed to this simulation."""
     return json.loads(os.environ.get("TB_PARAMS", "{}"))
+
+
+def bench_record(name, value, unit, config):
+    """Append one benchmark record to the file named by ``BENCH_RECORDS`` (set by
+    tb/bench.py for each cocotb benchmark run)."""
+    path = os.environ["BENCH_RECORDS"]
+    records = json.loads(Path(path).read_text()) if os.path.exists(path) else []
+    records.append({"name": name, "value": value, "unit": unit, "config": config})
+    Path(path).write_text(json.dumps(records, indent=1))
