@@ -122,13 +122,14 @@ async def random_operations(dut, ring_every, backpressure, collapsed, seed):
 
 @cocotb.test()
 async def doorbell_storm(dut):
-    """64 QPs, thousands of doorbells: every WQE rung, plus duplicates, stale and
+    """All QPs but 4 (kept in RESET), thousands of doorbells: every WQE rung, plus duplicates, stale and
     out-of-order indices, doorbells for QPs that do not exist or are in RESET, and indices
     beyond the ring. Nothing is lost, nothing runs twice, and every doorbell is counted."""
     rng = random.Random(7)
     tb = NicTB(dut, seed=7, memory_latency=100)
     await tb.reset()
-    qps = await tb.setup(qps=60, cqs=16, log_sq_size=6)
+    active = tb.num_qps - 4
+    qps = await tb.setup(qps=active, cqs=min(16, active), log_sq_size=6)
     junk = {"duplicate": 0, "bad_qpn": 0, "not_ready": 0, "backwards": 0, "too_far": 0}
     stop = False
 
@@ -141,9 +142,9 @@ async def doorbell_storm(dut):
             elif kind == "backwards" and qp.rung_head > 2:
                 data = mlx5.doorbell(qp.qpn, qp.rung_head - rng.randrange(1, min(qp.rung_head, 300)))
             elif kind == "bad_qpn":
-                data = mlx5.doorbell(rng.choice([64, 65, 255, 0xFFFFFF]), rng.getrandbits(16))
+                data = mlx5.doorbell(rng.choice([tb.num_qps, 255, 0xFFFFFF]), rng.getrandbits(16))
             elif kind == "not_ready":
-                data = mlx5.doorbell(rng.choice([60, 61, 62, 63]), rng.randrange(1, 10))
+                data = mlx5.doorbell(rng.randrange(active, tb.num_qps), rng.randrange(1, 10))
             elif kind == "too_far":
                 data = mlx5.doorbell(qp.qpn, qp.cons_head + 64 + rng.randrange(1, 1000))
             else:
@@ -324,7 +325,13 @@ async def qp_states(dut):
     await tb.set_qp_state(1, ERR, expect_error=True)
 
 
-NIC = dict(num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2, mtu=4096, wire_delay=2)
+NIC = dict(num_qps=16, num_cqs=16, num_mkeys=64, num_vls=2, mtu=4096, wire_delay=2)
+
+
+# Verilator sees word-level loops (UNOPTFLAT) where the link transmitter's credit check
+# reads the start beat whose ready it drives; Amaranth checks the netlist bit by bit and
+# finds none.
+BUILD_ARGS = ["-Wno-UNOPTFLAT"]
 
 
 def nic_top(**params):
@@ -334,4 +341,4 @@ def nic_top(**params):
 
 def test_nic():
     runner.run(module="tb.test_nic", toplevel="nic_top", factory=nic_top, params=NIC,
-               expect_tests=8)
+               expect_tests=8, build_args=BUILD_ARGS)
