@@ -1,0 +1,245 @@
+from amaranth import *
+from amaranth.lib import data, stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from hdl.nic.signatures import (
+    COUNTERS, MAX_WQE_BLOCKS, DoorbellLayout, EventSignature, FetchDoneLayout,
+    FetchRequestLayout, QpState, RetireLayout,
+)
+
+__all__ = ["DoorbellScheduler"]
+
+INDEX_BITS = 16
+HALF_RING = 1 << (INDEX_BITS - 1)
+
+
+def _or_all(values):
+    """Balanced OR of ``values``."""
+    values = list(values)
+    while len(values) > 1:
+        values = [values[i] | values[i + 1] if i + 1 < len(values) else values[i]
+                  for i in range(0, len(values), 2)]
+    return values[0]
+
+
+class DoorbellScheduler(wiring.Component):
+    """Per-QP producer/fetch/completion indices, doorbell checks and round-robin WQE fetch
+    scheduling (docs/nic.md, "Doorbells").
+
+    Per QP: ``db_pi`` (newest accepted doorbell), ``fetch_pi`` (next basic block to fetch),
+    ``done_ci`` (next basic block to complete), ``in_flight`` (a fetch request granted and
+    not yet answered by ``fetch_done``; offered and not yet accepted counts) and
+    ``waiting`` (its last fetch consumed nothing; cleared by an accepted doorbell or a
+    retire). Indices compare modulo 2^16.
+
+    Doorbells are checked in the documented order against the QP's indices at the start
+    of the cycle (a retire of the same cycle does not yet count for ``doorbells_too_far``).
+    ``fetch_done`` and ``retire`` come from the NIC's own blocks and are applied as given;
+    ones for a QP number the scheduler does not have are ignored. ``qp_reset`` zeroes the
+    QP's indices and flags and wins over every other event of its cycle for that QP,
+    including a grant (the QP is masked from arbitration in that cycle). A request already
+    offered on ``fetch`` stays offered (a stream may not withdraw it): the register block
+    resets only idle QPs, and an offered request makes its QP busy.
+
+    Timing (400 MHz, 64 QPs): each QP's eligibility and request size ("plan") is
+    recomputed every cycle from its registered indices and registered again; the
+    arbiter works on those registered plans, so the 16-bit subtractions (64 x 2) and the
+    64-wide round-robin pick sit in different cycles. A plan is one cycle old, and that
+    is always safe: within one cycle a QP's pending count and window room only grow
+    (doorbells, retires), and what shrinks them (``fetch_done``, waiting) happens only
+    while the QP is in flight, when its plan is not eligible. So a request follows the
+    documented rules on the QP's state of the cycle before its grant; it may be smaller
+    than the newest state would allow, never larger. Only a grant or a reset makes a
+    plan wrong, and the QP then sits out the next arbitration. Tracking an eligible bit
+    incrementally instead would need the same subtractions at every event port plus
+    forwarding between same-cycle events, for no saving. A doorbell in cycle t can be
+    granted in t + 2, offered on ``fetch`` from t + 3. QP context fields
+    (``qp_log_sq_size``, ``qp_max_outstanding``) are assumed to change only while their
+    QP is in RESET.
+    """
+
+    def __init__(self, num_qps=64):
+        if not isinstance(num_qps, int) or not 1 <= num_qps <= 256:
+            raise ValueError(f"Number of QPs must be an integer 1 to 256, not {num_qps!r}")
+        self.num_qps = num_qps
+        members = {
+            "doorbell": In(stream.Signature(DoorbellLayout(), always_ready=True)),
+            "qp_state": In(QpState).array(num_qps),
+            "qp_log_sq_size": In(4).array(num_qps),
+            "qp_max_outstanding": In(7).array(num_qps),
+            "qp_reset": In(EventSignature()),
+            "fetch": Out(stream.Signature(FetchRequestLayout())),
+            "fetch_done": In(stream.Signature(FetchDoneLayout(), always_ready=True)),
+            "retire": In(stream.Signature(RetireLayout(), always_ready=True)),
+            "qp_busy": Out(num_qps),
+        }
+        for name, _ in COUNTERS["DoorbellScheduler"]:
+            members[name] = Out(32)
+        super().__init__(members)
+
+    def elaborate(self, platform):
+        m = Module()
+        n = self.num_qps
+        qp_bits = max(1, (n - 1).bit_length())
+
+        db_pi = [Signal(INDEX_BITS, name=f"db_pi{q}") for q in range(n)]
+        fetch_pi = [Signal(INDEX_BITS, name=f"fetch_pi{q}") for q in range(n)]
+        done_ci = [Signal(INDEX_BITS, name=f"done_ci{q}") for q in range(n)]
+        in_flight = Signal(n)
+        waiting = Signal(n)
+
+        def decode(valid, qpn):
+            """One bit per QP: ``valid`` and ``qpn`` names that QP (none for a bad qpn)."""
+            vector = Signal(n)
+            m.d.comb += vector.eq(Mux(valid & (qpn < n), 1 << qpn[:qp_bits], 0))
+            return vector
+
+        def counter(name, enable):
+            m.d.sync += getattr(self, name).eq(getattr(self, name) + enable)
+
+        # --- doorbell checks ----------------------------------------------------------------
+        db = self.doorbell.p
+        db_qp = db.qpn[:qp_bits]
+        db_good_qpn = db.qpn < n
+        db_state = Array(self.qp_state)[db_qp]
+        ahead = Signal(INDEX_BITS)          # pi - db_pi
+        span = Signal(INDEX_BITS)           # pi - done_ci
+        m.d.comb += [
+            ahead.eq(db.pi - Array(db_pi)[db_qp]),
+            span.eq(db.pi - Array(done_ci)[db_qp]),
+        ]
+        bad_qpn = ~db_good_qpn
+        not_ready = db_good_qpn & (db_state == QpState.RESET)
+        checked = db_good_qpn & (db_state != QpState.RESET)
+        duplicate = checked & (ahead == 0)
+        backwards = checked & (ahead >= HALF_RING)
+        too_far = checked & (ahead != 0) & (ahead < HALF_RING) & \
+            (span > (1 << Array(self.qp_log_sq_size)[db_qp]))
+        accept = Signal()
+        m.d.comb += accept.eq(checked & (ahead != 0) & (ahead < HALF_RING) &
+                              (span <= (1 << Array(self.qp_log_sq_size)[db_qp])))
+        fire = self.doorbell.valid
+        counter("doorbells_bad_qpn", fire & bad_qpn)
+        counter("doorbells_not_ready", fire & not_ready)
+        counter("doorbells_duplicate", fire & duplicate)
+        counter("doorbells_backwards", fire & backwards)
+        counter("doorbells_too_far", fire & too_far)
+        counter("doorbells_accepted", fire & accept)
+
+        db_hit = decode(fire & accept, db.qpn)
+        done_hit = decode(self.fetch_done.valid, self.fetch_done.p.qpn)
+        retire_hit = decode(self.retire.valid, self.retire.p.qpn)
+        reset_hit = decode(self.qp_reset.valid, self.qp_reset.qpn)
+
+        # One shared adder per event port: the event's QP is selected, not 64 adders built.
+        new_fetch_pi = Signal(INDEX_BITS)
+        new_done_ci = Signal(INDEX_BITS)
+        m.d.comb += [
+            new_fetch_pi.eq(Array(fetch_pi)[self.fetch_done.p.qpn[:qp_bits]] +
+                            self.fetch_done.p.consumed),
+            new_done_ci.eq(Array(done_ci)[self.retire.p.qpn[:qp_bits]] + self.retire.p.blocks),
+        ]
+
+        # --- per-QP plans, registered -------------------------------------------------------
+        plan_layout = data.StructLayout({
+            "eligible": 1, "blocks": range(MAX_WQE_BLOCKS + 1), "first_only": 1})
+        plans = [Signal(plan_layout, name=f"plan{q}") for q in range(n)]
+        for q in range(n):
+            pending = Signal(INDEX_BITS, name=f"pending{q}")
+            outstanding = Signal(INDEX_BITS, name=f"outstanding{q}")
+            want = Signal(range(MAX_WQE_BLOCKS + 1), name=f"want{q}")
+            max_out = self.qp_max_outstanding[q]
+            # max_out - outstanding, negative when a first_only fetch overran the window.
+            room = Signal(signed(INDEX_BITS + 2), name=f"room{q}")
+            m.d.comb += [
+                pending.eq(db_pi[q] - fetch_pi[q]),
+                outstanding.eq(fetch_pi[q] - done_ci[q]),
+                want.eq(Mux(pending > MAX_WQE_BLOCKS, MAX_WQE_BLOCKS, pending)),
+                room.eq(max_out - outstanding),
+            ]
+            idle_qp = (pending != 0) & ~in_flight[q] & ~waiting[q]
+            with m.If(~idle_qp):
+                m.d.sync += plans[q].eligible.eq(0)
+            with m.Elif(room >= want):
+                m.d.sync += plans[q].eq(plan_layout.const({"eligible": 1}))
+                m.d.sync += plans[q].blocks.eq(want)
+            with m.Elif(outstanding == 0):
+                m.d.sync += plans[q].eq(plan_layout.const({"eligible": 1, "first_only": 1}))
+                m.d.sync += plans[q].blocks.eq(want)
+            with m.Elif(room > 0):
+                m.d.sync += plans[q].eq(plan_layout.const({"eligible": 1}))
+                m.d.sync += plans[q].blocks.eq(room)
+            with m.Else():
+                m.d.sync += plans[q].eligible.eq(0)
+
+        # --- round-robin grant --------------------------------------------------------------
+        touched = Signal(n)                 # QPs granted or reset last cycle
+        active = Signal(n)
+        m.d.comb += active.eq(Cat((s == QpState.RTS) | (s == QpState.ERR) for s in self.qp_state))
+        usable = Signal(n)
+        m.d.comb += usable.eq(Cat(p.eligible for p in plans) & ~touched & active & ~reset_hit)
+
+        above = Signal(n)                   # QPs after the last granted one
+        first_above = Signal(n)
+        first_any = Signal(n)
+        m.d.comb += [
+            first_above.eq((usable & above) & -(usable & above)),
+            first_any.eq(usable & -usable),
+        ]
+        grant = Signal(n)
+        load = Signal()
+        m.d.comb += [
+            load.eq(~self.fetch.valid | self.fetch.ready),
+            grant.eq(Mux(load, Mux(first_above != 0, first_above, first_any), 0)),
+        ]
+        with m.If(grant != 0):
+            m.d.sync += above.eq(~(grant | (grant - 1)))
+
+        grant_qpn = Signal(qp_bits)
+        m.d.comb += grant_qpn.eq(
+            Cat(Cat(grant[q] for q in range(n) if q >> b & 1).any() for b in range(qp_bits)))
+        # AND-OR over the one-hot grant: a balanced OR tree, not a 64-deep priority chain.
+        chosen = Signal(plan_layout)
+        chosen_index = Signal(INDEX_BITS)
+        m.d.comb += [
+            chosen.eq(_or_all(Mux(grant[q], plans[q].as_value(), 0) for q in range(n))),
+            chosen_index.eq(_or_all(Mux(grant[q], fetch_pi[q], 0) for q in range(n))),
+        ]
+
+        with m.If(grant != 0):
+            m.d.sync += [
+                self.fetch.valid.eq(1),
+                self.fetch.p.qpn.eq(grant_qpn),
+                self.fetch.p.wqe_index.eq(chosen_index),
+                self.fetch.p.blocks.eq(chosen.blocks),
+                self.fetch.p.first_only.eq(chosen.first_only),
+            ]
+        with m.Elif(self.fetch.ready):
+            m.d.sync += self.fetch.valid.eq(0)
+        counter("wqe_fetches", self.fetch.valid & self.fetch.ready)
+
+        # --- per-QP state updates -----------------------------------------------------------
+        for q in range(n):
+            with m.If(reset_hit[q]):
+                m.d.sync += [db_pi[q].eq(0), fetch_pi[q].eq(0), done_ci[q].eq(0)]
+            with m.Else():
+                with m.If(db_hit[q]):
+                    m.d.sync += db_pi[q].eq(db.pi)
+                with m.If(done_hit[q]):
+                    m.d.sync += fetch_pi[q].eq(new_fetch_pi)
+                with m.If(retire_hit[q]):
+                    m.d.sync += done_ci[q].eq(new_done_ci)
+
+        # A doorbell or retire in the cycle of a consumed == 0 answer brings what the fetch
+        # did not see, so it cancels the wait rather than waiting for the next one.
+        consumed_none = Signal(n)
+        m.d.comb += consumed_none.eq(Mux(self.fetch_done.p.consumed == 0, done_hit, 0))
+        m.d.sync += [
+            in_flight.eq((in_flight & ~done_hit | grant) & ~reset_hit),
+            waiting.eq((waiting | consumed_none) & ~db_hit & ~retire_hit & ~reset_hit),
+            touched.eq(reset_hit | grant),
+        ]
+
+        m.d.comb += self.qp_busy.eq(
+            Cat(db_pi[q] != done_ci[q] for q in range(n)) | in_flight)
+        return m

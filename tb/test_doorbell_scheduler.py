@@ -1,0 +1,628 @@
+"""DoorbellScheduler (hdl/nic/doorbell_scheduler.py) against a Python reference, in Amaranth's
+simulator.
+
+The reference keeps every QP's ``db_pi``, ``fetch_pi``, ``done_ci``, in-flight and waiting
+flags and applies docs/nic.md's doorbell checks and scheduling rules to them. It mirrors the
+scheduler's timing (plans: the rules applied to the previous cycle's state; a QP granted
+or reset last cycle sits out one arbitration; round robin after the last grant; request
+registered one cycle after its grant), so every cycle is checked exactly: ``fetch`` valid
+and payload, ``qp_busy``, all seven counters. Independently of that timing, every grant is
+checked against the state of the grant cycle (the QP is in RTS or ERR and eligible by the
+rules, ``blocks`` within its pending blocks and its window, ``first_only`` only with
+nothing outstanding), and fairness: a QP that stays eligible sees at most ``num_qps``
+grants to others.
+
+Random runs: doorbells (accepted, duplicate, stale, backwards, too far, random, bad QPN,
+QPs in RESET), a fetch consumer with random ``ready`` that answers each accepted request
+after a random delay with ``consumed`` in 0..blocks (0 included), retires of random sizes
+up to what was fetched, QPs moving RTS -> ERR -> RESET (with ``qp_reset``, when idle) ->
+RTS with a new random context, everything possibly in the same cycle for the same QP.
+Directed: the window limit, ``first_only`` and a window overrun by it, waiting after
+``consumed == 0`` until an accepted doorbell or a retire, the 16-bit index wrap-around,
+the ERR state, all events in one cycle for one QP (``qp_reset`` wins), parameter checks.
+"""
+import random
+
+import pytest
+from amaranth.sim import Simulator
+
+from hdl.nic.doorbell_scheduler import DoorbellScheduler
+from hdl.nic.signatures import COUNTERS, QpState
+
+MASK = 0xFFFF
+COUNTER_NAMES = [name for name, _ in COUNTERS["DoorbellScheduler"]]
+ACTIVE = (QpState.RTS, QpState.ERR)
+
+
+# --- Reference --------------------------------------------------------------------------------
+
+class Qp:
+    def __init__(self):
+        self.state = QpState.RESET
+        self.log_sq_size = 6
+        self.max_out = 64
+        self.clear()
+
+    def clear(self):
+        self.db = self.fp = self.dc = 0
+        self.in_flight = False
+        self.waiting = False
+
+    @property
+    def pending(self):
+        return (self.db - self.fp) & MASK
+
+    @property
+    def outstanding(self):
+        return (self.fp - self.dc) & MASK
+
+    @property
+    def busy(self):
+        return self.db != self.dc or self.in_flight
+
+
+def plan(qp):
+    """docs/nic.md's request for ``qp`` as ``(blocks, first_only)``, or None when it is not
+    eligible (its state aside)."""
+    pending, outstanding = qp.pending, qp.outstanding
+    if pending == 0 or qp.in_flight or qp.waiting:
+        return None
+    want = min(pending, 16)
+    if qp.max_out - outstanding >= want:
+        return (want, 0)
+    if outstanding == 0:
+        return (want, 1)
+    if outstanding < qp.max_out:
+        return (qp.max_out - outstanding, 0)
+    return None
+
+
+def check_doorbell(qp, n, qpn, pi):
+    """The counter a doorbell goes to, in docs/nic.md's order."""
+    if qpn >= n:
+        return "doorbells_bad_qpn"
+    if qp.state == QpState.RESET:
+        return "doorbells_not_ready"
+    if pi == qp.db:
+        return "doorbells_duplicate"
+    if (pi - qp.db) & MASK >= 1 << 15:
+        return "doorbells_backwards"
+    if (pi - qp.dc) & MASK > 1 << qp.log_sq_size:
+        return "doorbells_too_far"
+    return "doorbells_accepted"
+
+
+class Inputs:
+    """What the bench drives in one cycle."""
+    __slots__ = ("doorbell", "fetch_done", "retire", "reset", "ready")
+
+    def __init__(self, doorbell=None, fetch_done=None, retire=None, reset=None, ready=True):
+        self.doorbell = doorbell        # (qpn, pi)
+        self.fetch_done = fetch_done    # (qpn, consumed)
+        self.retire = retire            # (qpn, blocks)
+        self.reset = reset              # qpn
+        self.ready = ready
+
+
+class Reference:
+    """The scheduler, cycle by cycle."""
+
+    def __init__(self, n):
+        self.n = n
+        self.qps = [Qp() for _ in range(n)]
+        self.plans = [None] * n         # registered: plan() of the previous cycle's state
+        self.touched = set()            # QPs whose state changed in the previous cycle
+        self.last = None                # last granted QP
+        self.out = None                 # (qpn, wqe_index, blocks, first_only) offered on fetch
+        self.counters = dict.fromkeys(COUNTER_NAMES, 0)
+        self.passed = [0] * n           # grants to others while this QP stayed eligible
+        self.grants = 0
+
+    def step(self, ins, t):
+        """One clock edge; returns the request the consumer accepted in this cycle, if any."""
+        n, qps = self.n, self.qps
+        usable = [q for q in range(n)
+                  if self.plans[q] is not None and q not in self.touched
+                  and qps[q].state in ACTIVE and q != ins.reset]
+        grant = None
+        if self.out is None or ins.ready:
+            above = [q for q in usable if self.last is not None and q > self.last]
+            if above or usable:
+                grant = (above or usable)[0]
+        accepted = self.out if self.out is not None and ins.ready else None
+        if accepted is not None:
+            self.counters["wqe_fetches"] += 1
+
+        # The documented rules, on this cycle's state, whatever the pipelining.
+        eligible = {q for q in range(n) if qps[q].state in ACTIVE and plan(qps[q]) is not None}
+        if grant is not None:
+            # The rules applied to the previous cycle's state (self.plans): never more than
+            # this cycle's state allows.
+            qp = qps[grant]
+            assert grant in eligible, (t, "granted a QP the rules make ineligible", grant)
+            blocks, first_only = self.plans[grant]
+            assert 1 <= blocks <= min(16, qp.pending), (t, grant, blocks, qp.pending)
+            if first_only:
+                assert qp.outstanding == 0, (t, grant)
+            else:
+                assert qp.outstanding + blocks <= qp.max_out, (t, grant, "window overrun")
+            self.grants += 1
+            request = (grant, qp.fp, blocks, first_only)
+        for q in range(n):
+            if q in eligible and grant is not None and grant != q:
+                self.passed[q] += 1
+                assert self.passed[q] <= n, (t, f"QP {q} eligible through {n + 1} grants to others")
+            elif q not in eligible or grant == q:
+                self.passed[q] = 0
+
+        self.plans = [plan(qp) for qp in qps]
+
+        db_hit = done_hit = retire_hit = None
+        consumed_none = False
+        if ins.doorbell is not None:
+            qpn, pi = ins.doorbell
+            verdict = check_doorbell(qps[qpn] if qpn < n else None, n, qpn, pi)
+            self.counters[verdict] += 1
+            if verdict == "doorbells_accepted":
+                db_hit = qpn
+        if ins.fetch_done is not None and ins.fetch_done[0] < n:
+            done_hit, consumed = ins.fetch_done
+            consumed_none = consumed == 0
+        if ins.retire is not None and ins.retire[0] < n:
+            retire_hit = ins.retire[0]
+
+        if db_hit is not None:
+            qps[db_hit].db = ins.doorbell[1]
+        if done_hit is not None:
+            qp = qps[done_hit]
+            qp.fp = (qp.fp + ins.fetch_done[1]) & MASK
+            qp.in_flight = False
+            if consumed_none:
+                qp.waiting = True
+        if retire_hit is not None:
+            qp = qps[retire_hit]
+            qp.dc = (qp.dc + ins.retire[1]) & MASK
+        # A doorbell or retire in the same cycle as consumed == 0 cancels the wait.
+        for q in (db_hit, retire_hit):
+            if q is not None:
+                qps[q].waiting = False
+        if grant is not None:
+            qps[grant].in_flight = True
+            self.last = grant
+        if ins.reset is not None and ins.reset < n:
+            qps[ins.reset].clear()
+        self.touched = {q for q in (ins.reset, grant) if q is not None}
+
+        if grant is not None:
+            self.out = request
+        elif ins.ready:
+            self.out = None
+        return accepted
+
+
+# --- Bench ------------------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, dut, ctx):
+        self.dut = dut
+        self.ctx = ctx
+        self.n = dut.num_qps
+        self.ref = Reference(self.n)
+        self.t = 0
+        self._cache = {}
+        self.db_qpn, self.db_pi = dut.doorbell.p.qpn, dut.doorbell.p.pi
+        self.done_qpn, self.done_consumed = dut.fetch_done.p.qpn, dut.fetch_done.p.consumed
+        self.retire_qpn, self.retire_blocks = dut.retire.p.qpn, dut.retire.p.blocks
+
+    def _set(self, sig, value):
+        # Keyed by the Value object, kept alive here: payload fields are fresh objects on
+        # every access, and a dead one's id could be reused by another.
+        cached = self._cache.get(id(sig))
+        if cached is None or cached[1] != value:
+            self._cache[id(sig)] = (sig, value)
+            self.ctx.set(sig, value)
+
+    def configure(self, q, state=None, log_sq_size=None, max_out=None):
+        """Context/state inputs of QP ``q``; they take effect in the next cycle driven."""
+        qp = self.ref.qps[q]
+        if state is not None:
+            qp.state = state
+            self._set(self.dut.qp_state[q], state)
+        if log_sq_size is not None:
+            qp.log_sq_size = log_sq_size
+            self._set(self.dut.qp_log_sq_size[q], log_sq_size)
+        if max_out is not None:
+            qp.max_out = max_out
+            self._set(self.dut.qp_max_outstanding[q], max_out)
+
+    def check_outputs(self):
+        ctx, dut, ref, t = self.ctx, self.dut, self.ref, self.t
+        valid = ctx.get(dut.fetch.valid)
+        assert valid == (ref.out is not None), (t, "fetch.valid", valid, ref.out)
+        if valid:
+            p = dut.fetch.p
+            got = (ctx.get(p.qpn), ctx.get(p.wqe_index), ctx.get(p.blocks), ctx.get(p.first_only))
+            assert got == ref.out, (t, "fetch request", got, ref.out)
+        busy = ctx.get(dut.qp_busy)
+        expected = sum(1 << q for q, qp in enumerate(ref.qps) if qp.busy)
+        assert busy == expected, (t, "qp_busy", hex(busy), hex(expected))
+        for name in COUNTER_NAMES:
+            assert ctx.get(getattr(dut, name)) == ref.counters[name], \
+                (t, name, ctx.get(getattr(dut, name)), ref.counters[name])
+
+    async def cycle(self, ins=None):
+        """Check the outputs, drive ``ins`` for one cycle; returns the request accepted in it."""
+        ins = ins or Inputs()
+        dut = self.dut
+        self.check_outputs()
+        self._set(dut.doorbell.valid, int(ins.doorbell is not None))
+        if ins.doorbell is not None:
+            self._set(self.db_qpn, ins.doorbell[0])
+            self._set(self.db_pi, ins.doorbell[1])
+        self._set(dut.fetch_done.valid, int(ins.fetch_done is not None))
+        if ins.fetch_done is not None:
+            self._set(self.done_qpn, ins.fetch_done[0])
+            self._set(self.done_consumed, ins.fetch_done[1])
+        self._set(dut.retire.valid, int(ins.retire is not None))
+        if ins.retire is not None:
+            self._set(self.retire_qpn, ins.retire[0])
+            self._set(self.retire_blocks, ins.retire[1])
+        self._set(dut.qp_reset.valid, int(ins.reset is not None))
+        if ins.reset is not None:
+            self._set(dut.qp_reset.qpn, ins.reset)
+        self._set(dut.fetch.ready, int(ins.ready))
+        await self.ctx.tick()
+        accepted = self.ref.step(ins, self.t)
+        self.t += 1
+        return accepted
+
+
+def simulate(num_qps, body):
+    dut = DoorbellScheduler(num_qps)
+
+    async def testbench(ctx):
+        await body(Bench(dut, ctx))
+
+    sim = Simulator(dut)
+    sim.add_clock(2.5e-9)
+    sim.add_testbench(testbench)
+    sim.run()
+
+
+# --- Random traffic ---------------------------------------------------------------------------
+
+def random_pi(rng, qp):
+    """A doorbell index of a random kind for ``qp``."""
+    kind = rng.random()
+    ring = 1 << qp.log_sq_size
+    room = (qp.dc + ring - qp.db) & MASK if qp.state in ACTIVE else 0
+    if kind < 0.45 and 0 < room < 1 << 15:
+        return (qp.db + rng.randint(1, min(room, 40))) & MASK          # accepted
+    if kind < 0.6:
+        return qp.db                                                    # duplicate
+    if kind < 0.75:
+        return (qp.db - rng.randint(1, 1 << 15)) & MASK                 # stale / backwards
+    if kind < 0.9:
+        return (qp.dc + ring + rng.randint(1, 300)) & MASK              # too far (mostly)
+    return rng.getrandbits(16)
+
+
+class Traffic:
+    """Host, fetch consumer, completion unit and register block, all random."""
+
+    def __init__(self, bench, rng, *, doorbell_rate=0.4, ready_rate=0.7, retire_rate=0.35,
+                 state_rate=0.02, max_delay=8, zero_rate=0.15):
+        self.bench = bench
+        self.rng = rng
+        self.doorbell_rate = doorbell_rate
+        self.ready_rate = ready_rate
+        self.retire_rate = retire_rate
+        self.state_rate = state_rate
+        self.max_delay = max_delay
+        self.zero_rate = zero_rate
+        self.fetches = []               # (due cycle, request) accepted, not yet answered
+        self.requests = []
+
+    def random_context(self, q):
+        rng = self.rng
+        self.bench.configure(q, log_sq_size=rng.choice([2, 3, 4, 5, 6, 8, 12]),
+                             max_out=rng.choice([1, 2, 3, 5, 8, 13, 16, 17, 32, 64]))
+
+    def inputs(self):
+        bench, rng, ref = self.bench, self.rng, self.bench.ref
+        n, t = bench.n, bench.t
+        ins = Inputs(ready=rng.random() < self.ready_rate)
+
+        if rng.random() < self.doorbell_rate:
+            if rng.random() < 0.05:
+                qpn = rng.randrange(n, 1 << 24)
+                ins.doorbell = (qpn, rng.getrandbits(16))
+            else:
+                q = rng.randrange(n)
+                ins.doorbell = (q, random_pi(rng, ref.qps[q]))
+
+        due = [f for f in self.fetches if f[0] <= t]
+        if due:
+            f = rng.choice(due)
+            self.fetches.remove(f)
+            qpn, _, blocks, _ = f[1]
+            qp = ref.qps[qpn]
+            # Nothing consumed only while a retire or a doorbell can still end the wait.
+            can_wait = qp.outstanding or (qp.dc + (1 << qp.log_sq_size) - qp.db) & MASK
+            r = rng.random()
+            low = 0 if can_wait else 1
+            consumed = (low if r < self.zero_rate else blocks if r < 0.65
+                        else rng.randint(low, blocks))
+            ins.fetch_done = (qpn, consumed)
+
+        if rng.random() < self.retire_rate:
+            owing = [q for q, qp in enumerate(ref.qps) if qp.outstanding]
+            if owing:
+                q = rng.choice(owing)
+                ins.retire = (q, rng.randint(1, min(16, ref.qps[q].outstanding)))
+
+        if rng.random() < self.state_rate:
+            q = rng.randrange(n)
+            qp = ref.qps[q]
+            offered = ref.out is not None and ref.out[0] == q
+            if qp.state == QpState.RTS and rng.random() < 0.3:
+                bench.configure(q, state=QpState.ERR)
+            elif qp.state in ACTIVE and not qp.busy and not offered:
+                bench.configure(q, state=QpState.RESET)
+                ins.reset = q
+            elif qp.state == QpState.RESET:
+                if rng.random() < 0.5:
+                    self.random_context(q)
+                else:
+                    bench.configure(q, state=QpState.RTS)
+        return ins
+
+    async def run(self, cycles):
+        bench, rng = self.bench, self.rng
+        for q in range(bench.n):
+            self.random_context(q)
+            bench.configure(q, state=rng.choice([QpState.RTS] * 4 + [QpState.ERR, QpState.RESET]))
+        for _ in range(cycles):
+            accepted = await bench.cycle(self.inputs())
+            if accepted is not None:
+                self.requests.append(accepted)
+                self.fetches.append((bench.t + rng.randint(0, self.max_delay), accepted))
+
+
+def counters_all_hit(ref):
+    return {name: ref.counters[name] for name in COUNTER_NAMES if ref.counters[name] == 0}
+
+
+@pytest.mark.parametrize("num_qps, seed, cycles", [
+    (64, 1, 2500),
+    (64, 2, 1500),
+    (5, 3, 4000),
+    (1, 4, 3000),
+    (13, 5, 3000),
+])
+def test_random(num_qps, seed, cycles):
+    rng = random.Random(seed)
+
+    async def body(bench):
+        traffic = Traffic(bench, rng)
+        await traffic.run(cycles)
+        ref = bench.ref
+        assert not counters_all_hit(ref), ("a doorbell outcome never happened", counters_all_hit(ref))
+        assert ref.grants > cycles // 50
+        assert any(r[3] for r in traffic.requests) or num_qps == 1, "no first_only request"
+        assert any(r[2] < 16 and not r[3] and r[2] < ref.qps[r[0]].max_out for r in traffic.requests)
+
+    simulate(num_qps, body)
+
+
+@pytest.mark.parametrize("seed", [6])
+def test_random_heavy(seed):
+    """Every QP busy: doorbells nearly every cycle, the consumer always ready and quick, so
+    arbitration among many eligible QPs (fairness) is exercised."""
+    rng = random.Random(seed)
+
+    async def body(bench):
+        traffic = Traffic(bench, rng, doorbell_rate=0.9, ready_rate=0.95, retire_rate=0.9,
+                          state_rate=0.005, max_delay=2, zero_rate=0.05)
+        await traffic.run(2500)
+        assert bench.ref.grants > 600
+
+    simulate(16, body)
+
+
+# --- Directed ---------------------------------------------------------------------------------
+
+async def run_for(bench, cycles, ins=None):
+    """``cycles`` cycles with ``ins`` repeated (fresh each time); returns the accepted requests."""
+    got = []
+    for _ in range(cycles):
+        r = await bench.cycle(ins() if ins else None)
+        if r is not None:
+            got.append(r)
+    return got
+
+
+async def next_request(bench, limit=10):
+    got = await run_for(bench, 1)
+    for _ in range(limit):
+        if got:
+            return got[0]
+        got = await run_for(bench, 1)
+    raise AssertionError(f"no request within {limit} cycles")
+
+
+async def start(bench, q, *, log_sq_size=6, max_out=64, state=QpState.RTS):
+    bench.configure(q, state=state, log_sq_size=log_sq_size, max_out=max_out)
+    await run_for(bench, 1)
+
+
+def test_window_limit():
+    async def body(bench):
+        await start(bench, 0, max_out=6)
+        await bench.cycle(Inputs(doorbell=(0, 20)))
+        assert await next_request(bench) == (0, 0, 16, 1)       # outstanding 0: alone
+        await bench.cycle(Inputs(fetch_done=(0, 4)))
+        assert await next_request(bench) == (0, 4, 2, 0)        # window 6 - 4
+        await bench.cycle(Inputs(fetch_done=(0, 2)))
+        assert await run_for(bench, 10) == []                   # window full
+        await bench.cycle(Inputs(retire=(0, 3)))
+        assert await next_request(bench) == (0, 6, 3, 0)
+        await bench.cycle(Inputs(fetch_done=(0, 3), retire=(0, 3)))
+        assert await next_request(bench) == (0, 9, 3, 0)        # 6 - (9 - 6)
+        await bench.cycle(Inputs(fetch_done=(0, 3)))
+        await bench.cycle(Inputs(retire=(0, 3)))
+        assert await next_request(bench) == (0, 12, 3, 0)       # pending 8, room 3
+        await bench.cycle(Inputs(fetch_done=(0, 3), retire=(0, 6)))
+        assert await next_request(bench) == (0, 15, 5, 0)       # pending 5 fits
+        assert bench.ref.counters["wqe_fetches"] == 6
+
+    simulate(2, body)
+
+
+def test_first_only_overrunning_the_window():
+    async def body(bench):
+        await start(bench, 1, max_out=4)
+        await bench.cycle(Inputs(doorbell=(1, 12)))
+        assert await next_request(bench) == (1, 0, 12, 1)
+        await bench.cycle(Inputs(fetch_done=(1, 10)))           # one WQE of 10 blocks
+        assert await run_for(bench, 10) == []                   # outstanding 10 > 4
+        await bench.cycle(Inputs(retire=(1, 7)))                # outstanding 3 < 4
+        assert await next_request(bench) == (1, 10, 1, 0)
+        await bench.cycle(Inputs(fetch_done=(1, 1), retire=(1, 3)))
+        assert await next_request(bench) == (1, 11, 1, 0)       # pending 1, room 3
+        await bench.cycle(Inputs(fetch_done=(1, 1)))
+        assert await run_for(bench, 5) == []
+
+    simulate(2, body)
+
+
+def test_waiting_after_nothing_consumed():
+    async def body(bench):
+        await start(bench, 0)
+        await bench.cycle(Inputs(doorbell=(0, 3)))
+        assert await next_request(bench) == (0, 0, 3, 0)
+        await bench.cycle(Inputs(fetch_done=(0, 0)))            # WQE extends past the doorbell
+        assert bench.ref.qps[0].waiting
+        assert await run_for(bench, 10, lambda: Inputs(doorbell=(0, 3))) == []   # duplicates
+        await bench.cycle(Inputs(doorbell=(0, 0xFFFF)))         # backwards: still waiting
+        assert await run_for(bench, 5) == []
+        await bench.cycle(Inputs(doorbell=(0, 5)))              # accepted: fetch again
+        assert await next_request(bench) == (0, 0, 5, 0)
+        await bench.cycle(Inputs(fetch_done=(0, 3)))
+        assert await next_request(bench) == (0, 3, 2, 0)
+        await bench.cycle(Inputs(fetch_done=(0, 0)))            # WQE past the window, say
+        assert await run_for(bench, 10) == []
+        await bench.cycle(Inputs(retire=(0, 3)))                # a retire ends the wait
+        assert await next_request(bench) == (0, 3, 2, 0)
+        # consumed == 0 in the cycle of an accepted doorbell: no wait.
+        await bench.cycle(Inputs(fetch_done=(0, 0), doorbell=(0, 8)))
+        assert not bench.ref.qps[0].waiting
+        assert await next_request(bench) == (0, 3, 5, 0)
+        # ... and in the cycle of a retire.
+        await bench.cycle(Inputs(fetch_done=(0, 0), retire=(0, 0)))
+        assert await next_request(bench) == (0, 3, 5, 0)
+        await bench.cycle(Inputs(fetch_done=(0, 5)))
+        assert await run_for(bench, 5) == []
+
+    simulate(1, body)
+
+
+def test_wrap_around_doorbell_checks():
+    """Doorbell checks across 0xFFFF -> 0: reached by running the ring through once."""
+    async def body(bench):
+        await start(bench, 0, log_sq_size=15, max_out=64)
+        # Walk db_pi/fetch_pi/done_ci to 0xFFF0 in four doorbells, fetching 16 blocks at a time.
+        for target in (0x4000, 0x8000, 0xC000, 0xFFF0):
+            await bench.cycle(Inputs(doorbell=(0, target)))
+            while bench.ref.qps[0].dc != target:
+                assert bench.t < 30_000, "no progress"
+                ins = Inputs()
+                qp = bench.ref.qps[0]
+                if qp.in_flight and bench.ref.out is None:
+                    ins.fetch_done = (0, 16 if qp.pending >= 16 else qp.pending)
+                if qp.outstanding:
+                    ins.retire = (0, min(16, qp.outstanding))
+                await bench.cycle(ins)
+            await run_for(bench, 3)
+        qp = bench.ref.qps[0]
+        assert (qp.db, qp.fp, qp.dc) == (0xFFF0, 0xFFF0, 0xFFF0)
+        await bench.cycle(Inputs(doorbell=(0, 0x7FF0)))         # 0x8000 ahead: backwards
+        await bench.cycle(Inputs(doorbell=(0, 0x7FF1)))         # 0x8001 ahead: backwards
+        await bench.cycle(Inputs(doorbell=(0, 0x0010)))         # 0x20 ahead: accepted
+        assert await next_request(bench) == (0, 0xFFF0, 16, 0)
+        await bench.cycle(Inputs(fetch_done=(0, 16)))
+        assert await next_request(bench) == (0, 0x0000, 16, 0)
+        await bench.cycle(Inputs(fetch_done=(0, 16)))
+        await bench.cycle(Inputs(doorbell=(0, 0xFFFF)))         # backwards across the wrap
+        await bench.cycle(Inputs(doorbell=(0, 0x7FF1)))         # 0x8001 past done_ci: too far
+        await bench.cycle(Inputs(doorbell=(0, 0x7FF0)))         # exactly the ring: accepted
+        assert await next_request(bench) == (0, 0x0010, 16, 0)
+        await bench.cycle(Inputs(fetch_done=(0, 16)))
+        assert await run_for(bench, 4) == [(0, 0x0020, 16, 0)]  # window 64 - 48
+        await bench.cycle(Inputs(fetch_done=(0, 16)))
+        assert await run_for(bench, 4) == []                    # window full
+        c = bench.ref.counters
+        assert (c["doorbells_backwards"], c["doorbells_too_far"], c["doorbells_accepted"]) == (3, 1, 6)
+
+    simulate(1, body)
+
+
+def test_err_and_reset_states():
+    async def body(bench):
+        await start(bench, 0, state=QpState.ERR)
+        await start(bench, 1, state=QpState.RESET)
+        await bench.cycle(Inputs(doorbell=(1, 4)))              # RESET: not ready
+        await bench.cycle(Inputs(doorbell=(0, 4)))              # ERR: accepted, fetched
+        assert await next_request(bench) == (0, 0, 4, 0)
+        await bench.cycle(Inputs(doorbell=(2, 4)))              # no such QP
+        await bench.cycle(Inputs(doorbell=(0xFFFFFF, 4)))
+        c = bench.ref.counters
+        assert (c["doorbells_not_ready"], c["doorbells_accepted"], c["doorbells_bad_qpn"]) == (1, 1, 2)
+        # A QP leaving RTS/ERR for RESET is not granted even with its plan ready.
+        await bench.cycle(Inputs(fetch_done=(0, 2)))
+        bench.configure(0, state=QpState.RESET)
+        assert await run_for(bench, 5) == []
+        assert bench.ref.qps[0].busy
+        # fetch_done / retire for QPs the scheduler does not have are ignored.
+        await bench.cycle(Inputs(fetch_done=(2, 3), retire=(7, 1)))
+        await run_for(bench, 2)
+
+    simulate(2, body)
+
+
+def test_everything_in_one_cycle():
+    """Doorbell, fetch done, retire and (separately) reset for one QP in one cycle, while the
+    QP is also being granted; and requests held under backpressure."""
+    async def body(bench):
+        await start(bench, 0)
+        await start(bench, 1)
+        await bench.cycle(Inputs(doorbell=(0, 10)))
+        await bench.cycle(Inputs(doorbell=(1, 10), ready=False))
+        await run_for(bench, 6, lambda: Inputs(ready=False))    # QP 0's request held
+        assert bench.ref.out == (0, 0, 10, 0)
+        assert await run_for(bench, 1) == [(0, 0, 10, 0)]       # then QP 1's is loaded
+        assert bench.ref.out == (1, 0, 10, 0)
+        got = await bench.cycle(Inputs(doorbell=(0, 20), fetch_done=(0, 5), retire=(0, 2)))
+        assert got == (1, 0, 10, 0)
+        qp = bench.ref.qps[0]
+        assert (qp.db, qp.fp, qp.dc, qp.in_flight) == (20, 5, 2, False)
+        assert await next_request(bench) == (0, 5, 15, 0)
+        # qp_reset with all other events for the same QP: the reset wins.
+        await bench.cycle(Inputs(doorbell=(0, 30), fetch_done=(0, 0), retire=(0, 3), reset=0))
+        qp = bench.ref.qps[0]
+        assert (qp.db, qp.fp, qp.dc, qp.in_flight, qp.waiting) == (0, 0, 0, False, False)
+        # A reset in the cycle the QP would be granted keeps it from the grant.
+        await bench.cycle(Inputs(doorbell=(0, 4)))
+        await bench.cycle(Inputs())
+        assert bench.ref.plans[0] == (4, 0) and 0 not in bench.ref.touched
+        await bench.cycle(Inputs(reset=0))
+        assert bench.ref.out is None or bench.ref.out[0] != 0
+        assert await run_for(bench, 5) == []
+
+    simulate(2, body)
+
+
+@pytest.mark.parametrize("num_qps", [0, 257, -1, 64.0, "64"])
+def test_bad_parameters(num_qps):
+    with pytest.raises(ValueError):
+        DoorbellScheduler(num_qps)
