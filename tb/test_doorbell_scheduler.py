@@ -389,8 +389,8 @@ class Traffic:
                 self.fetches.append((bench.t + rng.randint(0, self.max_delay), accepted))
 
 
-def counters_all_hit(ref):
-    return {name: ref.counters[name] for name in COUNTER_NAMES if ref.counters[name] == 0}
+def counters_never_hit(ref):
+    return [name for name in COUNTER_NAMES if ref.counters[name] == 0]
 
 
 @pytest.mark.parametrize("num_qps, seed, cycles", [
@@ -407,7 +407,7 @@ def test_random(num_qps, seed, cycles):
         traffic = Traffic(bench, rng)
         await traffic.run(cycles)
         ref = bench.ref
-        assert not counters_all_hit(ref), ("a doorbell outcome never happened", counters_all_hit(ref))
+        assert not counters_never_hit(ref), ("counters never hit", counters_never_hit(ref))
         assert ref.grants > cycles // 50
         assert any(r[3] for r in traffic.requests) or num_qps == 1, "no first_only request"
         assert any(r[2] < 16 and not r[3] and r[2] < ref.qps[r[0]].max_out for r in traffic.requests)
