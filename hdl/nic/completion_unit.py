@@ -17,7 +17,7 @@ __all__ = ["CompletionUnit", "RX_EVENT_DEPTH"]
 WIDTH = 64                  # bytes per beat and per AXI data beat: one CQE per beat
 QUEUE_DEPTH = MAX_OUTSTANDING_BLOCKS    # a record holds at least one block of the window
 RX_EVENT_DEPTH = 8          # decoded responses waiting per VL for the one-per-cycle processor
-JOB_DEPTH = 4               # completed records waiting for their CQE write
+JOB_DEPTH = 8               # completed records waiting for their CQE write
 
 # BTH opcodes of the responses a requester takes (IBA table 38).
 READ_FIRST = 0x0D
@@ -76,10 +76,57 @@ def _round_robin(m, requests, last, name):
     return requests.any(), Mux(after.any(), lowest_after, lowest_any)
 
 
+def _head_outcome(m, rec, st, flushing, name):
+    """Whether head record ``rec`` of a QP in state ``st`` can complete, and how: (can,
+    error, syndrome, nak_error)."""
+    last_psn = rec.last_psn
+    is_read = rec.opcode == MlxOpcode.RDMA_READ.value
+    is_atomic = ((rec.opcode == MlxOpcode.ATOMIC_CS.value)
+                 | (rec.opcode == MlxOpcode.ATOMIC_FA.value))
+    acknowledged = Mux(is_read, _psn_le(last_psn, st.read_psn),
+                       Mux(is_atomic,
+                           _psn_le(last_psn, st.atomic_psn) | _psn_lt(last_psn, st.ack_psn),
+                           _psn_le(last_psn, st.ack_psn)))
+    can = Signal(name=f"{name}_can")
+    error = Signal(name=f"{name}_error")
+    syndrome = Signal(8, name=f"{name}_syndrome")
+    nak_error = Signal(name=f"{name}_nak_error")
+    with m.If(flushing):
+        m.d.comb += [can.eq(1), error.eq(1), syndrome.eq(Syndrome.WR_FLUSH_ERR)]
+    with m.Elif(rec.status == CompletionStatus.ERROR):
+        m.d.comb += [can.eq(1), error.eq(1), syndrome.eq(rec.syndrome)]
+    with m.Elif(rec.status != CompletionStatus.SENT):
+        m.d.comb += [can.eq(1), error.eq(1), syndrome.eq(Syndrome.WR_FLUSH_ERR)]
+    with m.Elif(st.nak_pending):
+        m.d.comb += can.eq(1)
+        with m.If(~_psn_lt(last_psn, st.nak_psn)):
+            m.d.comb += [error.eq(1), syndrome.eq(st.nak_syndrome), nak_error.eq(1)]
+    with m.Else():
+        m.d.comb += can.eq(acknowledged)
+    return can, error, syndrome, nak_error
+
+
 class _RxEventLayout(data.StructLayout):
     """A well-formed response with a good ICRC, as a VL hands it to the processor."""
     def __init__(self):
         super().__init__({"qpn": QPN_BITS, "opcode": 8, "psn": PSN_BITS, "syndrome": 8})
+
+
+class _StateLayout(data.StructLayout):
+    """A QP's row in the engine's state memory; all zero is the state after ``qp_reset``."""
+    def __init__(self, count_bits):
+        super().__init__({
+            "head": count_bits,     # records completed, modulo 2 * QUEUE_DEPTH (full vs empty)
+            "tail": count_bits,     # records taken, likewise
+            "started": 1,           # a SENT record came since reset
+            "sent_psn": PSN_BITS,
+            "ack_psn": PSN_BITS,
+            "read_psn": PSN_BITS,
+            "atomic_psn": PSN_BITS,
+            "nak_pending": 1,
+            "nak_psn": PSN_BITS,
+            "nak_syndrome": 8,
+        })
 
 
 class _JobLayout(data.StructLayout):
@@ -102,9 +149,22 @@ class CompletionUnit(wiring.Component):
     received and long enough for the opcode's headers, an AETH syndrome of ACK type or,
     on an ACKNOWLEDGE, RNR NAK or NAK code 0..4, DestQP below ``num_qps``) goes into its
     VL's event queue (``RX_EVENT_DEPTH``); anything else is ``rx_dropped_unexpected``.
-    The processor takes one event per cycle, round robin over VLs. The link delivers at
-    most one beat per cycle on average, so the queues only absorb the VLs' short-term
-    skew; an event finding its queue full is dropped and counted as unexpected.
+    The engine (below) takes one event per cycle, round robin over VLs. The link
+    delivers at most one beat per cycle on average, so the queues only absorb the VLs'
+    short-term skew; an event finding its queue full is dropped and counted as
+    unexpected.
+
+    Engine: the per-QP state (queue head and tail, PSNs, pending NAK) is one row of a
+    memory, so that no per-QP register is read or written at a variable index. One
+    operation per cycle goes through it: an event (always first), a record, or a
+    completion attempt on a QP's head (records and completion attempts take turns when
+    both wait). An operation reads its QP's row when it is issued, reads the head record
+    (completion) or writes the new record (record) a cycle later, and writes the row
+    back a cycle after that, when it acts; later operations see its effects (the row is
+    bypassed to the one behind it). ``qp_flush`` and ``qp_reset`` apply to operations
+    issued after the strobe's cycle; one issued in it or before acts before the strobe
+    (a reset discards what it wrote). So each kind runs at one per cycle alone (completions of one QP
+    back to back too) and the three share one operation per cycle.
 
     Processor, per event for QP q at PSN p. Dropped (``rx_dropped_unexpected``) when q is
     in RESET, has had no SENT record since its reset, has a fatal NAK pending or is
@@ -123,8 +183,9 @@ class CompletionUnit(wiring.Component):
     Records from ``completion`` are kept per QP in order in one memory (``QUEUE_DEPTH``
     per QP; a record for a full queue waits on ``ready``; one for a QP number beyond
     ``num_qps`` is taken and ignored). A QP with a new record or a changed state is
-    marked; the engine takes marked QPs round robin and completes head records, one per
-    cycle, while the head can complete: when flushing, with WR_FLUSH_ERR; ERROR with
+    marked (a new record only when it is a head that can complete); the engine takes
+    marked QPs round robin and completes head records, one per cycle, while the head can
+    complete: when flushing, with WR_FLUSH_ERR; ERROR with
     its syndrome; FLUSH (or an unknown status) with WR_FLUSH_ERR; SENT with a fatal NAK
     pending at p: OK if its ``last_psn < p``, else the NAK's error, ``qp_error``, and
     flushing from then on (until ``qp_reset``); SENT otherwise: RDMA_READ when
@@ -200,32 +261,46 @@ class CompletionUnit(wiring.Component):
         num_qps, num_vls = self.num_qps, self.num_vls
         qp_bits = max(num_qps - 1, 1).bit_length()
         slot_bits = (QUEUE_DEPTH - 1).bit_length()
+        count_bits = slot_bits + 1
+        state_layout = _StateLayout(count_bits)
 
-        # Per-QP state. ``head``/``tail`` count records modulo 2 * QUEUE_DEPTH (full vs empty).
-        def per_qp(shape, name):
-            return Array(Signal(shape, name=f"{name}{q}") for q in range(num_qps))
-        head = per_qp(slot_bits + 1, "head")
-        tail = per_qp(slot_bits + 1, "tail")
-        marked = per_qp(1, "marked")            # the engine should look at this QP's head
-        started = per_qp(1, "started")          # a SENT record came since reset
-        sent_psn = per_qp(PSN_BITS, "sent_psn")
-        ack_psn = per_qp(PSN_BITS, "ack_psn")
-        read_psn = per_qp(PSN_BITS, "read_psn")
-        atomic_psn = per_qp(PSN_BITS, "atomic_psn")
-        nak_pending = per_qp(1, "nak_pending")
-        nak_psn = per_qp(PSN_BITS, "nak_psn")
-        nak_syndrome = per_qp(8, "nak_syndrome")
-        flushing = per_qp(1, "flushing")
-        qp_in_reset = Array(Signal(name=f"in_reset{q}") for q in range(num_qps))
-        for q in range(num_qps):
-            m.d.comb += qp_in_reset[q].eq(self.qp_state[q] == QpState.RESET)
+        def onehot(q, en):
+            """Bit ``q`` when ``en``: per-QP flags change through masks, as an indexed
+            assignment would elaborate into a case per QP."""
+            return Mux(en, (Const(1, num_qps) << q)[:num_qps], 0)
+
+        m.submodules.state = state = Memory(shape=state_layout, depth=num_qps, init=[])
+        state_write = state.write_port()
+        state_read = state.read_port(transparent_for=(state_write,))
 
         m.submodules.records = records = Memory(
             shape=CompletionRecordLayout(), depth=num_qps * QUEUE_DEPTH, init=[])
         rec_write = records.write_port()
-        rec_read = records.read_port(transparent_for=(rec_write,))
+        rec_read = records.read_port()
 
         m.submodules.jobs = jobs = fifo.SyncFIFOBuffered(width=_JobLayout().size, depth=JOB_DEPTH)
+
+        # Per-QP flags outside the state memory: the strobes change them at once and the
+        # round-robin picker and ``completion.ready`` need them for all QPs.
+        marked = Signal(num_qps)        # the engine should look at this QP's head
+        flushing = Signal(num_qps)
+        fresh = Signal(num_qps)         # reset since its row was last written: the row reads as 0
+        full = Signal(num_qps)          # QUEUE_DEPTH records in the QP's queue
+        in_reset = Signal(num_qps)
+        m.d.comb += in_reset.eq(Cat(self.qp_state[q] == QpState.RESET for q in range(num_qps)))
+
+        # The strobes act on the flags a cycle late, after the operations issued in their
+        # cycle (which a strobe follows, as it wins over everything else in its cycle).
+        reset_valid = Signal()
+        reset_q = Signal(range(max(num_qps, 2)))
+        flush_valid = Signal()
+        flush_q = Signal(range(max(num_qps, 2)))
+        m.d.sync += [
+            reset_valid.eq(self.qp_reset.valid & (self.qp_reset.qpn < num_qps)),
+            reset_q.eq(self.qp_reset.qpn),
+            flush_valid.eq(self.qp_flush.valid & (self.qp_flush.qpn < num_qps)),
+            flush_q.eq(self.qp_flush.qpn),
+        ]
 
         # --- Receive: per VL, ICRC check and header decode; events into per-VL queues ---
         event_queues = []
@@ -312,7 +387,30 @@ class CompletionUnit(wiring.Component):
             icrc_drops.append(ends & ~good)
             malformed_drops.append(good & ~(well_formed & queue.w_rdy))
 
-        # --- Event processor: one event per cycle, round robin over VLs ---
+        # --- Engine: one operation per cycle through I (issue: read the QP's state row),
+        # S (state row in, bypassed from X; a completion reads its head record, a new
+        # record is written) and X (execute: write the row back). An operation sees every
+        # operation issued before it and every qp_flush/qp_reset strobe before its issue
+        # cycle; a strobe in its issue cycle or later takes effect after it.
+        s_ev, s_rec, s_cmp = Signal(), Signal(), Signal()
+        s_q = Signal(range(max(num_qps, 2)))
+        s_event = Signal(_RxEventLayout())
+        s_record = Signal(CompletionRecordLayout())
+        s_in_reset = Signal()
+        x_ev, x_rec, x_cmp = Signal(), Signal(), Signal()
+        x_q = Signal(range(max(num_qps, 2)))
+        x_event = Signal(_RxEventLayout())
+        x_record = Signal(CompletionRecordLayout())
+        x_state = Signal(state_layout)
+        x_in_reset = Signal()
+        x_flushing = Signal()
+        x_killed = Signal()             # a qp_reset of its QP in its issue cycle: no writes
+        x_new = Signal(state_layout)
+        x_sets_flushing = Signal()
+        x_writes = (x_ev | x_rec | x_cmp) & ~x_killed
+
+        # I: events first (their queues are short and the link does not wait), then
+        # completions and records.
         last_vl = Signal(vl_index(num_vls))
         any_event, event_vl = _round_robin(
             m, Cat(queue.r_rdy for queue in event_queues), last_vl, "vl_rr")
@@ -322,14 +420,97 @@ class CompletionUnit(wiring.Component):
         with m.If(any_event):
             m.d.sync += last_vl.eq(event_vl)
 
-        eq = event.qpn[:qp_bits]
-        p = event.psn
+        # The engine stays on a QP (``cur_q``), issuing a completion for it every cycle
+        # while the one in S leaves a record behind and the one in X completed and left
+        # one; otherwise it takes the next marked QP (clearing its mark). Each completion
+        # needs room in ``jobs`` for itself and those ahead of it.
+        cur_active = Signal()
+        cur_q = Signal(range(max(num_qps, 2)))
+        any_marked, pick = _round_robin(m, marked, cur_q, "qp_rr")
+        s_count = Signal(count_bits)
+        complete = Signal()
+        drained = Signal()
+        on_cur = cur_active & (cur_q == x_q)
+        cur_done = x_cmp & on_cur & (~complete | drained)
+        cur_go = cur_active & ~cur_done & ~(s_cmp & (s_q == cur_q) & (s_count < 2))
+        jobs_room = jobs.level + s_cmp + x_cmp < JOB_DEPTH - 1
+        cmp_request = jobs_room & (cur_go | any_marked)
+
+        rec = self.completion.payload
+        rq = rec.qpn[:qp_bits]
+        rec_in_range = rec.qpn < num_qps
+        s_fills = Signal()
+        x_fills = Signal()
+        rec_blocked = (full.bit_select(rq, 1) | (s_rec & s_fills & (s_q == rq))
+                       | (x_rec & x_fills & ~x_killed & (x_q == rq)))
+        # Completions and records take turns when both wait.
+        rec_turn = Signal()
+        rec_slot = ~any_event & ~rec_blocked & (rec_turn | ~cmp_request)
+        m.d.comb += self.completion.ready.eq(~rec_in_range | rec_slot)
+        issue_rec = self.completion.valid & rec_in_range & rec_slot
+        issue_cmp = ~any_event & cmp_request & ~issue_rec
+        with m.If(issue_rec | issue_cmp):
+            m.d.sync += rec_turn.eq(issue_cmp)
+
+        i_q = Signal(range(max(num_qps, 2)))
+        with m.If(any_event):
+            m.d.comb += i_q.eq(event.qpn[:qp_bits])
+        with m.Elif(issue_rec):
+            m.d.comb += i_q.eq(rq)
+        with m.Else():
+            m.d.comb += i_q.eq(Mux(cur_go, cur_q, pick))
+        m.d.comb += state_read.addr.eq(i_q)
+        m.d.sync += [
+            s_ev.eq(any_event), s_cmp.eq(issue_cmp), s_rec.eq(issue_rec),
+            s_q.eq(i_q), s_event.eq(event), s_record.eq(rec),
+            s_in_reset.eq(in_reset.bit_select(i_q, 1)),
+        ]
+
+        # S: the row as X leaves it, else as reset, else as read.
+        s_state = Signal(state_layout)
+        x_same = (x_ev | x_rec | x_cmp) & (x_q == s_q)
+        with m.If(x_same):
+            with m.If(~x_killed):
+                m.d.comb += s_state.eq(x_new)
+        with m.Elif(~fresh.bit_select(s_q, 1)):
+            m.d.comb += s_state.eq(state_read.data)
+        m.d.comb += [
+            rec_write.addr.eq(Cat(s_state.tail[:slot_bits], s_q)),
+            rec_write.data.eq(s_record),
+            rec_write.en.eq(s_rec),
+            rec_read.addr.eq(Cat(s_state.head[:slot_bits], s_q)),
+            s_count.eq(s_state.tail - s_state.head),
+            s_fills.eq(s_count == QUEUE_DEPTH - 1),
+        ]
+        m.d.sync += [
+            x_ev.eq(s_ev), x_rec.eq(s_rec), x_cmp.eq(s_cmp),
+            x_q.eq(s_q), x_event.eq(s_event), x_record.eq(s_record),
+            x_state.eq(s_state),
+            x_flushing.eq(flushing.bit_select(s_q, 1)
+                          | (x_same & ~x_killed & x_sets_flushing)),
+            # A reset in its S cycle acts on the flags along with its writes, and wins.
+            x_killed.eq(reset_valid & (reset_q == s_q)),
+            x_in_reset.eq(s_in_reset),
+        ]
+
+        # X
+        st = x_state
+        m.d.comb += [
+            x_new.eq(st),
+            state_write.addr.eq(x_q),
+            state_write.data.eq(x_new),
+            state_write.en.eq(x_writes),
+        ]
+        x_marks = Signal()
+
+        # X, event for QP q at PSN p.
+        p = x_event.psn
         accept = Signal()
         m.d.comb += accept.eq(
-            any_event & ~qp_in_reset[eq] & started[eq] & ~nak_pending[eq] & ~flushing[eq]
-            & _psn_lt(ack_psn[eq], p) & _psn_le(p, sent_psn[eq]))
-        ev_kind = event.syndrome[5:8]
-        ev_code = event.syndrome[0:5]
+            x_ev & ~x_in_reset & st.started & ~st.nak_pending & ~x_flushing
+            & _psn_lt(st.ack_psn, p) & _psn_le(p, st.sent_psn))
+        ev_kind = x_event.syndrome[5:8]
+        ev_code = x_event.syndrome[0:5]
         ev_ack = Signal()
         ev_nak = Signal()
         ev_fatal = Signal()
@@ -337,7 +518,7 @@ class CompletionUnit(wiring.Component):
         ev_read_done = Signal()
         ev_atomic = Signal()
         with m.If(accept):
-            with m.Switch(event.opcode):
+            with m.Switch(x_event.opcode):
                 with m.Case(ACKNOWLEDGE):
                     m.d.comb += [
                         ev_ack.eq(ev_kind == AETH_ACK),
@@ -350,38 +531,48 @@ class CompletionUnit(wiring.Component):
                     m.d.comb += [ev_read.eq(1), ev_read_done.eq(1)]
                 with m.Case(ATOMIC_ACKNOWLEDGE):
                     m.d.comb += ev_atomic.eq(1)
+        with m.If(ev_ack | ev_read_done | ev_atomic):
+            m.d.comb += [x_new.ack_psn.eq(p), x_marks.eq(1)]
+        with m.If(ev_read_done):
+            m.d.comb += x_new.read_psn.eq(p)
+        with m.If(ev_atomic):
+            m.d.comb += x_new.atomic_psn.eq(p)
+        with m.If(ev_fatal):
+            m.d.comb += [
+                x_new.ack_psn.eq(p - 1),
+                x_new.nak_pending.eq(1),
+                x_new.nak_psn.eq(p),
+                x_marks.eq(1),
+            ]
+            with m.Switch(ev_code):
+                for nak_code, nak_syn in NAK_FATAL.items():
+                    with m.Case(nak_code):
+                        m.d.comb += x_new.nak_syndrome.eq(nak_syn)
 
-        # --- Engine: complete head records of marked QPs, one per cycle ---
-        cur_valid = Signal()
-        cur_q = Signal(range(max(num_qps, 2)))
+        # X, new record. It marks its QP only when it becomes a head that can complete:
+        # a head that cannot waits for an event, which marks the QP.
+        new_can = _head_outcome(m, x_record, x_new, x_flushing, "new")[0]
+        m.d.comb += x_fills.eq((st.tail + 1 - st.head)[:count_bits] == QUEUE_DEPTH)
+        with m.If(x_rec):
+            m.d.comb += [x_new.tail.eq(st.tail + 1), x_marks.eq((st.head == st.tail) & new_can)]
+            with m.If(x_record.status == CompletionStatus.SENT):
+                m.d.comb += [x_new.sent_psn.eq(x_record.last_psn), x_new.started.eq(1)]
+                with m.If(~st.started):
+                    m.d.comb += [
+                        x_new.ack_psn.eq(x_record.first_psn - 1),
+                        x_new.read_psn.eq(x_record.first_psn - 1),
+                        x_new.atomic_psn.eq(x_record.first_psn - 1),
+                    ]
+
+        # X, completion: the head record, read in S.
         head_rec = rec_read.data
         last_psn = head_rec.last_psn
-        nonempty = head[cur_q] != tail[cur_q]
         opcode = head_rec.opcode
-        is_read = opcode == MlxOpcode.RDMA_READ.value
-        is_atomic = (opcode == MlxOpcode.ATOMIC_CS.value) | (opcode == MlxOpcode.ATOMIC_FA.value)
-        acknowledged = Mux(is_read, _psn_le(last_psn, read_psn[cur_q]),
-                           Mux(is_atomic,
-                               _psn_le(last_psn, atomic_psn[cur_q]) | _psn_lt(last_psn, ack_psn[cur_q]),
-                               _psn_le(last_psn, ack_psn[cur_q])))
-        can = Signal()
-        error = Signal()
-        syndrome = Signal(8)
-        nak_error = Signal()
-        with m.If(flushing[cur_q]):
-            m.d.comb += [can.eq(1), error.eq(1), syndrome.eq(Syndrome.WR_FLUSH_ERR)]
-        with m.Elif(head_rec.status == CompletionStatus.ERROR):
-            m.d.comb += [can.eq(1), error.eq(1), syndrome.eq(head_rec.syndrome)]
-        with m.Elif(head_rec.status != CompletionStatus.SENT):
-            m.d.comb += [can.eq(1), error.eq(1), syndrome.eq(Syndrome.WR_FLUSH_ERR)]
-        with m.Elif(nak_pending[cur_q]):
-            m.d.comb += can.eq(1)
-            with m.If(~_psn_lt(last_psn, nak_psn[cur_q])):
-                m.d.comb += [error.eq(1), syndrome.eq(nak_syndrome[cur_q]), nak_error.eq(1)]
-        with m.Else():
-            m.d.comb += can.eq(acknowledged)
-        ready_head = cur_valid & nonempty & can
-        complete = ready_head & jobs.w_rdy
+        can, error, syndrome, nak_error = _head_outcome(m, head_rec, st, x_flushing, "head")
+        m.d.comb += [
+            complete.eq(x_cmp & (st.head != st.tail) & can),
+            drained.eq((st.head + 1)[:count_bits] == st.tail),
+        ]
 
         job = _JobLayout()(jobs.w_data)
         m.d.comb += [
@@ -396,81 +587,39 @@ class CompletionUnit(wiring.Component):
             job.syndrome.eq(syndrome),
             job.write_cqe.eq((error | head_rec.signaled) & (head_rec.cqn < self.num_cqs)),
         ]
-        m.d.sync += [self.qp_error.valid.eq(complete & nak_error), self.qp_error.qpn.eq(cur_q)]
+        m.d.sync += [self.qp_error.valid.eq(complete & nak_error), self.qp_error.qpn.eq(x_q)]
         with m.If(complete):
-            m.d.sync += head[cur_q].eq(head[cur_q] + 1)
+            m.d.comb += x_new.head.eq(st.head + 1)
             with m.If(nak_error):
-                m.d.sync += [nak_pending[cur_q].eq(0), flushing[cur_q].eq(1)]
+                m.d.comb += [x_new.nak_pending.eq(0), x_sets_flushing.eq(1)]
             with m.If(~error):
-                with m.If(_psn_lt(read_psn[cur_q], last_psn)):
-                    m.d.sync += read_psn[cur_q].eq(last_psn)
-                with m.If(_psn_lt(atomic_psn[cur_q], last_psn)):
-                    m.d.sync += atomic_psn[cur_q].eq(last_psn)
+                with m.If(_psn_lt(st.read_psn, last_psn)):
+                    m.d.comb += x_new.read_psn.eq(last_psn)
+                with m.If(_psn_lt(st.atomic_psn, last_psn)):
+                    m.d.comb += x_new.atomic_psn.eq(last_psn)
 
-        # Stay on the QP while its head completes (or waits for room in ``jobs``),
-        # reading the next record in time; otherwise take the next marked QP.
-        any_marked, pick = _round_robin(m, Cat(marked), cur_q, "qp_rr")
-        with m.If(ready_head):
-            m.d.comb += rec_read.addr.eq(Cat((head[cur_q] + complete)[:slot_bits], cur_q))
-        with m.Else():
-            m.d.comb += rec_read.addr.eq(Cat(head[pick][:slot_bits], pick))
-            m.d.sync += [cur_valid.eq(any_marked), cur_q.eq(pick)]
-            with m.If(any_marked):
-                m.d.sync += marked[pick].eq(0)
+        with m.If(complete & ~on_cur & ~drained):
+            # The engine has left the QP meanwhile: come back for its next head.
+            m.d.comb += x_marks.eq(1)
+        with m.If(cur_done):
+            m.d.sync += cur_active.eq(0)
+        with m.If(issue_cmp & ~cur_go):
+            m.d.sync += [cur_active.eq(1), cur_q.eq(pick)]
 
-        # --- Records in (after the engine, so that a new record re-marks its QP) ---
-        rec = self.completion.payload
-        rq = rec.qpn[:qp_bits]
-        rec_in_range = rec.qpn < num_qps
-        full = (tail[rq] - head[rq])[:slot_bits + 1] == QUEUE_DEPTH
-        m.d.comb += [
-            self.completion.ready.eq(~rec_in_range | ~full),
-            rec_write.addr.eq(Cat(tail[rq][:slot_bits], rq)),
-            rec_write.data.eq(rec),
+        # --- Per-QP flags; a qp_reset wins over everything else in its cycle ---
+        reset_mask = onehot(reset_q, reset_valid)
+        x_mask = onehot(x_q, x_writes)
+        # The host moved the QP to ERR: nothing it waits for will be retransmitted.
+        flush_mask = onehot(flush_q, flush_valid)
+        m.d.sync += [
+            marked.eq(((marked & ~onehot(pick, issue_cmp & ~cur_go))
+                       | Mux(x_marks, x_mask, 0)
+                       | flush_mask) & ~reset_mask),
+            flushing.eq((flushing | Mux(x_sets_flushing, x_mask, 0) | flush_mask) & ~reset_mask),
+            full.eq(((full & ~Mux(complete, x_mask, 0)) | Mux(x_rec & x_fills, x_mask, 0))
+                    & ~reset_mask),
+            fresh.eq((fresh & ~x_mask) | reset_mask),
         ]
-        with m.If(self.completion.valid & rec_in_range & ~full):
-            m.d.comb += rec_write.en.eq(1)
-            m.d.sync += [tail[rq].eq(tail[rq] + 1), marked[rq].eq(1)]
-            with m.If(rec.status == CompletionStatus.SENT):
-                m.d.sync += [sent_psn[rq].eq(rec.last_psn), started[rq].eq(1)]
-                with m.If(~started[rq]):
-                    m.d.sync += [
-                        ack_psn[rq].eq(rec.first_psn - 1),
-                        read_psn[rq].eq(rec.first_psn - 1),
-                        atomic_psn[rq].eq(rec.first_psn - 1),
-                    ]
-
-        # --- Event effects (after the engine: an event's PSN is newer than any it completed) ---
-        with m.If(ev_ack | ev_read_done | ev_atomic):
-            m.d.sync += [ack_psn[eq].eq(p), marked[eq].eq(1)]
-        with m.If(ev_read_done):
-            m.d.sync += read_psn[eq].eq(p)
-        with m.If(ev_atomic):
-            m.d.sync += atomic_psn[eq].eq(p)
-        with m.If(ev_fatal):
-            m.d.sync += [
-                ack_psn[eq].eq(p - 1),
-                nak_pending[eq].eq(1),
-                nak_psn[eq].eq(p),
-                marked[eq].eq(1),
-            ]
-            with m.Switch(ev_code):
-                for nak_code, nak_syn in NAK_FATAL.items():
-                    with m.Case(nak_code):
-                        m.d.sync += nak_syndrome[eq].eq(nak_syn)
-
-        # --- The host moved the QP to ERR: nothing it waits for will be retransmitted ---
-        with m.If(self.qp_flush.valid & (self.qp_flush.qpn < num_qps)):
-            fq = self.qp_flush.qpn[:qp_bits]
-            m.d.sync += [flushing[fq].eq(1), marked[fq].eq(1)]
-
-        # --- QP reset last: it wins over everything else in its cycle ---
-        with m.If(self.qp_reset.valid & (self.qp_reset.qpn < num_qps)):
-            rs = self.qp_reset.qpn[:qp_bits]
-            m.d.sync += [
-                head[rs].eq(0), tail[rs].eq(0), marked[rs].eq(0), started[rs].eq(0),
-                nak_pending[rs].eq(0), flushing[rs].eq(0),
-            ]
 
         # --- CQE writer: P (CQ context read) -> O (AXI AW/W) ---
         axi = self.axi
@@ -507,9 +656,13 @@ class CompletionUnit(wiring.Component):
         with m.Elif(p_move):
             m.d.sync += p_valid.eq(0)
 
+        # CQ producer indices, read like the CQ context: for the job that P holds next cycle.
+        m.submodules.producer = producer = Memory(shape=16, depth=self.num_cqs, init=[])
+        pi_write = producer.write_port()
+        pi_read = producer.read_port(transparent_for=(pi_write,))
+        m.d.comb += pi_read.addr.eq(self.cq_config.addr)
         cq = self.cq_config.data
-        producer = Array(Signal(16, name=f"cq_pi{c}") for c in range(self.num_cqs))
-        pi = producer[p_job.cqn[:max(self.num_cqs - 1, 1).bit_length()]]
+        pi = pi_read.data
         log_size = Mux(cq.collapsed, 0, cq.log_size)
         entry = pi & ((Const(1, 17) << log_size) - 1)
         owner = (pi >> log_size)[0]
@@ -538,8 +691,11 @@ class CompletionUnit(wiring.Component):
                 aw_pending.eq(p_job.write_cqe), w_pending.eq(p_job.write_cqe),
                 awaddr.eq(cq.base + (entry << 6)), wdata.eq(cqe),
             ]
-            with m.If(p_job.write_cqe):
-                m.d.sync += pi.eq(pi + 1)
+        m.d.comb += [
+            pi_write.addr.eq(p_job.cqn),
+            pi_write.data.eq(pi + 1),
+            pi_write.en.eq(p_move & p_job.write_cqe),
+        ]
 
         m.d.comb += [
             self.retire.valid.eq(o_done),
@@ -557,6 +713,6 @@ class CompletionUnit(wiring.Component):
         count(self.cqes_written, o_done & o_job.write_cqe)
         count(self.error_cqes, o_done & o_job.write_cqe & o_job.error)
         count(self.rx_dropped_icrc, sum(icrc_drops))
-        count(self.rx_dropped_unexpected, sum(malformed_drops) + (any_event & ~accept))
+        count(self.rx_dropped_unexpected, sum(malformed_drops) + (x_ev & ~accept))
         count(self.cqe_write_errors, axi.bvalid & (axi.bresp != 0))
         return m
