@@ -280,8 +280,8 @@ class CompletionUnit(wiring.Component):
 
         m.submodules.jobs = jobs = fifo.SyncFIFOBuffered(width=_JobLayout().size, depth=JOB_DEPTH)
 
-        # Per-QP flags outside the state memory: the strobes change them at once and the
-        # round-robin picker and ``completion.ready`` need them for all QPs.
+        # Per-QP flags outside the state memory: the strobes change them without reading
+        # a row, and the round-robin picker and ``completion.ready`` need them for all QPs.
         marked = Signal(num_qps)        # the engine should look at this QP's head
         flushing = Signal(num_qps)
         fresh = Signal(num_qps)         # reset since its row was last written: the row reads as 0
@@ -488,7 +488,8 @@ class CompletionUnit(wiring.Component):
             x_state.eq(s_state),
             x_flushing.eq(flushing.bit_select(s_q, 1)
                           | (x_same & ~x_killed & x_sets_flushing)),
-            # A reset in its S cycle acts on the flags along with its writes, and wins.
+            # ``reset_valid`` is now a reset in its issue cycle. One in its S cycle reaches
+            # the flags along with its writes, and wins.
             x_killed.eq(reset_valid & (reset_q == s_q)),
             x_in_reset.eq(s_in_reset),
         ]
