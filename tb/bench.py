@@ -6,7 +6,7 @@ script gathers. Names are documented in docs/performance.md. The credit-loop
 sweep also writes build/bench/link_buffer_sweep.{json,png}; the switch's load
 sweep build/bench/switch_latency_vs_load.{json,png}.
 
-``--only link`` / ``--only switch`` runs one group (``make bench BENCH_ARGS="--only
+``--only link`` / ``--only switch`` / ``--only nic`` runs one group (``make bench BENCH_ARGS="--only
 switch"``); with ``--only``, the records of the other groups already in the output
 file are kept.
 """
@@ -272,7 +272,25 @@ def plot_switch_sweep(records):
     fig.savefig(docs / "switch_latency_vs_load.png", dpi=110)
 
 
-GROUPS = {"link": "link_benchmarks", "switch": "switch_benchmarks"}
+# The message-rate benchmark spreads over every QP: the default 64.
+NIC = dict(num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2, mtu=4096, wire_delay=2)
+
+
+def nic_benchmarks():
+    from tb.test_nic import BUILD_ARGS, nic_top
+    records = []
+    for testcase in ("doorbell_to_wire", "message_rate", "write_bandwidth"):
+        path = OUT / "records" / f"nic_{testcase}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        runner.run(module="tb.bench_nic", toplevel="nic_top", factory=nic_top, params=NIC,
+                   testcase=testcase, expect_tests=1, build_args=BUILD_ARGS,
+                   extra_env={"BENCH_RECORDS": str(path)})
+        records += json.loads(path.read_text())
+    return records
+
+
+GROUPS = {"link": "link_benchmarks", "switch": "switch_benchmarks", "nic": "nic_benchmarks"}
 
 
 def main(argv=None):

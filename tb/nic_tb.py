@@ -25,6 +25,7 @@ import cocotb
 from cocotb.clock import Clock
 from cocotb.triggers import RisingEdge
 
+from hdl.link.signatures import LinkState
 from hdl.nic import register_map as rmap
 from models import mlx5
 from models.nic import (CompletionStatus, CqContext, Mkey, QpContext, RequesterModel,
@@ -86,7 +87,7 @@ class NicTB:
                 dut, f"remote_data_out__{v}", 64,
                 backpressure=backpressure_random(random.Random(self.rng.random()), backpressure)
                 if backpressure else None))
-            dut.remote_vl_weight[v].value = 16
+            getattr(dut, f"remote_vl_weight__{v}").value = 16
         self.wire = self.loop.add(WireMonitor(dut, "nic_wire_monitor", 64))
         self.bus = self.loop.add(BusMonitor(dut))
         self.loop.add(_Responder(self))
@@ -122,8 +123,10 @@ class NicTB:
         await self.wait_link()
 
     async def wait_link(self, limit=20000):
+        active = LinkState.ACTIVE.value
         for _ in range(limit):
-            if int(self.dut.nic_link_state.value) == 3 and int(self.dut.remote_state.value) == 3:
+            if (int(self.dut.nic_link_state.value) == active
+                    and int(self.dut.remote_state.value) == active):
                 return
             await RisingEdge(self.clock)
         raise AssertionError("link did not come up")
@@ -308,7 +311,9 @@ class NicTB:
         qpn = fields.bth.destqp - 0x100
         queue = self.expected_packets.get(qpn)
         if not queue:
-            self.errors.append(f"unexpected packet for QP {qpn}: {packet.hex()}")
+            self.errors.append(f"cycle {self.loop.cycle}: unexpected packet for QP {qpn} "
+                               f"(PSN {fields.bth.psn:#x}): {packet.hex()}; AR {dict(self.bus.ar)}, "
+                               f"doorbells {self.bus.doorbells}, wire {[p[2] for p in self.wire.data_packets]}")
             return []
         want, _ = queue.popleft()
         if packet != want:
@@ -322,9 +327,21 @@ class NicTB:
         completions = sum(1 for q in self.expected_cqes.values() for r in q if self._signals(r))
         return packets, completions
 
+    async def cycles(self, n):
+        for _ in range(n):
+            await RisingEdge(self.clock)
+
     async def drain(self, limit=200000):
-        await self.loop.run(until=lambda: self.outstanding() == (0, 0) or self.errors,
-                            limit=limit)
+        """Wait (the background loop runs the models) until every predicted packet and
+        completion was seen, failing after ``limit`` cycles or at the first error."""
+        for _ in range(limit):
+            if self.errors or self.outstanding() == (0, 0):
+                break
+            await RisingEdge(self.clock)
+        else:
+            packets, completions = self.outstanding()
+            raise AssertionError(f"not drained after {limit} cycles: {packets} packets and "
+                                 f"{completions} completions outstanding")
         assert not self.errors, "\n".join(self.errors[:10])
 
     async def check_clean(self):

@@ -13,7 +13,7 @@ import pytest
 from hdl.nic import register_map as rmap
 from models import mlx5
 from tb import runner
-from tb.nic_tb import DATA_BYTES, DATA_REGION, PD, NicTB
+from tb.nic_tb import DATA_BYTES, DATA_REGION, MEMORY_BYTES, PD, NicTB
 
 Op = mlx5.Opcode
 RTS, ERR, RESET = 3, 6, 0
@@ -28,7 +28,7 @@ def random_wqe(tb, rng, *, small=False):
     limit = 600 if small else rng.choice([64, 600, 5000, 12000])
     length = rng.randrange(0, limit + 1)
     laddr = DATA_REGION + rng.randrange(0, DATA_BYTES - length - 8)
-    raddr = rng.getrandbits(64)
+    raddr = rng.randrange(0, MEMORY_BYTES - max(length, 8))   # in the responder's memory
     rkey = rng.getrandbits(32)
     if kind in ("write_inline", "send_inline"):
         fields.update(opcode=Op.RDMA_WRITE if kind == "write_inline" else Op.SEND,
@@ -73,7 +73,7 @@ async def zero_load_latency(dut):
     nic_cycles = []
     for trial in range(8):
         q = trial % 4
-        fields = dict(opcode=Op.RDMA_WRITE, inline=rng.randbytes(8), raddr=rng.getrandbits(64),
+        fields = dict(opcode=Op.RDMA_WRITE, inline=rng.randbytes(8), raddr=rng.randrange(0, MEMORY_BYTES - 64),
                       rkey=0x1234, fm_ce_se=mlx5.CTRL_CQ_UPDATE)
         before = len(tb.wire.data_packets), len(tb.bus.doorbells), len(tb.bus.ar[0]), len(tb.bus.r[0])
         await tb.gpu.post(q, 1, tb.builder(q, **fields), last=True)
@@ -157,7 +157,7 @@ async def doorbell_storm(dut):
     for n in range(1500):
         q = rng.choice(qps)
         fields = dict(opcode=Op.RDMA_WRITE, inline=rng.randbytes(rng.choice([4, 8, 16])),
-                      raddr=rng.getrandbits(64), rkey=7, fm_ce_se=mlx5.CTRL_CQ_UPDATE)
+                      raddr=rng.randrange(0, MEMORY_BYTES - 64), rkey=7, fm_ce_se=mlx5.CTRL_CQ_UPDATE)
         work[n % 64].append((q, 1, tb.builder(q, **fields), n))
     await post_all(tb, work)
     stop = True

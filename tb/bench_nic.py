@@ -1,0 +1,127 @@
+"""NIC benchmarks (cocotb, tb/nic_tb.py): doorbell-to-wire latency, message rate, write
+bandwidth. Run by ``make bench`` / ``python -m tb.bench --only nic`` through tb/bench.py;
+records go to the file named by ``BENCH_RECORDS``. All figures are simulated cycles at
+64-byte beats, 400 MHz (docs/performance.md, NIC).
+
+* ``nic.doorbell_to_wire_cycles``: the doorbell's AXI4-Lite write accepted (later of AW and
+  W) to the first beat of its packet at the NIC's wire pins, one 8-byte inline RDMA WRITE at
+  a time on an idle NIC, counting NIC cycles only: the wait from the WQE fetch's AR to its
+  first R beat (the memory latency) is taken out and reported beside it.
+* ``nic.msg_rate_wqe_per_cycle``: 8-byte inline RDMA WRITEs posted to every QP by one warp
+  per QP, doorbell every 32 WQEs (NVSHMEM's batching): request packets on the wire per
+  cycle, from the first to the last.
+* ``nic.write_bandwidth.64KiB``: 64 KiB RDMA WRITEs (payload read by DMA) from several QPs at
+  path MTU 4096: payload bytes on the wire / (cycles x 64 B), first beat to last.
+"""
+import random
+import statistics
+
+import cocotb
+
+from models import mlx5
+from tb import runner
+from tb.nic_tb import CLOCK_NS, DATA_REGION, MEMORY_BYTES, NicTB
+from tb.runner import bench_record as record
+
+Op = mlx5.Opcode
+
+
+def config(tb, **extra):
+    params = runner.tb_params()
+    return {"width": 64, "clock_mhz": round(1000 / CLOCK_NS), "num_qps": params["num_qps"],
+            "num_vls": params["num_vls"], "wire_delay_cycles": params["wire_delay"],
+            "memory_latency_cycles": tb.memory_latency, **extra}
+
+
+@cocotb.test()
+async def doorbell_to_wire(dut):
+    tb = NicTB(dut, memory_latency=200)
+    await tb.reset()
+    await tb.setup(qps=4, mtu=5)
+    rng = random.Random(5)
+    nic, memory, total = [], [], []
+    for trial in range(16):
+        q = trial % 4
+        fields = dict(opcode=Op.RDMA_WRITE, inline=rng.randbytes(8), raddr=rng.randrange(0, MEMORY_BYTES - 64),
+                      rkey=1, fm_ce_se=mlx5.CTRL_CQ_UPDATE)
+        marks = len(tb.wire.data_packets), len(tb.bus.doorbells), len(tb.bus.ar[0]), len(tb.bus.r[0])
+        await tb.gpu.post(q, 1, tb.builder(q, **fields), last=True)
+        await tb.drain()
+        t_db, t_ar = tb.bus.doorbells[marks[1]], tb.bus.ar[0][marks[2]]
+        t_r, t_wire = tb.bus.r[0][marks[3]], tb.wire.data_packets[marks[0]][2]
+        memory.append(t_r - t_ar)
+        nic.append((t_ar - t_db) + (t_wire - t_r))
+        total.append(t_wire - t_db)
+    await tb.check_clean()
+    record("nic.doorbell_to_wire_cycles", statistics.median(nic), "cycles",
+           config(tb, operation="RDMA_WRITE inline 8 B", trials=len(nic), min=min(nic),
+                  max=max(nic), doorbell_to_ar=statistics.median(
+                      [tb.bus.ar[0][i] - tb.bus.doorbells[i] for i in range(len(nic))]),
+                  memory_wait_cycles=statistics.median(memory),
+                  total_cycles=statistics.median(total),
+                  total_ns=statistics.median(total) * CLOCK_NS))
+
+
+@cocotb.test()
+async def message_rate(dut):
+    qps_count = runner.tb_params()["num_qps"]
+    tb = NicTB(dut, memory_latency=200, ack_every=16)
+    await tb.reset()
+    qps = await tb.setup(qps=qps_count, cqs=min(qps_count, 16), log_sq_size=7, mtu=5,
+                         ring_every=32)
+    rng = random.Random(9)
+    per_qp = 64
+    work = []
+    for q in qps:
+        items = []
+        for n in range(per_qp):
+            fields = dict(opcode=Op.RDMA_WRITE, inline=rng.randbytes(8), raddr=rng.randrange(0, MEMORY_BYTES - 64),
+                          rkey=1, fm_ce_se=mlx5.CTRL_CQ_UPDATE if n % 16 == 15 else 0)
+            items.append((q, 1, tb.builder(q, **fields), n))
+        work.append(items)
+    first = len(tb.wire.data_packets)
+    for task in tb.gpu.start_warps(work):
+        await task
+    await tb.drain(limit=400_000)
+    await tb.check_clean()
+    packets = tb.wire.data_packets[first:]
+    span = packets[-1][2] - packets[0][2] + 1
+    rate = len(packets) / span
+    record("nic.msg_rate_wqe_per_cycle", round(rate, 3), "WQE per cycle",
+           config(tb, operation="RDMA_WRITE inline 8 B", wqes=len(packets), ring_every=32,
+                  signaled_every=16, span_cycles=span,
+                  messages_per_second=round(rate * 1000 / CLOCK_NS * 1e6)))
+
+
+@cocotb.test()
+async def write_bandwidth(dut):
+    tb = NicTB(dut, memory_latency=200, ack_every=8)
+    await tb.reset()
+    qps = await tb.setup(qps=4, mtu=5)
+    rng = random.Random(3)
+    tb.memory.write(DATA_REGION, rng.randbytes(1 << 20))
+    size = 64 * 1024
+    work = []
+    for q in qps:
+        items = []
+        for n in range(4):
+            fields = dict(opcode=Op.RDMA_WRITE, byte_count=size, lkey=tb.data_key,
+                          laddr=DATA_REGION + (q * 4 + n) * size, raddr=rng.randrange(0, MEMORY_BYTES // size) * size,
+                          rkey=1, fm_ce_se=mlx5.CTRL_CQ_UPDATE)
+            items.append((q, 1, tb.builder(q, **fields), n))
+        work.append(items)
+    first = len(tb.wire.data_packets)
+    beats_before = tb.wire.busy_cycles
+    for task in tb.gpu.start_warps(work):
+        await task
+    await tb.drain(limit=400_000)
+    await tb.check_clean()
+    packets = tb.wire.data_packets[first:]
+    start = packets[0][2]
+    end = packets[-1][2] + (len(packets[-1][0]) + 63) // 64
+    payload = size * 4 * len(qps)
+    value = payload / ((end - start) * 64)
+    record("nic.write_bandwidth.64KiB", round(value, 4), "fraction of wire",
+           config(tb, operation="RDMA_WRITE 64 KiB by DMA", messages=4 * len(qps), mtu=4096,
+                  packets=len(packets), span_cycles=end - start,
+                  wire_busy=round((tb.wire.busy_cycles - beats_before) / (end - start), 4)))
