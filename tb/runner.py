@@ -68,8 +68,8 @@ def source_digest():
     return digest.hexdigest()
 
 
-def run(*, module, toplevel, factory, params, testcase=None, expect_tests=None,
-        extra_env=None, build_args=(), waves=None, log_to_file=True):
+def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
+        expect_tests=None, extra_env=None, build_args=(), waves=None, log_to_file=True):
     """Elaborate ``factory(**params)``, build it with Verilator, run ``module``'s cocotb tests.
 
     Returns the run's directory (its log, results and whatever the tests wrote there).
@@ -115,13 +115,16 @@ def run(*, module, toplevel, factory, params, testcase=None, expect_tests=None,
     env = {"TB_PARAMS": json.dumps(params)}
     env.update(extra_env or {})
     # Each distinct run (test filter, environment) gets its own directory for logs and outputs.
-    run_tag = hashlib.sha1(json.dumps([testcase, env], sort_keys=True).encode()).hexdigest()[:8]
-    test_dir = build_dir / f"run_{testcase or 'all'}_{run_tag}"
+    run_tag = hashlib.sha1(json.dumps([testcase, test_filter, env],
+                                      sort_keys=True).encode()).hexdigest()[:8]
+    label = testcase or (test_filter and "".join(c for c in test_filter if c.isalnum() or c == "_"))
+    test_dir = build_dir / f"run_{label or 'all'}_{run_tag}"
     test_dir.mkdir(exist_ok=True)
     results = runner.test(
         test_module=module,
         hdl_toplevel=toplevel,
         testcase=testcase,
+        test_filter=test_filter,
         build_dir=build_dir,
         test_dir=test_dir,
         extra_env=env,

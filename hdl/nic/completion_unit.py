@@ -218,8 +218,8 @@ class CompletionUnit(wiring.Component):
     Retransmission and its timers are not done: after a PSN-sequence-error or RNR NAK, or
     a READ whose responses were lost (a later ACK does not complete a READ), the QP's
     records wait until ``qp_flush``. ``qp_reset`` is for an idle QP (all its records
-    retired). CQ producer indices have no reset (the interface has no CQ-reset strobe)
-    and continue across a reprogramming of the CQ.
+    retired). A CQ's producer index starts at 0 after a reset and after ``cq_reset`` (the
+    host wrote its context).
     """
 
     def __init__(self, *, num_qps=64, num_cqs=16, num_vls=2, addr_width=64):
@@ -241,6 +241,7 @@ class CompletionUnit(wiring.Component):
             "qp_state": In(QpState).array(num_qps),
             "qp_reset": In(EventSignature()),
             "qp_flush": In(EventSignature()),
+            "cq_reset": In(EventSignature()),     # ``qpn`` carries the CQ number
             "qp_error": Out(EventSignature()),
             "cq_config": Out(ContextReadSignature(num_cqs, CqConfigLayout())),
             "retire": Out(stream.Signature(RetireLayout(), always_ready=True)),
@@ -284,7 +285,9 @@ class CompletionUnit(wiring.Component):
         # a row, and the round-robin picker and ``completion.ready`` need them for all QPs.
         marked = Signal(num_qps)        # the engine should look at this QP's head
         flushing = Signal(num_qps)
-        fresh = Signal(num_qps)         # reset since its row was last written: the row reads as 0
+        # Reset since its row was last written: the row reads as 0. Memories keep their
+        # contents through a reset, so every row starts fresh.
+        fresh = Signal(num_qps, init=(1 << num_qps) - 1)
         full = Signal(num_qps)          # QUEUE_DEPTH records in the QP's queue
         in_reset = Signal(num_qps)
         m.d.comb += in_reset.eq(Cat(self.qp_state[q] == QpState.RESET for q in range(num_qps)))
@@ -663,7 +666,17 @@ class CompletionUnit(wiring.Component):
         pi_read = producer.read_port(transparent_for=(pi_write,))
         m.d.comb += pi_read.addr.eq(self.cq_config.addr)
         cq = self.cq_config.data
-        pi = pi_read.data
+        # A CQ is fresh after a reset or a host write to its context (``cq_reset``): its
+        # producer index reads as 0 until the next CQE is written.
+        cq_fresh = Signal(self.num_cqs, init=(1 << self.num_cqs) - 1)
+        pi_fresh = Signal()
+        written = pi_write.en & (pi_write.addr == self.cq_config.addr)
+        m.d.sync += pi_fresh.eq(cq_fresh.bit_select(self.cq_config.addr, 1) & ~written)
+        cq_written = Mux(pi_write.en, 1 << pi_write.addr, 0)
+        cq_cleared = Mux(self.cq_reset.valid & (self.cq_reset.qpn < self.num_cqs),
+                         1 << self.cq_reset.qpn[:max(self.num_cqs - 1, 1).bit_length()], 0)
+        m.d.sync += cq_fresh.eq((cq_fresh & ~cq_written) | cq_cleared)
+        pi = Mux(pi_fresh, 0, pi_read.data)
         log_size = Mux(cq.collapsed, 0, cq.log_size)
         entry = pi & ((Const(1, 17) << log_size) - 1)
         owner = (pi >> log_size)[0]

@@ -114,6 +114,7 @@ class Nic(wiring.Component):
             m.d.comb += [block.qp_reset.valid.eq(regs.qp_reset.valid),
                          block.qp_reset.qpn.eq(regs.qp_reset.qpn)]
         wiring.connect(m, regs.qp_flush, comp.qp_flush)
+        wiring.connect(m, regs.cq_reset, comp.cq_reset)
         m.d.comb += [
             regs.qp_busy.eq(sched.qp_busy),
             exe.slid.eq(regs.slid),

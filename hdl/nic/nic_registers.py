@@ -64,7 +64,9 @@ class NicRegisters(wiring.Component):
       ``qp_reset`` strobes (registered) in the cycle the QP's state becomes RESET;
       ``qp_flush`` when the host writes ERR to a QP in RTS or ERR (the completion unit
       then flushes everything the QP still waits for, so a QP whose responses never come
-      can still be drained and reset).
+      can still be drained and reset). ``cq_reset`` strobes (its ``qpn`` field carrying the
+      CQ number) for every host write to a CQ context word: a (re)programmed CQ starts
+      again at producer index 0.
     - ``qp_error[i]``: a strobe moves its QP from RTS to ERR; two strobes in one cycle
       may name the same or different QPs.
     - ``slid``, ``sl_to_vl``, ``vl_weight``: the global registers.
@@ -100,6 +102,7 @@ class NicRegisters(wiring.Component):
             "qp_error": In(EventSignature()).array(2),
             "qp_reset": Out(EventSignature()),
             "qp_flush": Out(EventSignature()),
+            "cq_reset": Out(EventSignature()),     # ``qpn`` carries the CQ number
             "qp_busy": In(num_qps),
             "slid": Out(16),
             "sl_to_vl": Out(4).array(16),
@@ -206,7 +209,8 @@ class NicRegisters(wiring.Component):
         state_new = Signal(QpState)
         copies_we = Signal()                # load QP qpn's flip-flop copies from copies_src
         copies_src = Signal(QpConfigLayout())
-        m.d.sync += [self.qp_reset.valid.eq(0), self.qp_flush.valid.eq(0)]
+        m.d.sync += [self.qp_reset.valid.eq(0), self.qp_flush.valid.eq(0),
+                     self.cq_reset.valid.eq(0)]
         for q in range(self.num_qps):
             errored = Cat(e.valid & (e.qpn == q) for e in self.qp_error).any()
             with m.If(state_we & (qpn == q)):
@@ -358,6 +362,9 @@ class NicRegisters(wiring.Component):
                                     with m.If(is_write):
                                         with m.If(writable):
                                             m.d.comb += [t["wp"].en.eq(1), t["wp"].data.eq(entry)]
+                                            if name == "cq":
+                                                m.d.sync += [self.cq_reset.valid.eq(1),
+                                                             self.cq_reset.qpn.eq(t["index"])]
                                             if name == "qp" and any(
                                                     f.name in ("log_sq_size", "max_outstanding")
                                                     for f in w.fields):
