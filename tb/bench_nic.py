@@ -82,6 +82,7 @@ async def message_rate(dut):
     first = len(tb.wire.data_packets)
     for task in tb.gpu.start_warps(work):
         await task
+    await tb.gpu.quiet()
     await tb.drain(limit=400_000)
     await tb.check_clean()
     packets = tb.wire.data_packets[first:]
@@ -114,6 +115,7 @@ async def write_bandwidth(dut):
     beats_before = tb.wire.busy_cycles
     for task in tb.gpu.start_warps(work):
         await task
+    await tb.gpu.quiet()
     await tb.drain(limit=400_000)
     await tb.check_clean()
     packets = tb.wire.data_packets[first:]

@@ -103,6 +103,13 @@ class GpuModel:
         self.doorbells_rung += 1
         await self.tb.ring_doorbell(mlx5.doorbell(qp.qpn, pi % (1 << 16)))
 
+    async def quiet(self):
+        """Ring every QP that has published WQEs not rung yet (what ``nvshmem_quiet`` does
+        before it waits for completions: batched doorbells are flushed)."""
+        for qp in self.qps.values():
+            if qp.unrung:
+                await self.ring(qp)
+
     def completed(self, qpn, wqe_index, blocks):
         """A CQE for QP ``qpn``'s WQE at ``wqe_index`` (``blocks`` long) was written: its
         slots, and those of every WQE before it, are free again."""
@@ -117,7 +124,8 @@ class GpuModel:
 
     def start_warps(self, work):
         """Run one coroutine per warp: ``work`` is a list, one entry per warp, of
-        ``(qpn, blocks, build, tag)``. Returns the tasks."""
+        ``(qpn, blocks, build, tag)``. Returns the tasks. A warp rings after its last WQE;
+        WQEs other warps left in a batch need :meth:`quiet`."""
         async def warp(items):
             for n, (qpn, blocks, build, tag) in enumerate(items):
                 await self.post(qpn, blocks, build, tag, last=(n == len(items) - 1))
