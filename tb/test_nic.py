@@ -13,7 +13,7 @@ import pytest
 from hdl.nic import register_map as rmap
 from models import mlx5
 from tb import runner
-from tb.nic_tb import DATA_BYTES, DATA_REGION, MEMORY_BYTES, PD, NicTB
+from tb.nic_tb import DATA_BYTES, DATA_REGION, MEMORY_BYTES, PD, NicTB, remote_qpn
 
 Op = mlx5.Opcode
 RTS, ERR, RESET = 3, 6, 0
@@ -241,7 +241,8 @@ async def bad_wqes(dut):
             (name, cqes)
         assert await tb.read(rmap.context_offset("qp", q, "state")) == ERR, name
     assert await tb.read(rmap.context_offset("qp", 0, "state")) == RTS
-    assert len(tb.completed[0]) == 60
+    assert len(tb.completed[0]) == sum(1 for f in good if f["fm_ce_se"] & mlx5.CTRL_CQ_UPDATE)
+    assert all(c.syndrome == 0 for c in tb.completed[0])
     c = await tb.counters()
     assert c["wqe_errors"] == len(BAD_WQES)
     assert c["error_cqes"] == 4 * len(BAD_WQES)
@@ -309,6 +310,7 @@ async def qp_states(dut):
     qp.sq_psn = 0xFFFFFE        # wraps within the next message
     await tb.program_qp(qp)
     tb.requester.reset_qp(0)
+    tb.responder.add_qp(remote_qpn(0), peer_qpn=0, epsn=qp.sq_psn, mtu=qp.mtu)   # both ends
     tb.gpu.qps[0].__init__(qpn=0, sq_base=qp.sq_base, log_sq_size=qp.log_sq_size,
                            dbr_address=tb.gpu.qps[0].dbr_address)
     for _ in range(4):
