@@ -113,6 +113,12 @@ register("tf_switch_8p", lambda: _switch(ports=8),
          "(docs/switch.md, docs/switch-registers.md)", index_labels=_SWITCH_LABELS)
 
 
+register("tf_nic", lambda: __import__("hdl.nic.nic", fromlist=["*"]).Nic(),
+         "RDMA NIC, requester side: 64 QPs, 16 CQs, 64 memory keys, 64-byte beats and AXI4 "
+         "data, 2 data VLs, MTU 4096; AXI4-Lite registers and UAR doorbell page, AXI4 DMA "
+         "master, one link port (docs/nic.md, docs/nic-registers.md)")
+
+
 # --- Port meanings --------------------------------------------------------------------------
 # Words for the top-level signature member names shared by the link, switch and NIC blocks.
 # A name not listed reads as itself with spaces.
@@ -123,7 +129,8 @@ MEMBER_WORDS = {
     "wire_in": "wire from the peer",
     "wire_out": "wire to the peer",
     "link_state": "link state",
-    "axi": "AXI4-Lite slave (control and status registers)",
+    "axi": "AXI4-Lite slave (control and status registers); on the NIC, the AXI4 DMA master",
+    "axil": "AXI4-Lite slave, 64-bit data (registers and the UAR doorbell page)",
     "vl_weight": "arbitration weight (64-byte blocks per turn)",
     "state": "link state",
     "clear": "clear strobe (link re-enters INIT: forget FCTBS, ABR, credit limits)",

@@ -58,7 +58,7 @@ class Qp:
 
     @property
     def busy(self):
-        return self.db != self.dc or self.in_flight
+        return self.fp != self.dc or self.in_flight
 
 
 def plan(qp):

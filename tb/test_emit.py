@@ -27,7 +27,7 @@ def test_emit_link_port_w16(tmp_path):
 
 def test_registry_names_are_stable():
     assert {"tf_link_port_w64", "tf_link_port_w16", "tf_link_transmitter_w64",
-            "tf_link_receiver_w64", "tf_switch_4p", "tf_switch_8p"} <= set(emit.TOPS)
+            "tf_link_receiver_w64", "tf_switch_4p", "tf_switch_8p", "tf_nic"} <= set(emit.TOPS)
 
 
 def test_constant_port_is_a_clear_error(tmp_path, monkeypatch):

@@ -39,7 +39,8 @@ class DoorbellScheduler(wiring.Component):
     QP's indices and flags and wins over every other event of its cycle for that QP,
     including a grant (the QP is masked from arbitration in that cycle). A request already
     offered on ``fetch`` stays offered (a stream may not withdraw it): the register block
-    resets only idle QPs, and an offered request makes its QP busy.
+    resets only idle QPs, and an offered request makes its QP busy. ``qp_busy``: a fetch in
+    flight, or fetched WQE blocks not yet retired (rung, unfetched WQEs do not count).
 
     Timing (400 MHz, 64 QPs): each QP's eligibility and request size ("plan") is
     recomputed every cycle from its registered indices and registered again; the
@@ -240,6 +241,9 @@ class DoorbellScheduler(wiring.Component):
             touched.eq(reset_hit | grant),
         ]
 
+        # Rung but unfetched WQEs do not count: a move to RESET drops them without
+        # completions, as IBA's transition to RESET does, so a QP whose doorbell cut a WQE
+        # on a full ring (it waits for a doorbell that can never be accepted) can be reset.
         m.d.comb += self.qp_busy.eq(
-            Cat(db_pi[q] != done_ci[q] for q in range(n)) | in_flight)
+            Cat(fetch_pi[q] != done_ci[q] for q in range(n)) | in_flight)
         return m
