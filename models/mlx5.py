@@ -249,6 +249,8 @@ def parse_wqe(wqe: bytes) -> ParsedWqe:
         fields.update(swap_add=_field(wqe, offset, 8), compare=_field(wqe, offset + 8, 8))
         offset += 16
     header_ds = offset // DS_BYTES
+    if ds < header_ds:          # shorter than its own fixed segments: nothing more to read
+        return error(Syndrome.LOCAL_QP_OP_ERR)
 
     if opcode in _WRITES or opcode in _SENDS:
         if ds == header_ds:

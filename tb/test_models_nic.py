@@ -195,6 +195,11 @@ FORMAT_ERRORS = [
     ("DUMP", _raw(m.OPCODE_DUMP, 2, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
     ("write, two data segments", _raw(m.Opcode.RDMA_WRITE, 4, RA, DATA8, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
     ("write, ds 1", _raw(m.Opcode.RDMA_WRITE, 1), m.Syndrome.LOCAL_QP_OP_ERR),
+    # ds 1 with bytes beyond it that look like an over-long inline segment: the WQE ends
+    # before its remote-address segment, so they are never read (as the fetcher does).
+    ("write, ds 1, inline-looking tail", _raw(m.Opcode.RDMA_WRITE_IMM, 1, RA,
+                                              m.inline_segment(bytes(100))),
+     m.Syndrome.LOCAL_QP_OP_ERR),
     ("write, inline ds too big", _raw(m.Opcode.RDMA_WRITE, 4, RA, m.inline_segment(bytes(10))),
      m.Syndrome.LOCAL_QP_OP_ERR),
     ("write, inline ds too small", _raw(m.Opcode.RDMA_WRITE_IMM, 3, RA, m.inline_segment(bytes(13))),
