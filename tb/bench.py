@@ -279,7 +279,8 @@ NIC = dict(num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2, mtu=4096, wire_delay
 def nic_benchmarks():
     from tb.test_nic import BUILD_ARGS, nic_top
     records = []
-    for testcase in ("doorbell_to_wire", "message_rate", "write_bandwidth"):
+    for testcase in ("doorbell_to_wire", "message_rate_acked", "message_rate_coalesced",
+                     "write_bandwidth"):
         path = OUT / "records" / f"nic_{testcase}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)

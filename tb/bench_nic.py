@@ -62,10 +62,9 @@ async def doorbell_to_wire(dut):
                   total_ns=statistics.median(total) * CLOCK_NS))
 
 
-@cocotb.test()
-async def message_rate(dut):
+async def message_rate(dut, coalesce_acks):
     qps_count = runner.tb_params()["num_qps"]
-    tb = NicTB(dut, memory_latency=200, ack_every=16)
+    tb = NicTB(dut, memory_latency=200, ack_every=16, coalesce_acks=coalesce_acks)
     await tb.reset()
     qps = await tb.setup(qps=qps_count, cqs=min(qps_count, 16), log_sq_size=7, mtu=5,
                          ring_every=32)
@@ -75,8 +74,9 @@ async def message_rate(dut):
     for q in qps:
         items = []
         for n in range(per_qp):
-            fields = dict(opcode=Op.RDMA_WRITE, inline=rng.randbytes(8), raddr=rng.randrange(0, MEMORY_BYTES - 64),
-                          rkey=1, fm_ce_se=mlx5.CTRL_CQ_UPDATE if n % 16 == 15 else 0)
+            fields = dict(opcode=Op.RDMA_WRITE, inline=rng.randbytes(8),
+                          raddr=rng.randrange(0, MEMORY_BYTES - 64), rkey=1,
+                          fm_ce_se=mlx5.CTRL_CQ_UPDATE if n % 16 == 15 else 0)
             items.append((q, 1, tb.builder(q, **fields), n))
         work.append(items)
     first = len(tb.wire.data_packets)
@@ -88,10 +88,24 @@ async def message_rate(dut):
     packets = tb.wire.data_packets[first:]
     span = packets[-1][2] - packets[0][2] + 1
     rate = len(packets) / span
-    record("nic.msg_rate_wqe_per_cycle", round(rate, 3), "WQE per cycle",
+    name = "nic.msg_rate_wqe_per_cycle" + (".coalesced_acks" if coalesce_acks else "")
+    record(name, round(rate, 3), "WQE per cycle",
            config(tb, operation="RDMA_WRITE inline 8 B", wqes=len(packets), ring_every=32,
                   signaled_every=16, span_cycles=span,
+                  acks="one ACK per 16 packets" if coalesce_acks else "one ACK per message",
                   messages_per_second=round(rate * 1000 / CLOCK_NS * 1e6)))
+
+
+@cocotb.test()
+async def message_rate_acked(dut):
+    """Every message acknowledged (each has AckReq on its only packet)."""
+    await message_rate(dut, coalesce_acks=False)
+
+
+@cocotb.test()
+async def message_rate_coalesced(dut):
+    """The responder acknowledges every 16 packets, as IB responders may coalesce."""
+    await message_rate(dut, coalesce_acks=True)
 
 
 @cocotb.test()
@@ -123,7 +137,9 @@ async def write_bandwidth(dut):
     end = packets[-1][2] + (len(packets[-1][0]) + 63) // 64
     payload = size * 4 * len(qps)
     value = payload / ((end - start) * 64)
+    r_beats = sum(1 for c in tb.bus.r[1] if start <= c < end)
     record("nic.write_bandwidth.64KiB", round(value, 4), "fraction of wire",
            config(tb, operation="RDMA_WRITE 64 KiB by DMA", messages=4 * len(qps), mtu=4096,
                   packets=len(packets), span_cycles=end - start,
-                  wire_busy=round((tb.wire.busy_cycles - beats_before) / (end - start), 4)))
+                  wire_busy=round((tb.wire.busy_cycles - beats_before) / (end - start), 4),
+                  payload_read_beats_per_cycle=round(r_beats / (end - start), 4)))

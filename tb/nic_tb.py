@@ -60,7 +60,8 @@ def remote_qpn(qpn):
 
 
 class NicTB:
-    def __init__(self, dut, *, seed=1, memory_latency=200, backpressure=0.0, ack_every=1):
+    def __init__(self, dut, *, seed=1, memory_latency=200, backpressure=0.0, ack_every=1,
+                 coalesce_acks=False):
         self.dut = dut
         self.params = params = runner.tb_params()
         self.num_qps = params.get("num_qps", 64)
@@ -96,8 +97,11 @@ class NicTB:
         self.sl_to_vl = [sl % self.num_vls for sl in range(16)]
         self.qps, self.cqs, self.mkeys = {}, {}, {}
         self.requester = None
+        # With ``coalesce_acks`` the responder acknowledges every ``ack_every`` packets
+        # whatever their AckReq, and whatever is left once the wire has been quiet for
+        # ACK_FLUSH_CYCLES (as a real responder's coalescing timer would).
         self.responder = ResponderModel(lid=REMOTE_LID, memory_bytes=MEMORY_BYTES,
-                                        ack_every=ack_every)
+                                        ack_every=ack_every, coalesce_ackreq=coalesce_acks)
         self.gpu = None
         # qpn -> (packet bytes, required) to come, in order; packets behind a NAK are not
         # required (the NIC may or may not have sent them before the QP went to ERR).
@@ -387,6 +391,9 @@ class BusMonitor:
         pass
 
 
+ACK_FLUSH_CYCLES = 32
+
+
 class _Responder:
     """The CycleLoop model that hands each packet the remote end received to the responder
     and sends its answers back."""
@@ -394,9 +401,15 @@ class _Responder:
     def __init__(self, tb):
         self.tb = tb
         self.taken = [0] * tb.num_vls
+        self.quiet = 0
 
     def sample(self, cycle):
         tb = self.tb
+        arrived = sum(len(sink.packets) for sink in tb.sinks.values()) - sum(self.taken)
+        self.quiet = 0 if arrived else self.quiet + 1
+        if self.quiet == ACK_FLUSH_CYCLES and tb.responder.coalesce_ackreq:
+            for response in tb.responder.flush():
+                tb.sources[0].send(response)
         for v, sink in tb.sinks.items():
             while self.taken[v] < len(sink.packets):
                 packet, end_bad, _, _ = sink.packets[self.taken[v]]

@@ -1,5 +1,6 @@
 from amaranth import *
 from amaranth.lib import wiring
+from amaranth.lib.fifo import SyncFIFOBuffered
 from amaranth.lib.wiring import In, Out
 
 from hdl.link.link_port import LinkPort
@@ -10,7 +11,8 @@ from .completion_unit import CompletionUnit
 from .doorbell_scheduler import DoorbellScheduler
 from .nic_registers import AxiLite64Signature, NicRegisters
 from .packet_assembler import PacketAssembler
-from .signatures import (COUNTERS, FETCH_ID, PAYLOAD_ID, AxiReadSignature, AxiWriteSignature)
+from .signatures import (COUNTERS, FETCH_ID, PAYLOAD_ID, AxiReadSignature, AxiWriteSignature,
+                         PacketDescriptorLayout)
 from .wqe_executor import WqeExecutor
 from .wqe_fetcher import WqeFetcher
 
@@ -37,6 +39,11 @@ class Nic(wiring.Component):
     fetch_buffer_blocks, payload_buffer_beats : int
         On-chip buffers that hide the memory latency: WQE basic blocks and payload beats
         that can be in flight from memory at once.
+    packet_queue_depth : int
+        Packet descriptors between the executor and the assembler. The executor issues a
+        packet's payload read before its descriptor and the assembler starts a packet only
+        when its payload is in, so this bounds the packets whose reads overlap the memory
+        latency: with 4 KiB packets and 200 cycles of latency about 4 must be in flight.
     link_buffer_blocks : int or None
         Receive buffer of the network port, in 64-byte credits (None: the link's default).
 
@@ -51,10 +58,14 @@ class Nic(wiring.Component):
     """
     def __init__(self, *, num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2, mtu=4096,
                  addr_width=64, fetch_buffer_blocks=256, payload_buffer_beats=512,
-                 link_buffer_blocks=None, fc_period=1024, fc_min_interval=64,
+                 packet_queue_depth=32, link_buffer_blocks=None, fc_period=1024, fc_min_interval=64,
                  fc_batch_blocks=64):
         if not 12 <= addr_width <= 64:
             raise ValueError(f"AXI address width must be 12 to 64 bits, not {addr_width!r}")
+        if not 2 <= packet_queue_depth <= 1024:
+            raise ValueError(f"Packet queue depth must be 2 to 1024 descriptors, not "
+                             f"{packet_queue_depth!r}")
+        self.packet_queue_depth = packet_queue_depth
         self.num_qps = num_qps
         self.num_vls = num_vls
         self.addr_width = addr_width
@@ -130,7 +141,14 @@ class Nic(wiring.Component):
         wiring.connect(m, sched.fetch, fetch.fetch)
         wiring.connect(m, fetch.fetch_done, sched.fetch_done)
         wiring.connect(m, fetch.wqe, exe.wqe)
-        wiring.connect(m, exe.packet, asm.packet)
+        m.submodules.packet_queue = packets = SyncFIFOBuffered(
+            width=PacketDescriptorLayout().size, depth=self.packet_queue_depth)
+        m.d.comb += [
+            packets.w_data.eq(exe.packet.payload), packets.w_en.eq(exe.packet.valid),
+            exe.packet.ready.eq(packets.w_rdy),
+            asm.packet.payload.eq(packets.r_data), asm.packet.valid.eq(packets.r_rdy),
+            packets.r_en.eq(asm.packet.ready),
+        ]
         wiring.connect(m, exe.completion, comp.completion)
         wiring.connect(m, comp.retire, sched.retire)
         m.d.comb += exe.payload_freed.eq(asm.payload_freed)
