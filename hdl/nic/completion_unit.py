@@ -117,15 +117,26 @@ class _StateLayout(data.StructLayout):
     def __init__(self, count_bits):
         super().__init__({
             "head": count_bits,     # records completed, modulo 2 * QUEUE_DEPTH (full vs empty)
-            "tail": count_bits,     # records taken, likewise
-            "started": 1,           # a SENT record came since reset
-            "sent_psn": PSN_BITS,
+            # The PSNs below hold the QP's; until the engine writes the row after the first
+            # SENT record, they are that record's ``first_psn - 1`` (``_TailLayout.base_psn``).
+            "primed": 1,
             "ack_psn": PSN_BITS,
             "read_psn": PSN_BITS,
             "atomic_psn": PSN_BITS,
             "nak_pending": 1,
             "nak_psn": PSN_BITS,
             "nak_syndrome": 8,
+        })
+
+
+class _TailLayout(data.StructLayout):
+    """A QP's row in the record path's memory; all zero is the state after ``qp_reset``."""
+    def __init__(self, count_bits):
+        super().__init__({
+            "tail": count_bits,     # records taken, modulo 2 * QUEUE_DEPTH
+            "started": 1,           # a SENT record came since reset
+            "sent_psn": PSN_BITS,
+            "base_psn": PSN_BITS,   # the first SENT record's ``first_psn - 1``
         })
 
 
@@ -154,17 +165,22 @@ class CompletionUnit(wiring.Component):
     short-term skew; an event finding its queue full is dropped and counted as
     unexpected.
 
-    Engine: the per-QP state (queue head and tail, PSNs, pending NAK) is one row of a
-    memory, so that no per-QP register is read or written at a variable index. One
-    operation per cycle goes through it: an event (always first), a record, or a
-    completion attempt on a QP's head (records and completion attempts take turns when
-    both wait). An operation reads its QP's row when it is issued, reads the head record
-    (completion) or writes the new record (record) a cycle later, and writes the row
-    back a cycle after that, when it acts; later operations see its effects (the row is
-    bypassed to the one behind it). ``qp_flush`` and ``qp_reset`` apply to operations
-    issued after the strobe's cycle; one issued in it or before acts before the strobe
-    (a reset discards what it wrote). So each kind runs at one per cycle alone (completions of one QP
-    back to back too) and the three share one operation per cycle.
+    Engine: the per-QP state (queue head, PSNs, pending NAK) is one row of a memory, so
+    that no per-QP register is read or written at a variable index. One operation per
+    cycle goes through it: an event (always first) or a completion attempt on a QP's
+    head. An operation reads its QP's row when it is issued, reads the head record
+    (completion) a cycle later, and writes the row back a cycle after that, when it
+    acts; later operations see its effects (the row is bypassed to the one behind it).
+    Records do not use the engine: the record path owns a second row per QP (queue tail,
+    ``sent_psn``, whether a SENT record came and the first one's ``first_psn - 1``, which
+    the engine takes as its PSNs until it writes its row). A record is taken when its
+    queue is not full, reads that row and the head in the cycle it is taken and writes
+    itself at the tail and the row back in the next; engine operations issued in the
+    cycle it is taken or later see it. ``qp_flush`` and ``qp_reset`` apply to operations
+    and records issued after the strobe's cycle; one issued in it or before acts before
+    the strobe (a reset discards what it wrote). So records are taken at one per cycle
+    while the engine completes heads at one per cycle (completions of one QP back to
+    back too), sharing its cycles only with events.
 
     Processor, per event for QP q at PSN p. Dropped (``rx_dropped_unexpected``) when q is
     in RESET, has had no SENT record since its reset, has a fatal NAK pending or is
@@ -183,7 +199,7 @@ class CompletionUnit(wiring.Component):
     Records from ``completion`` are kept per QP in order in one memory (``QUEUE_DEPTH``
     per QP; a record for a full queue waits on ``ready``; one for a QP number beyond
     ``num_qps`` is taken and ignored). A QP with a new record or a changed state is
-    marked (a new record only when it is a head that can complete); the engine takes
+    marked (a new record only when it is its queue's head); the engine takes
     marked QPs round robin and completes head records, one per cycle, while the head can
     complete: when flushing, with WR_FLUSH_ERR; ERROR with
     its syndrome; FLUSH (or an unknown status) with WR_FLUSH_ERR; SENT with a fatal NAK
@@ -264,6 +280,7 @@ class CompletionUnit(wiring.Component):
         slot_bits = (QUEUE_DEPTH - 1).bit_length()
         count_bits = slot_bits + 1
         state_layout = _StateLayout(count_bits)
+        tail_layout = _TailLayout(count_bits)
 
         def onehot(q, en):
             """Bit ``q`` when ``en``: per-QP flags change through masks, as an indexed
@@ -273,11 +290,21 @@ class CompletionUnit(wiring.Component):
         m.submodules.state = state = Memory(shape=state_layout, depth=num_qps, init=[])
         state_write = state.write_port()
         state_read = state.read_port(transparent_for=(state_write,))
+        # The record path reads the head to know how full the queue is.
+        head_read = state.read_port(transparent_for=(state_write,))
+
+        # Queue tails and the PSNs records set: the record path's own row per QP, so that
+        # a record takes no engine operation. The engine reads it for events and heads.
+        m.submodules.tails = tails = Memory(shape=tail_layout, depth=num_qps, init=[])
+        tail_write = tails.write_port()
+        tail_read = tails.read_port(transparent_for=(tail_write,))
+        engine_tail_read = tails.read_port(transparent_for=(tail_write,))
 
         m.submodules.records = records = Memory(
             shape=CompletionRecordLayout(), depth=num_qps * QUEUE_DEPTH, init=[])
         rec_write = records.write_port()
-        rec_read = records.read_port()
+        # A record written in the cycle the engine reads a head is that head.
+        rec_read = records.read_port(transparent_for=(rec_write,))
 
         m.submodules.jobs = jobs = fifo.SyncFIFOBuffered(width=_JobLayout().size, depth=JOB_DEPTH)
 
@@ -288,6 +315,7 @@ class CompletionUnit(wiring.Component):
         # Reset since its row was last written: the row reads as 0. Memories keep their
         # contents through a reset, so every row starts fresh.
         fresh = Signal(num_qps, init=(1 << num_qps) - 1)
+        tail_fresh = Signal(num_qps, init=(1 << num_qps) - 1)
         full = Signal(num_qps)          # QUEUE_DEPTH records in the QP's queue
         in_reset = Signal(num_qps)
         m.d.comb += in_reset.eq(Cat(self.qp_state[q] == QpState.RESET for q in range(num_qps)))
@@ -390,30 +418,84 @@ class CompletionUnit(wiring.Component):
             icrc_drops.append(ends & ~good)
             malformed_drops.append(good & ~(well_formed & queue.w_rdy))
 
+        # --- Record path, beside the engine: R1 (take the record, read its QP's tail row
+        # and head) and R2 (write the record at the tail, write the tail row back). A
+        # record taken in a cycle is seen by every engine operation issued in it or after.
+        r2_valid = Signal()
+        r2_q = Signal(range(max(num_qps, 2)))
+        r2_record = Signal(CompletionRecordLayout())
+        r2_fills = Signal()
+        rec = self.completion.payload
+        rq = rec.qpn[:qp_bits]
+        rec_in_range = rec.qpn < num_qps
+        rec_blocked = (full.bit_select(rq, 1)
+                       | (r2_valid & r2_fills & (r2_q == rq)
+                          & ~(reset_valid & (reset_q == r2_q))))
+        m.d.comb += [
+            self.completion.ready.eq(~rec_in_range | ~rec_blocked),
+            tail_read.addr.eq(rq),
+            head_read.addr.eq(rq),
+        ]
+        m.d.sync += [
+            r2_valid.eq(self.completion.valid & rec_in_range & ~rec_blocked),
+            r2_q.eq(rq),
+            r2_record.eq(rec),
+        ]
+
         # --- Engine: one operation per cycle through I (issue: read the QP's state row),
-        # S (state row in, bypassed from X; a completion reads its head record, a new
-        # record is written) and X (execute: write the row back). An operation sees every
-        # operation issued before it and every qp_flush/qp_reset strobe before its issue
-        # cycle; a strobe in its issue cycle or later takes effect after it.
-        s_ev, s_rec, s_cmp = Signal(), Signal(), Signal()
+        # S (state row in, bypassed from X; a completion reads its head record) and X
+        # (execute: write the row back). An operation sees every operation issued before
+        # it, every record taken in or before its issue cycle and every qp_flush/qp_reset
+        # strobe before its issue cycle; a strobe in its issue cycle or later takes effect
+        # after it.
+        s_ev, s_cmp = Signal(), Signal()
         s_q = Signal(range(max(num_qps, 2)))
         s_event = Signal(_RxEventLayout())
-        s_record = Signal(CompletionRecordLayout())
         s_in_reset = Signal()
-        x_ev, x_rec, x_cmp = Signal(), Signal(), Signal()
+        x_ev, x_cmp = Signal(), Signal()
         x_q = Signal(range(max(num_qps, 2)))
         x_event = Signal(_RxEventLayout())
-        x_record = Signal(CompletionRecordLayout())
         x_state = Signal(state_layout)
+        x_tail = Signal(tail_layout)
         x_in_reset = Signal()
         x_flushing = Signal()
         x_killed = Signal()             # a qp_reset of its QP in its issue cycle: no writes
         x_new = Signal(state_layout)
         x_sets_flushing = Signal()
-        x_writes = (x_ev | x_rec | x_cmp) & ~x_killed
+        x_writes = (x_ev | x_cmp) & ~x_killed
+
+        # R2: the tail row as read, else as reset; the head as X leaves it.
+        r_tail = Signal(tail_layout)
+        r_head = Signal(count_bits)
+        r_new = Signal(tail_layout)
+        with m.If(~tail_fresh.bit_select(r2_q, 1)):
+            m.d.comb += r_tail.eq(tail_read.data)
+        with m.If(x_writes & (x_q == r2_q)):
+            m.d.comb += r_head.eq(x_new.head)
+        with m.Elif(~fresh.bit_select(r2_q, 1)):
+            m.d.comb += r_head.eq(head_read.data.head)
+        r_count = (r_tail.tail - r_head)[:count_bits]
+        m.d.comb += [
+            r2_fills.eq(r_count == QUEUE_DEPTH - 1),
+            r_new.eq(r_tail),
+            r_new.tail.eq(r_tail.tail + 1),
+            tail_write.addr.eq(r2_q),
+            tail_write.data.eq(r_new),
+            tail_write.en.eq(r2_valid),
+            rec_write.addr.eq(Cat(r_tail.tail[:slot_bits], r2_q)),
+            rec_write.data.eq(r2_record),
+            rec_write.en.eq(r2_valid),
+        ]
+        with m.If(r2_record.status == CompletionStatus.SENT):
+            m.d.comb += [r_new.sent_psn.eq(r2_record.last_psn), r_new.started.eq(1)]
+            with m.If(~r_tail.started):
+                m.d.comb += r_new.base_psn.eq(r2_record.first_psn - 1)
+        # A record that becomes its QP's head marks the QP (the engine drops the mark if
+        # the head cannot complete yet: an event marks it again).
+        r_marks = r2_valid & (r_count == 0)
 
         # I: events first (their queues are short and the link does not wait), then
-        # completions and records.
+        # completions.
         last_vl = Signal(vl_index(num_vls))
         any_event, event_vl = _round_robin(
             m, Cat(queue.r_rdy for queue in event_queues), last_vl, "vl_rr")
@@ -438,57 +520,54 @@ class CompletionUnit(wiring.Component):
         cur_go = cur_active & ~cur_done & ~(s_cmp & (s_q == cur_q) & (s_count < 2))
         jobs_room = jobs.level + s_cmp + x_cmp < JOB_DEPTH - 1
         cmp_request = jobs_room & (cur_go | any_marked)
-
-        rec = self.completion.payload
-        rq = rec.qpn[:qp_bits]
-        rec_in_range = rec.qpn < num_qps
-        s_fills = Signal()
-        x_fills = Signal()
-        rec_blocked = (full.bit_select(rq, 1) | (s_rec & s_fills & (s_q == rq))
-                       | (x_rec & x_fills & ~x_killed & (x_q == rq)))
-        # Completions and records take turns when both wait.
-        rec_turn = Signal()
-        rec_slot = ~any_event & ~rec_blocked & (rec_turn | ~cmp_request)
-        m.d.comb += self.completion.ready.eq(~rec_in_range | rec_slot)
-        issue_rec = self.completion.valid & rec_in_range & rec_slot
-        issue_cmp = ~any_event & cmp_request & ~issue_rec
-        with m.If(issue_rec | issue_cmp):
-            m.d.sync += rec_turn.eq(issue_cmp)
+        issue_cmp = ~any_event & cmp_request
 
         i_q = Signal(range(max(num_qps, 2)))
         with m.If(any_event):
             m.d.comb += i_q.eq(event.qpn[:qp_bits])
-        with m.Elif(issue_rec):
-            m.d.comb += i_q.eq(rq)
         with m.Else():
             m.d.comb += i_q.eq(Mux(cur_go, cur_q, pick))
-        m.d.comb += state_read.addr.eq(i_q)
+        m.d.comb += [state_read.addr.eq(i_q), engine_tail_read.addr.eq(i_q)]
         m.d.sync += [
-            s_ev.eq(any_event), s_cmp.eq(issue_cmp), s_rec.eq(issue_rec),
-            s_q.eq(i_q), s_event.eq(event), s_record.eq(rec),
+            s_ev.eq(any_event), s_cmp.eq(issue_cmp),
+            s_q.eq(i_q), s_event.eq(event),
             s_in_reset.eq(in_reset.bit_select(i_q, 1)),
         ]
 
-        # S: the row as X leaves it, else as reset, else as read.
+        # S: the row as X leaves it, else as reset, else as read; the tail row as R2
+        # leaves it, else as reset, else as read; PSNs from the first SENT record until
+        # the row holds them.
+        s_row = Signal(state_layout)
+        s_tail = Signal(tail_layout)
         s_state = Signal(state_layout)
-        x_same = (x_ev | x_rec | x_cmp) & (x_q == s_q)
+        x_same = (x_ev | x_cmp) & (x_q == s_q)
         with m.If(x_same):
             with m.If(~x_killed):
-                m.d.comb += s_state.eq(x_new)
+                m.d.comb += s_row.eq(x_new)
         with m.Elif(~fresh.bit_select(s_q, 1)):
-            m.d.comb += s_state.eq(state_read.data)
+            m.d.comb += s_row.eq(state_read.data)
+        with m.If(r2_valid & (r2_q == s_q)):
+            m.d.comb += s_tail.eq(r_new)
+        with m.Elif(~tail_fresh.bit_select(s_q, 1)):
+            m.d.comb += s_tail.eq(engine_tail_read.data)
         m.d.comb += [
-            rec_write.addr.eq(Cat(s_state.tail[:slot_bits], s_q)),
-            rec_write.data.eq(s_record),
-            rec_write.en.eq(s_rec),
+            s_state.eq(s_row),
+            s_state.primed.eq(s_row.primed | s_tail.started),
+        ]
+        with m.If(~s_row.primed):
+            m.d.comb += [
+                s_state.ack_psn.eq(s_tail.base_psn),
+                s_state.read_psn.eq(s_tail.base_psn),
+                s_state.atomic_psn.eq(s_tail.base_psn),
+            ]
+        m.d.comb += [
             rec_read.addr.eq(Cat(s_state.head[:slot_bits], s_q)),
-            s_count.eq(s_state.tail - s_state.head),
-            s_fills.eq(s_count == QUEUE_DEPTH - 1),
+            s_count.eq(s_tail.tail - s_state.head),
         ]
         m.d.sync += [
-            x_ev.eq(s_ev), x_rec.eq(s_rec), x_cmp.eq(s_cmp),
-            x_q.eq(s_q), x_event.eq(s_event), x_record.eq(s_record),
-            x_state.eq(s_state),
+            x_ev.eq(s_ev), x_cmp.eq(s_cmp),
+            x_q.eq(s_q), x_event.eq(s_event),
+            x_state.eq(s_state), x_tail.eq(s_tail),
             x_flushing.eq(flushing.bit_select(s_q, 1)
                           | (x_same & ~x_killed & x_sets_flushing)),
             # ``reset_valid`` is now a reset in its issue cycle. One in its S cycle reaches
@@ -511,8 +590,8 @@ class CompletionUnit(wiring.Component):
         p = x_event.psn
         accept = Signal()
         m.d.comb += accept.eq(
-            x_ev & ~x_in_reset & st.started & ~st.nak_pending & ~x_flushing
-            & _psn_lt(st.ack_psn, p) & _psn_le(p, st.sent_psn))
+            x_ev & ~x_in_reset & x_tail.started & ~st.nak_pending & ~x_flushing
+            & _psn_lt(st.ack_psn, p) & _psn_le(p, x_tail.sent_psn))
         ev_kind = x_event.syndrome[5:8]
         ev_code = x_event.syndrome[0:5]
         ev_ack = Signal()
@@ -553,29 +632,14 @@ class CompletionUnit(wiring.Component):
                     with m.Case(nak_code):
                         m.d.comb += x_new.nak_syndrome.eq(nak_syn)
 
-        # X, new record. It marks its QP only when it becomes a head that can complete:
-        # a head that cannot waits for an event, which marks the QP.
-        new_can = _head_outcome(m, x_record, x_new, x_flushing, "new")[0]
-        m.d.comb += x_fills.eq((st.tail + 1 - st.head)[:count_bits] == QUEUE_DEPTH)
-        with m.If(x_rec):
-            m.d.comb += [x_new.tail.eq(st.tail + 1), x_marks.eq((st.head == st.tail) & new_can)]
-            with m.If(x_record.status == CompletionStatus.SENT):
-                m.d.comb += [x_new.sent_psn.eq(x_record.last_psn), x_new.started.eq(1)]
-                with m.If(~st.started):
-                    m.d.comb += [
-                        x_new.ack_psn.eq(x_record.first_psn - 1),
-                        x_new.read_psn.eq(x_record.first_psn - 1),
-                        x_new.atomic_psn.eq(x_record.first_psn - 1),
-                    ]
-
         # X, completion: the head record, read in S.
         head_rec = rec_read.data
         last_psn = head_rec.last_psn
         opcode = head_rec.opcode
         can, error, syndrome, nak_error = _head_outcome(m, head_rec, st, x_flushing, "head")
         m.d.comb += [
-            complete.eq(x_cmp & (st.head != st.tail) & can),
-            drained.eq((st.head + 1)[:count_bits] == st.tail),
+            complete.eq(x_cmp & (st.head != x_tail.tail) & can),
+            drained.eq((st.head + 1)[:count_bits] == x_tail.tail),
         ]
 
         job = _JobLayout()(jobs.w_data)
@@ -615,14 +679,17 @@ class CompletionUnit(wiring.Component):
         x_mask = onehot(x_q, x_writes)
         # The host moved the QP to ERR: nothing it waits for will be retransmitted.
         flush_mask = onehot(flush_q, flush_valid)
+        r2_mask = onehot(r2_q, r2_valid)
         m.d.sync += [
             marked.eq(((marked & ~onehot(pick, issue_cmp & ~cur_go))
-                       | Mux(x_marks, x_mask, 0)
+                       | Mux(x_marks, x_mask, 0) | Mux(r_marks, r2_mask, 0)
                        | flush_mask) & ~reset_mask),
             flushing.eq((flushing | Mux(x_sets_flushing, x_mask, 0) | flush_mask) & ~reset_mask),
-            full.eq(((full & ~Mux(complete, x_mask, 0)) | Mux(x_rec & x_fills, x_mask, 0))
+            # R2's count already has X's completion of this cycle.
+            full.eq(((full & ~Mux(complete, x_mask, 0)) | Mux(r2_fills, r2_mask, 0))
                     & ~reset_mask),
             fresh.eq((fresh & ~x_mask) | reset_mask),
+            tail_fresh.eq((tail_fresh & ~r2_mask) | reset_mask),
         ]
 
         # --- CQE writer: P (CQ context read) -> O (AXI AW/W) ---
