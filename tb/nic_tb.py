@@ -31,6 +31,7 @@ from models import mlx5
 from models.nic import (CompletionStatus, CqContext, Mkey, QpContext, RequesterModel,
                         ResponderModel)
 from models.packet import parse_packet
+from models.pcap import LinkCapture
 from tb import runner
 from tb.beats import CycleLoop, PacketSink, PacketSource, WireMonitor, backpressure_random
 from tb.gpu_model import GpuModel, GpuQp
@@ -61,7 +62,7 @@ def remote_qpn(qpn):
 
 class NicTB:
     def __init__(self, dut, *, seed=1, memory_latency=200, backpressure=0.0, ack_every=1,
-                 coalesce_acks=False):
+                 coalesce_acks=False, capture_path=None):
         self.dut = dut
         self.params = params = runner.tb_params()
         self.num_qps = params.get("num_qps", 64)
@@ -89,7 +90,10 @@ class NicTB:
                 backpressure=backpressure_random(random.Random(self.rng.random()), backpressure)
                 if backpressure else None))
             getattr(dut, f"remote_vl_weight__{v}").value = 16
-        self.wire = self.loop.add(WireMonitor(dut, "nic_wire_monitor", 64))
+        # ``capture_path``: the NIC's wire as pcapng (models/pcap.py), closed by check_clean.
+        self.capture = LinkCapture(capture_path).__enter__() if capture_path else None
+        self.wire = self.loop.add(WireMonitor(dut, "nic_wire_monitor", 64, capture=self.capture,
+                                              clock_ns=CLOCK_NS))
         self.bus = self.loop.add(BusMonitor(dut))
         self.loop.add(_Responder(self))
 
@@ -357,6 +361,9 @@ class NicTB:
             assert not self.sinks[v].errors, self.sinks[v].errors[:5]
             assert int(self.dut.remote_overflow.value) == 0
         assert int(self.dut.remote_link_inits.value) == 0, "the link re-initialised"
+        if self.capture:
+            self.capture.__exit__(None, None, None)
+            self.capture = None
 
 
 class BusMonitor:
