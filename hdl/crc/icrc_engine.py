@@ -95,7 +95,7 @@ class IcrcEngine(wiring.Component):
                         with m.Default() if kind is None else m.Case(kind):
                             m.d.comb += mask.eq(packet_mask >> index * beat_bits)
 
-        m.submodules.crc = beat_crc = BeatCRC(ICRC, width, granule=4 if self._mode == "generate" else 1)
+        m.submodules.beat_crc = beat_crc = BeatCRC(ICRC, width, granule=4 if self._mode == "generate" else 1)
         m.d.comb += [
             beat_crc.start.eq(self.start),
             beat_crc.valid.eq(self.valid),
