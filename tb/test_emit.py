@@ -52,10 +52,13 @@ def test_constant_port_is_a_clear_error(tmp_path, monkeypatch):
      .LinkPort(width=16, num_vls=1)),
     ("one_vl_fifo_switch", lambda: __import__("hdl.switch.switch", fromlist=["*"])
      .Switch(ports=2, num_vls=1, width=16, mode="fifo")),
+    ("small_one_vl_nic", lambda: __import__("hdl.nic.nic", fromlist=["*"])
+     .Nic(num_qps=4, num_cqs=2, num_mkeys=4, num_vls=1)),
 ])
 def test_one_vl_designs_lint_clean(tmp_path, name, make):
     """A single data VL (or a single queue) must not leave zero-width VL signals behind:
-    Verilog has no such thing and they come out as ``[-1:0]`` (Verilator: ASCRANGE)."""
+    Verilog has no such thing and they come out as ``[-1:0]`` (Verilator: ASCRANGE). The
+    NIC at its smallest also checks that its blocks lint clean together."""
     from amaranth.back import verilog
     from hdl.lint import lint_file
     from tb.runner import setup_verilator_env
