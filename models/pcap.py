@@ -122,3 +122,26 @@ def tshark_decode(path, fields) -> list[dict]:
         values = line.split("\t")
         frames.append({field: _field_value(value) for field, value in zip(fields, values)})
     return frames
+
+
+DATA_FIELDS = ("infiniband.lrh.dlid", "infiniband.bth.opcode", "infiniband.bth.destqp",
+               "infiniband.bth.psn")
+
+
+def tshark_data_mismatches(path, packets) -> list[str]:
+    """Decode the data frames (interface 0) of the capture at ``path`` with tshark and
+    compare them with ``packets`` (LRH .. ICRC, in capture order): DLID, opcode, DestQP and
+    PSN must be what :func:`models.packet.parse_packet` reads. Returns the differences."""
+    from models.packet import parse_packet
+    frames = [f for f in tshark_decode(path, ["frame.interface_id", *DATA_FIELDS])
+              if f["frame.interface_id"] == 0]
+    if len(frames) != len(packets):
+        return [f"{len(frames)} data frames decoded, {len(packets)} packets sent"]
+    problems = []
+    for n, (frame, packet) in enumerate(zip(frames, packets)):
+        parsed = parse_packet(packet)
+        sent = (parsed.lrh.dlid, parsed.bth.opcode, parsed.bth.destqp, parsed.bth.psn)
+        decoded = tuple(frame[field] for field in DATA_FIELDS)
+        if decoded != sent:
+            problems.append(f"frame {n}: tshark read {decoded}, sent {sent}")
+    return problems

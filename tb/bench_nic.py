@@ -40,27 +40,17 @@ async def doorbell_to_wire(dut):
     await tb.reset()
     await tb.setup(qps=4, mtu=5)
     rng = random.Random(5)
-    nic, memory, total = [], [], []
-    for trial in range(16):
-        q = trial % 4
-        fields = dict(opcode=Op.RDMA_WRITE, inline=rng.randbytes(8), raddr=rng.randrange(0, MEMORY_BYTES - 64),
-                      rkey=1, fm_ce_se=mlx5.CTRL_CQ_UPDATE)
-        marks = len(tb.wire.data_packets), len(tb.bus.doorbells), len(tb.bus.ar[0]), len(tb.bus.r[0])
-        await tb.gpu.post(q, 1, tb.builder(q, **fields), last=True)
-        await tb.drain()
-        t_db, t_ar = tb.bus.doorbells[marks[1]], tb.bus.ar[0][marks[2]]
-        t_r, t_wire = tb.bus.r[0][marks[3]], tb.wire.data_packets[marks[0]][2]
-        memory.append(t_r - t_ar)
-        nic.append((t_ar - t_db) + (t_wire - t_r))
-        total.append(t_wire - t_db)
+    trials = [await tb.timed_inline_write(trial % 4, rng) for trial in range(16)]
     await tb.check_clean()
-    record("nic.doorbell_to_wire_cycles", statistics.median(nic), "cycles",
+    nic = [t["nic"] for t in trials]
+
+    def median(key):
+        return statistics.median(t[key] for t in trials)
+    record("nic.doorbell_to_wire_cycles", median("nic"), "cycles",
            config(tb, operation="RDMA_WRITE inline 8 B", trials=len(nic), min=min(nic),
-                  max=max(nic), doorbell_to_ar=statistics.median(
-                      [tb.bus.ar[0][i] - tb.bus.doorbells[i] for i in range(len(nic))]),
-                  memory_wait_cycles=statistics.median(memory),
-                  total_cycles=statistics.median(total),
-                  total_ns=statistics.median(total) * CLOCK_NS))
+                  max=max(nic), doorbell_to_ar=median("to_ar"),
+                  memory_wait_cycles=median("memory"), total_cycles=median("total"),
+                  total_ns=median("total") * CLOCK_NS))
 
 
 async def message_rate(dut, coalesce_acks):

@@ -264,6 +264,24 @@ class NicTB:
         return mlx5.build_wqe(wqe["opcode"], 0, 0,
                               **{k: v for k, v in wqe.items() if k != "opcode"}).blocks
 
+    async def timed_inline_write(self, qpn, rng):
+        """Post one 8-byte inline RDMA WRITE on an idle QP ``qpn`` and wait for its
+        completion. Returns cycle counts: ``total`` (doorbell accepted -> first beat at the
+        NIC's wire pins), ``to_ar`` (doorbell -> the WQE fetch's AR), ``memory`` (that AR ->
+        its first R beat) and ``nic`` (total without the memory wait)."""
+        fields = dict(opcode=mlx5.Opcode.RDMA_WRITE, inline=rng.randbytes(8),
+                      raddr=rng.randrange(0, MEMORY_BYTES - 64), rkey=1,
+                      fm_ce_se=mlx5.CTRL_CQ_UPDATE)
+        marks = (len(self.wire.data_packets), len(self.bus.doorbells), len(self.bus.ar[0]),
+                 len(self.bus.r[0]))
+        await self.gpu.post(qpn, 1, self.builder(qpn, **fields), last=True)
+        await self.drain()
+        t_db, t_ar = self.bus.doorbells[marks[1]], self.bus.ar[0][marks[2]]
+        t_r, t_wire = self.bus.r[0][marks[3]], self.wire.data_packets[marks[0]][2]
+        assert t_db < t_ar < t_r < t_wire, (t_db, t_ar, t_r, t_wire)
+        return {"total": t_wire - t_db, "to_ar": t_ar - t_db, "memory": t_r - t_ar,
+                "nic": (t_ar - t_db) + (t_wire - t_r)}
+
     # --- observation ------------------------------------------------------------------
 
     def _hook_memory_writes(self):
