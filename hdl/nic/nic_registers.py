@@ -3,6 +3,7 @@ from amaranth.lib import stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
+from hdl.axi_lite import AxiLiteHandshake
 from hdl.nic.register_map import (ADDRESS_BITS, COUNTER_BASE, COUNTER_SPACE, LINK_FIELDS,
                                   MAX_ENTRIES, OKAY, OWN_COUNTERS, SLVERR, UAR_BASE, UAR_SIZE,
                                   register_map)
@@ -263,43 +264,27 @@ class NicRegisters(wiring.Component):
                     m.d.comb += error.eq(1)
 
         # --- AXI4-Lite slave, one transaction at a time ----------------------------------
-        prefer_read = Signal()      # the last transaction was a write
-        bresp = Signal(2)
-        rresp = Signal(2)
-        rdata = Signal(64)
-        m.d.comb += [axi.bresp.eq(bresp), axi.rresp.eq(rresp), axi.rdata.eq(rdata)]
-        aw_got = Signal()
-        w_got = Signal()
+        bus = AxiLiteHandshake(m, axi)
+        bresp, rresp, rdata = bus.bresp, bus.rresp, bus.rdata
         m.d.sync += self.doorbell.valid.eq(0)
 
         with m.FSM(name="axi"):
             with m.State("IDLE"):
-                take_read = Signal()
-                aw_now = Signal()
-                w_now = Signal()
-                m.d.comb += [
-                    take_read.eq(axi.arvalid & ~aw_got & ~w_got
-                                 & (prefer_read | ~(axi.awvalid | axi.wvalid))),
-                    axi.arready.eq(take_read),
-                    axi.awready.eq(~take_read & ~aw_got),
-                    axi.wready.eq(~take_read & ~w_got),
-                    aw_now.eq(axi.awvalid & ~take_read & ~aw_got),
-                    w_now.eq(axi.wvalid & ~take_read & ~w_got),
-                ]
+                take_read, aw_now, w_now, write_in = bus.accept(m)
                 with m.If(take_read):
                     m.d.sync += [addr.eq(axi.araddr), is_write.eq(0)]
                     m.next = "FETCH"
                 with m.If(aw_now):
-                    m.d.sync += [addr.eq(axi.awaddr), aw_got.eq(1)]
+                    m.d.sync += addr.eq(axi.awaddr)
                 with m.If(w_now):
-                    m.d.sync += [w_data.eq(axi.wdata), w_strb.eq(axi.wstrb), w_got.eq(1)]
-                with m.If((aw_got | aw_now) & (w_got | w_now)):
+                    m.d.sync += [w_data.eq(axi.wdata), w_strb.eq(axi.wstrb)]
+                with m.If(write_in):
                     m.d.sync += is_write.eq(1)
                     m.next = "FETCH"
 
             with m.State("FETCH"):
                 # The context RAMs' host port reads the addressed entry.
-                m.d.sync += [aw_got.eq(0), w_got.eq(0)]
+                bus.release(m)
                 m.next = "EXEC"
 
             with m.State("EXEC"):
@@ -388,15 +373,5 @@ class NicRegisters(wiring.Component):
                                  rresp.eq(Mux(error, SLVERR, OKAY))]
                     m.next = "READ_RESP"
 
-            with m.State("WRITE_RESP"):
-                m.d.comb += axi.bvalid.eq(1)
-                with m.If(axi.bready):
-                    m.d.sync += prefer_read.eq(1)
-                    m.next = "IDLE"
-
-            with m.State("READ_RESP"):
-                m.d.comb += axi.rvalid.eq(1)
-                with m.If(axi.rready):
-                    m.d.sync += prefer_read.eq(0)
-                    m.next = "IDLE"
+            bus.response_states(m)
         return m

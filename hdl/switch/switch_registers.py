@@ -3,6 +3,7 @@ from amaranth.lib import wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
+from hdl.axi_lite import AxiLiteHandshake
 from hdl.switch.forwarding_table import LID_BITS, entry_layout
 from hdl.switch.register_map import (COUNTER_NAMES, FT_FIELDS, OKAY, SLVERR, address_bits,
                                      register_map)
@@ -157,43 +158,28 @@ class SwitchRegisters(wiring.Component):
         # --- AXI4-Lite slave, one transaction at a time ----------------------------------
         word_bits = self.addr_width - 2
         aw_word = Signal(word_bits)
-        aw_got = Signal()
         w_data = Signal(32)
         w_strb = Signal(4)
-        w_got = Signal()
         ar_word = Signal(word_bits)
-        prefer_read = Signal()      # the last transaction was a write
-        bresp = Signal(2)
-        rresp = Signal(2)
-        rdata = Signal(32)
-        m.d.comb += [axi.bresp.eq(bresp), axi.rresp.eq(rresp), axi.rdata.eq(rdata)]
+        bus = AxiLiteHandshake(m, axi)
+        bresp, rresp, rdata = bus.bresp, bus.rresp, bus.rdata
 
         with m.FSM(name="axi"):
             with m.State("IDLE"):
-                take_read = Signal()
-                aw_now = Signal()
-                w_now = Signal()
-                m.d.comb += [
-                    take_read.eq(axi.arvalid & ~aw_got & ~w_got
-                                 & (prefer_read | ~(axi.awvalid | axi.wvalid))),
-                    axi.arready.eq(take_read),
-                    axi.awready.eq(~take_read & ~aw_got),
-                    axi.wready.eq(~take_read & ~w_got),
-                    aw_now.eq(axi.awvalid & ~take_read & ~aw_got),
-                    w_now.eq(axi.wvalid & ~take_read & ~w_got),
-                ]
+                take_read, aw_now, w_now, write_in = bus.accept(m)
                 with m.If(take_read):
                     m.d.sync += ar_word.eq(axi.araddr[2:])
                     m.next = "READ"
                 with m.If(aw_now):
-                    m.d.sync += [aw_word.eq(axi.awaddr[2:]), aw_got.eq(1)]
+                    m.d.sync += aw_word.eq(axi.awaddr[2:])
                 with m.If(w_now):
-                    m.d.sync += [w_data.eq(axi.wdata), w_strb.eq(axi.wstrb), w_got.eq(1)]
-                with m.If((aw_got | aw_now) & (w_got | w_now)):
+                    m.d.sync += [w_data.eq(axi.wdata), w_strb.eq(axi.wstrb)]
+                with m.If(write_in):
                     m.next = "WRITE"
 
             with m.State("WRITE"):
-                m.d.sync += [aw_got.eq(0), w_got.eq(0), bresp.eq(OKAY)]
+                bus.release(m)
+                m.d.sync += bresp.eq(OKAY)
                 with m.Switch(aw_word):
                     for reg in self.registers:
                         with m.Case(reg.offset >> 2):
@@ -229,12 +215,6 @@ class SwitchRegisters(wiring.Component):
                         m.d.sync += bresp.eq(SLVERR)
                 m.next = "WRITE_RESP"
 
-            with m.State("WRITE_RESP"):
-                m.d.comb += axi.bvalid.eq(1)
-                with m.If(axi.bready):
-                    m.d.sync += prefer_read.eq(1)
-                    m.next = "IDLE"
-
             with m.State("READ"):
                 m.d.sync += [rdata.eq(0), rresp.eq(SLVERR)]
                 with m.Switch(ar_word):
@@ -243,9 +223,5 @@ class SwitchRegisters(wiring.Component):
                             m.d.sync += [rdata.eq(read_value(reg)), rresp.eq(OKAY)]
                 m.next = "READ_RESP"
 
-            with m.State("READ_RESP"):
-                m.d.comb += axi.rvalid.eq(1)
-                with m.If(axi.rready):
-                    m.d.sync += prefer_read.eq(0)
-                    m.next = "IDLE"
+            bus.response_states(m)
         return m
