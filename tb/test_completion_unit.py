@@ -810,6 +810,19 @@ def make_rec(q, op, first, npsn=1, *, cqn=0, status=SENT, signaled=1, index=0, b
                status=status, syndrome=syndrome)
 
 
+async def offer(ctx, bench, *recs):
+    """Offer ``recs`` in order and wait until the last one was taken."""
+    bench.to_offer.extend(recs)
+    while bench.offer is not None or bench.to_offer:
+        await bench.cycle(ctx)
+
+
+def send(bench, q, opcode, psn, syndrome=0, *, taken=True):
+    """Queue a response on VL 0; the reference must agree that it is ``taken``."""
+    assert bench.ref.packet(q, opcode, psn % M24, syndrome) == taken, (q, opcode, psn)
+    bench.queue_packet(0, q, response(opcode, q, psn % M24, syndrome, b"", bench.rng))
+
+
 def test_directed():
     """One small unit (1 VL, 4 QPs): full queue backpressure (QP 0); an ACK naming an
     atomic's own PSN does not complete it but a later ACK does, an ACK beyond a READ leaves
@@ -830,15 +843,6 @@ def test_directed():
     async def cycles(ctx, bench, n):
         for _ in range(n):
             await bench.cycle(ctx)
-
-    async def offer(ctx, bench, *recs):
-        bench.to_offer.extend(recs)
-        while bench.offer is not None or bench.to_offer:
-            await bench.cycle(ctx)
-
-    def send(bench, q, opcode, psn, syndrome=0, *, taken=True):
-        assert bench.ref.packet(q, opcode, psn % M24, syndrome) == taken, (q, opcode, psn)
-        bench.queue_packet(0, q, response(opcode, q, psn % M24, syndrome, b"", rng))
 
     async def body(ctx, bench):
         ref = bench.ref
@@ -945,15 +949,6 @@ def test_engine_hazards():
     def factory():
         return Bench(dut, rng, qp_states=qp_states, cqs=cqs, p_rec=1.0, p_beat=1.0,
                      p_aw=1.0, p_w=1.0)
-
-    async def offer(ctx, bench, *recs):
-        bench.to_offer.extend(recs)
-        while bench.offer is not None or bench.to_offer:
-            await bench.cycle(ctx)
-
-    def send(bench, q, opcode, psn, syndrome=0, *, taken=True):
-        assert bench.ref.packet(q, opcode, psn % M24, syndrome) == taken, (q, opcode, psn)
-        bench.queue_packet(0, q, response(opcode, q, psn % M24, syndrome, b"", rng))
 
     async def body(ctx, bench):
         ref = bench.ref
