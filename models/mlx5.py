@@ -5,7 +5,9 @@ thread stores to the UAR), the send queue's doorbell record, WQE segments and CQ
 Layouts are rdma-core's ``infiniband/mlx5dv.h`` structs (``mlx5_wqe_ctrl_seg``,
 ``mlx5_wqe_raddr_seg``, ``mlx5_wqe_data_seg``, ``mlx5_wqe_inl_data_seg``,
 ``mlx5_wqe_atomic_seg``, ``mlx5_cqe64``, ``mlx5_err_cqe``); every multi-byte field is
-big-endian. docs/nic-formats.md has the byte tables side by side with NVSHMEM's writers
+big-endian. The responder's receive queue uses ``mlx5_wqe_data_seg`` as its WQE and a
+doorbell record like the send queue's (``dbrec[MLX5_RCV_DBR]``). docs/nic-formats.md has
+the byte tables side by side with NVSHMEM's writers
 (``ibgda_write_rdma_write_wqe``, ``ibgda_ring_db``, ``ibgda_update_dbr``, ...).
 
 :func:`parse_wqe` is the reference of the NIC's WQE parser: the segment rules of
@@ -305,8 +307,16 @@ def doorbell_record(pi: int) -> bytes:
 class Cqe:
     """The fields of a 64-byte CQE the NIC writes (everything else is zero).
 
+    Layout: rdma-core ``mlx5dv.h`` ``struct mlx5_cqe64`` (``imm_inval_pkey`` @36,
+    ``byte_cnt`` @44, ``sop_drop_qpn`` @56, ``wqe_counter`` @60, ``signature`` @62,
+    ``op_own`` @63) and, for the error opcodes, ``struct mlx5_err_cqe``
+    (``vendor_err_synd`` @54, ``syndrome`` @55, ``s_wqe_opcode_qpn`` @56).
+
     ``opcode`` is the CQE opcode (op_own >> 4); ``wqe_opcode`` the mlx5 opcode of the WQE
-    (bits 31..24 of sop_drop_qpn / s_wqe_opcode_qpn)."""
+    (bits 31..24 of sop_drop_qpn / s_wqe_opcode_qpn; 0 in receive completions). ``imm``:
+    ``imm_inval_pkey``, the immediate as the 32-bit big-endian number it is on the wire
+    (rdma-core hands the raw field to ``wc.imm_data``, which is ``__be32``); an error CQE
+    has no such field (its bytes 36..51 are reserved) and it packs as zero."""
     opcode: int
     qpn: int
     wqe_counter: int
@@ -316,6 +326,7 @@ class Cqe:
     vendor_err_synd: int = 0
     signature: int = 0
     owner: int = 0
+    imm: int = 0
 
     @property
     def is_error(self) -> bool:
@@ -326,6 +337,8 @@ class Cqe:
         if self.is_error:
             cqe[54] = self.vendor_err_synd & 0xFF
             cqe[55] = self.syndrome & 0xFF
+        else:
+            cqe[36:40] = _be(self.imm, 4)
         cqe[44:48] = _be(self.byte_cnt, 4)
         cqe[56:60] = _be((self.wqe_opcode & 0xFF) << 24 | (self.qpn & 0xFFFFFF), 4)
         cqe[60:62] = _be(self.wqe_counter, 2)
@@ -347,7 +360,7 @@ def parse_cqe(data: bytes) -> Cqe:
     return Cqe(opcode=opcode, qpn=word & 0xFFFFFF, wqe_counter=_field(data, 60, 2),
                wqe_opcode=word >> 24, byte_cnt=_field(data, 44, 4),
                syndrome=data[55] if error else 0, vendor_err_synd=data[54] if error else 0,
-               signature=data[62], owner=op_own & 1)
+               signature=data[62], owner=op_own & 1, imm=0 if error else _field(data, 36, 4))
 
 
 def requester_cqe(qpn: int, wqe_counter: int, wqe_opcode: int, byte_cnt: int,
@@ -373,6 +386,66 @@ def build_error_cqe(qpn: int, wqe_counter: int, wqe_opcode: int, syndrome: int,
     """The 64 bytes of a requester error CQE (opcode REQ_ERR); a flush is syndrome
     WR_FLUSH_ERR."""
     return error_cqe(qpn, wqe_counter, wqe_opcode, syndrome, owner).pack()
+
+
+def responder_cqe(qpn: int, wqe_counter: int, opcode: int, byte_cnt: int = 0, imm: int = 0,
+                  owner: int = 0) -> Cqe:
+    """A receive completion (``struct mlx5_cqe64``): ``opcode`` RESP_WR_IMM, RESP_SEND or
+    RESP_SEND_IMM; ``sop_drop_qpn`` = the QPN (bits 31..24 zero); ``wqe_counter`` = the
+    receive WQE's counter; ``byte_cnt`` = the message length; ``imm_inval_pkey`` = the
+    immediate (RESP_WR_IMM / RESP_SEND_IMM; 0 for RESP_SEND)."""
+    opcode = CqeOpcode(opcode)
+    if opcode not in (CqeOpcode.RESP_WR_IMM, CqeOpcode.RESP_SEND, CqeOpcode.RESP_SEND_IMM):
+        raise ValueError(f"{opcode.name} is not a successful receive completion opcode")
+    return Cqe(opcode=opcode, qpn=qpn, wqe_counter=wqe_counter & 0xFFFF, wqe_opcode=0,
+               byte_cnt=byte_cnt, owner=owner,
+               imm=0 if opcode == CqeOpcode.RESP_SEND else imm)
+
+
+def responder_error_cqe(qpn: int, wqe_counter: int, syndrome: int, owner: int = 0) -> Cqe:
+    """A receive error completion (``struct mlx5_err_cqe``, opcode RESP_ERR): the failed
+    receive WQE's counter and ``syndrome``; ``s_wqe_opcode_qpn`` = the QPN."""
+    return Cqe(opcode=CqeOpcode.RESP_ERR, qpn=qpn, wqe_counter=wqe_counter & 0xFFFF,
+               wqe_opcode=0, syndrome=int(syndrome), owner=owner)
+
+
+def build_responder_cqe(qpn: int, wqe_counter: int, opcode: int, byte_cnt: int = 0,
+                        imm: int = 0, syndrome: int = 0, owner: int = 0) -> bytes:
+    """The 64 bytes of a receive completion; ``opcode`` RESP_ERR gives the error form
+    with ``syndrome`` (``byte_cnt`` and ``imm`` are then not part of the CQE)."""
+    if CqeOpcode(opcode) == CqeOpcode.RESP_ERR:
+        return responder_error_cqe(qpn, wqe_counter, syndrome, owner).pack()
+    return responder_cqe(qpn, wqe_counter, opcode, byte_cnt, imm, owner).pack()
+
+
+# --- receive queue --------------------------------------------------------------------
+
+RECV_WQE_BYTES = 16          # one mlx5_wqe_data_seg per receive WQE (docs/nic-responder.md)
+
+
+def recv_wqe(byte_count: int, lkey: int, addr: int) -> bytes:
+    """A receive WQE of one scatter entry: ``struct mlx5_wqe_data_seg`` (16 B: be32
+    byte_count, be32 lkey, be64 addr), as libmlx5's ``mlx5_post_recv`` writes it."""
+    return data_segment(byte_count, lkey, addr)
+
+
+def parse_recv_wqe(data: bytes) -> tuple[int, int, int]:
+    """(byte_count, lkey, addr) of a 16-byte receive WQE."""
+    data = bytes(data)
+    if len(data) < RECV_WQE_BYTES:
+        raise ValueError(f"a receive WQE is {RECV_WQE_BYTES} bytes, got {len(data)}")
+    return _field(data, 0, 4), _field(data, 4, 4), _field(data, 8, 8)
+
+
+def rq_doorbell_record(head: int) -> bytes:
+    """The receive doorbell record as rdma-core writes ``dbrec[MLX5_RCV_DBR]``:
+    ``htobe32(head & 0xffff)``, the number of receive WQEs posted (producer index)."""
+    return _be(head & 0xFFFF, 4)
+
+
+def parse_rq_doorbell_record(data: bytes) -> int:
+    """The producer index the NIC takes from a receive doorbell record (low 16 bits)."""
+    return _field(bytes(data), 0, 4) & 0xFFFF
 
 
 def make_key(index: int, variant: int) -> int:

@@ -72,6 +72,14 @@ class QpContext:
     pkey: int = 0xFFFF
     sq_psn: int = 0
     cqn: int = 0
+    # responder side (docs/nic-responder.md)
+    access: Access = Access(0)
+    rq_psn: int = 0
+    min_rnr_timer: int = 0
+    rq_base: int = 0
+    log_rq_size: int = 0
+    rq_dbr: int = 0
+    rcqn: int = 0
     qpn: int = 0
 
     @property
