@@ -27,22 +27,23 @@ def run(dut, testbench, *processes):
     sim.run()
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_arbiter_random(seed):
+@pytest.mark.parametrize("seed,readers", [(1, 2), (2, 2), (3, 5), (4, 8)])
+def test_arbiter_random(seed, readers):
     rng = random.Random(seed)
-    dut = AxiReadArbiter(readers=2, addr_width=32, data_bytes=64)
+    dut = AxiReadArbiter(readers=readers, addr_width=32, data_bytes=64)
     bursts = {i: [(rng.randrange(1 << 26) * 64, rng.randrange(4)) for _ in range(60)]
-              for i in range(2)}
+              for i in range(readers)}
     issued = []                 # (id, addr, len) in AR order
-    received = {0: [], 1: []}
+    received = {i: [] for i in range(readers)}
     r_queue = []                # (rid, data, last) the slave will return
+    bad_rid = readers if readers < 8 else None
 
     async def testbench(ctx):
-        pending = {i: list(bursts[i]) for i in range(2)}
-        streak = {0: 0, 1: 0}
+        pending = {i: list(bursts[i]) for i in range(readers)}
+        streak = dict.fromkeys(range(readers), 0)
         bad_sent = 0
-        for cycle in range(3000):
-            for i in range(2):
+        for cycle in range(3000 * readers // 2):
+            for i in range(readers):
                 request = dut.requests[i]
                 if pending[i]:
                     addr, length = pending[i][0]
@@ -61,43 +62,49 @@ def test_arbiter_random(seed):
                 ctx.set(dut.axi.rlast, last)
             else:
                 ctx.set(dut.axi.rvalid, 0)
-            for i in range(2):
+            for i in range(readers):
                 ctx.set(dut.responses[i].ready, rng.random() < 0.8)
             await ctx.delay(1e-8)
-            took = [ctx.get(dut.requests[i].ready) and bool(pending[i]) for i in range(2)]
-            assert not (took[0] and took[1])
-            for i in range(2):
+            took = [ctx.get(dut.requests[i].ready) and bool(pending[i]) for i in range(readers)]
+            assert sum(took) <= 1
+            for i in range(readers):
                 if took[i]:
                     pending[i].pop(0)
                     streak[i] = 0
-                elif pending[i] and took[1 - i]:
+                elif pending[i] and any(took):
                     streak[i] += 1
-                    assert streak[i] <= 1, "round robin: a waiting reader lost twice"
+                    assert streak[i] < readers, "round robin: a waiting reader was passed over"
             if ctx.get(dut.axi.arvalid) and ar_ready:
                 burst = (ctx.get(dut.axi.arid), ctx.get(dut.axi.araddr), ctx.get(dut.axi.arlen))
                 assert ctx.get(dut.axi.arsize) == 6 and ctx.get(dut.axi.arburst) == 1
                 issued.append(burst)
                 for beat in range(burst[2] + 1):
                     r_queue.append((burst[0], rng.getrandbits(512), beat == burst[2]))
-                if rng.random() < 0.05:
-                    r_queue.append((3, 0, 1))
+                if bad_rid is not None and rng.random() < 0.05:
+                    r_queue.append((bad_rid, 0, 1))
                     bad_sent += 1
             if ctx.get(dut.axi.rvalid) and ctx.get(dut.axi.rready):
                 rid, data, last = r_queue.pop(0)
-                if rid < 2:
+                if rid < readers:
                     assert ctx.get(dut.responses[rid].valid)
                     assert ctx.get(dut.responses[rid].payload.data) == data
                     received[rid].append((data, last))
-                assert not any(ctx.get(dut.responses[i].valid) for i in range(2) if i != rid)
+                assert not any(ctx.get(dut.responses[i].valid) for i in range(readers) if i != rid)
             await ctx.tick()
-        assert not pending[0] and not pending[1] and not r_queue
+        assert not any(pending.values()) and not r_queue
         assert ctx.get(dut.bad_rid_beats) == bad_sent
 
     run(dut, testbench)
-    for i in range(2):
+    for i in range(readers):
         mine = [(a, n) for rid, a, n in issued if rid == i]
         assert mine == bursts[i]
         assert len(received[i]) == sum(n + 1 for _, n in bursts[i])
+
+
+def test_reader_count_checked():
+    for readers in (0, 9, 2.0):
+        with pytest.raises(ValueError, match="Readers must be 1 to 8"):
+            AxiReadArbiter(readers=readers)
 
 
 @pytest.mark.parametrize("latency", [0, 1, 7, 100])

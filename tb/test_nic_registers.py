@@ -164,7 +164,8 @@ class Model:
         e = self.entries["qp"][q]
         align = min(4096, 64 << e["log_sq_size"])
         return (1 <= e["mtu"] <= 5 and 1 <= e["max_outstanding"] <= 64
-                and e["cqn"] < self.dut.num_cqs and e["sq_base"] % align == 0)
+                and e["cqn"] < self.dut.num_cqs and e["rcqn"] < self.dut.num_cqs
+                and e["sq_base"] % align == 0 and e["rq_base"] % 16 == 0 and e["rq_dbr"] % 4 == 0)
 
     def state_write(self, q, want):
         now = self.state[q]
@@ -211,7 +212,7 @@ class Bench:
         self.doorbells = []         # (cycle, qpn, pi)
         self.resets = []            # (cycle, qpn)
         self.flushes = []           # (cycle, qpn) of every qp_flush strobe
-        self.errors_at = {}         # cycle -> qpns strobed on qp_error[0], [1]
+        self.errors_at = {}         # cycle -> qpns strobed on qp_error[0], [1], ...
         self.writing = False
         self.check_from = 0
         self.port_addr = {}         # read port -> addr driven last cycle
@@ -227,7 +228,7 @@ class Bench:
     async def step(self):
         ctx, dut = self.ctx, self.dut
         errs = self.errors_at.pop(self.t, ())
-        for i in range(2):
+        for i in range(len(dut.qp_error)):
             ctx.set(dut.qp_error[i].valid, int(i < len(errs)))
             ctx.set(dut.qp_error[i].qpn, errs[i] if i < len(errs) else 0)
         if ctx.get(dut.doorbell.valid):
@@ -396,13 +397,17 @@ def mkey_addr(i, word):
 
 
 def qp_words(sq_base=0x10000, log_sq_size=6, mtu=5, sl=0, max_outstanding=64, dest_qpn=0x123,
-             dlid=7, pd=1, pkey=0xFFFF, sq_psn=100, cqn=0):
+             dlid=7, pd=1, pkey=0xFFFF, sq_psn=100, cqn=0, log_rq_size=4, rcqn=0,
+             min_rnr_timer=12, access=0xE, rq_psn=200, rq_base=0x20000, rq_dbr=0x30000):
     return {1: place_fields(rmap.QP_WORDS[1].fields, sq_base=sq_base),
             2: place_fields(rmap.QP_WORDS[2].fields, log_sq_size=log_sq_size, mtu=mtu, sl=sl,
-                            max_outstanding=max_outstanding),
-            3: place_fields(rmap.QP_WORDS[3].fields, dest_qpn=dest_qpn, dlid=dlid),
-            4: place_fields(rmap.QP_WORDS[4].fields, pd=pd, pkey=pkey),
-            5: place_fields(rmap.QP_WORDS[5].fields, sq_psn=sq_psn, cqn=cqn)}
+                            max_outstanding=max_outstanding, log_rq_size=log_rq_size, rcqn=rcqn),
+            3: place_fields(rmap.QP_WORDS[3].fields, dest_qpn=dest_qpn, dlid=dlid,
+                            min_rnr_timer=min_rnr_timer),
+            4: place_fields(rmap.QP_WORDS[4].fields, pd=pd, pkey=pkey, access=access),
+            5: place_fields(rmap.QP_WORDS[5].fields, sq_psn=sq_psn, cqn=cqn, rq_psn=rq_psn),
+            6: place_fields(rmap.QP_WORDS[6].fields, rq_base=rq_base),
+            7: place_fields(rmap.QP_WORDS[7].fields, rq_dbr=rq_dbr)}
 
 
 async def program_qp(bench, q, **fields):
@@ -508,7 +513,7 @@ def test_random_traffic(seed, config):
                 bench.set_counter(rng.randrange(NUM_COUNTER_INPUTS), rng.getrandbits(32))
             else:
                 hot = [0, 1, 2, dut.num_qps - 1, rng.randrange(256)]
-                await bench.strobe_errors([rng.choice(hot) for _ in range(rng.randint(1, 2))])
+                await bench.strobe_errors([rng.choice(hot) for _ in range(rng.randint(1, 3))])
             if n % 50 == 0:
                 bench.check_outputs()
             if rng.random() < 0.2:
@@ -664,19 +669,21 @@ def test_qp_transitions():
                dict(max_outstanding=65), dict(max_outstanding=127), dict(cqn=4), dict(cqn=255),
                dict(log_sq_size=0, sq_base=0x1020), dict(log_sq_size=3, sq_base=0x1100),
                dict(log_sq_size=6, sq_base=0x10800), dict(log_sq_size=15, sq_base=0x10800),
-               dict(log_sq_size=9, sq_base=0x10000 | 1 << 5)]
+               dict(log_sq_size=9, sq_base=0x10000 | 1 << 5), dict(rcqn=4), dict(rcqn=200),
+               dict(rq_base=0x20008), dict(rq_base=0x20001), dict(rq_dbr=0x30002)]
         for fields in bad:
             await program_qp(bench, q, **fields)
             await bench.write(st, RTS, expect=SLVERR)
             await state(RESET)
         good = [dict(mtu=1, max_outstanding=1, cqn=3, log_sq_size=0, sq_base=0x40),
-                dict(log_sq_size=3, sq_base=0x200), dict(log_sq_size=15, sq_base=0x1000)]
+                dict(log_sq_size=3, sq_base=0x200), dict(log_sq_size=15, sq_base=0x1000),
+                dict(rcqn=3, rq_base=0x10, rq_dbr=0x4, log_rq_size=15, access=0)]
         for fields in good:
             await program_qp(bench, q, **fields)
             await bench.write(st, RTS, expect=OKAY)
             await state(RTS)
             bench.check_outputs()
-            for w in range(1, 6):                           # context frozen outside RESET
+            for w in range(1, 8):                           # context frozen outside RESET
                 await bench.write(qp_addr(q, w), 0, expect=SLVERR)
             await bench.write(st, RTS, expect=OKAY)          # RTS -> RTS: no change
             await bench.write(st, RESET, expect=OKAY)
@@ -727,7 +734,7 @@ def test_qp_error_strobes():
         for q in (0, 1, 2, 3):
             await bench.write(qp_addr(q, 0), RTS, expect=OKAY)
         await bench.strobe_errors([0, 1])                    # different QPs at once
-        await bench.strobe_errors([2, 2])                    # the same QP on both
+        await bench.strobe_errors([2, 2, 2])               # the same QP on all three
         await bench.strobe_errors([4, 200])                  # RESET QP, a QP the NIC lacks
         await bench.strobe_errors([0, 5])                    # ERR QP, RESET QP
         await bench.idle(1)

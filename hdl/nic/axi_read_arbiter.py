@@ -3,7 +3,7 @@ from amaranth.utils import exact_log2
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from .signatures import ArLayout, AxiReadSignature, RBeatLayout
+from .signatures import AXI_ID_BITS, ArLayout, AxiReadSignature, RBeatLayout
 
 __all__ = ["AxiReadArbiter"]
 
@@ -14,7 +14,7 @@ AXI_RESP_OKAY = 0b00
 class AxiReadArbiter(wiring.Component):
     """Shares one AXI4 read master among the NIC's readers, each with its own ARID.
 
-    Requester ``i`` issues bursts with ``id == i`` (``FETCH_ID``, ``PAYLOAD_ID``); the
+    Requester ``i`` issues bursts with ``id == i`` (``FETCH_ID``, ``PAYLOAD_ID``, ``RESPONSE_ID``, ``RECV_ID``, ``ATOMIC_ID``); the
     arbiter takes one burst per cycle, round robin, and routes each R beat back by ``rid``.
     AXI keeps beats of one ID in order, so every reader sees its own bursts in the order
     it issued them whatever the interconnect does across IDs. An R beat whose ``rid``
@@ -31,8 +31,9 @@ class AxiReadArbiter(wiring.Component):
         AXI data width in bytes (``arsize`` is always the full width).
     """
     def __init__(self, *, readers=2, addr_width=64, data_bytes=64):
-        if not 1 <= readers <= 4:
-            raise ValueError(f"Readers must be 1 to 4 (2-bit AXI IDs), not {readers!r}")
+        if not isinstance(readers, int) or not 1 <= readers <= 1 << AXI_ID_BITS:
+            raise ValueError(f"Readers must be 1 to {1 << AXI_ID_BITS} ({AXI_ID_BITS}-bit AXI "
+                             f"IDs), not {readers!r}")
         if not 12 <= addr_width <= 64:
             raise ValueError(f"AXI address width must be 12 to 64 bits, not {addr_width!r}")
         if data_bytes not in (4, 8, 16, 32, 64, 128):

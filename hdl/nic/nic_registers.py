@@ -68,7 +68,7 @@ class NicRegisters(wiring.Component):
       can still be drained and reset). ``cq_reset`` strobes (its ``qpn`` field carrying the
       CQ number) for every host write to a CQ context word: a (re)programmed CQ starts
       again at producer index 0.
-    - ``qp_error[i]``: a strobe moves its QP from RTS to ERR; two strobes in one cycle
+    - ``qp_error[i]``: a strobe moves its QP from RTS to ERR; several strobes in one cycle
       may name the same or different QPs.
     - ``slid``, ``sl_to_vl``, ``vl_weight``: the global registers.
     - ``counters[k]``: the datapath's counters, :data:`hdl.nic.signatures.COUNTERS`
@@ -100,7 +100,7 @@ class NicRegisters(wiring.Component):
             "qp_state": Out(QpState).array(num_qps),
             "qp_log_sq_size": Out(4).array(num_qps),
             "qp_max_outstanding": Out(7).array(num_qps),
-            "qp_error": In(EventSignature()).array(2),
+            "qp_error": In(EventSignature()).array(3),
             "qp_reset": Out(EventSignature()),
             "qp_flush": Out(EventSignature()),
             "cq_reset": Out(EventSignature()),     # ``qpn`` carries the CQ number
@@ -229,7 +229,9 @@ class NicRegisters(wiring.Component):
             (cur_qp.mtu >= 1) & (cur_qp.mtu <= 5)
             & (cur_qp.max_outstanding >= 1) & (cur_qp.max_outstanding <= MAX_OUTSTANDING_BLOCKS)
             & (cur_qp.cqn < self.num_cqs if self.num_cqs < MAX_ENTRIES else C(1, 1))
-            & ((cur_qp.sq_base[:12] & ((C(1, 13) << align_bits) - 1)[:12]) == 0))
+            & (cur_qp.rcqn < self.num_cqs if self.num_cqs < MAX_ENTRIES else C(1, 1))
+            & ((cur_qp.sq_base[:12] & ((C(1, 13) << align_bits) - 1)[:12]) == 0)
+            & (cur_qp.rq_base[:4] == 0) & (cur_qp.rq_dbr[:2] == 0))
 
         error = Signal()            # the transaction answers SLVERR
 

@@ -127,16 +127,30 @@ QP_WORDS = (
     ContextWord(1, "sq_base", (Field("sq_base", 0, 64),),
                 "Byte address of WQE basic block 0; aligned to min(4096, 64 << log_sq_size)"),
     ContextWord(2, "sq_config", (Field("log_sq_size", 0, 4), Field("mtu", 8, 3),
-                                 Field("sl", 16, 4), Field("max_outstanding", 24, 7)),
+                                 Field("sl", 16, 4), Field("max_outstanding", 24, 7),
+                                 Field("log_rq_size", 32, 4), Field("rcqn", 40, 8)),
                 "Send queue of 2**log_sq_size basic blocks; IBA path MTU code (1 = 256 B .. "
                 "5 = 4096 B); service level; WQE basic blocks fetched and not yet completed "
-                "(1..64)"),
-    ContextWord(3, "dest", (Field("dest_qpn", 0, 24), Field("dlid", 32, 16)),
-                "Destination QP number and LID"),
-    ContextWord(4, "protection", (Field("pd", 0, 24), Field("pkey", 32, 16)),
-                "Protection domain (memory keys must match it) and partition key"),
-    ContextWord(5, "psn_cq", (Field("sq_psn", 0, 24), Field("cqn", 32, 8)),
-                "PSN of the first packet after RESET -> RTS; the QP's CQ (< num_cqs)"),
+                "(1..64); receive queue of 2**log_rq_size WQEs of 16 bytes; the CQ of receive "
+                "completions (< num_cqs)"),
+    ContextWord(3, "dest", (Field("dest_qpn", 0, 24), Field("dlid", 32, 16),
+                            Field("min_rnr_timer", 48, 5)),
+                "Destination QP number and LID (requests from another LID are dropped); the "
+                "IBA timer code sent in RNR NAKs"),
+    ContextWord(4, "protection", (Field("pd", 0, 24), Field("pkey", 32, 16),
+                                  Field("access", 48, 4)),
+                "Protection domain (memory keys must match it), partition key, and the remote "
+                "rights the QP grants (2 REMOTE_WRITE, 4 REMOTE_READ, 8 REMOTE_ATOMIC)"),
+    ContextWord(5, "psn_cq", (Field("sq_psn", 0, 24), Field("cqn", 32, 8),
+                              Field("rq_psn", 40, 24)),
+                "PSN of the first packet after RESET -> RTS; the QP's send CQ (< num_cqs); the "
+                "first request PSN the responder expects after RESET -> RTS"),
+    ContextWord(6, "rq_base", (Field("rq_base", 0, 64),),
+                "Byte address of receive WQE 0 (`mlx5_wqe_data_seg`, 16 bytes each); aligned "
+                "to 16"),
+    ContextWord(7, "rq_dbr", (Field("rq_dbr", 0, 64),),
+                "Byte address of the receive doorbell record (a big-endian 32-bit counter, the "
+                "low 16 bits the receive producer index); aligned to 4"),
 )
 CQ_WORDS = (
     ContextWord(0, "base", (Field("base", 0, 64),), "Byte address of CQE 0"),
@@ -377,7 +391,8 @@ def render_markdown(num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2):
         "| RESET | 0 (RESET) | stays RESET; `qp_reset` strobe (every block clears the QP's "
         "runtime state) |",
         "| RESET | 3 (RTS) | RTS if the context is valid: `mtu` 1..5, `max_outstanding` 1..64, "
-        "`cqn` < num_cqs, `sq_base` aligned to min(4096, 64 << `log_sq_size`); otherwise "
+        "`cqn` and `rcqn` < num_cqs, `sq_base` aligned to min(4096, 64 << `log_sq_size`), "
+        "`rq_base` aligned to 16, `rq_dbr` aligned to 4; otherwise "
         "SLVERR, stays RESET |",
         "| RTS, ERR | 0 (RESET) | RESET and `qp_reset` strobe if the QP is idle (`qp_busy` "
         "low); otherwise SLVERR, unchanged |",
@@ -389,8 +404,8 @@ def render_markdown(num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2):
         "| any | other values | SLVERR, unchanged |",
         "",
         "Words 1.. of a QP context are writable only in RESET (otherwise SLVERR, unchanged). "
-        "The datapath moves a QP from RTS to ERR (`qp_error` strobes from the executor and "
-        "the completion unit; ignored in RESET and ERR); a host write of the same QP in the "
+        "The datapath moves a QP from RTS to ERR (`qp_error` strobes from the executor, "
+        "the completion unit and the responder engine; ignored in RESET and ERR); a host write of the same QP in the "
         "same cycle that changes its state takes precedence. `qp_log_sq_size` and "
         "`qp_max_outstanding` (flip-flop copies for the scheduler) are loaded when word 2 is "
         "written and again on RESET -> RTS, so they match the context whenever the QP is not "

@@ -27,6 +27,11 @@ __all__ = [
     "RetireLayout", "WqeDescriptorLayout", "PayloadSource", "PacketDescriptorLayout",
     "CompletionStatus", "CompletionRecordLayout", "ArLayout", "RBeatLayout", "AxiReadSignature", "AxiWriteSignature",
     "MlxOpcode", "Syndrome", "Access",
+    "RequestDescriptorLayout", "DmaWriteLayout", "ResponseKind", "ResponseCommandLayout",
+    "RecvStatus", "RecvRequestLayout", "RecvResultLayout", "AtomicRequestLayout",
+    "AtomicResultLayout", "RecvCqeOpcode", "ReceiveCompletionLayout",
+    "RESPONSE_ID", "RECV_ID", "ATOMIC_ID", "CQE_ID", "DMA_WRITE_ID", "RX_BUFFER_BEAT_BITS",
+    "MAX_PACKET_BEATS",
     "QPN_BITS", "CQN_BITS", "PSN_BITS", "WQEBB_BYTES", "MAX_WQE_BLOCKS", "MAX_INLINE_BYTES",
     "MAX_HEADER_BYTES", "MAX_OUTSTANDING_BLOCKS", "MAX_MESSAGE_BYTES",
     "FETCH_ID", "PAYLOAD_ID", "AXI_ID_BITS", "COUNTERS",
@@ -42,9 +47,17 @@ MAX_HEADER_BYTES = 48        # LRH + BTH + AtomicETH, the longest header the req
 MAX_OUTSTANDING_BLOCKS = 64  # per-QP window of fetched, not yet completed WQE basic blocks
 MAX_MESSAGE_BYTES = 1 << 31  # IBA maximum message size
 
-AXI_ID_BITS = 2
+AXI_ID_BITS = 3
 FETCH_ID = 0                 # AR/R of WQE fetches
 PAYLOAD_ID = 1               # AR/R of payload reads
+RESPONSE_ID = 2              # AR/R of RDMA READ response payload (ResponseGenerator)
+RECV_ID = 3                  # AR/R of receive WQEs and the receive doorbell record (ReceiveQueue)
+ATOMIC_ID = 4                # AR/R and AW/W/B of the atomic unit's read-modify-write
+CQE_ID = 0                   # AW/W/B of CQE writes (CompletionUnit)
+DMA_WRITE_ID = 1             # AW/W/B of RDMA WRITE / SEND payload (DmaWriter)
+
+RX_BUFFER_BEAT_BITS = 12     # beat index into the responder's receive packet buffer
+MAX_PACKET_BEATS = 66        # LRH .. ICRC of a 4096-byte payload with every header, 64-byte beats
 
 
 # Every NIC counter (32 bits, wrapping), by the block that counts it. Each block has an
@@ -148,6 +161,14 @@ class QpConfigLayout(data.StructLayout):
             "pkey": 16,
             "sq_psn": PSN_BITS,      # PSN of the first packet after RESET -> RTS
             "cqn": CQN_BITS,
+            # Responder side (docs/nic-responder.md).
+            "access": Access,        # remote rights the QP grants (REMOTE_WRITE/READ/ATOMIC)
+            "rq_psn": PSN_BITS,      # the first request PSN expected after RESET -> RTS
+            "min_rnr_timer": 5,      # IBA RNR timer code sent in RNR NAKs
+            "rq_base": 64,           # byte address of receive WQE 0 (16 bytes each)
+            "log_rq_size": 4,        # the receive queue holds 2**log_rq_size WQEs
+            "rq_dbr": 64,            # byte address of the receive doorbell record (be32 counter)
+            "rcqn": CQN_BITS,        # CQ of receive completions
         })
 
 
@@ -344,4 +365,140 @@ class AxiWriteSignature(wiring.Signature):
             "wdata": Out(8 * data_bytes), "wstrb": Out(data_bytes), "wlast": Out(1),
             "wvalid": Out(1), "wready": In(1),
             "bid": In(AXI_ID_BITS), "bresp": In(2), "bvalid": In(1), "bready": Out(1),
+        })
+
+
+# --- Responder side (docs/nic-responder.md) --------------------------------------------
+
+class RequestDescriptorLayout(data.StructLayout):
+    """A request packet the :class:`RequestReceiver` accepted (good ICRC, well formed, for
+    this port's LID), stored in the receive buffer from beat ``buffer_beat`` on, for the
+    :class:`ResponderEngine`. Header values are integers (wire byte order decoded); fields
+    of headers the opcode does not have are zero. The payload starts at byte
+    ``header_bytes`` of the packet (always inside its first beat)."""
+    def __init__(self):
+        super().__init__({
+            "vl": 4,
+            "sl": 4,
+            "slid": 16,
+            "opcode": 8,                         # BTH opcode (RC: transport bits 000)
+            "se": 1,
+            "ackreq": 1,
+            "pkey": 16,
+            "destqp": 24,
+            "psn": PSN_BITS,
+            "va": 64,                            # RETH.va or AtomicETH.va
+            "rkey": 32,                          # RETH.rkey or AtomicETH.rkey
+            "dmalen": 32,                        # RETH.dmalen
+            "swap_add": 64,                      # AtomicETH
+            "compare": 64,                       # AtomicETH
+            "imm": 32,                           # ImmDt
+            "header_bytes": range(MAX_HEADER_BYTES + 1),
+            "payload_bytes": range(4096 + 1),
+            "buffer_beat": RX_BUFFER_BEAT_BITS,  # the packet's first beat in the buffer
+            "beats": range(MAX_PACKET_BEATS + 1),  # buffer beats the packet holds
+        })
+
+
+class DmaWriteLayout(data.StructLayout):
+    """Write ``bytes`` payload bytes, taken from the receive buffer at beat ``src_beat``
+    byte ``src_offset`` on, to memory at ``addr``; then free ``release_beats`` buffer
+    beats. Every request descriptor gives exactly one command (``bytes`` = 0 for packets
+    that write nothing), so the buffer is freed in order."""
+    def __init__(self):
+        super().__init__({
+            "addr": 64,
+            "bytes": range(4096 + 1),
+            "src_beat": RX_BUFFER_BEAT_BITS,
+            "src_offset": 6,
+            "release_beats": range(MAX_PACKET_BEATS + 1),
+        })
+
+
+class ResponseKind(enum.Enum, shape=2):
+    ACK = 0         # ACKNOWLEDGE with ``syndrome`` (an ACK, an RNR NAK or a NAK)
+    READ = 1        # RDMA READ responses for ``va``/``length`` from ``psn`` on
+    ATOMIC = 2      # ATOMIC ACKNOWLEDGE carrying ``orig``
+
+
+class ResponseCommandLayout(data.StructLayout):
+    """One response (or run of READ response packets) for the :class:`ResponseGenerator`,
+    addressed from the QP's context: DLID, SL/VL, P_Key, the requester's QPN."""
+    def __init__(self):
+        super().__init__({
+            "kind": ResponseKind,
+            "vl": 4,
+            "sl": 4,
+            "dlid": 16,
+            "pkey": 16,
+            "destqp": 24,
+            "psn": PSN_BITS,
+            "syndrome": 8,                       # AETH syndrome
+            "msn": 24,                           # AETH MSN
+            "va": 64,                            # READ
+            "length": 32,                        # READ
+            "mtu": 3,                            # READ: path MTU code the responses are cut at
+            "orig": 64,                          # ATOMIC
+        })
+
+
+class RecvStatus(enum.Enum, shape=2):
+    OK = 0          # a receive WQE: ``addr``/``length`` checked against its lkey
+    EMPTY = 1       # no receive WQE posted (RNR)
+    ERROR = 2       # the WQE is bad (``syndrome``); the QP goes to the error state
+
+
+class RecvRequestLayout(data.StructLayout):
+    """Take the next receive WQE of QP ``qpn``."""
+    def __init__(self):
+        super().__init__({"qpn": QPN_BITS})
+
+
+class RecvResultLayout(data.StructLayout):
+    def __init__(self):
+        super().__init__({
+            "status": RecvStatus,
+            "syndrome": Syndrome,
+            "addr": 64,
+            "length": 32,
+            "wqe_counter": 16,
+        })
+
+
+class AtomicRequestLayout(data.StructLayout):
+    """An 8-byte read-modify-write at ``addr`` (8-byte aligned, little-endian word):
+    FETCH_ADD adds ``swap_add``; COMPARE_SWAP writes ``swap_add`` if the word equals
+    ``compare``."""
+    def __init__(self):
+        super().__init__({"addr": 64, "fetch_add": 1, "swap_add": 64, "compare": 64})
+
+
+class AtomicResultLayout(data.StructLayout):
+    """The word before the operation; ``error``: the read or write was answered with a
+    response other than OKAY (nothing was written if the read failed)."""
+    def __init__(self):
+        super().__init__({"orig": 64, "error": 1})
+
+
+class RecvCqeOpcode(enum.Enum, shape=4):
+    """mlx5 CQE opcodes of receive completions (``MLX5_CQE_RESP_*``)."""
+    RESP_WR_IMM = 1
+    RESP_SEND = 2
+    RESP_SEND_IMM = 3
+    RESP_ERR = 14
+
+
+class ReceiveCompletionLayout(data.StructLayout):
+    """A receive completion the responder asks the :class:`CompletionUnit` to write as
+    a CQE to CQ ``cqn``: a SEND or WRITE_WITH_IMM message that consumed receive WQE
+    ``wqe_counter``, or (``RESP_ERR`` with ``syndrome``) a receive WQE that failed."""
+    def __init__(self):
+        super().__init__({
+            "qpn": QPN_BITS,
+            "cqn": CQN_BITS,
+            "opcode": RecvCqeOpcode,
+            "syndrome": Syndrome,
+            "byte_count": 32,
+            "imm": 32,
+            "wqe_counter": 16,
         })
