@@ -9,7 +9,7 @@ from hdl.link.signatures import BeatLayout, vl_index
 from hdl.nic.signatures import (
     MAX_OUTSTANDING_BLOCKS, PSN_BITS, QPN_BITS, AxiWriteSignature, CompletionRecordLayout,
     CompletionStatus, ContextReadSignature, CqConfigLayout, EventSignature, MlxOpcode, QpState,
-    RetireLayout, Syndrome,
+    ReceiveCompletionLayout, RecvCqeOpcode, RetireLayout, Syndrome,
 )
 
 __all__ = ["CompletionUnit", "RX_EVENT_DEPTH"]
@@ -18,6 +18,7 @@ WIDTH = 64                  # bytes per beat and per AXI data beat: one CQE per 
 QUEUE_DEPTH = MAX_OUTSTANDING_BLOCKS    # a record holds at least one block of the window
 RX_EVENT_DEPTH = 8          # decoded responses waiting per VL for the one-per-cycle processor
 JOB_DEPTH = 8               # completed records waiting for their CQE write
+RECEIVE_DEPTH = 4           # receive completions waiting for the CQE writer
 
 # BTH opcodes of the responses a requester takes (IBA table 38).
 READ_FIRST = 0x0D
@@ -149,6 +150,17 @@ class _JobLayout(data.StructLayout):
         })
 
 
+class _CqeLayout(data.StructLayout):
+    """A job of the CQE writer, from the engine (a completed WQE, retired once written)
+    or from the responder (a receive completion); fields hold the CQE's values."""
+    def __init__(self):
+        super().__init__({
+            "requester": 1, "qpn": QPN_BITS, "cqn": 8, "wqe_counter": 16,
+            "wqe_blocks": range(17), "write_cqe": 1, "error": 1, "cqe_opcode": 4,
+            "wqe_opcode": 8, "byte_count": 32, "imm": 32, "syndrome": 8,
+        })
+
+
 class CompletionUnit(wiring.Component):
     """Receive path, per-QP outstanding-WQE table and CQE writer of the requester
     (docs/nic.md, "Completions").
@@ -227,6 +239,21 @@ class CompletionUnit(wiring.Component):
     completion order, which is WQE order per QP. ``cqes_written``/``error_cqes`` count
     at the same time.
 
+    Receive completions (``receive``, from the responder) share the CQE writer: one
+    record is one CQE to CQ ``cqn`` at its producer index, like the requester's (the
+    two interleave on a CQ in the order the writer takes them), laid out as
+    ``mlx5_cqe64``: op_own's opcode is the record's (RESP_WR_IMM, RESP_SEND,
+    RESP_SEND_IMM), ``byte_cnt`` its ``byte_count``, ``imm_inval_pkey`` its ``imm`` for
+    the two ``*_IMM`` opcodes (0 otherwise), ``sop_drop_qpn`` its QPN (top byte 0),
+    ``wqe_counter`` its ``wqe_counter``; RESP_ERR is an ``mlx5_err_cqe`` like the
+    requester's error CQE (``syndrome``, QPN with a 0 opcode byte, ``wqe_counter``,
+    ``byte_cnt`` 0). A record with another opcode or a CQ number beyond ``num_cqs`` is
+    taken and writes nothing. Records wait in a queue of ``RECEIVE_DEPTH``; when both
+    the engine and the responder have a job, the writer takes them in turn, so each
+    gets at least half its cycles. ``recv_cqes`` counts receive CQEs as they are
+    written (with ``cqes_written`` and, for RESP_ERR, ``error_cqes``); they retire
+    nothing.
+
     Limits and assumptions: a SENT record reaches the unit before any response to it can
     (the executor emits it with the message's last packet descriptor, a round trip ahead
     of the response), else that response is dropped as a future PSN. AETH.MSN, P_Key,
@@ -271,6 +298,8 @@ class CompletionUnit(wiring.Component):
             "rx_dropped_icrc": Out(32),
             "rx_dropped_unexpected": Out(32),
             "cqe_write_errors": Out(32),
+            "receive": In(stream.Signature(ReceiveCompletionLayout())),
+            "recv_cqes": Out(32),
         })
 
     def elaborate(self, platform):
@@ -692,13 +721,59 @@ class CompletionUnit(wiring.Component):
             tail_fresh.eq((tail_fresh & ~r2_mask) | reset_mask),
         ]
 
-        # --- CQE writer: P (CQ context read) -> O (AXI AW/W) ---
+        # --- CQE writer: P (CQ context read) -> O (AXI AW/W); its jobs from the engine
+        # and the responder in turn ---
         axi = self.axi
+        m.submodules.receives = receives = fifo.SyncFIFOBuffered(
+            width=ReceiveCompletionLayout().size, depth=RECEIVE_DEPTH)
+        m.d.comb += [
+            receives.w_data.eq(self.receive.payload),
+            receives.w_en.eq(self.receive.valid),
+            self.receive.ready.eq(receives.w_rdy),
+        ]
         job_head = _JobLayout()(jobs.r_data)
+        from_engine = Signal(_CqeLayout())
+        m.d.comb += [
+            from_engine.requester.eq(1),
+            from_engine.qpn.eq(job_head.qpn),
+            from_engine.cqn.eq(job_head.cqn),
+            from_engine.wqe_counter.eq(job_head.wqe_index),
+            from_engine.wqe_blocks.eq(job_head.wqe_blocks),
+            from_engine.write_cqe.eq(job_head.write_cqe),
+            from_engine.error.eq(job_head.error),
+            from_engine.cqe_opcode.eq(Mux(job_head.error, CQE_OPCODE_REQ_ERR, CQE_OPCODE_REQ)),
+            from_engine.wqe_opcode.eq(job_head.opcode),
+            from_engine.byte_count.eq(Mux(job_head.error, 0, job_head.byte_count)),
+            from_engine.syndrome.eq(Mux(job_head.error, job_head.syndrome, 0)),
+        ]
+        recv_head = ReceiveCompletionLayout()(receives.r_data)
+        recv_opcode = recv_head.opcode.as_value()
+        recv_error = recv_opcode == RecvCqeOpcode.RESP_ERR.value
+        recv_imm = ((recv_opcode == RecvCqeOpcode.RESP_WR_IMM.value)
+                    | (recv_opcode == RecvCqeOpcode.RESP_SEND_IMM.value))
+        recv_known = recv_error | recv_imm | (recv_opcode == RecvCqeOpcode.RESP_SEND.value)
+        from_responder = Signal(_CqeLayout())
+        m.d.comb += [
+            from_responder.qpn.eq(recv_head.qpn),
+            from_responder.cqn.eq(recv_head.cqn),
+            from_responder.wqe_counter.eq(recv_head.wqe_counter),
+            from_responder.write_cqe.eq(recv_known & (recv_head.cqn < self.num_cqs)),
+            from_responder.error.eq(recv_error),
+            from_responder.cqe_opcode.eq(recv_opcode),
+            from_responder.byte_count.eq(Mux(recv_error, 0, recv_head.byte_count)),
+            from_responder.imm.eq(Mux(recv_imm, recv_head.imm, 0)),
+            from_responder.syndrome.eq(Mux(recv_error, recv_head.syndrome, 0)),
+        ]
+        # Round robin: after an engine job, a waiting receive completion goes first.
+        responder_turn = Signal()
+        take_receive = receives.r_rdy & (~jobs.r_rdy | responder_turn)
+        head = Signal(_CqeLayout())
+        m.d.comb += head.eq(Mux(take_receive, from_responder, from_engine))
+
         p_valid = Signal()
-        p_job = Signal(_JobLayout())
+        p_job = Signal(_CqeLayout())
         o_valid = Signal()
-        o_job = Signal(_JobLayout())
+        o_job = Signal(_CqeLayout())
         aw_pending = Signal()
         w_pending = Signal()
         awaddr = Signal(self.addr_width)
@@ -716,14 +791,15 @@ class CompletionUnit(wiring.Component):
         o_done = o_valid & (~aw_pending | axi.awready) & (~w_pending | axi.wready)
         o_free = ~o_valid | o_done
         p_move = p_valid & o_free
-        load_p = jobs.r_rdy & (~p_valid | p_move)
+        load_p = (jobs.r_rdy | receives.r_rdy) & (~p_valid | p_move)
         m.d.comb += [
-            jobs.r_en.eq(load_p),
+            jobs.r_en.eq(load_p & ~take_receive),
+            receives.r_en.eq(load_p & take_receive),
             # The context answers a cycle later: address the job that P holds next cycle.
-            self.cq_config.addr.eq(Mux(load_p, job_head.cqn, p_job.cqn)),
+            self.cq_config.addr.eq(Mux(load_p, head.cqn, p_job.cqn)),
         ]
         with m.If(load_p):
-            m.d.sync += [p_valid.eq(1), p_job.eq(job_head)]
+            m.d.sync += [p_valid.eq(1), p_job.eq(head), responder_turn.eq(~take_receive)]
         with m.Elif(p_move):
             m.d.sync += p_valid.eq(0)
 
@@ -751,12 +827,12 @@ class CompletionUnit(wiring.Component):
             value = Value.cast(value)
             return [value[8 * (nbytes - 1 - k):8 * (nbytes - k)] for k in range(nbytes)]
         cqe_bytes = [Const(0, 8)] * WIDTH
-        cqe_bytes[44:48] = big_endian(Mux(p_job.error, 0, p_job.byte_count), 4)
-        cqe_bytes[55] = Mux(p_job.error, p_job.syndrome, 0)
-        cqe_bytes[56:60] = big_endian(Cat(p_job.qpn, Const(0, 16), p_job.opcode), 4)
-        cqe_bytes[60:62] = big_endian(p_job.wqe_index, 2)
-        cqe_bytes[63] = Cat(owner, Const(0, 3),
-                            Mux(p_job.error, CQE_OPCODE_REQ_ERR, CQE_OPCODE_REQ)[:4])
+        cqe_bytes[36:40] = big_endian(p_job.imm, 4)
+        cqe_bytes[44:48] = big_endian(p_job.byte_count, 4)
+        cqe_bytes[55] = p_job.syndrome
+        cqe_bytes[56:60] = big_endian(Cat(p_job.qpn, Const(0, 16), p_job.wqe_opcode), 4)
+        cqe_bytes[60:62] = big_endian(p_job.wqe_counter, 2)
+        cqe_bytes[63] = Cat(owner, Const(0, 3), p_job.cqe_opcode)
         cqe = Signal(8 * WIDTH)
         m.d.comb += cqe.eq(Cat(*cqe_bytes))
 
@@ -779,7 +855,7 @@ class CompletionUnit(wiring.Component):
         ]
 
         m.d.comb += [
-            self.retire.valid.eq(o_done),
+            self.retire.valid.eq(o_done & o_job.requester),
             self.retire.payload.qpn.eq(o_job.qpn),
             self.retire.payload.blocks.eq(o_job.wqe_blocks),
         ]
@@ -793,6 +869,7 @@ class CompletionUnit(wiring.Component):
         count(self.atomic_acks, ev_atomic)
         count(self.cqes_written, o_done & o_job.write_cqe)
         count(self.error_cqes, o_done & o_job.write_cqe & o_job.error)
+        count(self.recv_cqes, o_done & o_job.write_cqe & ~o_job.requester)
         count(self.rx_dropped_icrc, sum(icrc_drops))
         count(self.rx_dropped_unexpected, sum(malformed_drops) + (x_ev & ~accept))
         count(self.cqe_write_errors, axi.bvalid & (axi.bresp != 0))
