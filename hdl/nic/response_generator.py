@@ -1,0 +1,297 @@
+from amaranth import *
+from amaranth.lib import data, fifo, stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from hdl.ib.headers import (
+    AETH, AETH_BYTES, ATOMIC_ACK_ETH, ATOMIC_ACK_ETH_BYTES, BTH, BTH_BYTES, LNH_IBA_LOCAL, LRH,
+    LRH_BYTES, PKTLEN_WORD_BYTES, to_wire,
+)
+from hdl.nic.packet_assembler import MAX_DMA_BEATS
+from hdl.nic.signatures import (
+    PSN_BITS, RESPONSE_ID, ArLayout, PacketDescriptorLayout, PayloadSource,
+    ResponseCommandLayout, ResponseKind,
+)
+
+__all__ = ["ResponseGenerator"]
+
+# IBA RC BTH opcodes of responses (IBA table 38).
+READ_RESPONSE_FIRST = 0x0D
+READ_RESPONSE_MIDDLE = 0x0E
+READ_RESPONSE_LAST = 0x0F
+READ_RESPONSE_ONLY = 0x10
+ACKNOWLEDGE = 0x11
+ATOMIC_ACKNOWLEDGE = 0x12
+
+BEAT_BYTES = 64
+PAGE_BYTES = 4096            # AXI bursts may not cross this
+# The longest response header: LRH + BTH + AETH + AtomicAckETH.
+RESPONSE_HEADER_BYTES = LRH_BYTES + BTH_BYTES + AETH_BYTES + ATOMIC_ACK_ETH_BYTES
+OPCODE_BYTE = LRH_BYTES                  # BTH.OpCode: the first BTH byte
+SYNDROME_BYTE = LRH_BYTES + BTH_BYTES    # AETH.Syndrome: the first AETH byte
+
+
+class _QueuedLayout(data.StructLayout):
+    """A packet descriptor as the queue holds it: responses never carry inline data and
+    their headers are shorter than the requester's, so only these fields are stored."""
+    def __init__(self):
+        super().__init__({
+            "vl": 4,
+            "header": 8 * RESPONSE_HEADER_BYTES,
+            "header_bytes": range(RESPONSE_HEADER_BYTES + 1),
+            "payload_bytes": range(4096 + 1),
+            "source": PayloadSource,
+            "offset": 6,
+            "dma_beats": range(MAX_DMA_BEATS + 1),
+        })
+
+
+class _ItemLayout(data.StructLayout):
+    """One packet with the payload reads it needs (one burst, two if it crosses 4 KiB)."""
+    def __init__(self):
+        super().__init__({
+            "desc": _QueuedLayout(),
+            "n_ar": range(3),
+            "ar0_addr": 64, "ar0_len": 8,
+            "ar1_addr": 64, "ar1_len": 8,
+        })
+
+
+class ResponseGenerator(wiring.Component):
+    """Turns response commands into IB RC response packet descriptors and READ payload
+    reads for a :class:`PacketAssembler` of its own (docs/nic-responder.md).
+
+    Pipeline, each stage a register that moves on when the next one takes it:
+
+    1. the segmenter holds the command and builds one packet per cycle: an ACKNOWLEDGE
+       (AETH from the command) or an ATOMIC ACKNOWLEDGE (AETH, AtomicAckETH with
+       ``orig``) is one packet; a READ of ``length`` bytes is ``max(1, ceil(length /
+       MTU))`` packets, PSNs from ``psn`` on (modulo 2^24), RDMA READ response ONLY, or
+       FIRST, MIDDLE..., LAST, with the command's AETH on all but the MIDDLE ones and
+       payload ``[va + i * MTU, ...)``;
+    2. the read stage reserves the packet's beats of the assembler's payload buffer
+       (``payload_buffer_beats``, given back one per ``payload_freed``) and issues its
+       one or two bursts (id ``RESPONSE_ID``, cut at 4 KiB);
+    3. a queue of ``packet_queue_depth`` descriptors towards the assembler, so that
+       reads run ahead of the packets being sent by as much as the payload buffer
+       allows (the assembler takes a descriptor only when the previous packet ends):
+       a long READ keeps the wire busy once the memory latency is covered.
+
+    A stream of one-packet commands runs at one per cycle while the outputs are ready; a
+    packet whose payload crosses 4 KiB takes two cycles of the read stage. LRH.SLID is
+    ``slid``; BTH.SE, M, TVer and AckReq are 0. Counters count descriptors as they leave
+    on ``packet``: ``acks_sent`` / ``naks_sent`` ACKNOWLEDGEs whose AETH syndrome bits
+    7..5 are zero / not zero, ``read_response_packets``, ``atomic_responses``.
+
+    Bad input: a command that cannot be sent is dropped and counted in ``bad_commands``:
+    an unknown ``kind``, a ``vl`` this port does not have (``num_vls`` .. 15), or a READ
+    whose ``mtu`` code is outside 1..5. A READ address range that wraps 2^64 is read
+    modulo 2^64 (the responder engine's range checks reject it first).
+    ``payload_freed`` with no beat reserved is ignored.
+    """
+
+    def __init__(self, *, num_vls=2, payload_buffer_beats=512, packet_queue_depth=32):
+        for name, value, low, high in (
+                ("num_vls", num_vls, 1, 15),
+                ("payload_buffer_beats", payload_buffer_beats, MAX_DMA_BEATS, 1 << 16),
+                ("packet_queue_depth", packet_queue_depth, 2, 1024)):
+            if not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{name} must be an integer from {low} to {high}, not {value!r}")
+        self.num_vls = num_vls
+        self.payload_buffer_beats = payload_buffer_beats
+        self.packet_queue_depth = packet_queue_depth
+        super().__init__({
+            "command": In(stream.Signature(ResponseCommandLayout())),
+            "slid": In(16),
+            "packet": Out(stream.Signature(PacketDescriptorLayout())),
+            "ar": Out(stream.Signature(ArLayout())),
+            "payload_freed": In(1),
+            "acks_sent": Out(32),
+            "naks_sent": Out(32),
+            "read_response_packets": Out(32),
+            "atomic_responses": Out(32),
+            "bad_commands": Out(32),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+
+        # --- stage 1: segmenter --------------------------------------------------------------
+        j_valid = Signal()
+        job = Signal(ResponseCommandLayout())
+        va = Signal(64)
+        remaining = Signal(32)
+        psn = Signal(PSN_BITS)
+        first = Signal()
+        j_out = Signal()
+        j_last = Signal()
+
+        cmd = self.command.payload
+        is_read_cmd = cmd.kind == ResponseKind.READ
+        good = ((cmd.vl < self.num_vls)
+                & ((cmd.kind == ResponseKind.ACK) | (cmd.kind == ResponseKind.ATOMIC)
+                   | (is_read_cmd & (cmd.mtu >= 1) & (cmd.mtu <= 5))))
+        m.d.comb += self.command.ready.eq(~j_valid | (j_out & j_last))
+        accepted = self.command.valid & self.command.ready
+        with m.If(accepted & ~good):
+            m.d.sync += self.bad_commands.eq(self.bad_commands + 1)
+
+        is_read = job.kind == ResponseKind.READ
+        is_atomic = job.kind == ResponseKind.ATOMIC
+        mtu_bytes = Signal(range(4096 + 1))
+        m.d.comb += mtu_bytes.eq(Const(128, 13) << job.mtu)
+        fits = remaining <= mtu_bytes
+        last = Signal()
+        plen = Signal(range(4096 + 1))
+        m.d.comb += [
+            last.eq(~is_read | fits),
+            plen.eq(Mux(is_read, Mux(fits, remaining, mtu_bytes), 0)),
+            j_last.eq(last),
+        ]
+
+        opcode = Signal(8)
+        with m.If(is_atomic):
+            m.d.comb += opcode.eq(ATOMIC_ACKNOWLEDGE)
+        with m.Elif(~is_read):
+            m.d.comb += opcode.eq(ACKNOWLEDGE)
+        with m.Elif(first & last):
+            m.d.comb += opcode.eq(READ_RESPONSE_ONLY)
+        with m.Elif(first):
+            m.d.comb += opcode.eq(READ_RESPONSE_FIRST)
+        with m.Elif(last):
+            m.d.comb += opcode.eq(READ_RESPONSE_LAST)
+        with m.Else():
+            m.d.comb += opcode.eq(READ_RESPONSE_MIDDLE)
+
+        with_aeth = ~is_read | first | last
+        header_bytes = Signal(range(RESPONSE_HEADER_BYTES + 1))
+        m.d.comb += header_bytes.eq(LRH_BYTES + BTH_BYTES + Mux(with_aeth, AETH_BYTES, 0)
+                                    + Mux(is_atomic, ATOMIC_ACK_ETH_BYTES, 0))
+
+        lrh = Signal(LRH)
+        bth = Signal(BTH)
+        aeth = Signal(AETH)
+        atomic_ack = Signal(ATOMIC_ACK_ETH)
+        pad = Signal(2)
+        m.d.comb += [
+            pad.eq(-plen),
+            lrh.vl.eq(job.vl), lrh.sl.eq(job.sl), lrh.lnh.eq(LNH_IBA_LOCAL),
+            lrh.dlid.eq(job.dlid), lrh.slid.eq(self.slid),
+            lrh.pktlen.eq((header_bytes + plen + pad + 4) // PKTLEN_WORD_BYTES),
+            bth.opcode.eq(opcode), bth.padcnt.eq(pad), bth.pkey.eq(job.pkey),
+            bth.destqp.eq(job.destqp), bth.psn.eq(psn),
+            aeth.syndrome.eq(job.syndrome), aeth.msn.eq(job.msn),
+            atomic_ack.orig.eq(job.orig),
+        ]
+        ext = Signal(8 * (AETH_BYTES + ATOMIC_ACK_ETH_BYTES))
+        with m.If(with_aeth):
+            m.d.comb += ext.eq(Cat(to_wire(AETH, aeth),
+                                   Mux(is_atomic, to_wire(ATOMIC_ACK_ETH, atomic_ack), 0)))
+
+        # Payload reads: the 64-byte words holding the packet's bytes, cut at 4 KiB.
+        offset = va[:6]
+        beats = Signal(range(MAX_DMA_BEATS + 1))
+        page_left = Signal(range(PAGE_BYTES // BEAT_BYTES + 1))
+        m.d.comb += [
+            beats.eq((offset + plen + BEAT_BYTES - 1) >> 6),
+            page_left.eq(PAGE_BYTES // BEAT_BYTES - va[6:12]),
+        ]
+        two_bursts = beats > page_left
+
+        item = Signal(_ItemLayout())
+        m.d.comb += [
+            item.desc.vl.eq(job.vl),
+            item.desc.header.eq(Cat(to_wire(LRH, lrh), to_wire(BTH, bth), ext)),
+            item.desc.header_bytes.eq(header_bytes),
+            item.desc.payload_bytes.eq(plen),
+        ]
+        with m.If(plen != 0):
+            m.d.comb += [
+                item.desc.source.eq(PayloadSource.DMA),
+                item.desc.offset.eq(offset),
+                item.desc.dma_beats.eq(beats),
+                item.n_ar.eq(Mux(two_bursts, 2, 1)),
+                item.ar0_addr.eq(Cat(C(0, 6), va[6:])),
+                item.ar0_len.eq(Mux(two_bursts, page_left, beats) - 1),
+                item.ar1_addr.eq(Cat(C(0, 12), va[12:] + 1)),
+                item.ar1_len.eq(beats - page_left - 1),
+            ]
+
+        with m.If(j_out):
+            with m.If(j_last):
+                m.d.sync += j_valid.eq(0)
+            with m.Else():
+                m.d.sync += [
+                    va.eq(va + mtu_bytes),
+                    remaining.eq(remaining - mtu_bytes),
+                    psn.eq(psn + 1),
+                    first.eq(0),
+                ]
+        with m.If(accepted & good):
+            m.d.sync += [
+                j_valid.eq(1), job.eq(cmd),
+                va.eq(cmd.va), remaining.eq(Mux(is_read_cmd, cmd.length, 0)),
+                psn.eq(cmd.psn), first.eq(1),
+            ]
+
+        # --- stage 2: payload reads ----------------------------------------------------------
+        p_valid = Signal()
+        p = Signal(_ItemLayout())
+        ars_left = Signal(range(3))
+        reserved = Signal(range(self.payload_buffer_beats + 1))
+        first_ar = ars_left == p.n_ar
+        room = reserved + p.desc.dma_beats <= self.payload_buffer_beats
+        m.d.comb += [
+            self.ar.valid.eq(p_valid & (ars_left != 0) & (~first_ar | room)),
+            self.ar.payload.id.eq(RESPONSE_ID),
+            self.ar.payload.addr.eq(Mux(first_ar, p.ar0_addr, p.ar1_addr)),
+            self.ar.payload.len.eq(Mux(first_ar, p.ar0_len, p.ar1_len)),
+        ]
+        ar_fire = self.ar.valid & self.ar.ready
+        reserving = Signal(range(self.payload_buffer_beats + MAX_DMA_BEATS + 1))
+        m.d.comb += reserving.eq(reserved + Mux(ar_fire & first_ar, p.desc.dma_beats, 0))
+        # The assembler frees only beats that were reserved; a stray strobe is ignored.
+        m.d.sync += reserved.eq(reserving - (self.payload_freed & (reserving != 0)))
+
+        # --- stage 3: the descriptor queue ---------------------------------------------------
+        m.submodules.queue = queue = fifo.SyncFIFOBuffered(
+            width=_QueuedLayout().size, depth=self.packet_queue_depth)
+        p_out = p_valid & ((ars_left == 0) | ((ars_left == 1) & ar_fire)) & queue.w_rdy
+        m.d.comb += [
+            j_out.eq(j_valid & (~p_valid | p_out)),
+            queue.w_en.eq(p_out),
+            queue.w_data.eq(p.desc),
+        ]
+        with m.If(ar_fire):
+            m.d.sync += ars_left.eq(ars_left - 1)
+        with m.If(p_out):
+            m.d.sync += p_valid.eq(0)
+        with m.If(j_out):
+            m.d.sync += [p_valid.eq(1), p.eq(item), ars_left.eq(item.n_ar)]
+
+        queued = _QueuedLayout()(queue.r_data)
+        desc = self.packet.payload
+        m.d.comb += [
+            self.packet.valid.eq(queue.r_rdy),
+            queue.r_en.eq(self.packet.ready),
+            desc.vl.eq(queued.vl),
+            desc.header.eq(queued.header),
+            desc.header_bytes.eq(queued.header_bytes),
+            desc.payload_bytes.eq(queued.payload_bytes),
+            desc.source.eq(queued.source),
+            desc.offset.eq(queued.offset),
+            desc.dma_beats.eq(queued.dma_beats),
+        ]
+
+        # --- counters: from the header of each descriptor that leaves ------------------------
+        sent = self.packet.valid & self.packet.ready
+        sent_opcode = queued.header.word_select(OPCODE_BYTE, 8)
+        sent_nak = queued.header.word_select(SYNDROME_BYTE, 8)[5:] != 0
+        is_ack = sent_opcode == ACKNOWLEDGE
+        m.d.sync += [
+            self.acks_sent.eq(self.acks_sent + (sent & is_ack & ~sent_nak)),
+            self.naks_sent.eq(self.naks_sent + (sent & is_ack & sent_nak)),
+            self.read_response_packets.eq(self.read_response_packets + (
+                sent & (sent_opcode >= READ_RESPONSE_FIRST) & (sent_opcode <= READ_RESPONSE_ONLY))),
+            self.atomic_responses.eq(self.atomic_responses + (sent & (sent_opcode == ATOMIC_ACKNOWLEDGE))),
+        ]
+        return m
