@@ -9,6 +9,9 @@
 * :class:`ResponderModel` is the remote RC responder the testbench puts on the wire: it
   checks ICRC, PSNs and opcode sequences, executes requests against its memory, and
   answers with (coalesced) ACKs, READ responses, ATOMIC ACKNOWLEDGEs and injected NAKs.
+  Given QP contexts (``contexts=``) it is instead the exact reference of the NIC's own
+  responder (docs/nic-responder.md): receiver checks, P_Key, PSN rules, rkeys, receive
+  queue, NAK codes, QP errors, receive completions and the hardware's counters.
 
 Packets are built with models.ib's header codecs; the ICRC is computed with zlib (the
 same CRC-32 as models.crc.icrc, whose masks are applied here) so that the responder
@@ -21,10 +24,12 @@ from dataclasses import dataclass, field, replace
 from enum import Enum, IntEnum, IntFlag
 
 from models.ib import (AETH, BTH, LNH_IBA_LOCAL, LRH, RETH, AtomicAckETH, AtomicETH, ImmDt,
-                       Opcode, extension_headers)
-from models.mlx5 import (MAX_MESSAGE_BYTES, WQEBB_BYTES, Cqe, Opcode as MlxOpcode,
-                         ParsedWqe, Syndrome, CTRL_CQ_UPDATE, CTRL_SOLICITED, cqe_address,
-                         cqe_owner, error_cqe, parse_wqe, requester_cqe, wqe_blocks)
+                       Opcode, carries_payload, extension_headers)
+from models.mlx5 import (MAX_MESSAGE_BYTES, RECV_WQE_BYTES, WQEBB_BYTES, Cqe, CqeOpcode,
+                         Opcode as MlxOpcode, ParsedWqe, Syndrome, CTRL_CQ_UPDATE,
+                         CTRL_SOLICITED, cqe_address, cqe_owner, error_cqe, parse_recv_wqe,
+                         parse_rq_doorbell_record, parse_wqe, recv_wqe, requester_cqe,
+                         responder_cqe, responder_error_cqe, rq_doorbell_record, wqe_blocks)
 
 PSN_MOD = 1 << 24
 VL15 = 15
@@ -717,6 +722,120 @@ class _Nak(Exception):
         self.code = code
 
 
+@dataclass(frozen=True)
+class RecvCompletion:
+    """A receive completion (``ReceiveCompletionLayout``): a SEND or WRITE_WITH_IMM
+    message that consumed receive WQE ``wqe_counter``, or (``opcode`` RESP_ERR with
+    ``syndrome``) a receive WQE that failed. ``imm``: the immediate as the big-endian
+    number on the wire (0 without one)."""
+    qpn: int
+    cqn: int
+    opcode: CqeOpcode
+    byte_count: int = 0
+    imm: int = 0
+    wqe_counter: int = 0
+    syndrome: int = 0
+
+    def cqe(self, owner: int = 0) -> Cqe:
+        """The CQE the completion unit writes for it (models.mlx5 responder CQEs)."""
+        if self.opcode == CqeOpcode.RESP_ERR:
+            return responder_error_cqe(self.qpn, self.wqe_counter, self.syndrome, owner)
+        return responder_cqe(self.qpn, self.wqe_counter, self.opcode, self.byte_count,
+                             self.imm, owner)
+
+    def record(self) -> dict:
+        """The ``ReceiveCompletionLayout`` fields."""
+        return dict(qpn=self.qpn, cqn=self.cqn, opcode=int(self.opcode),
+                    syndrome=int(self.syndrome), byte_count=self.byte_count, imm=self.imm,
+                    wqe_counter=self.wqe_counter)
+
+
+@dataclass
+class Decision:
+    """What the responder did with one packet (:meth:`ResponderModel.process`).
+
+    ``fate``: the one counter the packet incremented besides ``packets`` and
+    ``requests_received`` (e.g. "requests_executed", "invalid_naks", "rx_dropped_qp");
+    ``commands``: ``ResponseCommandLayout`` field dicts (``kind`` "ACK"/"READ"/"ATOMIC"),
+    ``packets``: those rendered on the wire (LRH .. ICRC, READ payload read at once);
+    ``dma``: ``(addr, bytes)`` of the descriptor's one DMA write command (``(0, 0)`` when
+    nothing is written; None when the receiver dropped the packet, no descriptor);
+    ``writes``: ``(addr, data)`` memory writes in order (payload and atomics);
+    ``completions``: :class:`RecvCompletion` made; ``recv_taken``: the receive WQE counter
+    consumed (None if none); ``qp_error``: the QP went to ERR (the ``qp_error`` event)."""
+    fate: str
+    qpn: int | None = None
+    psn: int | None = None
+    commands: list = field(default_factory=list)
+    packets: list = field(default_factory=list)
+    dma: tuple | None = None
+    writes: list = field(default_factory=list)
+    completions: list = field(default_factory=list)
+    recv_taken: int | None = None
+    qp_error: bool = False
+
+
+@dataclass
+class _ResponderState:
+    """Per-QP responder state of the hardware mode (reset by RESET -> RTS)."""
+    state: QpState = QpState.RTS
+    epsn: int = 0
+    msn: int = 0
+    seq_nak_sent: bool = False
+    in_progress: str | None = None     # None, "send" or "write"
+    write_va: int = 0                  # WRITE: where the next payload byte goes
+    write_left: int = 0                # WRITE: bytes of the RETH length still to come
+    write_len: int = 0                 # WRITE: the RETH length (WR_IMM byte_count)
+    recv_addr: int = 0                 # SEND: the receive WQE's buffer, its length and
+    recv_length: int = 0               # counter, and the bytes received so far
+    recv_counter: int = 0
+    recv_offset: int = 0
+    atomic_valid: bool = False         # the last executed atomic: its PSN and result
+    atomic_psn: int = 0
+    atomic_orig: int = 0
+    rq_ci: int = 0                     # receive queue consumer index (16 bits)
+
+
+class _Fail(Exception):
+    """An execution check failed (step 4): ``counter``, the AETH syndrome, whether the QP
+    goes to ERR, and the receive error completion's syndrome (0: none)."""
+    def __init__(self, counter, syndrome, fatal=True, recv_syndrome=0):
+        self.counter = counter
+        self.syndrome = syndrome
+        self.fatal = fatal
+        self.recv_syndrome = recv_syndrome
+
+
+_REQUEST_OPCODES = frozenset(range(Opcode.SEND_FIRST, Opcode.RDMA_READ_REQUEST + 1)) | {
+    Opcode.COMPARE_SWAP, Opcode.FETCH_ADD}
+_RESPONSE_OPCODES = frozenset(range(Opcode.RDMA_READ_RESPONSE_FIRST, Opcode.ATOMIC_ACKNOWLEDGE + 1))
+_HEADER_BYTES = {op: LRH.SIZE + BTH.SIZE + sum(h.SIZE for h in extension_headers(op))
+                 for op in _REQUEST_OPCODES}
+MAX_PAYLOAD_BYTES = 4096
+NAK = 0x60
+RNR_NAK = 0x20
+
+
+def _icrc_any(body: bytes) -> bytes:
+    """ICRC of any byte string as the NIC's checker computes it: LRH.VL and, when LNH
+    says a BTH follows, BTH.resv8a (after the GRH for LNH 3) and the GRH's variant
+    fields replaced by ones, wherever those bytes exist."""
+    masked = bytearray(body)
+    if masked:
+        masked[0] |= 0xF0
+    lnh = masked[1] & 0b11 if len(masked) > 1 else 0
+    bth = LRH.SIZE
+    if lnh == 0b11:
+        grh = LRH.SIZE
+        for i, mask in ((0, 0x0F), (1, 0xFF), (2, 0xFF), (3, 0xFF), (7, 0xFF)):
+            if grh + i < len(masked):
+                masked[grh + i] |= mask
+        bth += 40
+    if lnh & 0b10 and bth + 4 < len(masked):
+        masked[bth + 4] = 0xFF
+    return zlib.crc32(bytes(masked)).to_bytes(4, "little")
+
+
 class ResponderModel:
     """The remote end of the RC connections (IBA ch. 9.7, responder side).
 
@@ -728,18 +847,47 @@ class ResponderModel:
     remote access error; or ``read(addr, n)`` / ``write(addr, data)`` callables. ``ack_every``: an ACK for the
     newest PSN at least every that many SEND/WRITE packets, and for every AckReq packet
     unless ``coalesce_ackreq`` (then only every ``ack_every`` packets and at :meth:`flush`).
-    Atomics operate on little-endian 64-bit words, 8-byte aligned.
+    Atomics operate on little-endian 64-bit words, 8-byte aligned. A packet that does not
+    decode is dropped and counted (``dropped_malformed``).
+
+    Hardware mode (``contexts`` given): the NIC's responder, docs/nic-responder.md, rule
+    for rule; ``qps``, ``peer_qpn``, ``mtu``, ``ack_every``, ``coalesce_ackreq``,
+    :meth:`inject_nak` and :meth:`flush` do not apply. ``contexts``: :class:`QpContext`
+    by QPN (a dict or a list, read when needed, so tests may change fields later); a QP
+    listed there starts in RTS expecting ``rq_psn`` (see :meth:`reset_qp`), a QPN not
+    listed is in RESET. ``num_qps``: DestQP at or beyond it is dropped (default: no
+    bound). ``mkeys``: the memory-key table by index (a list, or a dict ``{index: Mkey}``
+    with ``num_mkeys`` entries; missing entries are invalid); key ``k`` is looked up at
+    ``(k >> 8) % num_mkeys``. ``sl_to_vl``: 16 entries (default VL = SL), the VL of the
+    responses. Memory accesses outside ``memory`` raise ValueError (a test whose keys or
+    receive queues lie outside the model's memory is misconfigured). See :meth:`process`
+    for what each packet does and :attr:`counters` for the names.
     """
+
+    HW_COUNTERS = ("requests_received", "rx_request_icrc_drops", "rx_request_malformed",
+                   "requests_executed", "duplicate_requests", "seq_naks", "rnr_naks",
+                   "access_naks", "invalid_naks", "op_naks", "rx_dropped_qp", "rx_dropped_pkey",
+                   "atomic_replays")
+    # Model-only: packets that in the NIC leave the request path without a counter of their
+    # own, so that every packet is counted exactly once (see :meth:`process`).
+    MODEL_COUNTERS = ("packets", "responses_steered", "seq_dropped", "duplicates_dropped")
 
     def __init__(self, lid: int, qps: dict | None = None, *, memory: bytearray | None = None,
                  memory_bytes: int | None = None, base: int = 0, read=None, write=None,
-                 ack_every: int = 1, coalesce_ackreq: bool = False, peer_qpn=None, mtu: int = 5):
+                 ack_every: int = 1, coalesce_ackreq: bool = False, peer_qpn=None, mtu: int = 5,
+                 contexts=None, num_qps: int | None = None, mkeys=None,
+                 num_mkeys: int | None = None, sl_to_vl=None):
         if ack_every < 1:
             raise ValueError("ack_every must be at least 1")
         if memory is None and memory_bytes is not None:
             memory = bytearray(memory_bytes)
         if (memory is None) == (read is None or write is None):
             raise ValueError("give memory (or memory_bytes), or both read and write")
+        self.hardware = contexts is not None
+        if self.hardware:
+            self._init_hardware(contexts, num_qps, mkeys, num_mkeys, sl_to_vl)
+        elif mkeys is not None or num_qps is not None or sl_to_vl is not None:
+            raise ValueError("mkeys, num_qps and sl_to_vl need contexts (hardware mode)")
         self.lid = lid
         self.qps = dict(qps or {})
         self.peer_qpn = peer_qpn
@@ -751,13 +899,20 @@ class ResponderModel:
         self.ack_every = ack_every
         self.coalesce_ackreq = coalesce_ackreq
         self.naks = {}
-        self.counters = dict.fromkeys(("packets", "dropped_icrc", "dropped_unknown_qp",
-                                       "dropped_qp_error", "duplicates", "out_of_sequence",
-                                       "acks", "naks", "read_responses", "atomic_acks"), 0)
+        if self.hardware:
+            self.counters = dict.fromkeys(self.HW_COUNTERS + self.MODEL_COUNTERS, 0)
+        else:
+            self.counters = dict.fromkeys(("packets", "dropped_icrc", "dropped_unknown_qp",
+                                           "dropped_qp_error", "duplicates", "out_of_sequence",
+                                           "acks", "naks", "read_responses", "atomic_acks",
+                                           "dropped_malformed"), 0)
 
     # memory
     def _check_range(self, va: int, n: int):
         if self.memory is not None and (va < self.base or va + n > self.base + len(self.memory)):
+            if self.hardware:
+                raise ValueError(f"access [{va:#x}, {va + n:#x}) outside the model's memory "
+                                 f"[{self.base:#x}, {self.base + len(self.memory):#x})")
             raise _Nak(NakCode.REMOTE_ACCESS_ERROR)
 
     def read(self, va: int, n: int) -> bytes:
@@ -809,10 +964,18 @@ class ResponderModel:
         return [self._ack(qp, qp.last_psn) for qp in self.qps.values()
                 if qp.unacked and not qp.error]
 
-    def receive(self, packet: bytes) -> list:
-        """Process one request packet (LRH .. ICRC); returns the response packets."""
+    def receive(self, packet: bytes, end_bad: bool = False) -> list:
+        """Process one request packet (LRH .. ICRC); returns the response packets (in
+        hardware mode: ``process(packet, end_bad).packets``). Never raises on a bad
+        packet."""
+        if self.hardware:
+            return self.process(packet, end_bad).packets
         self.counters["packets"] += 1
-        pkt = decode_packet(packet)
+        try:
+            pkt = decode_packet(packet)
+        except ValueError:
+            self.counters["dropped_malformed"] += 1
+            return []
         if not pkt.icrc_ok:
             self.counters["dropped_icrc"] += 1
             return []
@@ -952,6 +1115,391 @@ class ResponderModel:
         return [self._response(qp, Opcode.ATOMIC_ACKNOWLEDGE, psn,
                                ext=[AETH(syndrome=ACK_SYNDROME, msn=qp.msn),
                                     AtomicAckETH(orig=orig)])]
+
+
+    # --- hardware mode (docs/nic-responder.md) -------------------------------------------
+
+    def _init_hardware(self, contexts, num_qps, mkeys, num_mkeys, sl_to_vl):
+        if mkeys is None:
+            mkeys = []
+        if isinstance(mkeys, dict):
+            if num_mkeys is None:
+                raise ValueError("a dict of memory keys needs num_mkeys")
+            if any(not 0 <= i < num_mkeys for i in mkeys):
+                raise ValueError("memory-key indices must be below num_mkeys")
+        elif num_mkeys is None:
+            num_mkeys = len(mkeys)
+        elif num_mkeys != len(mkeys):
+            raise ValueError("num_mkeys disagrees with the length of the mkeys list")
+        sl_to_vl = list(range(16)) if sl_to_vl is None else list(sl_to_vl)
+        if len(sl_to_vl) != 16:
+            raise ValueError("sl_to_vl needs 16 entries")
+        self.contexts = contexts
+        self.num_qps = num_qps
+        self.mkeys = mkeys
+        self.num_mkeys = num_mkeys
+        self.sl_to_vl = sl_to_vl
+        self.responder = {}            # QPN -> _ResponderState (created when first needed)
+        self.completions = defaultdict(list)   # CQN -> [RecvCompletion] in order
+        self.receive_completions = []          # every RecvCompletion in order
+        self.qp_errors = []                    # QPNs in the order their qp_error events happen
+        self.last = None                       # the Decision of the latest packet
+
+    def context(self, qpn: int) -> QpContext | None:
+        """The QP's context, or None when the QP has none (RESET)."""
+        if isinstance(self.contexts, dict):
+            return self.contexts.get(qpn)
+        return self.contexts[qpn] if 0 <= qpn < len(self.contexts) else None
+
+    def _qp_state(self, qpn: int) -> _ResponderState | None:
+        st = self.responder.get(qpn)
+        if st is None:
+            ctx = self.context(qpn)
+            if ctx is None:
+                return None
+            st = self.responder[qpn] = _ResponderState(epsn=ctx.rq_psn)
+        return st
+
+    def qp_state(self, qpn: int) -> QpState:
+        st = self._qp_state(qpn)
+        return QpState.RESET if st is None else st.state
+
+    def responder_state(self, qpn: int) -> _ResponderState | None:
+        """The QP's responder state (``epsn``, ``msn``, ``rq_ci``, ``in_progress``,
+        saved atomic ...), for tests to compare with the hardware's."""
+        return self._qp_state(qpn)
+
+    def reset_qp(self, qpn: int, state=QpState.RTS):
+        """RESET (then ``state``): ``epsn`` = the context's ``rq_psn`` (read now), MSN 0,
+        receive consumer index 0, no message in progress, no saved atomic."""
+        state = QpState[state] if isinstance(state, str) else QpState(state)
+        ctx = self.context(qpn)
+        self.responder[qpn] = _ResponderState(state=state, epsn=0 if ctx is None else ctx.rq_psn)
+
+    def set_state(self, qpn: int, state):
+        """Host write of the QP state (a :class:`QpState`, value or name); RESET resets."""
+        state = QpState[state] if isinstance(state, str) else QpState(state)
+        if state == QpState.RESET:
+            self.reset_qp(qpn, QpState.RESET)
+        else:
+            self._qp_state(qpn).state = state
+
+    def post_recv(self, qpn: int, byte_count: int, lkey: int, addr: int) -> int:
+        """Host side: write a receive WQE at the producer index (read from the doorbell
+        record) and advance the doorbell record; returns the WQE's counter."""
+        ctx = self.context(qpn)
+        pi = parse_rq_doorbell_record(self.read(ctx.rq_dbr, 4))
+        slot = pi % (1 << ctx.log_rq_size)
+        self.write(ctx.rq_base + RECV_WQE_BYTES * slot, recv_wqe(byte_count, lkey, addr))
+        self.write(ctx.rq_dbr, rq_doorbell_record(pi + 1))
+        return pi
+
+    def _mkey_entry(self, key: int) -> Mkey | None:
+        if not self.num_mkeys:
+            return None
+        index = mkey_index(key, self.num_mkeys)
+        if isinstance(self.mkeys, dict):
+            return self.mkeys.get(index)
+        return self.mkeys[index]
+
+    def _key_ok(self, key: int, pd: int, right: Access, va: int, length: int) -> bool:
+        """Key ``key`` valid, equal, of PD ``pd``, with ``right``, covering [va, va+length)."""
+        entry = self._mkey_entry(key)
+        end = va + length
+        return (entry is not None and entry.valid and entry.key == key and entry.pd == pd
+                and bool(Access(entry.access) & right) and end <= 1 << 64
+                and entry.base <= va and end <= entry.base + entry.length)
+
+    def process(self, packet: bytes, end_bad: bool = False) -> Decision:
+        """Hardware mode: one packet (LRH .. ICRC, any bytes) through the request receiver
+        and the responder engine. Returns (and keeps as :attr:`last`) the
+        :class:`Decision`. Never raises on a bad packet. ``end_bad``: the link marked the
+        packet's end beat bad (counted as an ICRC drop).
+
+        Every packet increments ``packets`` and exactly one of: ``responses_steered``
+        (BTH opcode byte 8 is a response, 0x0D..0x12: the completion unit's),
+        ``rx_request_icrc_drops``, ``rx_request_malformed``, or ``requests_received`` and
+        then exactly one of ``rx_dropped_qp``, ``rx_dropped_pkey``, ``seq_naks``,
+        ``seq_dropped`` (out of sequence after the NAK), ``duplicate_requests`` (of which
+        ``atomic_replays`` and ``duplicates_dropped``, a READ failing its checks or an
+        atomic not the saved one, are parts), ``requests_executed`` (every in-sequence
+        request, as the doc's step 3 counts it; the ones failing step 4 also count in
+        ``rnr_naks``, ``access_naks``, ``invalid_naks`` or ``op_naks``, which is then their
+        ``fate``).
+        """
+        self.counters["packets"] += 1
+        decision = self._process(bytes(packet), end_bad)
+        self.counters[decision.fate] += 1
+        decision.packets = [p for c in decision.commands for p in self._render(c)]
+        self.last = decision
+        return decision
+
+    def _receiver_verdict(self, buf: bytes, end_bad: bool):
+        """The request receiver's checks: (counter, None) or (None, fields)."""
+        if len(buf) > LRH.SIZE and buf[LRH.SIZE] in _RESPONSE_OPCODES:
+            return "responses_steered", None
+        if end_bad or len(buf) < ICRC_SIZE or _icrc_any(buf[:-ICRC_SIZE]) != buf[-ICRC_SIZE:]:
+            return "rx_request_icrc_drops", None
+        if len(buf) < LRH.SIZE + BTH.SIZE + ICRC_SIZE:
+            return "rx_request_malformed", None
+        lrh = LRH.unpack(buf)
+        bth = BTH.unpack(buf[LRH.SIZE:])
+        if (lrh.lnh != LNH_IBA_LOCAL or lrh.dlid != self.lid or bth.tver != 0
+                or lrh.pktlen * 4 != len(buf) or bth.opcode not in _REQUEST_OPCODES):
+            return "rx_request_malformed", None
+        header = _HEADER_BYTES[bth.opcode]
+        payload_bytes = len(buf) - header - ICRC_SIZE - bth.padcnt
+        if payload_bytes < 0 or payload_bytes > MAX_PAYLOAD_BYTES:
+            return "rx_request_malformed", None
+        if not carries_payload(bth.opcode) and len(buf) != header + ICRC_SIZE:
+            return "rx_request_malformed", None
+        ext = {}
+        offset = LRH.SIZE + BTH.SIZE
+        for cls in extension_headers(bth.opcode):
+            ext[cls] = cls.unpack(buf[offset:])
+            offset += cls.SIZE
+        return None, (lrh, bth, ext, buf[header:header + payload_bytes])
+
+    def _process(self, buf: bytes, end_bad: bool) -> Decision:
+        fate, fields = self._receiver_verdict(buf, end_bad)
+        if fate is not None:
+            return Decision(fate)
+        self.counters["requests_received"] += 1
+        lrh, bth, ext, payload = fields
+        qpn, psn, op = bth.destqp, bth.psn, bth.opcode
+        d = Decision("requests_executed", qpn=qpn, psn=psn, dma=(0, 0))
+        ctx = self.context(qpn) if self.num_qps is None or qpn < self.num_qps else None
+        st = None if ctx is None else self._qp_state(qpn)
+        # 1. QP
+        if st is None or st.state != QpState.RTS or lrh.slid != ctx.dlid:
+            d.fate = "rx_dropped_qp"
+            return d
+        # 2. P_Key
+        if ((bth.pkey ^ ctx.pkey) & 0x7FFF) or not ((bth.pkey | ctx.pkey) & 0x8000):
+            d.fate = "rx_dropped_pkey"
+            return d
+        # 3. PSN
+        diff = psn_diff(psn, st.epsn)
+        if diff > 0:
+            if st.seq_nak_sent:
+                d.fate = "seq_dropped"
+                return d
+            st.seq_nak_sent = True
+            d.fate = "seq_naks"
+            d.commands.append(self._ack_command(ctx, st.epsn, NAK | NakCode.PSN_SEQUENCE_ERROR,
+                                                st.msn))
+            return d
+        if diff < 0:
+            d.fate = "duplicate_requests"
+            self._duplicate(ctx, st, op, psn, ext, d)
+            return d
+        st.seq_nak_sent = False
+        try:
+            self._execute_hw(ctx, st, op, bth, ext, payload, d)
+        except _Fail as fail:
+            self.counters["requests_executed"] += 1
+            d.fate = fail.counter
+            d.dma = (0, 0)
+            d.commands = [self._ack_command(ctx, psn, fail.syndrome, st.msn)]
+            if fail.recv_syndrome:
+                self._complete_recv(ctx, st, d, CqeOpcode.RESP_ERR, syndrome=fail.recv_syndrome)
+            if fail.fatal:
+                st.state = QpState.ERR
+                d.qp_error = True
+                self.qp_errors.append(qpn)
+        return d
+
+    def _duplicate(self, ctx, st, op, psn, ext, d):
+        if op <= Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE:
+            d.commands.append(self._ack_command(ctx, psn_add(st.epsn, -1), ACK_SYNDROME, st.msn))
+        elif op == Opcode.RDMA_READ_REQUEST:
+            reth = ext[RETH]
+            if (not Access(ctx.access) & Access.REMOTE_READ
+                    or (reth.dmalen and not self._key_ok(reth.rkey, ctx.pd, Access.REMOTE_READ,
+                                                         reth.va, reth.dmalen))):
+                self.counters["duplicates_dropped"] += 1
+                return
+            d.commands.append(self._read_command(ctx, psn, reth, st.msn))
+        elif st.atomic_valid and psn == st.atomic_psn:
+            self.counters["atomic_replays"] += 1
+            d.commands.append(self._atomic_command(ctx, psn, st.msn, st.atomic_orig))
+        else:
+            self.counters["duplicates_dropped"] += 1
+
+    def _execute_hw(self, ctx, st, op, bth, ext, payload, d):
+        psn = bth.psn
+        mtu = 128 << ctx.mtu
+        invalid = _Fail("invalid_naks", NAK | NakCode.INVALID_REQUEST)
+        access = _Fail("access_naks", NAK | NakCode.REMOTE_ACCESS_ERROR)
+        is_send = op <= Opcode.SEND_ONLY_WITH_IMMEDIATE
+        is_write = Opcode.RDMA_WRITE_FIRST <= op <= Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE
+        first, last = op in _FIRSTS, op in _LASTS
+        kind = "send" if is_send else "write" if is_write else None
+        # opcode sequence
+        if kind is None or first:
+            if st.in_progress is not None:
+                raise invalid
+        elif st.in_progress != kind:
+            raise invalid
+        # lengths
+        n = len(payload)
+        if kind is not None:
+            if (not last and n != mtu) or n > mtu or (last and not first and n == 0):
+                raise invalid
+            if is_write:
+                left = ext[RETH].dmalen if first else st.write_left
+                if n > left or (last and n != left):
+                    raise invalid
+        if op in (Opcode.COMPARE_SWAP, Opcode.FETCH_ADD):
+            atomic = ext[AtomicETH]
+            if atomic.va % 8:
+                raise invalid
+            if not Access(ctx.access) & Access.REMOTE_ATOMIC:
+                raise access
+            if not self._key_ok(atomic.rkey, ctx.pd, Access.REMOTE_ATOMIC, atomic.va, 8):
+                raise access
+            self._execute_atomic(ctx, st, op, psn, atomic, d)
+            return
+        if op == Opcode.RDMA_READ_REQUEST:
+            reth = ext[RETH]
+            if not Access(ctx.access) & Access.REMOTE_READ:
+                raise access
+            if reth.dmalen and not self._key_ok(reth.rkey, ctx.pd, Access.REMOTE_READ, reth.va,
+                                                reth.dmalen):
+                raise access
+            st.msn = (st.msn + 1) % PSN_MOD
+            d.commands.append(self._read_command(ctx, psn, reth, st.msn))
+            st.epsn = psn_add(psn, max(1, -(-reth.dmalen // mtu)))
+            return
+        if is_write and first:
+            reth = ext[RETH]
+            if not Access(ctx.access) & Access.REMOTE_WRITE:
+                raise access
+            if reth.dmalen and not self._key_ok(reth.rkey, ctx.pd, Access.REMOTE_WRITE, reth.va,
+                                                reth.dmalen):
+                raise access
+        imm = ext[ImmDt].imm if ImmDt in ext else 0
+        takes_wqe = (is_send and first) or (is_write and last and ImmDt in ext)
+        if takes_wqe:
+            wqe = self._take_recv(ctx, st, d)
+            if is_send:
+                st.recv_addr, st.recv_length, st.recv_counter = wqe
+                st.recv_offset = 0
+        if is_send and st.recv_offset + n > st.recv_length:
+            raise _Fail("invalid_naks", NAK | NakCode.INVALID_REQUEST,
+                        recv_syndrome=Syndrome.LOCAL_LENGTH_ERR)
+        # execute
+        if is_write:
+            if first:
+                st.write_va, st.write_left = ext[RETH].va, ext[RETH].dmalen
+                st.write_len = st.write_left
+            addr = st.write_va
+            st.write_va += n
+            st.write_left -= n
+        else:
+            addr = st.recv_addr + st.recv_offset
+            st.recv_offset += n
+        if n:
+            self.write(addr, payload)
+            d.writes.append((addr, bytes(payload)))
+            d.dma = (addr, n)
+        st.in_progress = None if last else kind
+        if last:
+            st.msn = (st.msn + 1) % PSN_MOD
+            if is_send:
+                opcode = CqeOpcode.RESP_SEND_IMM if ImmDt in ext else CqeOpcode.RESP_SEND
+                self._complete_recv(ctx, st, d, opcode, st.recv_offset, imm)
+            elif ImmDt in ext:
+                self._complete_recv(ctx, st, d, CqeOpcode.RESP_WR_IMM, st.write_len, imm)
+        st.epsn = psn_add(psn, 1)
+        if bth.ackreq:
+            d.commands.append(self._ack_command(ctx, psn, ACK_SYNDROME, st.msn))
+
+    def _take_recv(self, ctx, st, d) -> tuple:
+        """The ReceiveQueue: the next receive WQE as (addr, length, counter), consumed;
+        RNR (nothing consumed) or a bad WQE (consumed, QP to ERR) raise _Fail."""
+        pi = parse_rq_doorbell_record(self.read(ctx.rq_dbr, 4))
+        if pi == st.rq_ci:
+            raise _Fail("rnr_naks", RNR_NAK | (ctx.min_rnr_timer & 0x1F), fatal=False)
+        counter = st.rq_ci
+        slot = counter % (1 << ctx.log_rq_size)
+        length, lkey, addr = parse_recv_wqe(self.read(ctx.rq_base + RECV_WQE_BYTES * slot,
+                                                      RECV_WQE_BYTES))
+        st.rq_ci = (counter + 1) & 0xFFFF
+        d.recv_taken = counter
+        st.recv_counter = counter
+        if length and not self._key_ok(lkey, ctx.pd, Access.LOCAL_WRITE, addr, length):
+            raise _Fail("op_naks", NAK | NakCode.REMOTE_OPERATIONAL_ERROR,
+                        recv_syndrome=Syndrome.LOCAL_PROT_ERR)
+        return addr, length, counter
+
+    def _complete_recv(self, ctx, st, d, opcode, byte_count=0, imm=0, syndrome=0):
+        error = opcode == CqeOpcode.RESP_ERR
+        c = RecvCompletion(qpn=d.qpn, cqn=ctx.rcqn, opcode=CqeOpcode(opcode),
+                           byte_count=0 if error else byte_count,
+                           imm=imm if opcode in (CqeOpcode.RESP_WR_IMM, CqeOpcode.RESP_SEND_IMM) else 0,
+                           wqe_counter=st.recv_counter, syndrome=int(syndrome))
+        d.completions.append(c)
+        self.completions[ctx.rcqn].append(c)
+        self.receive_completions.append(c)
+
+    def _execute_atomic(self, ctx, st, op, psn, atomic, d):
+        orig = int.from_bytes(self.read(atomic.va, 8), "little")
+        if op == Opcode.FETCH_ADD:
+            new = (orig + atomic.swap_add) % (1 << 64)
+        else:
+            new = atomic.swap_add if orig == atomic.compare else orig
+        data = new.to_bytes(8, "little")
+        self.write(atomic.va, data)
+        d.writes.append((atomic.va, data))
+        st.msn = (st.msn + 1) % PSN_MOD
+        st.epsn = psn_add(psn, 1)
+        st.atomic_valid, st.atomic_psn, st.atomic_orig = True, psn, orig
+        d.commands.append(self._atomic_command(ctx, psn, st.msn, orig))
+
+    def _command(self, ctx, kind, psn, msn, **kw) -> dict:
+        command = dict(kind=kind, vl=self.sl_to_vl[ctx.sl], sl=ctx.sl, dlid=ctx.dlid,
+                       pkey=ctx.pkey, destqp=ctx.dest_qpn, psn=psn, syndrome=ACK_SYNDROME,
+                       msn=msn, va=0, length=0, mtu=ctx.mtu, orig=0)
+        command.update(kw)
+        return command
+
+    def _ack_command(self, ctx, psn, syndrome, msn) -> dict:
+        return self._command(ctx, "ACK", psn, msn, syndrome=syndrome)
+
+    def _read_command(self, ctx, psn, reth, msn) -> dict:
+        return self._command(ctx, "READ", psn, msn, va=reth.va, length=reth.dmalen)
+
+    def _atomic_command(self, ctx, psn, msn, orig) -> dict:
+        return self._command(ctx, "ATOMIC", psn, msn, orig=orig)
+
+    def _render(self, c: dict) -> list:
+        """The packets of one response command (READ data read from memory now)."""
+        common = dict(vl=c["vl"], sl=c["sl"], dlid=c["dlid"], slid=self.lid, destqp=c["destqp"],
+                      pkey=c["pkey"])
+        aeth = AETH(syndrome=c["syndrome"], msn=c["msn"])
+        if c["kind"] == "ACK":
+            return [make_packet(**common, opcode=Opcode.ACKNOWLEDGE, psn=c["psn"], ext=[aeth])]
+        if c["kind"] == "ATOMIC":
+            return [make_packet(**common, opcode=Opcode.ATOMIC_ACKNOWLEDGE, psn=c["psn"],
+                                ext=[aeth, AtomicAckETH(orig=c["orig"])])]
+        mtu = 128 << c["mtu"]
+        data = self.read(c["va"], c["length"]) if c["length"] else b""
+        count = max(1, -(-len(data) // mtu))
+        out = []
+        for i in range(count):
+            if count == 1:
+                op = Opcode.RDMA_READ_RESPONSE_ONLY
+            elif i == 0:
+                op = Opcode.RDMA_READ_RESPONSE_FIRST
+            elif i == count - 1:
+                op = Opcode.RDMA_READ_RESPONSE_LAST
+            else:
+                op = Opcode.RDMA_READ_RESPONSE_MIDDLE
+            out.append(make_packet(**common, opcode=op, psn=psn_add(c["psn"], i),
+                                   ext=[] if op == Opcode.RDMA_READ_RESPONSE_MIDDLE else [aeth],
+                                   payload=data[i * mtu:(i + 1) * mtu]))
+        return out
 
 
 _WRITE_OPS_ALL = frozenset(range(Opcode.SEND_FIRST, Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE + 1))

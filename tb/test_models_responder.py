@@ -56,3 +56,483 @@ def test_responder_cqe_opcodes_match_signatures():
     from hdl.nic import signatures as sig
     for e in sig.RecvCqeOpcode:
         assert m.CqeOpcode[e.name] == e.value
+
+
+# --- ResponderModel, hardware mode ----------------------------------------------------------
+
+import random
+
+import pytest
+
+from models import nic as n
+from models.ib import AETH, BTH, LRH, RETH, AtomicETH, ImmDt, Opcode
+from models.packet import parse_packet
+
+LID, PEER_LID, QPN, PEER_QPN, PD, PKEY = 0x55, 0x11, 5, 0x33, 7, 0x8001
+MEM = 1 << 16
+REMOTE = (0x1000, 0x4000)          # the rkey's region
+RBUF = (0x8000, 0x2000)            # the receive buffers' lkey region
+RQ_BASE, RQ_DBR, LOG_RQ = 0xA000, 0xA100, 2
+ALL = n.Access.REMOTE_WRITE | n.Access.REMOTE_READ | n.Access.REMOTE_ATOMIC
+RKEY = m.make_key(1, 0x11)
+LKEY = m.make_key(2, 0x22)
+MTU = 256
+EPSN = 100
+
+
+def world(**ctx_kw):
+    mem = bytearray(MEM)
+    mkeys = {1: n.Mkey(key=RKEY, base=REMOTE[0], length=REMOTE[1], access=ALL | n.Access.LOCAL_WRITE,
+                       pd=PD, valid=True),
+             2: n.Mkey(key=LKEY, base=RBUF[0], length=RBUF[1], access=n.Access.LOCAL_WRITE, pd=PD,
+                       valid=True)}
+    kw = dict(qpn=QPN, dest_qpn=PEER_QPN, dlid=PEER_LID, sl=2, pkey=PKEY, pd=PD, mtu=1, access=ALL,
+              rq_psn=EPSN, min_rnr_timer=14, rq_base=RQ_BASE, log_rq_size=LOG_RQ, rq_dbr=RQ_DBR,
+              rcqn=3)
+    kw.update(ctx_kw)
+    sl_to_vl = [s % 4 for s in range(16)]
+    sl_to_vl[2] = 1
+    resp = n.ResponderModel(LID, memory=mem, contexts={QPN: n.QpContext(**kw)}, num_qps=16,
+                            mkeys=mkeys, num_mkeys=8, sl_to_vl=sl_to_vl)
+    return resp, mem
+
+
+def req(op, psn, *, ext=(), payload=b"", ackreq=1, slid=PEER_LID, pkey=PKEY, destqp=QPN, dlid=LID):
+    return n.make_packet(vl=1, sl=2, dlid=dlid, slid=slid, opcode=op, destqp=destqp, psn=psn,
+                         pkey=pkey, ackreq=ackreq, ext=ext, payload=payload)
+
+
+def write_only(psn, va, data, rkey=RKEY, dmalen=None, imm=None, **kw):
+    ext = [RETH(va=va, rkey=rkey, dmalen=len(data) if dmalen is None else dmalen)]
+    op = Opcode.RDMA_WRITE_ONLY
+    if imm is not None:
+        ext.append(ImmDt(imm=imm))
+        op = Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE
+    return req(op, psn, ext=ext, payload=data, **kw)
+
+
+def read_req(psn, va, length, rkey=RKEY, **kw):
+    return req(Opcode.RDMA_READ_REQUEST, psn, ext=[RETH(va=va, rkey=rkey, dmalen=length)], **kw)
+
+
+def fetch_add(psn, va, add, rkey=RKEY, **kw):
+    return req(Opcode.FETCH_ADD, psn, ext=[AtomicETH(va=va, rkey=rkey, swap_add=add)], **kw)
+
+
+def acks(decision):
+    """(psn, syndrome, msn) of each ACKNOWLEDGE; checks the responses' addressing."""
+    out = []
+    for raw in decision.packets:
+        p = parse_packet(raw)
+        assert (p.lrh.dlid, p.lrh.slid, p.lrh.sl, p.lrh.vl) == (PEER_LID, LID, 2, 1)
+        assert p.bth.destqp == PEER_QPN and p.bth.pkey == PKEY and p.icrc_ok
+        if p.bth.opcode == Opcode.ACKNOWLEDGE:
+            out.append((p.bth.psn, p.ext[0].syndrome, p.ext[0].msn))
+    return out
+
+
+def nak(code):
+    return 0x60 | code
+
+
+def check_partition(c):
+    """Every packet counted exactly once (see ResponderModel.process)."""
+    assert c["packets"] == (c["responses_steered"] + c["rx_request_icrc_drops"]
+                            + c["rx_request_malformed"] + c["requests_received"])
+    assert c["requests_received"] == sum(c[k] for k in (
+        "rx_dropped_qp", "rx_dropped_pkey", "seq_naks", "seq_dropped", "duplicate_requests",
+        "requests_executed"))
+    assert c["atomic_replays"] + c["duplicates_dropped"] <= c["duplicate_requests"]
+    assert c["rnr_naks"] + c["access_naks"] + c["invalid_naks"] + c["op_naks"] <= c["requests_executed"]
+
+
+def test_write_read_atomic_execute():
+    resp, mem = world()
+    d = resp.process(write_only(EPSN, 0x1100, b"hello world"))
+    assert d.fate == "requests_executed" and mem[0x1100:0x110B] == b"hello world"
+    assert acks(d) == [(EPSN, n.ACK_SYNDROME, 1)] and d.dma == (0x1100, 11)
+    # multi-packet WRITE, AckReq only on the LAST: one ACK
+    data = bytes(random.Random(1).getrandbits(8) for _ in range(600))
+    pkts = [req(Opcode.RDMA_WRITE_FIRST, EPSN + 1, ext=[RETH(va=0x1201, rkey=RKEY, dmalen=600)],
+                payload=data[:256], ackreq=0),
+            req(Opcode.RDMA_WRITE_MIDDLE, EPSN + 2, payload=data[256:512], ackreq=0),
+            req(Opcode.RDMA_WRITE_LAST, EPSN + 3, payload=data[512:])]
+    out = [resp.process(p) for p in pkts]
+    assert [acks(d) for d in out] == [[], [], [(EPSN + 3, n.ACK_SYNDROME, 2)]]
+    assert [d.dma for d in out] == [(0x1201, 256), (0x1301, 256), (0x1401, 88)]
+    assert mem[0x1201:0x1201 + 600] == data
+    # READ of 600 bytes at MTU 256: 3 responses, epsn advances by 3
+    d = resp.process(read_req(EPSN + 4, 0x1201, 600))
+    ps = [parse_packet(p) for p in d.packets]
+    assert [p.bth.opcode for p in ps] == [Opcode.RDMA_READ_RESPONSE_FIRST, Opcode.RDMA_READ_RESPONSE_MIDDLE,
+                                          Opcode.RDMA_READ_RESPONSE_LAST]
+    assert [p.bth.psn for p in ps] == [EPSN + 4, EPSN + 5, EPSN + 6]
+    assert b"".join(p.payload for p in ps) == data and ps[0].ext[0].msn == 3
+    assert d.commands[0]["kind"] == "READ" and d.commands[0]["length"] == 600 and d.dma == (0, 0)
+    assert resp.responder_state(QPN).epsn == EPSN + 7
+    # zero-length READ: one ONLY response, no key needed
+    d = resp.process(read_req(EPSN + 7, 0, 0, rkey=0xDEAD))
+    (p,) = [parse_packet(x) for x in d.packets]
+    assert p.bth.opcode == Opcode.RDMA_READ_RESPONSE_ONLY and p.payload == b"" and p.ext[0].msn == 4
+    # atomics on little-endian words
+    mem[0x2000:0x2008] = (5).to_bytes(8, "little")
+    d = resp.process(fetch_add(EPSN + 8, 0x2000, 3))
+    (p,) = [parse_packet(x) for x in d.packets]
+    assert p.bth.opcode == Opcode.ATOMIC_ACKNOWLEDGE and p.ext[1].orig == 5 and p.ext[0].msn == 5
+    assert int.from_bytes(mem[0x2000:0x2008], "little") == 8
+    cs = req(Opcode.COMPARE_SWAP, EPSN + 9, ext=[AtomicETH(va=0x2000, rkey=RKEY, swap_add=77, compare=8)])
+    assert parse_packet(resp.process(cs).packets[0]).ext[1].orig == 8
+    assert int.from_bytes(mem[0x2000:0x2008], "little") == 77
+    cs = req(Opcode.COMPARE_SWAP, EPSN + 10, ext=[AtomicETH(va=0x2000, rkey=RKEY, swap_add=1, compare=8)])
+    assert parse_packet(resp.process(cs).packets[0]).ext[1].orig == 77
+    assert int.from_bytes(mem[0x2000:0x2008], "little") == 77
+    # WRITE of 0 bytes needs no key; no AckReq, no ACK
+    d = resp.process(write_only(EPSN + 11, 0, b"", rkey=0xBAD, ackreq=0))
+    assert d.fate == "requests_executed" and d.packets == [] and d.dma == (0, 0)
+    assert resp.counters["requests_executed"] == 10 and resp.responder_state(QPN).msn == 8
+    check_partition(resp.counters)
+
+
+def test_receiver_drops():
+    resp, mem = world()
+    good = write_only(EPSN, 0x1000, b"abcd")
+
+    def fix_icrc(b):
+        b = bytes(b)
+        return b[:-4] + n._icrc_any(b[:-4])
+
+    cases = []
+    bad = bytearray(good)
+    bad[30] ^= 1
+    cases.append(("rx_request_icrc_drops", bytes(bad), False))
+    cases.append(("rx_request_icrc_drops", good, True))                      # end-bad
+    cases.append(("rx_request_icrc_drops", b"", False))
+    cases.append(("rx_request_icrc_drops", b"\x00\x01\x02", False))
+    bad = bytearray(good)
+    bad[1] = (bad[1] & ~3) | 3                                                 # LNH 3 (GRH)
+    cases.append(("rx_request_malformed", fix_icrc(bad), False))
+    bad = bytearray(good)
+    bad[2:4] = (0x56).to_bytes(2, "big")                                      # another DLID
+    cases.append(("rx_request_malformed", fix_icrc(bad), False))
+    bad = bytearray(good)
+    bad[9] |= 1                                                               # TVer 1
+    cases.append(("rx_request_malformed", fix_icrc(bad), False))
+    cases.append(("rx_request_malformed", fix_icrc(good[:-8] + good[-4:]), False))   # PktLen
+    bad = bytearray(good)
+    bad[8] = 0x15                                                              # not RC request
+    cases.append(("rx_request_malformed", fix_icrc(bad), False))
+    bad = bytearray(good)
+    bad[8] = 0x64                                                              # UD SEND_ONLY
+    cases.append(("rx_request_malformed", fix_icrc(bad), False))
+    # headers cut: an RDMA_WRITE_ONLY of 4 bytes re-labelled as carrying an AtomicETH
+    bad = bytearray(good)
+    bad[8] = Opcode.FETCH_ADD
+    cases.append(("rx_request_malformed", fix_icrc(bad), False))
+    short = req(Opcode.SEND_ONLY, EPSN)                                         # 24 bytes, fine
+    bad = bytearray(short)
+    bad[8] = Opcode.RDMA_WRITE_ONLY                                              # RETH missing
+    cases.append(("rx_request_malformed", fix_icrc(bad), False))
+    bad = bytearray(short)
+    bad[9] |= 0x30                                                              # PadCnt 3 > payload
+    cases.append(("rx_request_malformed", fix_icrc(bad), False))
+    cases.append(("rx_request_malformed", write_only(EPSN, 0x1000, bytes(4100)), False))  # > 4096
+    cases.append(("rx_request_malformed",
+                  req(Opcode.RDMA_READ_REQUEST, EPSN, ext=[RETH(va=0x1000, rkey=RKEY, dmalen=4)],
+                      payload=b"\0\0\0\0"), False))                              # READ with payload
+    cases.append(("rx_request_malformed",
+                  req(Opcode.FETCH_ADD, EPSN, ext=[AtomicETH(va=0x1000, rkey=RKEY)], payload=b"1234"),
+                  False))
+    cases.append(("responses_steered", req(Opcode.ACKNOWLEDGE, EPSN, ext=[AETH()]), False))
+    for fate, pkt, end_bad in cases:
+        before = dict(resp.counters)
+        d = resp.process(pkt, end_bad=end_bad)
+        assert d.fate == fate and d.packets == [] and d.dma is None, (fate, pkt.hex())
+        assert resp.counters[fate] == before[fate] + 1
+    assert bytes(mem) == bytes(MEM) and resp.counters["requests_received"] == 0
+    # the exact-size limits pass
+    assert resp.process(write_only(EPSN, 0x1000, bytes(256))).fate == "requests_executed"
+    check_partition(resp.counters)
+
+
+def test_qp_and_pkey_drops():
+    resp, mem = world()
+    assert resp.process(write_only(EPSN, 0x1000, b"x", destqp=4)).fate == "rx_dropped_qp"    # RESET
+    assert resp.process(write_only(EPSN, 0x1000, b"x", destqp=16)).fate == "rx_dropped_qp"   # >= num_qps
+    assert resp.process(write_only(EPSN, 0x1000, b"x", slid=0x12)).fate == "rx_dropped_qp"   # SLID
+    psn = EPSN
+    for pkey, ok in ((0x0001, True), (0x8001, True), (0x8002, False), (0x0002, False)):
+        fate = resp.process(write_only(psn, 0x1000, b"x", pkey=pkey, ackreq=0)).fate
+        assert fate == ("requests_executed" if ok else "rx_dropped_pkey"), hex(pkey)
+        psn += ok
+    # both limited members: dropped
+    resp2, _ = world(pkey=0x0001)
+    assert resp2.process(write_only(EPSN, 0x1000, b"x", pkey=0x0001)).fate == "rx_dropped_pkey"
+    assert resp2.process(write_only(EPSN, 0x1000, b"x", pkey=0x8001)).fate == "requests_executed"
+    # ERR drops; RESET -> RTS starts again at rq_psn
+    resp.set_state(QPN, "ERR")
+    assert resp.process(write_only(psn, 0x1000, b"x")).fate == "rx_dropped_qp"
+    resp.reset_qp(QPN)
+    assert resp.qp_state(QPN) == n.QpState.RTS and resp.responder_state(QPN).epsn == EPSN
+    assert resp.process(write_only(EPSN, 0x1000, b"y")).fate == "requests_executed"
+    assert acks(resp.last) == [(EPSN, n.ACK_SYNDROME, 1)]
+    check_partition(resp.counters)
+
+
+def test_psn_rules_and_duplicates():
+    resp, mem = world()
+    assert resp.process(write_only(EPSN, 0x1000, b"AAAA")).fate == "requests_executed"
+    # out of sequence: one NAK (PSN = epsn), then silence, until an in-sequence packet
+    d = resp.process(write_only(EPSN + 3, 0x1000, b"BBBB"))
+    assert d.fate == "seq_naks" and acks(d) == [(EPSN + 1, nak(0), 1)]
+    assert resp.process(write_only(EPSN + 4, 0x1000, b"BBBB")).fate == "seq_dropped"
+    assert resp.process(write_only(EPSN + 1, 0x1004, b"CC")).fate == "requests_executed"
+    assert resp.process(write_only(EPSN + 5, 0x1000, b"BBBB")).fate == "seq_naks"
+    assert mem[0x1000:0x1006] == b"AAAACC"
+    # half the PSN space ahead is still "ahead"; beyond it is "behind"
+    assert resp.process(write_only((EPSN + 2 + (1 << 23) - 1) % (1 << 24), 0x1000, b"Z")).fate == "seq_dropped"
+    assert resp.process(write_only((EPSN + 2 + (1 << 23)) % (1 << 24), 0x1000, b"Z")).fate == "duplicate_requests"
+    # duplicate WRITE: ACK epsn-1 with the current MSN, not executed
+    mem[0x1000:0x1004] = b"zzzz"
+    d = resp.process(write_only(EPSN, 0x1000, b"AAAA", ackreq=0))
+    assert d.fate == "duplicate_requests" and acks(d) == [(EPSN + 1, n.ACK_SYNDROME, 2)]
+    assert mem[0x1000:0x1004] == b"zzzz" and d.writes == [] and d.dma == (0, 0)
+    # READ then its duplicate: re-executed from the duplicate's PSN, epsn and MSN unchanged
+    mem[0x1100:0x1300] = bytes(range(256)) * 2
+    resp.process(read_req(EPSN + 2, 0x1100, 512))
+    assert resp.responder_state(QPN).epsn == EPSN + 4 and resp.responder_state(QPN).msn == 3
+    mem[0x1100] = 0xEE
+    d = resp.process(read_req(EPSN + 2, 0x1100, 300))
+    ps = [parse_packet(p) for p in d.packets]
+    assert d.fate == "duplicate_requests" and [p.bth.psn for p in ps] == [EPSN + 2, EPSN + 3]
+    assert ps[0].payload[0] == 0xEE and ps[0].ext[0].msn == 3 and len(ps[1].payload) == 44
+    assert resp.responder_state(QPN).epsn == EPSN + 4 and resp.responder_state(QPN).msn == 3
+    # a duplicate READ failing its checks is dropped (and the QP stays in RTS)
+    d = resp.process(read_req(EPSN + 2, 0x1100, 300, rkey=RKEY + 1))
+    assert d.fate == "duplicate_requests" and d.packets == [] and resp.counters["duplicates_dropped"] == 1
+    assert resp.qp_state(QPN) == n.QpState.RTS
+    # atomics: the duplicate of the last one replays its result, an older one is dropped
+    mem[0x2000:0x2008] = (10).to_bytes(8, "little")
+    resp.process(fetch_add(EPSN + 4, 0x2000, 1))
+    resp.process(fetch_add(EPSN + 5, 0x2000, 1))
+    d = resp.process(fetch_add(EPSN + 5, 0x2000, 1))
+    assert d.fate == "duplicate_requests" and parse_packet(d.packets[0]).ext[1].orig == 11
+    assert parse_packet(d.packets[0]).ext[0].msn == 5 and resp.counters["atomic_replays"] == 1
+    assert int.from_bytes(mem[0x2000:0x2008], "little") == 12
+    d = resp.process(fetch_add(EPSN + 4, 0x2000, 1))
+    assert d.packets == [] and resp.counters["duplicates_dropped"] == 2
+    assert int.from_bytes(mem[0x2000:0x2008], "little") == 12
+    check_partition(resp.counters)
+
+
+KEY_CASES = [
+    ("no entry", dict(rkey=m.make_key(3, 0x11))),
+    ("variant", dict(rkey=m.make_key(1, 0x12))),
+    ("index modulo", dict(rkey=m.make_key(9, 0x11))),
+    ("below base", dict(va=REMOTE[0] - 1)),
+    ("beyond end", dict(va=REMOTE[0] + REMOTE[1] - 7)),
+    ("wraps 2^64", dict(va=(1 << 64) - 4)),
+]
+
+
+@pytest.mark.parametrize("op", ["write", "read", "atomic"])
+@pytest.mark.parametrize("name,bad", KEY_CASES, ids=[c[0] for c in KEY_CASES])
+def test_rkey_checks(op, name, bad):
+    resp, mem = world()
+    va, rkey = bad.get("va", REMOTE[0] + 8), bad.get("rkey", RKEY)
+    pkt = {"write": lambda: write_only(EPSN, va, bytes(8), rkey=rkey),
+           "read": lambda: read_req(EPSN, va, 8, rkey=rkey),
+           "atomic": lambda: fetch_add(EPSN, va, 1, rkey=rkey)}[op]()
+    if op == "atomic" and va % 8:
+        expect = nak(1)      # alignment is checked before the key
+    else:
+        expect = nak(2)
+    d = resp.process(pkt)
+    assert acks(d) == [(EPSN, expect, 0)] and d.qp_error and resp.qp_errors == [QPN]
+    assert bytes(mem) == bytes(MEM) and resp.qp_state(QPN) == n.QpState.ERR
+    assert resp.process(write_only(EPSN, REMOTE[0], b"x")).fate == "rx_dropped_qp"
+
+
+@pytest.mark.parametrize("op,right", [("write", n.Access.REMOTE_WRITE), ("read", n.Access.REMOTE_READ),
+                                      ("atomic", n.Access.REMOTE_ATOMIC)])
+@pytest.mark.parametrize("where", ["qp", "key", "pd", "invalid"])
+def test_rights(op, right, where):
+    resp, mem = world()
+    if where == "qp":
+        resp.context(QPN).access = ALL & ~right
+    elif where == "key":
+        resp.mkeys[1].access = (ALL | n.Access.LOCAL_WRITE) & ~right
+    elif where == "pd":
+        resp.mkeys[1].pd = PD + 1
+    else:
+        resp.mkeys[1].valid = False
+    pkt = {"write": write_only(EPSN, 0x1000, bytes(8)), "read": read_req(EPSN, 0x1000, 8),
+           "atomic": fetch_add(EPSN, 0x1000, 1)}[op]
+    d = resp.process(pkt)
+    assert d.fate == "access_naks" and acks(d) == [(EPSN, nak(2), 0)] and bytes(mem) == bytes(MEM)
+    # the QP's right is needed even without a key (length 0)
+    if where == "qp" and op != "atomic":
+        resp, mem = world(access=ALL & ~right)
+        pkt = write_only(EPSN, 0, b"") if op == "write" else read_req(EPSN, 0, 0)
+        assert resp.process(pkt).fate == "access_naks"
+
+
+def test_invalid_requests():
+    cases = {
+        "MIDDLE without FIRST": [req(Opcode.RDMA_WRITE_MIDDLE, EPSN, payload=bytes(MTU))],
+        "LAST without FIRST": [req(Opcode.SEND_LAST, EPSN, payload=b"x")],
+        "FIRST inside a message": [
+            req(Opcode.SEND_FIRST, EPSN, payload=bytes(MTU)),
+            req(Opcode.SEND_FIRST, EPSN + 1, payload=bytes(MTU))],
+        "SEND LAST in a WRITE": [
+            req(Opcode.RDMA_WRITE_FIRST, EPSN, ext=[RETH(va=0x1000, rkey=RKEY, dmalen=300)],
+                payload=bytes(MTU)),
+            req(Opcode.SEND_LAST, EPSN + 1, payload=bytes(44))],
+        "READ inside a message": [
+            req(Opcode.SEND_FIRST, EPSN, payload=bytes(MTU)), read_req(EPSN + 1, 0x1000, 4)],
+        "atomic inside a message": [
+            req(Opcode.SEND_FIRST, EPSN, payload=bytes(MTU)), fetch_add(EPSN + 1, 0x1000, 4)],
+        "FIRST short of the MTU": [req(Opcode.SEND_FIRST, EPSN, payload=bytes(MTU - 4))],
+        "MIDDLE beyond the MTU": [
+            req(Opcode.SEND_FIRST, EPSN, payload=bytes(MTU)),
+            req(Opcode.SEND_MIDDLE, EPSN + 1, payload=bytes(MTU + 4))],
+        "LAST empty": [
+            req(Opcode.SEND_FIRST, EPSN, payload=bytes(MTU)), req(Opcode.SEND_LAST, EPSN + 1)],
+        "ONLY beyond the MTU": [req(Opcode.SEND_ONLY, EPSN, payload=bytes(MTU + 4))],
+        "WRITE beyond the RETH length": [write_only(EPSN, 0x1000, bytes(8), dmalen=4)],
+        "WRITE short of the RETH length": [write_only(EPSN, 0x1000, bytes(8), dmalen=12)],
+        "WRITE LAST short": [
+            req(Opcode.RDMA_WRITE_FIRST, EPSN, ext=[RETH(va=0x1000, rkey=RKEY, dmalen=600)],
+                payload=bytes(MTU)),
+            req(Opcode.RDMA_WRITE_LAST, EPSN + 1, payload=bytes(100))],
+        "FIRST beyond the RETH length": [
+            req(Opcode.RDMA_WRITE_FIRST, EPSN, ext=[RETH(va=0x1000, rkey=RKEY, dmalen=100)],
+                payload=bytes(MTU))],
+        "atomic unaligned": [fetch_add(EPSN, 0x1004, 1)],
+    }
+    for name, pkts in cases.items():
+        resp, mem = world()
+        for _ in range(4):
+            resp.post_recv(QPN, 0x1000, LKEY, RBUF[0])
+        for p in pkts[:-1]:
+            assert resp.process(p).fate == "requests_executed", name
+        before = bytes(mem)
+        d = resp.process(pkts[-1])
+        assert d.fate == "invalid_naks" and d.qp_error, name
+        assert [a[:2] for a in acks(d)] == [(parse_packet(pkts[-1]).bth.psn, nak(1))], name
+        assert d.writes == [] and bytes(mem) == before, name
+        check_partition(resp.counters)
+
+
+def test_receive_queue():
+    resp, mem = world()
+    # nothing posted: RNR NAK with min_rnr_timer, nothing consumed, epsn unchanged
+    d = resp.process(req(Opcode.SEND_ONLY_WITH_IMMEDIATE, EPSN, ext=[ImmDt(imm=0xCAFEBABE)], payload=b"hi"))
+    assert d.fate == "rnr_naks" and acks(d) == [(EPSN, 0x20 | 14, 0)] and not d.qp_error
+    assert resp.responder_state(QPN).epsn == EPSN and resp.completions == {}
+    d = resp.process(write_only(EPSN, 0x1000, b"data", imm=7))
+    assert d.fate == "rnr_naks" and bytes(mem[0x1000:0x1004]) == bytes(4)
+    # post two, the retries go through
+    assert resp.post_recv(QPN, 100, LKEY, RBUF[0]) == 0
+    assert resp.post_recv(QPN, 0, 0xDEAD, 0) == 1          # a 0-byte WQE needs no key
+    assert mem[RQ_DBR:RQ_DBR + 4] == m.rq_doorbell_record(2)
+    d = resp.process(req(Opcode.SEND_ONLY_WITH_IMMEDIATE, EPSN, ext=[ImmDt(imm=0xCAFEBABE)], payload=b"hi"))
+    assert d.fate == "requests_executed" and d.recv_taken == 0 and mem[RBUF[0]:RBUF[0] + 2] == b"hi"
+    (c,) = d.completions
+    assert c == n.RecvCompletion(qpn=QPN, cqn=3, opcode=m.CqeOpcode.RESP_SEND_IMM, byte_count=2,
+                                 imm=0xCAFEBABE, wqe_counter=0)
+    assert c.cqe(owner=1).pack() == m.build_responder_cqe(QPN, 0, m.CqeOpcode.RESP_SEND_IMM, 2,
+                                                          0xCAFEBABE, owner=1)
+    d = resp.process(write_only(EPSN + 1, 0x1000, b"data", imm=7))
+    assert mem[0x1000:0x1004] == b"data" and d.completions[0].opcode == m.CqeOpcode.RESP_WR_IMM
+    assert d.completions[0].byte_count == 4 and d.completions[0].imm == 7 and d.recv_taken == 1
+    # WRITE_WITH_IMM over three packets: the WQE is taken at the LAST only
+    data = bytes(range(256)) * 2 + b"tail"
+    resp.post_recv(QPN, 8, LKEY, RBUF[0])
+    first = resp.process(req(Opcode.RDMA_WRITE_FIRST, EPSN + 2, payload=data[:256], ackreq=0,
+                             ext=[RETH(va=0x1100, rkey=RKEY, dmalen=len(data))]))
+    assert first.recv_taken is None
+    resp.process(req(Opcode.RDMA_WRITE_MIDDLE, EPSN + 3, payload=data[256:512], ackreq=0))
+    last = resp.process(req(Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE, EPSN + 4, payload=data[512:],
+                            ext=[ImmDt(imm=1)]))
+    assert last.recv_taken == 2 and last.completions[0].byte_count == len(data)
+    assert mem[0x1100:0x1100 + len(data)] == data
+    # a multi-packet SEND scattered into one WQE; RESP_SEND carries no immediate
+    resp.post_recv(QPN, 600, LKEY, RBUF[0] + 0x100)
+    msg = bytes(random.Random(2).getrandbits(8) for _ in range(520))
+    resp.process(req(Opcode.SEND_FIRST, EPSN + 5, payload=msg[:256], ackreq=0))
+    resp.process(req(Opcode.SEND_MIDDLE, EPSN + 6, payload=msg[256:512], ackreq=0))
+    d = resp.process(req(Opcode.SEND_LAST, EPSN + 7, payload=msg[512:]))
+    assert mem[RBUF[0] + 0x100:RBUF[0] + 0x100 + 520] == msg
+    assert d.completions == [n.RecvCompletion(QPN, 3, m.CqeOpcode.RESP_SEND, 520, 0, 3)]
+    assert acks(d) == [(EPSN + 7, n.ACK_SYNDROME, 4)]
+    assert [c.wqe_counter for c in resp.completions[3]] == [0, 1, 2, 3]
+    assert resp.responder_state(QPN).rq_ci == 4
+    check_partition(resp.counters)
+
+
+def test_receive_queue_wraps():
+    resp, mem = world(log_rq_size=1)
+    for i in range(5):
+        resp.post_recv(QPN, 4, LKEY, RBUF[0] + 16 * i)
+        d = resp.process(req(Opcode.SEND_ONLY, EPSN + i, payload=b"%4d" % i))
+        assert d.recv_taken == i and mem[RBUF[0] + 16 * i:RBUF[0] + 16 * i + 4] == b"%4d" % i
+    # the 16-bit counters wrap too
+    resp2, mem2 = world(log_rq_size=1)
+    resp2.responder_state(QPN).rq_ci = 0xFFFF
+    mem2[RQ_DBR:RQ_DBR + 4] = m.rq_doorbell_record(0xFFFF)
+    resp2.post_recv(QPN, 4, LKEY, RBUF[0])
+    d = resp2.process(req(Opcode.SEND_ONLY, EPSN, payload=b"wrap"))
+    assert d.recv_taken == 0xFFFF and resp2.responder_state(QPN).rq_ci == 0
+
+
+@pytest.mark.parametrize("name", ["lkey", "variant", "pd", "local_write", "range", "wrap"])
+def test_bad_receive_wqe(name):
+    resp, mem = world()
+    lkey, addr, length = LKEY, RBUF[0], 64
+    if name == "lkey":
+        lkey = m.make_key(5, 0x22)
+    elif name == "variant":
+        lkey = LKEY ^ 1
+    elif name == "pd":
+        resp.mkeys[2].pd = PD + 1
+    elif name == "local_write":
+        resp.mkeys[2].access = n.Access(0)
+    elif name == "range":
+        addr = RBUF[0] + RBUF[1] - 63
+    else:
+        addr = (1 << 64) - 32
+    resp.post_recv(QPN, length, lkey, addr)
+    d = resp.process(req(Opcode.SEND_ONLY, EPSN, payload=b"abc"))
+    assert d.fate == "op_naks" and acks(d) == [(EPSN, nak(3), 0)] and d.qp_error
+    assert d.completions == [n.RecvCompletion(QPN, 3, m.CqeOpcode.RESP_ERR, 0, 0, 0,
+                                              m.Syndrome.LOCAL_PROT_ERR)]
+    assert m.parse_cqe(d.completions[0].cqe().pack()).syndrome == m.Syndrome.LOCAL_PROT_ERR
+    assert bytes(mem[RBUF[0]:RBUF[0] + RBUF[1]]) == bytes(RBUF[1])
+
+
+def test_send_too_long():
+    resp, mem = world()
+    resp.post_recv(QPN, 300, LKEY, RBUF[0])
+    resp.process(req(Opcode.SEND_FIRST, EPSN, payload=b"a" * MTU, ackreq=0))
+    d = resp.process(req(Opcode.SEND_LAST, EPSN + 1, payload=b"b" * 100))
+    assert d.fate == "invalid_naks" and acks(d) == [(EPSN + 1, nak(1), 0)] and d.qp_error
+    assert d.completions == [n.RecvCompletion(QPN, 3, m.CqeOpcode.RESP_ERR, 0, 0, 0,
+                                              m.Syndrome.LOCAL_LENGTH_ERR)]
+    assert mem[RBUF[0]:RBUF[0] + 300] == b"a" * MTU + bytes(44)
+    # at the ONLY packet
+    resp, mem = world()
+    resp.post_recv(QPN, 3, LKEY, RBUF[0])
+    d = resp.process(req(Opcode.SEND_ONLY, EPSN, payload=b"abcd"))
+    assert d.fate == "invalid_naks" and d.completions[0].syndrome == m.Syndrome.LOCAL_LENGTH_ERR
+    assert d.writes == [] and mem[RBUF[0]:RBUF[0] + 4] == bytes(4)
+
+
+def test_construction_errors():
+    with pytest.raises(ValueError, match="num_mkeys"):
+        n.ResponderModel(1, memory_bytes=16, contexts={}, mkeys={0: n.Mkey()})
+    with pytest.raises(ValueError, match="below num_mkeys"):
+        n.ResponderModel(1, memory_bytes=16, contexts={}, mkeys={4: n.Mkey()}, num_mkeys=4)
+    with pytest.raises(ValueError, match="sl_to_vl"):
+        n.ResponderModel(1, memory_bytes=16, contexts={}, sl_to_vl=[0] * 15)
+    with pytest.raises(ValueError, match="contexts"):
+        n.ResponderModel(1, memory_bytes=16, mkeys=[n.Mkey()])
