@@ -1,0 +1,322 @@
+from amaranth import *
+from amaranth.lib import data, fifo, stream, wiring
+from amaranth.lib.wiring import In, Out
+from amaranth.utils import exact_log2
+
+from .signatures import (
+    DMA_WRITE_ID, MAX_PACKET_BEATS, AxiWriteSignature, ContextReadSignature, DmaWriteLayout,
+)
+
+__all__ = ["DmaWriter"]
+
+BEAT_BYTES = 64
+PAGE_BEATS = 4096 // BEAT_BYTES     # an AXI burst may not cross 4 KiB
+MAX_WRITE_BYTES = 4096
+MAX_BEATS = (BEAT_BYTES - 1 + MAX_WRITE_BYTES + BEAT_BYTES - 1) // BEAT_BYTES   # 65
+QUEUE_DEPTH = 4                     # commands decoded ahead of each of the three engines
+DATA_DEPTH = 4                      # source beats read ahead of the realigner
+AW_AHEAD = 4                        # bursts AW may present before their first W beat
+MAX_OUTSTANDING = 255               # bursts presented on AW and not yet answered on B
+
+AXI_BURST_INCR = 0b01
+AXI_RESP_OKAY = 0b00
+
+
+class _ReadJob(data.StructLayout):
+    def __init__(self, beat_bits):
+        super().__init__({
+            "src_beat": beat_bits,
+            "beats": range(MAX_BEATS + 1),          # 0: release only
+            "release": range(MAX_PACKET_BEATS + 1),
+        })
+
+
+class _BurstJob(data.StructLayout):
+    def __init__(self, addr_width):
+        super().__init__({
+            "beat_addr": addr_width - 6,
+            "beats": range(MAX_BEATS + 1),
+            "first_beats": range(PAGE_BEATS + 1),   # beats of the burst before the 4 KiB line
+        })
+
+
+class _WriteJob(data.StructLayout):
+    def __init__(self):
+        super().__init__({
+            "dst_beats": range(MAX_BEATS + 1),
+            "src_beats": range(MAX_BEATS + 1),
+            "first_beats": range(PAGE_BEATS + 1),
+            "shift": 6,                             # (src_offset - dest offset) mod 64
+            "prime": 1,                             # src_offset >= dest offset: one source beat leads
+            "head": 6,                              # first written byte lane
+            "tail": 6,                              # last written byte lane
+            "bytes": range(MAX_WRITE_BYTES + 1),
+        })
+
+
+class DmaWriter(wiring.Component):
+    """Writes payload bytes from the responder's receive buffer to memory (AXI4, AWID
+    ``DMA_WRITE_ID``), realigned to any byte address, and frees the buffer in order.
+
+    Three engines work off one command each, decoded at acceptance into three queues: the
+    reader walks the command's source beats through ``source`` into a small FIFO and
+    releases the command's beats once the last one is read (the payload then lives in the
+    FIFO, so the buffer need not wait for the write response); the AW engine presents the
+    command's bursts (split at 4 KiB, so at most two), up to ``AW_AHEAD`` bursts before
+    their data; the realigner joins consecutive source beats through a funnel shifter into
+    destination beats with exact strobes, one W beat per cycle. A destination beat ``k``
+    takes bytes of source beats ``k`` and ``k + 1`` when the payload sits later in its
+    source beat than in its destination beat (``prime``: the first source beat is loaded
+    before any output), else of ``k - 1`` and ``k``. A burst's W beats start once its AW is
+    presented (not necessarily accepted: AXI lets a slave wait for W before AWREADY).
+
+    A command with ``bytes`` > 4096 writes nothing and only releases its beats, like
+    ``bytes`` = 0. ``bid`` is not looked at (the write arbiter routes B by ID); a B
+    response while no burst is outstanding is accepted and otherwise ignored, except that
+    a non-OKAY one still counts in ``dma_write_errors``.
+
+    Parameters
+    ----------
+    buffer_beats : int
+        Beats of the receive buffer ring (power of two, 64 .. 4096).
+    addr_width : int
+        AXI address bits, 12 .. 64.
+    """
+    def __init__(self, *, buffer_beats=256, addr_width=64):
+        if (not isinstance(buffer_beats, int) or not 64 <= buffer_beats <= 4096
+                or buffer_beats & (buffer_beats - 1)):
+            raise ValueError(f"Buffer beats must be a power of two from 64 to 4096, not {buffer_beats!r}")
+        if not isinstance(addr_width, int) or not 12 <= addr_width <= 64:
+            raise ValueError(f"AXI address width must be 12 to 64 bits, not {addr_width!r}")
+        self.buffer_beats = buffer_beats
+        self.addr_width = addr_width
+        super().__init__({
+            "command": In(stream.Signature(DmaWriteLayout())),
+            "source": Out(ContextReadSignature(buffer_beats, unsigned(8 * BEAT_BYTES))),
+            "release": Out(stream.Signature(range(MAX_PACKET_BEATS + 1), always_ready=True)),
+            "axi": Out(AxiWriteSignature(addr_width, BEAT_BYTES)),
+            "idle": Out(1),
+            "dma_bytes_written": Out(32),
+            "dma_write_errors": Out(32),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        axi = self.axi
+        beat_bits = exact_log2(self.buffer_beats)
+        read_layout, burst_layout, write_layout = (
+            _ReadJob(beat_bits), _BurstJob(self.addr_width), _WriteJob())
+
+        m.submodules.read_jobs = read_jobs = fifo.SyncFIFO(width=read_layout.size, depth=QUEUE_DEPTH)
+        m.submodules.burst_jobs = burst_jobs = fifo.SyncFIFO(width=burst_layout.size, depth=QUEUE_DEPTH)
+        m.submodules.write_jobs = write_jobs = fifo.SyncFIFO(width=write_layout.size, depth=QUEUE_DEPTH)
+        m.submodules.beats = beats = fifo.SyncFIFO(width=8 * BEAT_BYTES, depth=DATA_DEPTH)
+
+        # --- Command decode ----------------------------------------------------------------
+        cmd = self.command.payload
+        writes = (cmd.bytes != 0) & (cmd.bytes <= MAX_WRITE_BYTES)
+        head = cmd.addr[:6]
+        dst_beats = Signal(range(MAX_BEATS + 1))
+        src_beats = Signal(range(MAX_BEATS + 1))
+        page_room = Signal(range(PAGE_BEATS + 1))
+        m.d.comb += [
+            dst_beats.eq((head + cmd.bytes + BEAT_BYTES - 1) >> 6),
+            src_beats.eq((cmd.src_offset + cmd.bytes + BEAT_BYTES - 1) >> 6),
+            page_room.eq(PAGE_BEATS - cmd.addr[6:12]),
+        ]
+        read_job = data.View(read_layout, read_jobs.w_data)
+        burst_job = data.View(burst_layout, burst_jobs.w_data)
+        write_job = data.View(write_layout, write_jobs.w_data)
+        m.d.comb += [
+            read_job.src_beat.eq(cmd.src_beat[:beat_bits]),
+            read_job.beats.eq(Mux(writes, src_beats, 0)),
+            read_job.release.eq(cmd.release_beats),
+            burst_job.beat_addr.eq(cmd.addr[6:self.addr_width]),
+            burst_job.beats.eq(dst_beats),
+            burst_job.first_beats.eq(Mux(dst_beats < page_room, dst_beats, page_room)),
+            write_job.dst_beats.eq(dst_beats),
+            write_job.src_beats.eq(src_beats),
+            write_job.first_beats.eq(burst_job.first_beats),
+            write_job.shift.eq(cmd.src_offset - head),
+            write_job.prime.eq(cmd.src_offset >= head),
+            write_job.head.eq(head),
+            write_job.tail.eq(head + cmd.bytes - 1),
+            write_job.bytes.eq(cmd.bytes),
+        ]
+        # Ready does not look at the payload: every queue must have room.
+        m.d.comb += [
+            self.command.ready.eq(read_jobs.w_rdy & burst_jobs.w_rdy & write_jobs.w_rdy),
+            read_jobs.w_en.eq(self.command.valid & self.command.ready),
+            burst_jobs.w_en.eq(read_jobs.w_en & writes),
+            write_jobs.w_en.eq(read_jobs.w_en & writes),
+        ]
+
+        # --- Reader ------------------------------------------------------------------------
+        rd_active = Signal()
+        rd_addr = Signal(beat_bits)
+        rd_left = Signal(range(MAX_BEATS + 1))
+        rd_release = Signal(range(MAX_PACKET_BEATS + 1))
+        in_flight = Signal()        # a read issued last cycle: its data arrives now
+        m.d.comb += [
+            self.source.addr.eq(rd_addr),
+            beats.w_en.eq(in_flight),
+            beats.w_data.eq(self.source.data),
+        ]
+        # The read port cannot be held: read only with room for the data that is coming.
+        issue = Signal()
+        m.d.comb += issue.eq(rd_active & (beats.level + in_flight < DATA_DEPTH))
+        last_read = issue & (rd_left == 1)
+        m.d.sync += [in_flight.eq(issue), self.release.valid.eq(0)]
+        with m.If(issue):
+            m.d.sync += [rd_addr.eq(rd_addr + 1), rd_left.eq(rd_left - 1)]
+        with m.If(last_read):
+            # Released the cycle its last beat arrives: the beat is captured at this edge.
+            m.d.sync += [
+                rd_active.eq(0),
+                self.release.valid.eq(1),
+                self.release.payload.eq(rd_release),
+            ]
+        rd_job = data.View(read_layout, read_jobs.r_data)
+        # A release-only job waits for a cycle without a release; a write job follows the
+        # previous one's last read without a gap.
+        with m.If(read_jobs.r_rdy & (~rd_active | (last_read & (rd_job.beats != 0)))):
+            m.d.comb += read_jobs.r_en.eq(1)
+            m.d.sync += [
+                rd_active.eq(rd_job.beats != 0),
+                rd_addr.eq(rd_job.src_beat),
+                rd_left.eq(rd_job.beats),
+                rd_release.eq(rd_job.release),
+            ]
+            with m.If(rd_job.beats == 0):
+                m.d.sync += [self.release.valid.eq(1), self.release.payload.eq(rd_job.release)]
+
+        # --- AW ----------------------------------------------------------------------------
+        ahead = Signal(range(AW_AHEAD + 1))             # bursts presented, W not started
+        outstanding = Signal(range(MAX_OUTSTANDING + 1))  # bursts presented, B not received
+        aw_active = Signal()
+        aw_addr = Signal(self.addr_width - 6)
+        aw_left = Signal(range(MAX_BEATS + 1))
+        aw_first = Signal(range(PAGE_BEATS + 1))       # nonzero: the command's first burst
+        aw_len = Mux(aw_first != 0, aw_first, aw_left)
+        present = Signal()
+        m.d.comb += present.eq(aw_active & (~axi.awvalid | axi.awready)
+                               & (ahead != AW_AHEAD) & (outstanding != MAX_OUTSTANDING))
+        m.d.comb += [
+            axi.awid.eq(DMA_WRITE_ID),
+            axi.awsize.eq(exact_log2(BEAT_BYTES)),
+            axi.awburst.eq(AXI_BURST_INCR),
+        ]
+        with m.If(axi.awready):
+            m.d.sync += axi.awvalid.eq(0)
+        with m.If(present):
+            m.d.sync += [
+                axi.awvalid.eq(1),
+                axi.awaddr.eq(aw_addr << 6),
+                axi.awlen.eq(aw_len - 1),
+                aw_addr.eq(aw_addr + aw_len),
+                aw_left.eq(aw_left - aw_len),
+                aw_first.eq(0),
+            ]
+            with m.If(aw_left == aw_len):
+                m.d.sync += aw_active.eq(0)
+        aw_job = data.View(burst_layout, burst_jobs.r_data)
+        with m.If(burst_jobs.r_rdy & (~aw_active | (present & (aw_left == aw_len)))):
+            m.d.comb += burst_jobs.r_en.eq(1)
+            m.d.sync += [
+                aw_active.eq(1),
+                aw_addr.eq(aw_job.beat_addr),
+                aw_left.eq(aw_job.beats),
+                aw_first.eq(aw_job.first_beats),
+            ]
+
+        # --- Realigner and W ---------------------------------------------------------------
+        w_active = Signal()
+        prime = Signal()            # the command's first source beat is still to be loaded
+        shift = Signal(6)
+        first = Signal()            # next beat is the command's first
+        w_head = Signal(6)
+        w_tail = Signal(6)
+        first_beats = Signal(range(PAGE_BEATS + 1))
+        dst_left = Signal(range(MAX_BEATS + 1))
+        src_left = Signal(range(MAX_BEATS + 1))
+        burst_left = Signal(range(PAGE_BEATS + 1))   # 0: the next beat starts a burst
+        w_bytes = Signal(range(MAX_WRITE_BYTES + 1))
+        prev = Signal(8 * BEAT_BYTES)
+        beat_bytes = Signal(range(MAX_WRITE_BYTES + 1))   # counted when the W beat is taken
+
+        consume = src_left != 0
+        starting = burst_left == 0
+        last_beat = dst_left == 1
+        step = Signal()
+        load_prime = Signal()
+        m.d.comb += [
+            step.eq(w_active & ~prime & (~axi.wvalid | axi.wready)
+                    & (~consume | beats.r_rdy) & (~starting | (ahead != 0))),
+            load_prime.eq(w_active & prime & beats.r_rdy),
+        ]
+        ones = Const((1 << BEAT_BYTES) - 1, BEAT_BYTES)
+        head_mask = Mux(first, (ones << w_head)[:BEAT_BYTES], ones)
+        tail_mask = Mux(last_beat, ones >> (w_tail ^ (BEAT_BYTES - 1)), ones)
+        funnel = Cat(prev, beats.r_data).bit_select(Cat(C(0, 3), shift), 8 * BEAT_BYTES)
+        burst_len = Mux(starting, Mux(first, first_beats, dst_left), burst_left)
+
+        with m.If(axi.wready):
+            m.d.sync += axi.wvalid.eq(0)
+        with m.If(step):
+            m.d.sync += [
+                axi.wvalid.eq(1),
+                axi.wdata.eq(funnel),
+                axi.wstrb.eq(head_mask & tail_mask),
+                axi.wlast.eq(burst_len == 1),
+                beat_bytes.eq(Mux(last_beat, w_bytes, 0)),
+                burst_left.eq(burst_len - 1),
+                dst_left.eq(dst_left - 1),
+                first.eq(0),
+            ]
+            with m.If(consume):
+                m.d.comb += beats.r_en.eq(1)
+                m.d.sync += [prev.eq(beats.r_data), src_left.eq(src_left - 1)]
+            with m.If(last_beat):
+                m.d.sync += w_active.eq(0)
+        with m.If(load_prime):
+            m.d.comb += beats.r_en.eq(1)
+            m.d.sync += [prev.eq(beats.r_data), src_left.eq(src_left - 1), prime.eq(0)]
+
+        w_job = data.View(write_layout, write_jobs.r_data)
+        with m.If(write_jobs.r_rdy & (~w_active | (step & last_beat))):
+            # The FIFO head is the new command's first source beat unless the old command
+            # takes a beat this cycle: prime at once then, saving a cycle per command.
+            prime_now = w_job.prime & beats.r_rdy & ~(w_active & consume)
+            m.d.comb += write_jobs.r_en.eq(1)
+            m.d.sync += [
+                w_active.eq(1),
+                prime.eq(w_job.prime & ~prime_now),
+                shift.eq(w_job.shift),
+                first.eq(1),
+                w_head.eq(w_job.head),
+                w_tail.eq(w_job.tail),
+                first_beats.eq(w_job.first_beats),
+                dst_left.eq(w_job.dst_beats),
+                src_left.eq(w_job.src_beats - prime_now),
+                burst_left.eq(0),
+                w_bytes.eq(w_job.bytes),
+            ]
+            with m.If(prime_now):
+                m.d.comb += beats.r_en.eq(1)
+                m.d.sync += prev.eq(beats.r_data)
+
+        m.d.sync += ahead.eq(ahead + present - (step & starting))
+
+        # --- B, counters, idle -------------------------------------------------------------
+        m.d.comb += axi.bready.eq(1)
+        m.d.sync += outstanding.eq(outstanding + present - (axi.bvalid & (outstanding != 0)))
+        with m.If(axi.bvalid & (axi.bresp != AXI_RESP_OKAY)):
+            m.d.sync += self.dma_write_errors.eq(self.dma_write_errors + 1)
+        with m.If(axi.wvalid & axi.wready):
+            m.d.sync += self.dma_bytes_written.eq(self.dma_bytes_written + beat_bytes)
+
+        m.d.comb += self.idle.eq(~read_jobs.r_rdy & ~rd_active & ~in_flight & ~self.release.valid
+                                 & ~burst_jobs.r_rdy & ~aw_active & ~axi.awvalid
+                                 & ~write_jobs.r_rdy & ~w_active & ~axi.wvalid & ~beats.r_rdy
+                                 & (outstanding == 0))
+        return m

@@ -1,0 +1,370 @@
+"""DmaWriter (hdl/nic/dma_writer.py) against a Python reference, in Amaranth's simulator.
+
+One testbench plays, cycle by cycle: the receive buffer (a ring of random beats behind
+the synchronous read port; beats are handed out to commands in ring order and refilled
+with fresh random bytes as soon as they are released, so a read after its release shows
+up as wrong data), the responder engine (random commands with random gaps: lengths
+0 .. 4096, random destination alignment, 4 KiB crossings, source offsets, source beats
+given modulo the ring, now and then a malformed length > 4096), and an AXI4 slave with a
+byte-array memory (random AWREADY/WREADY, B after random delays, now and then SLVERR;
+W beats may arrive before their AW is accepted and wait in the slave).
+
+Checked: every AW burst exactly as the reference splits the command (64-byte aligned,
+INCR, size 6, ID 1, at most 64 beats, never across 4 KiB) and presented no later than its
+first W beat; every W beat's strobe and strobed bytes, and ``wlast`` at the burst's end;
+the memory byte-exact at the end (untouched bytes included); releases in command order
+with the command's count; ``idle`` low whenever a command is unreleased or a burst
+unanswered, and high within two cycles otherwise; the counters. Directed: no B at all
+until the end (releases still come, idle stays low, AW within its bound ahead of W), one W per
+cycle with an always-ready slave, parameter checks.
+"""
+import random
+from collections import deque
+
+import pytest
+from amaranth.sim import Simulator
+
+from hdl.nic.dma_writer import AW_AHEAD, DmaWriter
+from hdl.nic.signatures import DMA_WRITE_ID
+
+MEM_BASE = (1 << 64) - (1 << 20)     # high address bits exercised; no command wraps 2^64
+MEM_SIZE = 16 << 10
+BEAT = 64
+
+
+def ceil_beats(n):
+    return (n + BEAT - 1) // BEAT
+
+
+def expected_writes(cmd, payload):
+    """The reference: AW bursts [(addr, len)] and W beats [(strobe, {lane: byte}, last)]."""
+    addr, nbytes = cmd["addr"], cmd["bytes"]
+    if not 0 < nbytes <= 4096:
+        return [], []
+    start = addr & ~63
+    beats = ceil_beats((addr & 63) + nbytes)
+    bursts, beat_list = [], []
+    a, left = start, beats
+    while left:
+        n = min(left, (4096 - (a & 4095)) // BEAT)
+        bursts.append((a, n - 1))
+        for k in range(n):
+            base = a + k * BEAT
+            lanes = {j: payload[base + j - addr] for j in range(BEAT)
+                     if addr <= base + j < addr + nbytes}
+            strobe = sum(1 << j for j in lanes)
+            beat_list.append((strobe, lanes, k == n - 1))
+        a += n * BEAT
+        left -= n
+    return bursts, beat_list
+
+
+class Bench:
+    def __init__(self, dut, rng, *, p_cmd=0.7, p_aw=0.7, p_w=0.8, b_delay=20, p_slverr=0.05,
+                 hold_b=False, lengths="mixed"):
+        self.dut, self.rng = dut, rng
+        self.p_cmd, self.p_aw, self.p_w = p_cmd, p_aw, p_w
+        self.b_delay, self.p_slverr, self.hold_b = b_delay, p_slverr, hold_b
+        self.lengths = lengths
+        nb = dut.buffer_beats
+        self.buf = bytearray(rng.randbytes(nb * BEAT))
+        self.alloc = 0                      # next buffer beat to hand out
+        self.free = nb
+        self.mem = bytearray(rng.randbytes(MEM_SIZE))
+        self.ref_mem = bytearray(self.mem)
+        self.offer = None                   # command on the port
+        self.unreleased = deque()           # release counts of accepted commands
+        self.bursts_expected = 0            # AW bursts of accepted commands
+        self.aw_expected = deque()
+        self.w_expected = deque()
+        self.aw_taken = deque()             # [addr, len, beats applied] accepted by the slave
+        self.aw_count = 0
+        self.w_pending = deque()            # (data, strobe, last) waiting for their AW
+        self.w_bursts_started = 0
+        self.w_in_burst = False
+        self.b_due = deque()                # (due cycle, resp)
+        self.b_done = 0
+        self.errors = 0
+        self.bytes = 0
+        self.read_data = 0
+        self.not_busy_for = 0
+        self.t = 0
+        self.w_cycles = []
+        self.accepted = 0
+
+    # --- engine side ------------------------------------------------------------------
+    def make_command(self):
+        rng, nb = self.rng, self.dut.buffer_beats
+        if self.lengths == "mixed":
+            r = rng.random()
+            if r < 0.08:
+                nbytes = 0
+            elif r < 0.12:
+                nbytes = rng.randint(4097, 8191)
+            elif r < 0.4:
+                nbytes = rng.randint(1, 200)
+            elif r < 0.6:
+                nbytes = rng.randint(3900, 4096)
+            else:
+                nbytes = rng.randint(1, 4096)
+            src_offset = rng.randrange(64)
+        else:
+            nbytes, src_offset = self.lengths(rng)
+        writes = 0 < nbytes <= 4096
+        nsrc = ceil_beats(src_offset + nbytes) if writes else 0
+        release = min(66, nsrc + rng.randint(0, 1)) if writes else rng.randint(0, 3)
+        if release > self.free:
+            return None
+        if writes:
+            if rng.random() < 0.3:      # force a 4 KiB crossing
+                page = rng.randrange(1, MEM_SIZE // 4096)
+                off = page * 4096 - rng.randint(1, nbytes)
+            else:
+                off = rng.randrange(MEM_SIZE - nbytes + 1)
+            off = max(0, min(off, MEM_SIZE - nbytes))
+        else:
+            off = rng.randrange(MEM_SIZE)
+        src_beat = self.alloc
+        for i in range(release):
+            b = (self.alloc + i) % nb
+            self.buf[b * BEAT:(b + 1) * BEAT] = rng.randbytes(BEAT)
+        self.alloc = (self.alloc + release) % nb
+        self.free -= release
+        cmd = {"addr": MEM_BASE + off, "bytes": nbytes,
+               "src_beat": src_beat + nb * rng.randrange(4096 // nb), "src_offset": src_offset,
+               "release_beats": release}
+        payload = bytes(self.buf[((src_beat + (src_offset + i) // BEAT) % nb) * BEAT
+                                 + (src_offset + i) % BEAT] for i in range(nbytes)) if writes else b""
+        return cmd, payload
+
+    def accept(self, cmd, payload):
+        bursts, beats = expected_writes(cmd, payload)
+        self.aw_expected.extend(bursts)
+        self.w_expected.extend(beats)
+        self.bursts_expected += len(bursts)
+        self.unreleased.append(cmd["release_beats"])
+        if bursts:
+            off = cmd["addr"] - MEM_BASE
+            self.ref_mem[off:off + cmd["bytes"]] = payload
+            self.bytes += cmd["bytes"]
+        self.accepted += 1
+
+    # --- one cycle ----------------------------------------------------------------------
+    async def cycle(self, ctx, more=True):
+        dut, rng, t = self.dut, self.rng, self.t
+        if self.offer is None and more and rng.random() < self.p_cmd:
+            self.offer = self.make_command()
+        ctx.set(dut.command.valid, self.offer is not None)
+        if self.offer is not None:
+            ctx.set(dut.command.payload, self.offer[0])
+        ctx.set(dut.source.data, self.read_data)
+        awready = rng.random() < self.p_aw
+        wready = rng.random() < self.p_w
+        ctx.set(dut.axi.awready, awready)
+        ctx.set(dut.axi.wready, wready)
+        b = self.b_due[0] if self.b_due and self.b_due[0][0] <= t and not self.hold_b else None
+        ctx.set(dut.axi.bvalid, b is not None)
+        ctx.set(dut.axi.bid, DMA_WRITE_ID)
+        ctx.set(dut.axi.bresp, b[1] if b else 0)
+
+        busy = bool(self.unreleased) or self.b_done < self.bursts_expected
+        idle = ctx.get(dut.idle)
+        if busy:
+            assert not idle, (t, "idle while a command or burst is in progress")
+            self.not_busy_for = 0
+        else:
+            self.not_busy_for += 1
+            assert idle or self.not_busy_for <= 2, (t, "not idle with nothing in progress")
+
+        addr = ctx.get(dut.source.addr)
+        self.read_data = int.from_bytes(self.buf[addr * BEAT:(addr + 1) * BEAT], "little")
+
+        if ctx.get(dut.release.valid):
+            count = ctx.get(dut.release.payload)
+            assert self.unreleased, (t, "release without a command")
+            assert count == self.unreleased.popleft(), (t, "release out of order")
+            self.free += count
+
+        awvalid = ctx.get(dut.axi.awvalid)
+        if awvalid and awready:
+            burst = (ctx.get(dut.axi.awaddr), ctx.get(dut.axi.awlen))
+            assert (ctx.get(dut.axi.awid), ctx.get(dut.axi.awsize), ctx.get(dut.axi.awburst)) \
+                == (DMA_WRITE_ID, 6, 1), t
+            assert self.aw_expected, (t, "AW burst the reference does not have", burst)
+            assert burst == self.aw_expected.popleft(), (t, burst)
+            a, n = burst
+            assert a % 64 == 0 and n < 64 and (a & 4095) + (n + 1) * 64 <= 4096, (t, burst)
+            self.aw_taken.append([a, n, 0])
+            self.aw_count += 1
+        if ctx.get(dut.axi.wvalid) and wready:
+            if not self.w_in_burst:
+                presented = self.aw_count + (1 if awvalid and not awready else 0)
+                assert self.w_bursts_started < presented, (t, "W before its AW")
+                self.w_bursts_started += 1
+            data = ctx.get(dut.axi.wdata)
+            strobe, last = ctx.get(dut.axi.wstrb), ctx.get(dut.axi.wlast)
+            self.w_in_burst = not last
+            assert self.w_expected, (t, "W beat the reference does not have")
+            e_strobe, lanes, e_last = self.w_expected.popleft()
+            assert (strobe, last) == (e_strobe, e_last), (t, hex(strobe), hex(e_strobe), last)
+            raw = data.to_bytes(BEAT, "little")
+            assert all(raw[j] == v for j, v in lanes.items()), (t, "W data")
+            self.w_pending.append((raw, strobe, last))
+            self.w_cycles.append(t)
+        # The slave: W beats meet their AW in order.
+        while self.w_pending and self.aw_taken:
+            raw, strobe, last = self.w_pending.popleft()
+            burst = self.aw_taken[0]
+            a = burst[0] + burst[2] * BEAT - MEM_BASE
+            assert 0 <= a < MEM_SIZE, (t, "write outside the memory")
+            for j in range(BEAT):
+                if strobe >> j & 1:
+                    self.mem[a + j] = raw[j]
+            assert last == (burst[2] == burst[1]), (t, "wlast")
+            burst[2] += 1
+            if last:
+                self.aw_taken.popleft()
+                resp = 2 if rng.random() < self.p_slverr else 0
+                self.b_due.append((t + rng.randint(1, self.b_delay), resp))
+        if b is not None:
+            assert ctx.get(dut.axi.bready)
+            self.b_due.popleft()
+            self.b_done += 1
+            self.errors += b[1] != 0
+
+        if self.offer is not None and ctx.get(dut.command.ready):
+            self.accept(*self.offer)
+            self.offer = None
+        await ctx.tick()
+        self.t += 1
+
+    async def run(self, ctx, commands, limit=30000):
+        while self.accepted < commands:
+            await self.cycle(ctx)
+            assert self.t < limit, "commands not accepted"
+        start = self.t
+        while (self.unreleased or self.b_done < self.bursts_expected or self.b_due
+               or self.w_expected):
+            await self.cycle(ctx, more=False)
+            assert self.t - start < limit, "no progress"
+        for _ in range(4):
+            await self.cycle(ctx, more=False)
+        assert ctx.get(self.dut.idle)
+        assert not self.aw_expected and not self.w_pending and not self.aw_taken
+        assert self.mem == self.ref_mem
+        assert ctx.get(self.dut.dma_bytes_written) == self.bytes
+        assert ctx.get(self.dut.dma_write_errors) == self.errors
+
+
+def simulate(dut, testbench):
+    sim = Simulator(dut)
+    sim.add_clock(1e-6)
+    sim.add_testbench(testbench)
+    sim.run()
+
+
+@pytest.mark.parametrize("seed,buffer_beats", [(1, 128), (2, 128), (3, 256), (4, 128)])
+def test_random(seed, buffer_beats):
+    dut = DmaWriter(buffer_beats=buffer_beats)
+    bench = Bench(dut, random.Random(seed))
+
+    async def testbench(ctx):
+        await bench.run(ctx, 60)
+
+    simulate(dut, testbench)
+
+
+def test_short_commands():
+    """Many small writes: every alignment, AW/W/B all slow, commands back to back."""
+    def small(rng):
+        return rng.randint(1, 130), rng.randrange(64)
+    dut = DmaWriter(buffer_beats=64)
+    bench = Bench(dut, random.Random(7), p_cmd=1.0, p_aw=0.5, p_w=0.5, lengths=small)
+
+    async def testbench(ctx):
+        await bench.run(ctx, 150)
+
+    simulate(dut, testbench)
+
+
+def test_no_b_until_end():
+    """Write responses withheld: releases still come (the buffer is not held for B),
+    ``idle`` stays low, and AW stays at most ``AW_AHEAD`` bursts ahead of W."""
+    def medium(rng):
+        return rng.randint(1, 700), rng.randrange(64)
+    dut = DmaWriter(buffer_beats=128)
+    bench = Bench(dut, random.Random(11), p_cmd=1.0, p_aw=1.0, p_w=1.0, hold_b=True,
+                  lengths=medium)
+
+    async def testbench(ctx):
+        for _ in range(400):
+            await bench.cycle(ctx)
+            assert bench.aw_count - bench.w_bursts_started <= AW_AHEAD + 1
+        assert bench.accepted > 20 and len(bench.unreleased) <= 5
+        assert bench.b_done == 0 and len(bench.b_due) >= bench.accepted - 12
+        bench.hold_b = False
+        await bench.run(ctx, bench.accepted)
+
+    simulate(dut, testbench)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_throughput(aligned):
+    """An always-ready slave: one W beat per cycle; with different source and destination
+    alignment the reads (one beat more per command at most) bound it, and a command that
+    loads a source beat before its first W beat may cost one cycle more."""
+    def big(rng):
+        return rng.randint(1, 4096), rng.randrange(64)
+    dut = DmaWriter(buffer_beats=256)
+    rng = random.Random(5)
+    bench = Bench(dut, rng, p_cmd=1.0, p_aw=1.0, p_w=1.0, b_delay=1, p_slverr=0,
+                  lengths=big)
+    if aligned:
+        # Same byte offset in source and destination beats: as many reads as W beats.
+        make = bench.make_command
+
+        def make_aligned():
+            made = make()
+            if made is not None:
+                cmd, _ = made
+                addr = (cmd["addr"] & ~63) | cmd["src_offset"]
+                cmd["addr"] = addr - 64 if addr + cmd["bytes"] > MEM_BASE + MEM_SIZE else addr
+            return made
+        bench.make_command = make_aligned
+    commands = []
+    accept = bench.accept
+
+    def record(cmd, payload):
+        commands.append(cmd)
+        accept(cmd, payload)
+    bench.accept = record
+
+    async def testbench(ctx):
+        await bench.run(ctx, 30)
+
+    simulate(dut, testbench)
+    beats = len(bench.w_cycles)
+    span = bench.w_cycles[-1] - bench.w_cycles[0] + 1
+    # A command whose payload sits later in its source beat than in its destination beat
+    # loads its first source beat before its first W beat; that takes a cycle of its own
+    # when the previous command's last W beat used a source beat of its own too.
+    cost, consumed_last = 0, True
+    for c in commands:
+        nsrc, ndst = ceil_beats(c["src_offset"] + c["bytes"]), ceil_beats((c["addr"] & 63) + c["bytes"])
+        prime = c["src_offset"] >= c["addr"] & 63
+        cost += max(nsrc, ndst + (prime and consumed_last))
+        consumed_last = nsrc == ndst + prime
+    if aligned:
+        assert span <= beats + 2, (span, beats)
+    assert span <= cost + 2, (span, cost, beats)
+
+
+def test_parameters():
+    with pytest.raises(ValueError):
+        DmaWriter(buffer_beats=100)
+    with pytest.raises(ValueError):
+        DmaWriter(buffer_beats=32)
+    with pytest.raises(ValueError):
+        DmaWriter(buffer_beats=8192)
+    with pytest.raises(ValueError):
+        DmaWriter(addr_width=11)
