@@ -1,0 +1,114 @@
+from amaranth import *
+from amaranth.lib import fifo, wiring
+from amaranth.lib.wiring import In, Out
+from amaranth.utils import bits_for
+
+from .signatures import AXI_ID_BITS, AxiWriteSignature
+
+__all__ = ["AxiWriteArbiter"]
+
+ORDER_DEPTH = 8     # bursts granted on AW whose W beats have not all passed
+
+
+class AxiWriteArbiter(wiring.Component):
+    """Shares one AXI4 write master among the NIC's writers (CQE writes, the DMA writer,
+    the atomic unit), each with its own AWID.
+
+    AW: one burst per cycle, round robin, into a registered AW slot; the writer's AW
+    fields, ``awid`` included, pass through unchanged. Each grant queues the writer's index,
+    and W beats pass only from the writer at the head of that queue, up to its ``wlast``:
+    W follows AW order without interleaving, as AXI4 requires. A writer's W does not wait
+    for the downstream AWREADY (its AW may still sit in the slot), so a slave that waits
+    for W before taking AW cannot deadlock it; a writer whose W comes long after its AW
+    holds only the W channel, and AW grants go on until the order queue is full. B is
+    routed by ``bid`` to the writer ``i`` with ``ids[i] == bid``; a B whose ``bid`` names
+    no writer (a misbehaving slave) is accepted and dropped so it cannot wedge the channel.
+
+    Parameters
+    ----------
+    ids : tuple of int
+        Distinct AXI IDs, each below ``2**AXI_ID_BITS``; writer ``i`` uses ``ids[i]``.
+    addr_width : int
+        AXI address bits, 12 .. 64.
+    data_bytes : int
+        AXI data width in bytes, a power of two from 4 to 128.
+    """
+    def __init__(self, *, ids, addr_width=64, data_bytes=64):
+        ids = tuple(ids)
+        if not ids:
+            raise ValueError("At least one writer ID is needed")
+        for id_ in ids:
+            if not isinstance(id_, int) or not 0 <= id_ < 1 << AXI_ID_BITS:
+                raise ValueError(f"Writer IDs must be integers from 0 to {(1 << AXI_ID_BITS) - 1}, not {id_!r}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"Writer IDs must be distinct, not {ids!r}")
+        if not isinstance(addr_width, int) or not 12 <= addr_width <= 64:
+            raise ValueError(f"AXI address width must be 12 to 64 bits, not {addr_width!r}")
+        if data_bytes not in (4, 8, 16, 32, 64, 128):
+            raise ValueError(f"AXI data width must be 4 to 128 bytes, a power of two, not {data_bytes!r}")
+        self.ids = ids
+        super().__init__({
+            "writers": In(AxiWriteSignature(addr_width, data_bytes)).array(len(ids)),
+            "axi": Out(AxiWriteSignature(addr_width, data_bytes)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        axi, writers, n = self.axi, self.writers, len(self.ids)
+        m.submodules.order = order = fifo.SyncFIFO(width=bits_for(n - 1), depth=ORDER_DEPTH)
+
+        # AW: the first valid writer after the last one granted wins the free slot.
+        last = Signal(range(n))
+        granted = Signal(range(n))
+        any_valid = Signal()
+        aw_free = (~axi.awvalid | axi.awready) & order.w_rdy
+        # Later assignments override: walk the candidates from the farthest to the nearest.
+        for offset in reversed(range(1, n + 1)):
+            for i, writer in enumerate(writers):
+                with m.If(writer.awvalid & ((last + offset) % n == i)):
+                    m.d.comb += [granted.eq(i), any_valid.eq(1)]
+        for i, writer in enumerate(writers):
+            m.d.comb += writer.awready.eq(aw_free & any_valid & (granted == i))
+        with m.If(axi.awready):
+            m.d.sync += axi.awvalid.eq(0)
+        with m.If(aw_free & any_valid):
+            chosen = Array(writers)[granted]
+            m.d.sync += [
+                axi.awvalid.eq(1),
+                axi.awid.eq(chosen.awid),
+                axi.awaddr.eq(chosen.awaddr),
+                axi.awlen.eq(chosen.awlen),
+                axi.awsize.eq(chosen.awsize),
+                axi.awburst.eq(chosen.awburst),
+                last.eq(granted),
+            ]
+            m.d.comb += [order.w_en.eq(1), order.w_data.eq(granted)]
+
+        # W: the head writer's beats through a registered W slot.
+        w_free = ~axi.wvalid | axi.wready
+        head = order.r_data
+        for i, writer in enumerate(writers):
+            m.d.comb += writer.wready.eq(order.r_rdy & w_free & (head == i))
+        with m.If(axi.wready):
+            m.d.sync += axi.wvalid.eq(0)
+        current = Array(writers)[head]
+        with m.If(order.r_rdy & w_free & current.wvalid):
+            m.d.sync += [
+                axi.wvalid.eq(1),
+                axi.wdata.eq(current.wdata),
+                axi.wstrb.eq(current.wstrb),
+                axi.wlast.eq(current.wlast),
+            ]
+            m.d.comb += order.r_en.eq(current.wlast)
+
+        # B: by ID.
+        m.d.comb += axi.bready.eq(1)
+        for i, (writer, id_) in enumerate(zip(writers, self.ids)):
+            m.d.comb += [
+                writer.bvalid.eq(axi.bvalid & (axi.bid == id_)),
+                writer.bid.eq(axi.bid),
+                writer.bresp.eq(axi.bresp),
+            ]
+            with m.If(axi.bid == id_):
+                m.d.comb += axi.bready.eq(writer.bready)
+        return m
