@@ -1,0 +1,871 @@
+"""ResponderEngine (hdl/nic/responder_engine.py) against a Python reference, in Amaranth's simulator.
+
+The reference (:class:`Ref`) decides each request descriptor by docs/nic-responder.md
+("Responder engine: the checks, in order"), plus the engine's documented choices, and
+gives the commands expected on every output: one DMA command per descriptor, the
+response, the receive completion, the receive-queue request and the atomic request,
+``qp_error``, and the counters. It is written from the document, not from the gateware.
+
+One testbench plays every neighbour, cycle by cycle: the receiver (descriptors, random
+gaps), the DMA writer (random ready; ``dma_idle`` low for a while after each command),
+the ReceiveQueue and the AtomicUnit (random ready and latency; their answers are the ones
+the reference drew, in order), the context tables (Python dicts behind the synchronous
+read ports), the response and completion sinks (random ready) and the host (qp_state
+follows qp_error a cycle later; resets). Every output stream is compared, in order,
+with the reference's. Memory ordering: no READ response or atomic request is taken
+while a payload write is unacknowledged.
+
+Scenario items are descriptors (the reference decides them when they are queued) and
+barriers: functions run once the engine has finished everything before them (context
+changes, QP resets, host QP states).
+"""
+import random
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
+
+import pytest
+from amaranth.sim import Simulator
+
+from hdl.nic.responder_engine import ResponderEngine
+from hdl.nic.signatures import (
+    AtomicResultLayout, MkeyLayout, QpConfigLayout, QpState, RecvResultLayout,
+    RequestDescriptorLayout,
+)
+
+M24 = 1 << 24
+RTS, RESET, ERR = QpState.RTS.value, QpState.RESET.value, QpState.ERR.value
+REMOTE_WRITE, REMOTE_READ, REMOTE_ATOMIC, LOCAL_WRITE = 2, 4, 8, 1
+ALL_RIGHTS = REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC
+
+(SEND_FIRST, SEND_MIDDLE, SEND_LAST, SEND_LAST_IMM, SEND_ONLY, SEND_ONLY_IMM,
+ WRITE_FIRST, WRITE_MIDDLE, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONLY, WRITE_ONLY_IMM) = range(12)
+READ = 0x0C
+CMP_SWAP, FETCH_ADD = 0x13, 0x14
+FIRSTS = {SEND_FIRST, SEND_ONLY, SEND_ONLY_IMM, WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_IMM}
+LASTS = {SEND_LAST, SEND_LAST_IMM, SEND_ONLY, SEND_ONLY_IMM, WRITE_LAST, WRITE_LAST_IMM,
+         WRITE_ONLY, WRITE_ONLY_IMM}
+RETH_OPS = {WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_IMM, READ}
+IMM_OPS = {SEND_LAST_IMM, SEND_ONLY_IMM, WRITE_LAST_IMM, WRITE_ONLY_IMM}
+
+ACK_SYN, RNR, NAK = 0x1F, 0x20, 0x60
+KIND_ACK, KIND_READ, KIND_ATOMIC = 0, 1, 2
+OK, EMPTY, ERROR = 0, 1, 2
+RESP_WR_IMM, RESP_SEND, RESP_SEND_IMM, RESP_ERR = 1, 2, 3, 14
+LOCAL_LENGTH_ERR, LOCAL_PROT_ERR = 0x01, 0x04
+COUNTERS = ("requests_executed", "duplicate_requests", "seq_naks", "rnr_naks", "access_naks",
+            "invalid_naks", "op_naks", "rx_dropped_qp", "rx_dropped_pkey", "atomic_replays")
+BAD_ATOMIC_PAGE = 0x7000        # atomic unit answers error for words in this 4 KiB page
+
+
+def ahead_of(psn, epsn):
+    return 0 < (psn - epsn) % M24 < (1 << 23)
+
+
+# --- descriptors and contexts ----------------------------------------------------------------
+
+@dataclass
+class Desc:
+    destqp: int
+    opcode: int
+    psn: int
+    payload_bytes: int = 0
+    va: int = 0
+    rkey: int = 0
+    dmalen: int = 0
+    swap_add: int = 0
+    compare: int = 0
+    imm: int = 0
+    ackreq: int = 1
+    se: int = 0
+    slid: int = 0x100
+    pkey: int = 0xFFFF
+    sl: int = 0
+    vl: int = 0
+    buffer_beat: int = 0
+
+    @property
+    def header_bytes(self):
+        return (20 + 16 * (self.opcode in RETH_OPS) + 4 * (self.opcode in IMM_OPS)
+                + 28 * (self.opcode in (CMP_SWAP, FETCH_ADD)))
+
+    @property
+    def beats(self):
+        return -(-(self.header_bytes + self.payload_bytes + (-self.payload_bytes) % 4 + 4) // 64)
+
+    def fields(self):
+        f = {k: getattr(self, k) for k in ("destqp", "opcode", "psn", "payload_bytes", "va", "rkey",
+                                           "dmalen", "swap_add", "compare", "imm", "ackreq", "se",
+                                           "slid", "pkey", "sl", "vl", "buffer_beat")}
+        f["header_bytes"] = self.header_bytes
+        f["beats"] = self.beats
+        return f
+
+
+def qp_cfg(q, **kw):
+    cfg = dict(sq_base=0, log_sq_size=6, mtu=1, sl=q % 4, max_outstanding=64,
+               dest_qpn=0x100 + q, dlid=0x100, pd=1, pkey=0xFFFF, sq_psn=0, cqn=0,
+               access=ALL_RIGHTS, rq_psn=(q * 1000) % M24, min_rnr_timer=q % 32,
+               rq_base=0, log_rq_size=4, rq_dbr=0, rcqn=q % 7)
+    cfg.update(kw)
+    return cfg
+
+
+def mkey(index, variant=0, base=0x10000, length=0x10000, access=ALL_RIGHTS | LOCAL_WRITE,
+         pd=1, valid=1):
+    return dict(key=(index << 8) | variant, base=base, length=length, access=access, pd=pd,
+                valid=valid)
+
+
+# --- reference ------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    epsn: int
+    msn: int = 0
+    prog: str | None = None         # "send" / "write"
+    va: int = 0
+    left: int = 0
+    count: int = 0
+    wqe: int = 0
+    seq_nak: bool = False
+    err: bool = False
+    atom: tuple | None = None       # (psn, orig)
+
+
+class Ref:
+    """The engine's decisions, from docs/nic-responder.md. ``rq[q]``: receive WQEs the
+    ReceiveQueue will hand out, each ``(OK, addr, length, counter)`` or ``(ERROR,
+    syndrome, counter)``; ``amem``: the AtomicUnit's memory (words), errors in
+    ``BAD_ATOMIC_PAGE``."""
+
+    def __init__(self, num_qps, num_mkeys, num_vls):
+        self.num_qps, self.num_mkeys, self.num_vls = num_qps, num_mkeys, num_vls
+        self.cfg = {q: qp_cfg(q) for q in range(num_qps)}
+        self.mkeys = {}
+        self.sl_to_vl = [sl % num_vls for sl in range(16)]
+        self.state = [RTS] * num_qps
+        self.rows = {}
+        self.rq = {q: deque() for q in range(num_qps)}
+        self.amem = {}
+        self.counters = Counter()
+        self.dma, self.resp, self.comp, self.recv, self.atomic, self.errors = ([] for _ in range(6))
+
+    def row(self, q):
+        if q not in self.rows:
+            self.rows[q] = Row(epsn=self.cfg[q]["rq_psn"])
+        return self.rows[q]
+
+    def reset(self, q):
+        self.rows.pop(q, None)
+        self.state[q] = RTS
+
+    def process(self, d: Desc) -> str:
+        """Decide ``d``; append its expected outputs; return a label of the outcome."""
+        self.dma.append(dict(addr=0, bytes=0, src_beat=d.buffer_beat, src_offset=d.header_bytes,
+                             release_beats=d.beats))
+        outcome = self._decide(d)
+        if outcome in COUNTERS:
+            self.counters[outcome] += 1
+        return outcome
+
+    def _respond(self, d, kind, psn, syndrome, msn, **kw):
+        cfg = self.cfg[d.destqp]
+        r = dict(kind=kind, vl=self.sl_to_vl[cfg["sl"]], sl=cfg["sl"], dlid=cfg["dlid"],
+                 pkey=cfg["pkey"], destqp=cfg["dest_qpn"], psn=psn % M24, syndrome=syndrome,
+                 msn=msn % M24, va=0, length=0, mtu=0, orig=0)
+        r.update(kw)
+        self.resp.append(r)
+
+    def _complete(self, d, opcode, byte_count=0, imm=0, wqe=0, syndrome=0):
+        self.comp.append(dict(qpn=d.destqp, cqn=self.cfg[d.destqp]["rcqn"], opcode=opcode,
+                              syndrome=syndrome, byte_count=byte_count, imm=imm, wqe_counter=wqe))
+
+    def _fatal(self, d, row, code, counter):
+        self._respond(d, KIND_ACK, d.psn, NAK | code, row.msn)
+        row.err = True
+        self.errors.append(d.destqp)
+        return counter
+
+    def _key_ok(self, d, cfg, right, length):
+        mk = self.mkeys.get((d.rkey >> 8) % self.num_mkeys)
+        return (mk is not None and mk["valid"] and mk["key"] == d.rkey and mk["pd"] == cfg["pd"]
+                and mk["access"] & right and mk["base"] <= d.va
+                and d.va + length <= min(mk["base"] + mk["length"], 1 << 64))
+
+    def _rights_ok(self, d, cfg, right, length, key_needed):
+        return bool(cfg["access"] & right) and (not key_needed or self._key_ok(d, cfg, right, length))
+
+    def _decide(self, d):
+        q = d.destqp
+        if q >= self.num_qps:
+            return "rx_dropped_qp"
+        cfg = self.cfg[q]
+        row = self.row(q)
+        if (self.state[q] != RTS or d.slid != cfg["dlid"] or row.err
+                or self.sl_to_vl[cfg["sl"]] >= self.num_vls or not 1 <= cfg["mtu"] <= 5):
+            return "rx_dropped_qp"
+        if (d.pkey & 0x7FFF) != (cfg["pkey"] & 0x7FFF) or not (d.pkey | cfg["pkey"]) & 0x8000:
+            return "rx_dropped_pkey"
+        op = d.opcode
+        kind = "send" if op <= SEND_ONLY_IMM else "write" if op <= WRITE_ONLY_IMM else None
+        diff = (d.psn - row.epsn) % M24
+        if 0 < diff < 1 << 23:
+            if row.seq_nak:
+                return "seq_drop"
+            row.seq_nak = True
+            self._respond(d, KIND_ACK, row.epsn, NAK | 0, row.msn)
+            return "seq_naks"
+        if diff:
+            self.counters["duplicate_requests"] += 1
+            if kind:
+                self._respond(d, KIND_ACK, row.epsn - 1, ACK_SYN, row.msn)
+                return "dup_ack"
+            if op == READ:
+                if not self._rights_ok(d, cfg, REMOTE_READ, d.dmalen, d.dmalen > 0):
+                    return "dup_drop"
+                self._respond(d, KIND_READ, d.psn, ACK_SYN, row.msn, va=d.va, length=d.dmalen,
+                              mtu=cfg["mtu"])
+                return "dup_read"
+            if op in (CMP_SWAP, FETCH_ADD) and row.atom is not None and row.atom[0] == d.psn:
+                self._respond(d, KIND_ATOMIC, d.psn, ACK_SYN, row.msn, orig=row.atom[1])
+                return "atomic_replays"
+            return "dup_drop"
+
+        row.seq_nak = False
+        first, last = op in FIRSTS, op in LASTS
+        mtu = 128 << cfg["mtu"]
+        pl = d.payload_bytes
+        atomic = op in (CMP_SWAP, FETCH_ADD)
+        # 1: opcode sequence
+        if kind:
+            bad = (row.prog is not None) if first else (row.prog != kind)
+        else:
+            bad = not (op == READ or atomic) or row.prog is not None
+        # 2: lengths
+        if not bad and kind:
+            bad = (pl != mtu) if not last else (pl > mtu or (not first and pl == 0))
+            if kind == "write":
+                room = d.dmalen if first else row.left
+                bad = bad or pl > room or (last and pl != room)
+        # 3: atomic alignment
+        if not bad and atomic:
+            bad = d.va % 8 != 0
+        if bad:
+            return self._fatal(d, row, 1, "invalid_naks")
+        # 4, 5: rights and keys
+        if kind == "write" and not self._rights_ok(d, cfg, REMOTE_WRITE, d.dmalen,
+                                                  first and d.dmalen > 0):
+            return self._fatal(d, row, 2, "access_naks")
+        if op == READ and not self._rights_ok(d, cfg, REMOTE_READ, d.dmalen, d.dmalen > 0):
+            return self._fatal(d, row, 2, "access_naks")
+        if atomic and not self._rights_ok(d, cfg, REMOTE_ATOMIC, 8, True):
+            return self._fatal(d, row, 2, "access_naks")
+        # 6, 7: receive WQE
+        wqe = None
+        if (kind == "send" and first) or op in (WRITE_LAST_IMM, WRITE_ONLY_IMM):
+            if not self.rq[q]:
+                self.recv.append((q, (EMPTY, 0, 0, 0, 0)))
+                self._respond(d, KIND_ACK, d.psn, RNR | cfg["min_rnr_timer"], row.msn)
+                return "rnr_naks"
+            wqe = self.rq[q].popleft()
+            if wqe[0] == OK:
+                self.recv.append((q, (OK, 0, wqe[1], wqe[2], wqe[3])))
+            else:
+                self.recv.append((q, (ERROR, wqe[1], 0, 0, wqe[2])))
+                self._complete(d, RESP_ERR, syndrome=wqe[1], wqe=wqe[2])
+                return self._fatal(d, row, 3, "op_naks")
+        if kind == "send":
+            room = wqe[2] if first else row.left
+            if pl > room:
+                self._complete(d, RESP_ERR, syndrome=LOCAL_LENGTH_ERR,
+                               wqe=wqe[3] if first else row.wqe)
+                return self._fatal(d, row, 1, "invalid_naks")
+
+        # execution
+        if op == READ:
+            row.msn += 1
+            self._respond(d, KIND_READ, d.psn, ACK_SYN, row.msn, va=d.va, length=d.dmalen,
+                          mtu=cfg["mtu"])
+            row.epsn = (d.psn + max(1, -(-d.dmalen // mtu))) % M24
+            return "requests_executed"
+        if atomic:
+            fetch_add = op == FETCH_ADD
+            self.atomic.append((dict(addr=d.va, fetch_add=int(fetch_add), swap_add=d.swap_add,
+                                     compare=d.compare), None))
+            if d.va >> 12 == BAD_ATOMIC_PAGE >> 12:
+                self.atomic[-1] = (self.atomic[-1][0], (0, 1))
+                return self._fatal(d, row, 3, "op_naks")
+            orig = self.amem.get(d.va, 0)
+            new = (orig + d.swap_add) % (1 << 64) if fetch_add else (
+                d.swap_add if orig == d.compare else orig)
+            self.amem[d.va] = new
+            self.atomic[-1] = (self.atomic[-1][0], (orig, 0))
+            row.msn += 1
+            row.epsn = (d.psn + 1) % M24
+            row.atom = (d.psn, orig)
+            self._respond(d, KIND_ATOMIC, d.psn, ACK_SYN, row.msn, orig=orig)
+            return "requests_executed"
+        if first:
+            row.count = 0
+            if kind == "write":
+                row.va, row.left = d.va, d.dmalen
+            else:
+                row.va, row.left, row.wqe = wqe[1], wqe[2], wqe[3]
+        if pl:
+            self.dma[-1].update(addr=row.va, bytes=pl)
+        row.va = (row.va + pl) % (1 << 64)
+        row.left -= pl
+        row.count += pl
+        row.prog = None if last else kind
+        row.epsn = (d.psn + 1) % M24
+        if last:
+            row.msn += 1
+            if kind == "send":
+                imm = op in (SEND_LAST_IMM, SEND_ONLY_IMM)
+                self._complete(d, RESP_SEND_IMM if imm else RESP_SEND, row.count,
+                               d.imm if imm else 0, row.wqe)
+            elif wqe is not None:
+                self._complete(d, RESP_WR_IMM, row.count, d.imm, wqe[3])
+        if d.ackreq:
+            self._respond(d, KIND_ACK, d.psn, ACK_SYN, row.msn)
+        return "requests_executed"
+
+
+# --- testbench ------------------------------------------------------------------------------
+
+@dataclass
+class Expect:
+    """A descriptor whose outcome (``Ref.process``'s label) the test states."""
+    desc: Desc
+    outcome: str
+
+
+@dataclass
+class When:
+    """Run ``action(bench)`` as soon as ``cond(bench)`` holds, without draining."""
+    cond: object
+    action: object
+
+
+def pack(layout, values):
+    """A struct's bits from integers (enum-shaped fields take any value)."""
+    return sum(values.get(name, 0) << f.offset for name, f in layout)
+
+
+def fields(ctx, view):
+    """A struct's fields as integers (enum-shaped ones included, whatever their value)."""
+    raw = ctx.get(view.as_value())
+    layout = view.shape()
+    return {name: (raw >> f.offset) & ((1 << f.width) - 1) for name, f in layout}
+
+
+class Bench:
+    def __init__(self, dut, ref, rng, *, p_req=0.8, p_dma=0.7, p_resp=0.7, p_comp=0.7,
+                 p_recv=0.7, p_atomic=0.7, latency=12, idle_low=20):
+        self.dut, self.ref, self.rng = dut, ref, rng
+        self.p = dict(req=p_req, dma=p_dma, resp=p_resp, comp=p_comp, recv=p_recv, atomic=p_atomic)
+        self.latency, self.idle_low = latency, idle_low
+        self.t = 0
+        self.feed = deque()
+        self.offer = None
+        self.buffer_beat = 0
+        self.host_state = [RTS] * dut.num_qps
+        self.exp = {k: deque() for k in ("dma", "resp", "comp", "recv", "atomic", "errors")}
+        self.seen = {k: 0 for k in self.exp}
+        self.write_done = []            # cycles at which payload writes are acknowledged
+        self.idle_at = 0                # dma_idle high from this cycle on
+        self.recv_due = deque()         # (cycle, result) for accepted receive requests
+        self.atomic_due = deque()
+        self.resets = deque()
+        self.pending_state = []
+        self.addr = {"qp": 0, "mkey": 0}
+        self.outcomes = []
+        self._cache = {}
+
+    def _set(self, ctx, sig, value):
+        if self._cache.get(id(sig)) != value:
+            self._cache[id(sig)] = value
+            ctx.set(sig, value)
+
+    def _take(self, ref_list, key):
+        self.exp[key].extend(ref_list)
+        ref_list.clear()
+
+    def queue(self, d):
+        d.buffer_beat = self.buffer_beat
+        self.buffer_beat = (self.buffer_beat + d.beats) % 4096
+        self.outcomes.append(self.ref.process(d))
+        for key, lst in (("dma", self.ref.dma), ("resp", self.ref.resp), ("comp", self.ref.comp),
+                         ("recv", self.ref.recv), ("atomic", self.ref.atomic),
+                         ("errors", self.ref.errors)):
+            self._take(lst, key)
+        self.offer_queue.append(d)
+
+    def busy(self):
+        return (self.offer is not None or self.offer_queue or any(self.exp.values())
+                or self.recv_due or self.atomic_due)
+
+    async def run(self, ctx, items, limit=200000):
+        """Feed ``items`` (Desc or callables taking the bench: barriers)."""
+        self.offer_queue = deque()
+        items = iter(items)
+        start = self.t
+        done = False
+        while True:
+            while not done and len(self.offer_queue) < 4:
+                item = next(items, None)
+                if item is None:
+                    done = True
+                elif isinstance(item, Desc):
+                    self.queue(item)
+                elif isinstance(item, Expect):
+                    self.queue(item.desc)
+                    assert self.outcomes[-1] == item.outcome, (item, self.outcomes[-1])
+                elif isinstance(item, When):
+                    while not item.cond(self):
+                        await self.cycle(ctx)
+                        assert self.t - start < limit, "no progress"
+                    item.action(self)
+                else:
+                    while self.busy():
+                        await self.cycle(ctx)
+                        assert self.t - start < limit, "no progress"
+                    for _ in range(3):
+                        await self.cycle(ctx)
+                    item(self)
+                    await self.cycle(ctx)
+            if done and not self.busy():
+                break
+            await self.cycle(ctx)
+            assert self.t - start < limit, ("no progress", {k: list(v)[:2] for k, v in self.exp.items()})
+        for _ in range(10):
+            await self.cycle(ctx)
+
+    def reset_qp(self, q, **cfg):
+        """Barrier body: the host resets QP ``q`` (new context fields ``cfg``) and moves
+        it back to RTS."""
+        self.ref.cfg[q].update(cfg)
+        self.ref.reset(q)
+        self.resets.append(q)
+        self.host_state[q] = RTS
+
+    def set_state(self, q, state):
+        self.ref.state[q] = state
+        self.host_state[q] = state
+
+    def _expect(self, key, got):
+        assert self.exp[key], (self.t, f"unexpected {key}", got)
+        want = self.exp[key].popleft()
+        assert got == want, (self.t, key, self.seen[key], got, want)
+        self.seen[key] += 1
+
+    async def cycle(self, ctx):
+        dut, rng, t, p = self.dut, self.rng, self.t, self.p
+
+        if self.offer is None and self.offer_queue and rng.random() < p["req"]:
+            self.offer = self.offer_queue.popleft()
+            ctx.set(dut.request.payload, RequestDescriptorLayout().const(self.offer.fields()))
+        self._set(ctx, dut.request.valid, int(self.offer is not None))
+
+        ready = {k: int(rng.random() < p[k]) for k in ("dma", "resp", "comp", "recv", "atomic")}
+        self._set(ctx, dut.dma.ready, ready["dma"])
+        self._set(ctx, dut.response.ready, ready["resp"])
+        self._set(ctx, dut.receive_completion.ready, ready["comp"])
+        self._set(ctx, dut.recv_request.ready, ready["recv"])
+        self._set(ctx, dut.atomic_request.ready, ready["atomic"])
+        self._set(ctx, dut.dma_idle, int(t >= self.idle_at))
+
+        recv_valid = bool(self.recv_due) and self.recv_due[0][0] <= t
+        self._set(ctx, dut.recv_result.valid, int(recv_valid))
+        if recv_valid:
+            status, syndrome, addr, length, counter = self.recv_due[0][1]
+            self._set(ctx, dut.recv_result.payload.as_value(), pack(RecvResultLayout(), dict(
+                status=status, syndrome=syndrome, addr=addr, length=length, wqe_counter=counter)))
+        atomic_valid = bool(self.atomic_due) and self.atomic_due[0][0] <= t
+        self._set(ctx, dut.atomic_result.valid, int(atomic_valid))
+        if atomic_valid:
+            orig, error = self.atomic_due[0][1]
+            self._set(ctx, dut.atomic_result.payload.as_value(),
+                      pack(AtomicResultLayout(), dict(orig=orig, error=error)))
+
+        reset_q = self.resets.popleft() if self.resets else None
+        self._set(ctx, dut.qp_reset.valid, int(reset_q is not None))
+        if reset_q is not None:
+            self._set(ctx, dut.qp_reset.qpn, reset_q)
+        for q in range(dut.num_qps):
+            self._set(ctx, dut.qp_state[q], self.host_state[q])
+        for sl in range(16):
+            self._set(ctx, dut.sl_to_vl[sl], self.ref.sl_to_vl[sl])
+
+        # outputs
+        taken = self.offer is not None and ctx.get(dut.request.ready)
+        if ctx.get(dut.dma.valid) and ready["dma"]:
+            cmd = fields(ctx, dut.dma.payload)
+            self._expect("dma", cmd)
+            self.idle_at = max(self.idle_at, t + 1 + rng.randint(1, self.idle_low if cmd["bytes"] else 3))
+            if cmd["bytes"]:
+                self.write_done.append(self.idle_at)
+        if ctx.get(dut.response.valid) and ready["resp"]:
+            r = fields(ctx, dut.response.payload)
+            if r["kind"] == KIND_READ:
+                assert all(done <= t for done in self.write_done), (t, "READ before writes done")
+            self._expect("resp", r)
+        if ctx.get(dut.receive_completion.valid) and ready["comp"]:
+            self._expect("comp", fields(ctx, dut.receive_completion.payload))
+        if ctx.get(dut.recv_request.valid) and ready["recv"]:
+            q = ctx.get(dut.recv_request.payload.qpn)
+            assert self.exp["recv"], (t, "unexpected receive request", q)
+            want_q, result = self.exp["recv"].popleft()
+            assert q == want_q, (t, q, want_q)
+            self.recv_due.append((t + rng.randint(1, self.latency), result))
+        if ctx.get(dut.atomic_request.valid) and ready["atomic"]:
+            a = fields(ctx, dut.atomic_request.payload)
+            assert all(done <= t for done in self.write_done), (t, "atomic before writes done")
+            assert self.exp["atomic"], (t, "unexpected atomic", a)
+            want, result = self.exp["atomic"].popleft()
+            assert a == want, (t, a, want)
+            self.atomic_due.append((t + rng.randint(1, self.latency), result))
+        if ctx.get(dut.qp_error.valid):
+            q = ctx.get(dut.qp_error.qpn)
+            self._expect("errors", q)
+            self.pending_state.append(q)
+        recv_taken = recv_valid and ctx.get(dut.recv_result.ready)
+        atomic_taken = atomic_valid and ctx.get(dut.atomic_result.ready)
+        self.addr = {"qp": ctx.get(dut.qp_config.addr), "mkey": ctx.get(dut.mkey.addr)}
+
+        await ctx.tick()
+
+        if taken:
+            self.offer = None
+        if recv_taken:
+            self.recv_due.popleft()
+        if atomic_taken:
+            self.atomic_due.popleft()
+        for q in self.pending_state:        # the host follows qp_error a cycle later
+            self.host_state[q] = ERR
+        self.pending_state.clear()
+        cfg = self.ref.cfg.get(self.addr["qp"], qp_cfg(0))
+        key = ("qp", self.addr["qp"], tuple(cfg.values()))
+        if self._cache.get("qpcfg") != key:
+            self._cache["qpcfg"] = key
+            ctx.set(self.dut.qp_config.data, QpConfigLayout().const(cfg))
+        mk = self.ref.mkeys.get(self.addr["mkey"], mkey(0, valid=0))
+        key = ("mk", self.addr["mkey"], tuple(mk.values()))
+        if self._cache.get("mkey") != key:
+            self._cache["mkey"] = key
+            ctx.set(self.dut.mkey.data, MkeyLayout().const(mk))
+        self.t += 1
+
+    async def check_counters(self, ctx):
+        for name in COUNTERS:
+            assert ctx.get(getattr(self.dut, name)) == self.ref.counters[name], (
+                name, ctx.get(getattr(self.dut, name)), self.ref.counters[name])
+
+
+def run(dut, ref, body, seed=1, **kw):
+    sim = Simulator(dut)
+    sim.add_clock(1e-8)
+    bench = Bench(dut, ref, random.Random(seed), **kw)
+
+    async def testbench(ctx):
+        await body(ctx, bench)
+        await bench.check_counters(ctx)
+
+    sim.add_testbench(testbench)
+    sim.run()
+    return bench
+
+
+# --- directed ---------------------------------------------------------------------------------
+
+KEY = 0x101                 # mkey index 1, variant 1: [0x10000, 0x20000), every right
+MTU = 256                   # the directed QPs' path MTU (code 1)
+
+
+def directed_mkeys():
+    return {
+        1: mkey(1, 1),
+        2: mkey(2, 0, access=REMOTE_WRITE),                     # no READ/ATOMIC right
+        3: mkey(3, 0, pd=2),
+        4: mkey(4, 0, valid=0),
+        5: mkey(5, 7, base=(1 << 64) - 0x100, length=0x100),    # ends at 2^64
+    }
+
+
+def directed_items(b):
+    ref = b.ref
+
+    def d(q, op, off=0, **kw):
+        return Desc(q, op, (ref.row(q).epsn + off) % M24, **kw)
+
+    def e(q, op, outcome, off=0, **kw):
+        return Expect(d(q, op, off, **kw), outcome)
+
+    def write(q, n=16, va=0x10000, **kw):
+        return e(q, WRITE_ONLY, kw.pop("outcome", "requests_executed"), payload_bytes=n, va=va,
+                 rkey=kw.pop("rkey", KEY), dmalen=kw.pop("dmalen", n), **kw)
+
+    def reset(q, **cfg):
+        return lambda bench: bench.reset_qp(q, **cfg)
+
+    def state(q, s):
+        return lambda bench: bench.set_state(q, s)
+
+    def post(q, *wqes):
+        return When(lambda bench: True, lambda bench: ref.rq[q].extend(wqes))
+
+    # Check 1: unknown QP, QP not in RTS, SLID, VL, MTU code.
+    yield write(0)
+    yield Expect(Desc(5, WRITE_ONLY, 0), "rx_dropped_qp")
+    yield Expect(Desc(200, SEND_ONLY, 0), "rx_dropped_qp")
+    yield Expect(Desc(0x10000, SEND_ONLY, 0), "rx_dropped_qp")     # 8-bit alias of QP 0
+    for s in (RESET, ERR):
+        yield state(1, s)
+        yield write(1, outcome="rx_dropped_qp")
+    yield state(1, RTS)
+    yield write(1)
+    yield write(0, slid=0x101, outcome="rx_dropped_qp")
+
+    def no_vl(bench):
+        ref.sl_to_vl[2] = 2
+    yield no_vl
+    yield write(2, outcome="rx_dropped_qp")
+
+    def vl_back(bench):
+        ref.sl_to_vl[2] = 1
+    yield vl_back
+    yield write(2)
+    for code in (0, 6):
+        yield reset(3, mtu=code)
+        yield write(3, outcome="rx_dropped_qp")
+    yield reset(3, mtu=1)
+    # Check 2: P_Key.
+    yield write(0, pkey=0xFFFE, outcome="rx_dropped_pkey")
+    yield write(0, pkey=0x7FFF)                                # we are a full member
+    yield reset(4, pkey=0x7FFF)
+    yield write(4, pkey=0x7FFF, outcome="rx_dropped_pkey")     # both limited
+    yield write(4, pkey=0xFFFF)
+    yield write(4, pkey=0x8001, outcome="rx_dropped_pkey")
+    yield reset(4, pkey=0xFFFF)
+
+    # Check 3: out of sequence: one NAK, then silence until an in-sequence packet.
+    yield write(0, off=1, outcome="seq_naks")
+    yield write(0, off=5, outcome="seq_drop")
+    yield e(0, READ, "seq_drop", off=2)
+    yield write(0)
+    yield write(0, off=(1 << 23) - 1, outcome="seq_naks")      # the farthest ahead
+    yield write(0, off=3, outcome="seq_drop")
+    yield write(0)
+    # Duplicates: WRITE / SEND re-ACKed, READ re-executed, atomic replayed or dropped.
+    yield write(0, off=-1, outcome="dup_ack")
+    yield write(0, off=-(1 << 23), outcome="dup_ack")          # the farthest behind
+    yield e(0, SEND_ONLY, "dup_ack", off=-2, payload_bytes=4)
+    yield post(0, (OK, 0x20000, 1000, 7))
+    yield e(0, READ, "requests_executed", va=0x10000, rkey=KEY, dmalen=3 * MTU + 1)   # 4 PSNs
+    yield e(0, READ, "dup_read", off=-4, va=0x10000, rkey=KEY, dmalen=3 * MTU + 1)
+    yield e(0, READ, "dup_read", off=-2, va=0x10200, rkey=KEY, dmalen=2 * MTU)
+    yield e(0, READ, "dup_drop", off=-1, va=0x10000, rkey=0x202, dmalen=8)   # key lacks READ
+    yield e(0, SEND_ONLY_IMM, "requests_executed", payload_bytes=40, imm=0xDEADBEEF)
+    yield e(0, FETCH_ADD, "requests_executed", va=0x10008, rkey=KEY, swap_add=5)
+    yield e(0, CMP_SWAP, "requests_executed", va=0x10008, rkey=KEY, compare=5, swap_add=9)
+    yield e(0, CMP_SWAP, "requests_executed", va=0x10008, rkey=KEY, compare=5, swap_add=11)
+    yield e(0, CMP_SWAP, "atomic_replays", off=-1, va=0x10008, rkey=KEY, compare=5, swap_add=11)
+    yield e(0, FETCH_ADD, "dup_drop", off=-2, va=0x10008, rkey=KEY, swap_add=5)
+    yield e(0, 0x15, "dup_drop", off=-1)
+    yield write(0, ackreq=0)
+    yield e(0, WRITE_FIRST, "requests_executed", payload_bytes=MTU, va=0x10010, rkey=KEY,
+            dmalen=2 * MTU + 3, ackreq=0)
+    yield write(0, off=-1, outcome="dup_ack")                 # behind, inside a message
+    yield e(0, WRITE_MIDDLE, "requests_executed", payload_bytes=MTU)
+    yield e(0, WRITE_LAST, "requests_executed", payload_bytes=3)
+
+    # Check 4, row by row (each fatal: the QP is reset afterwards). Items are made when
+    # they are reached, so that their PSNs follow the reference.
+    def fatal(q, expect, *pre):
+        for items in pre:
+            yield from items()
+        yield expect()
+        yield write(q, outcome="rx_dropped_qp")                # the QP is in ERR now
+        yield reset(q)
+
+    def first_send():
+        yield post(1, (OK, 0x30000, 4 * MTU, 1))
+        yield e(1, SEND_FIRST, "requests_executed", payload_bytes=MTU)
+
+    def first_write():
+        yield e(1, WRITE_FIRST, "requests_executed", payload_bytes=MTU, va=0x10000, rkey=KEY,
+                dmalen=3 * MTU)
+
+    def write_middle():
+        yield e(1, WRITE_MIDDLE, "requests_executed", payload_bytes=MTU)
+
+    inv = "invalid_naks"
+    # opcode sequence
+    yield from fatal(1, lambda: e(1, SEND_FIRST, inv, payload_bytes=MTU), first_send)
+    yield from fatal(1, lambda: e(1, SEND_ONLY, inv, payload_bytes=1), first_send)
+    yield from fatal(1, lambda: e(1, WRITE_ONLY, inv, va=0x10000, rkey=KEY), first_send)
+    yield from fatal(1, lambda: e(1, WRITE_FIRST, inv, payload_bytes=MTU, va=0x10000, rkey=KEY,
+                                  dmalen=3 * MTU), first_write)
+    yield from fatal(1, lambda: e(1, SEND_MIDDLE, inv, payload_bytes=MTU))
+    yield from fatal(1, lambda: e(1, SEND_LAST, inv, payload_bytes=1))
+    yield from fatal(1, lambda: e(1, WRITE_LAST_IMM, inv, payload_bytes=1))
+    yield from fatal(1, lambda: e(1, WRITE_MIDDLE, inv, payload_bytes=MTU), first_send)
+    yield from fatal(1, lambda: e(1, SEND_LAST, inv, payload_bytes=1), first_write)
+    yield from fatal(1, lambda: e(1, READ, inv, va=0x10000, rkey=KEY, dmalen=8), first_send)
+    yield from fatal(1, lambda: e(1, FETCH_ADD, inv, va=0x10000, rkey=KEY), first_write)
+    yield from fatal(1, lambda: e(1, 0x15, inv))
+    yield from fatal(1, lambda: e(1, 0x0D, inv))               # a response opcode
+    # lengths
+    yield from fatal(1, lambda: e(1, SEND_FIRST, inv, payload_bytes=MTU - 4))
+    yield from fatal(1, lambda: e(1, SEND_MIDDLE, inv, payload_bytes=MTU + 4), first_send)
+    yield from fatal(1, lambda: e(1, SEND_LAST, inv, payload_bytes=0), first_send)
+    yield from fatal(1, lambda: e(1, SEND_LAST_IMM, inv, payload_bytes=MTU + 1), first_send)
+    yield from fatal(1, lambda: e(1, SEND_ONLY, inv, payload_bytes=MTU + 4))
+    yield from fatal(1, lambda: e(1, WRITE_ONLY, inv, payload_bytes=8, va=0x10000, rkey=KEY,
+                                  dmalen=4))                   # beyond the RETH length
+    yield from fatal(1, lambda: e(1, WRITE_ONLY, inv, payload_bytes=4, va=0x10000, rkey=KEY,
+                                  dmalen=8))                   # short of it
+    yield from fatal(1, lambda: e(1, WRITE_FIRST, inv, payload_bytes=MTU, va=0x10000, rkey=KEY,
+                                  dmalen=MTU - 1))
+    yield from fatal(1, lambda: e(1, WRITE_LAST, inv, payload_bytes=MTU), first_write)
+    yield from fatal(1, lambda: e(1, WRITE_MIDDLE, inv, payload_bytes=MTU),
+                     lambda: [e(1, WRITE_FIRST, "requests_executed", payload_bytes=MTU,
+                                va=0x10000, rkey=KEY, dmalen=2 * MTU - 1)])
+    yield from fatal(1, lambda: e(1, WRITE_LAST, inv, payload_bytes=MTU - 1),
+                     first_write, write_middle)
+    # atomic alignment (before rights: the key is bad too)
+    yield from fatal(1, lambda: e(1, CMP_SWAP, inv, va=0x10004, rkey=0x404))
+    # QP rights
+    acc = "access_naks"
+    for op, kw in ((WRITE_ONLY, dict(payload_bytes=4, dmalen=4)),
+                   (WRITE_ONLY, dict()),                       # even without a key
+                   (READ, dict(dmalen=4)), (READ, dict()), (FETCH_ADD, dict())):
+        rights = ALL_RIGHTS & ~{WRITE_ONLY: REMOTE_WRITE, READ: REMOTE_READ,
+                                FETCH_ADD: REMOTE_ATOMIC}[op]
+        yield reset(1, access=rights)
+        yield from fatal(1, lambda: e(1, op, acc, va=0x10000, rkey=KEY, **kw))
+    yield reset(1, access=ALL_RIGHTS)
+
+    def lose_write_right():
+        yield lambda bench: bench.ref.cfg[1].update(access=REMOTE_READ)
+
+    yield from fatal(1, lambda: e(1, WRITE_MIDDLE, acc, payload_bytes=MTU),
+                     first_write, lose_write_right)
+    yield reset(1, access=ALL_RIGHTS)
+    # memory keys
+    for op, rkey, va, n in (
+            (WRITE_ONLY, 0x404, 0x10000, 4),                  # no valid key
+            (WRITE_ONLY, 0x102, 0x10000, 4),                  # key != rkey (variant)
+            (WRITE_ONLY, 0x701, 0x10000, 4),                  # index 7 % 6 = 1, key != rkey
+            (READ, 0x303, 0x10000, 4),                        # other PD
+            (READ, 0x200, 0x10000, 4),                        # key lacks READ
+            (FETCH_ADD, 0x200, 0x10000, 8),                   # key lacks ATOMIC
+            (WRITE_ONLY, KEY, 0xFFFC, 8),                     # starts below the base
+            (WRITE_FIRST, KEY, 0x1FF00, 0x101),               # ends past the end
+            (READ, KEY, 0x1FFFF, 2),
+            (CMP_SWAP, KEY, 0x1FFF8 + 8, 8),
+            (READ, 0x507, (1 << 64) - 8, 16)):                # wraps 2^64
+        kw = dict(va=va, rkey=rkey, dmalen=0 if op in (FETCH_ADD, CMP_SWAP) else n)
+        if op in (WRITE_ONLY, WRITE_FIRST):
+            kw["payload_bytes"] = n if op == WRITE_ONLY else MTU
+        yield from fatal(1, lambda: e(1, op, acc, **kw))
+    yield e(1, READ, "requests_executed", va=(1 << 64) - 8, rkey=0x507, dmalen=8)  # ends at 2^64
+    yield e(1, READ, "requests_executed", va=0, rkey=0x404, dmalen=0)   # no key needed
+    yield e(1, WRITE_ONLY, "requests_executed", va=5, rkey=0x404)       # 0 bytes, no key
+    yield e(1, WRITE_ONLY, "requests_executed", payload_bytes=4, va=0x1FFFC, rkey=KEY, dmalen=4)
+    # RNR, then the retry succeeds (SEND FIRST; WRITE_WITH_IMM LAST after its MIDDLE).
+    yield e(2, SEND_FIRST, "rnr_naks", payload_bytes=MTU)
+    yield e(2, SEND_FIRST, "rnr_naks", payload_bytes=MTU)
+    yield post(2, (OK, 0x40000, 3 * MTU, 0xFFFF))
+    yield e(2, SEND_FIRST, "requests_executed", payload_bytes=MTU)
+    yield e(2, SEND_MIDDLE, "requests_executed", payload_bytes=MTU)
+    yield e(2, SEND_LAST_IMM, "requests_executed", payload_bytes=MTU, imm=0x12345678)
+    yield e(2, WRITE_FIRST, "requests_executed", payload_bytes=MTU, va=0x10100, rkey=KEY,
+            dmalen=MTU + 9)
+    yield e(2, WRITE_LAST_IMM, "rnr_naks", payload_bytes=9, imm=1)
+    yield post(2, (OK, 0, 0, 3))
+    yield e(2, WRITE_LAST_IMM, "requests_executed", payload_bytes=9, imm=1)
+    yield e(2, WRITE_ONLY_IMM, "rnr_naks", imm=2, va=0, rkey=0)
+    yield post(2, (OK, 0, 0, 4))
+    yield e(2, WRITE_ONLY_IMM, "requests_executed", imm=2, va=0, rkey=0)
+    yield e(2, SEND_ONLY, "rnr_naks", payload_bytes=0)
+    yield post(2, (OK, 0x50000, 0, 5))
+    yield e(2, SEND_ONLY, "requests_executed", payload_bytes=0)
+    # Receive WQE bad; SEND longer than the receive WQE (at ONLY, at FIRST, at LAST).
+    def posting(*wqes):
+        return lambda: [post(2, *wqes)]
+
+    yield from fatal(2, lambda: e(2, SEND_ONLY, "op_naks", payload_bytes=4),
+                     posting((ERROR, LOCAL_PROT_ERR, 9)))
+    yield from fatal(2, lambda: e(2, WRITE_ONLY_IMM, "op_naks", payload_bytes=4, va=0x10000,
+                                  rkey=KEY, dmalen=4), posting((ERROR, 0x02, 10)))
+    yield from fatal(2, lambda: e(2, SEND_ONLY_IMM, inv, payload_bytes=4),
+                     posting((OK, 0x50000, 3, 11)))
+    yield from fatal(2, lambda: e(2, SEND_FIRST, inv, payload_bytes=MTU),
+                     posting((OK, 0x50000, MTU - 1, 12)))
+    yield from fatal(2, lambda: e(2, SEND_LAST, inv, payload_bytes=4),
+                     posting((OK, 0x50000, MTU + 3, 13)),
+                     lambda: [e(2, SEND_FIRST, "requests_executed", payload_bytes=MTU)])
+    yield post(2, (OK, 0x50000, MTU + 3, 14))
+    yield e(2, SEND_FIRST, "requests_executed", payload_bytes=MTU)
+    yield e(2, SEND_LAST, "requests_executed", payload_bytes=3)   # fills it exactly
+    # An atomic the memory fails.
+    yield from fatal(3, lambda: e(3, FETCH_ADD, "op_naks", va=BAD_ATOMIC_PAGE + 8, rkey=0x600,
+                                  swap_add=1))
+
+    # PSN wrap: a READ over the wrap, WRITEs and SENDs across it, duplicates behind it.
+    yield reset(4, rq_psn=M24 - 3, mtu=2)
+    yield post(4, (OK, 0x60000, 10000, 0x20))
+    yield e(4, READ, "requests_executed", va=0x10000, rkey=KEY, dmalen=2 * 512 + 1)   # 3 PSNs
+    yield e(4, SEND_FIRST, "requests_executed", payload_bytes=512)
+    yield e(4, SEND_MIDDLE, "requests_executed", payload_bytes=512)
+    yield e(4, SEND_LAST, "requests_executed", payload_bytes=1)
+    yield e(4, SEND_LAST, "dup_ack", off=-1, payload_bytes=1)
+    yield e(4, READ, "dup_read", off=-6, va=0x10000, rkey=KEY, dmalen=2 * 512 + 1)
+    yield e(4, FETCH_ADD, "requests_executed", va=0x10010, rkey=0x600, swap_add=1)
+    yield e(4, FETCH_ADD, "atomic_replays", off=-1, va=0x10010, rkey=0x600, swap_add=1)
+    yield e(4, SEND_ONLY, "seq_naks", off=M24 // 2 - 1, payload_bytes=1)
+
+    # qp_reset mid-message: the QP starts fresh at the new rq_psn.
+    yield post(1, (OK, 0x70000, 3 * MTU, 0x30))
+    yield e(1, SEND_FIRST, "requests_executed", payload_bytes=MTU)
+    yield reset(1, rq_psn=0x123456)
+    yield e(1, SEND_MIDDLE, "invalid_naks", payload_bytes=MTU)
+    yield reset(1)
+    yield write(1)
+    yield e(1, WRITE_FIRST, "requests_executed", payload_bytes=MTU, va=0x10000, rkey=KEY,
+            dmalen=2 * MTU)
+    # A qp_reset while the engine waits for a receive WQE of that QP: the descriptor's
+    # outputs go out, its row is not written.
+    yield post(3, (OK, 0x70000, MTU, 0x31))
+    yield e(3, SEND_ONLY, "requests_executed", payload_bytes=8)
+    yield When(lambda bench: bench.recv_due and bench.exp["recv"] == deque(),
+               lambda bench: bench.reset_qp(3, rq_psn=77))
+    yield e(3, SEND_ONLY, "rnr_naks", payload_bytes=8)
+    # The engine keeps its own record of qp_error (the host's QP state lags).
+    yield e(0, WRITE_MIDDLE, "invalid_naks", payload_bytes=MTU)
+    yield write(0, outcome="rx_dropped_qp")
+
+
+def test_directed():
+    dut = ResponderEngine(num_qps=5, num_mkeys=6, num_vls=2)
+    ref = Ref(5, 6, 2)
+    ref.mkeys = directed_mkeys()
+    ref.mkeys[0] = mkey(6, 0, base=0, length=1 << 20)            # key 0x600
+    for q in range(5):
+        ref.cfg[q]["mtu"] = 1
+
+    async def body(ctx, bench):
+        await bench.run(ctx, directed_items(bench))
+
+    bench = run(dut, ref, body)
+    for name in COUNTERS:
+        assert ref.counters[name], name
+    assert "seq_drop" in bench.outcomes and "dup_drop" in bench.outcomes
+
+
+def test_parameters():
+    for kw in (dict(num_qps=0), dict(num_qps=257), dict(num_mkeys=0), dict(num_vls=16),
+               dict(num_vls=2.0)):
+        with pytest.raises(ValueError):
+            ResponderEngine(**kw)
