@@ -536,3 +536,308 @@ def test_construction_errors():
         n.ResponderModel(1, memory_bytes=16, contexts={}, sl_to_vl=[0] * 15)
     with pytest.raises(ValueError, match="contexts"):
         n.ResponderModel(1, memory_bytes=16, mkeys=[n.Mkey()])
+
+
+# --- random traffic with loss, duplicates and RNR; fuzz ---------------------------------------
+
+BIG = 1 << 20
+RREGION = (0x10000, 0x70000)       # rkey: WRITE targets, READ sources, atomic words
+LREGION = (0x80000, 0x70000)       # lkey: receive buffers
+
+
+def big_world(qpns=(5, 6), log_rq_size=3):
+    mem = bytearray(BIG)
+    mkeys = [n.Mkey() for _ in range(4)]
+    mkeys[1] = n.Mkey(key=RKEY, base=RREGION[0], length=RREGION[1], access=ALL, pd=PD, valid=True)
+    mkeys[2] = n.Mkey(key=LKEY, base=LREGION[0], length=LREGION[1], access=n.Access.LOCAL_WRITE,
+                      pd=PD, valid=True)
+    contexts = {q: n.QpContext(qpn=q, dest_qpn=0x100 + q, dlid=PEER_LID, sl=0, pkey=0xFFFF, pd=PD,
+                               mtu=1, access=ALL, rq_psn=(1 << 24) - 20 + q, min_rnr_timer=3,
+                               rq_base=0xF0000 + 0x1000 * i, log_rq_size=log_rq_size,
+                               rq_dbr=0xF8000 + 64 * i, rcqn=i)
+                for i, q in enumerate(qpns)}
+    resp = n.ResponderModel(LID, memory=mem, contexts=contexts, mkeys=mkeys)
+    return resp, mem, contexts
+
+
+class _Peer:
+    """One requester QP: messages as packets, go-back-N on NAKs, random loss/duplicates."""
+
+    def __init__(self, rng, qpn, ctx, resp, mem, write_base, recv_base, atomic_va):
+        self.rng, self.qpn, self.ctx, self.resp, self.mem = rng, qpn, ctx, resp, mem
+        self.packets = []          # (psn, bytes, message index)
+        self.messages = []
+        self.psn = ctx.rq_psn
+        self.write_at, self.recv_at, self.atomic_va = write_base, recv_base, atomic_va
+        self.next = 0              # index into packets of the next one to send
+        self.wqes_posted = 0
+        self.sends_expected = []   # (buffer, data, imm or None) per SEND message, in order
+        self.atomic_total = 0
+        self.atomic_origs = {}     # psn -> orig seen first
+
+    def _pkt(self, op, msg, ext=(), payload=b"", ackreq=0):
+        self.packets.append((self.psn, n.make_packet(
+            vl=0, sl=0, dlid=LID, slid=PEER_LID, opcode=op, destqp=self.qpn, psn=self.psn,
+            pkey=0xFFFF, ackreq=ackreq, ext=ext, payload=payload), msg))
+        self.psn = (self.psn + 1) % (1 << 24)
+
+    def add_message(self):
+        rng = self.rng
+        kind = rng.choice(["write", "write_imm", "send", "send_imm", "read", "atomic"])
+        msg = len(self.messages)
+        length = rng.choice([0, 1, 255, 256, 257, 512, 700, rng.randrange(800)])
+        data = bytes(rng.getrandbits(8) for _ in range(length))
+        imm = rng.getrandbits(32)
+        self.messages.append((kind, data))
+        if kind == "read":
+            va = RREGION[0] + rng.randrange(0x8000)
+            self._pkt(Opcode.RDMA_READ_REQUEST, msg, [RETH(va=va, rkey=RKEY, dmalen=length)], ackreq=1)
+            self.psn = (self.psn + max(1, -(-length // MTU)) - 1) % (1 << 24)
+            return
+        if kind == "atomic":
+            add = rng.getrandbits(16)
+            self.atomic_total += add
+            self._pkt(Opcode.FETCH_ADD, msg, [AtomicETH(va=self.atomic_va, rkey=RKEY, swap_add=add)],
+                      ackreq=1)
+            return
+        chunks = [data[i:i + MTU] for i in range(0, length, MTU)] or [b""]
+        if kind.startswith("write"):
+            va = self.write_at
+            self.write_at += length + rng.randrange(8)
+            self.messages[-1] = (kind, data, va)
+            ops = (Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_MIDDLE,
+                   Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE if kind == "write_imm" else Opcode.RDMA_WRITE_LAST,
+                   Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE if kind == "write_imm" else Opcode.RDMA_WRITE_ONLY)
+        else:
+            ops = (Opcode.SEND_FIRST, Opcode.SEND_MIDDLE,
+                   Opcode.SEND_LAST_WITH_IMMEDIATE if kind == "send_imm" else Opcode.SEND_LAST,
+                   Opcode.SEND_ONLY_WITH_IMMEDIATE if kind == "send_imm" else Opcode.SEND_ONLY)
+        if kind in ("write_imm", "send", "send_imm"):
+            self.sends_expected.append((kind, data, imm if kind != "send" else 0))
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            op = ops[3] if len(chunks) == 1 else ops[0] if i == 0 else ops[2] if last else ops[1]
+            ext = []
+            if kind.startswith("write") and i == 0:
+                ext.append(RETH(va=self.write_at - (self.write_at - va), rkey=RKEY, dmalen=length))
+            if last and kind.endswith("imm"):
+                ext.append(ImmDt(imm=imm))
+            self._pkt(op, msg, ext, chunk, ackreq=int(last or rng.random() < 0.2))
+
+    def post_recv(self):
+        self.resp.post_recv(self.qpn, 1024, LKEY, self.recv_at + 1024 * self.wqes_posted)
+        self.wqes_posted += 1
+
+    def step(self, stats):
+        """Send something; returns the Decision."""
+        rng = self.rng
+        consumed = self.resp.responder_state(self.qpn).rq_ci
+        if self.wqes_posted - consumed < 4 and rng.random() < 0.4:
+            self.post_recv()            # posted lazily, so that the queue sometimes runs dry
+        r = rng.random()
+        atomics = [i for i in range(self.next) if self.messages[self.packets[i][2]][0] == "atomic"]
+        if r < 0.03 and atomics:
+            index = atomics[-1]                       # a retry of the newest atomic: replayed
+        elif r < 0.1 and self.next > 0:
+            index = rng.randrange(self.next)          # a duplicate of something sent
+        elif r < 0.18 and self.next + 1 < len(self.packets):
+            index = self.next + rng.randrange(1, min(4, len(self.packets) - self.next))   # loss
+        else:
+            index = self.next
+        psn, raw, msg = self.packets[index]
+        d = self.resp.process(raw)
+        stats[d.fate] = stats.get(d.fate, 0) + 1
+        syndromes = [parse_packet(p).ext[0].syndrome for p in d.packets
+                     if parse_packet(p).bth.opcode == Opcode.ACKNOWLEDGE]
+        assert all(s >> 5 != 0b011 or s == 0x60 for s in syndromes), (d, syndromes)
+        assert not d.qp_error
+        for p in d.packets:
+            pp = parse_packet(p)
+            if pp.bth.opcode == Opcode.ATOMIC_ACKNOWLEDGE:
+                assert self.atomic_origs.setdefault(pp.bth.psn, pp.ext[1].orig) == pp.ext[1].orig
+            elif pp.bth.opcode != Opcode.ACKNOWLEDGE and pp.payload:
+                off = n.psn_diff(pp.bth.psn, psn) * MTU
+                va = self.packets[index][1]
+                reth = parse_packet(va).ext[0]
+                assert pp.payload == bytes(self.mem[reth.va + off:reth.va + off + len(pp.payload)])
+        epsn = self.resp.responder_state(self.qpn).epsn
+        # go-back-N: the requester resumes at whatever the responder expects
+        self.next = next((i for i, (p, _, _) in enumerate(self.packets)
+                          if n.psn_diff(p, epsn) >= 0), len(self.packets))
+        return d
+
+    @property
+    def done(self):
+        return self.next >= len(self.packets)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_traffic(seed):
+    rng = random.Random(seed)
+    resp, mem, contexts = big_world()
+    # READ sources: random bytes nobody writes (writes go above 0x20000)
+    mem[RREGION[0]:RREGION[0] + 0x9000] = bytes(rng.getrandbits(8) for _ in range(0x9000))
+    peers = [_Peer(rng, q, contexts[q], resp, mem, 0x20000 + 0x28000 * i, LREGION[0] + 0x30000 * i,
+                   RREGION[0] + 0x9000 + 8 * i) for i, q in enumerate(contexts)]
+    for p in peers:
+        for _ in range(120):
+            p.add_message()
+    write_count = {}
+    stats = {}
+    steps = 0
+    while not all(p.done for p in peers):
+        peer = rng.choice([p for p in peers if not p.done])
+        d = peer.step(stats)
+        for addr, data in d.writes:
+            if addr in (pp.atomic_va for pp in peers):
+                continue
+            for a in range(addr, addr + len(data)):
+                write_count[a] = write_count.get(a, 0) + 1
+        steps += 1
+        assert steps < 20000
+    # every payload byte written exactly once: duplicates were never executed again
+    assert set(write_count.values()) == {1}
+    for p in peers:
+        sends = iter(p.sends_expected)
+        completions = resp.completions[contexts[p.qpn].rcqn]
+        assert len(completions) == len(p.sends_expected)
+        for i, (c, (kind, data, imm)) in enumerate(zip(completions, sends)):
+            opcode = {"write_imm": m.CqeOpcode.RESP_WR_IMM, "send": m.CqeOpcode.RESP_SEND,
+                      "send_imm": m.CqeOpcode.RESP_SEND_IMM}[kind]
+            assert (c.opcode, c.byte_count, c.imm, c.wqe_counter, c.qpn) == (opcode, len(data), imm, i, p.qpn)
+            if kind != "write_imm":
+                buf = p.recv_at + 1024 * i
+                assert mem[buf:buf + len(data)] == data
+        for kind, data, *va in p.messages:
+            if kind.startswith("write"):
+                assert mem[va[0]:va[0] + len(data)] == data
+        assert int.from_bytes(mem[p.atomic_va:p.atomic_va + 8], "little") == p.atomic_total
+        assert resp.responder_state(p.qpn).epsn == p.psn
+    c = resp.counters
+    check_partition(c)
+    assert c["requests_executed"] - c["rnr_naks"] == sum(len(p.packets) for p in peers)
+    assert c["access_naks"] == c["invalid_naks"] == c["op_naks"] == 0
+    # the run exercised every rule it is meant to
+    assert min(c["seq_naks"], c["seq_dropped"], c["duplicate_requests"], c["rnr_naks"],
+               c["atomic_replays"], c["duplicates_dropped"]) > 0, c
+
+
+def _fuzz_packet(rng, valid_pool, lid):
+    r = rng.random()
+    if r < 0.15:
+        return bytes(rng.getrandbits(8) for _ in range(rng.randrange(64)))
+    raw = bytearray(rng.choice(valid_pool))
+    if r < 0.55:
+        return bytes(raw)
+    for _ in range(rng.randrange(1, 4)):
+        what = rng.random()
+        if what < 0.5 and raw:
+            raw[rng.randrange(min(len(raw), 64))] ^= 1 << rng.randrange(8)
+        elif what < 0.7:
+            del raw[rng.randrange(len(raw) + 1):]
+        elif what < 0.8:
+            raw += bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 9)))
+        elif len(raw) >= 24:
+            raw[8] = rng.randrange(0x16)                    # another opcode, same bytes
+    if rng.random() < 0.5 and len(raw) >= 12:
+        if rng.random() < 0.5 and len(raw) % 4 == 0:
+            raw[2:4] = lid.to_bytes(2, "big")
+            raw[4:6] = (len(raw) // 4).to_bytes(2, "big")
+        raw[-4:] = n._icrc_any(bytes(raw[:-4]))
+    return bytes(raw)
+
+
+def test_fuzz():
+    rng = random.Random(7)
+    resp, mem, contexts = big_world(log_rq_size=2)
+    mem[RREGION[0]:RREGION[0] + 0x1000] = bytes(rng.getrandbits(8) for _ in range(0x1000))
+    granted = [RREGION, LREGION]
+
+    def outside(buf):
+        """Memory nothing may write (the receive queues above LREGION are the test's)."""
+        return bytes(buf[:RREGION[0]]) + bytes(buf[RREGION[0] + RREGION[1]:LREGION[0]])
+
+    def refill(q):
+        ctx = contexts[q]
+        for slot in range(4):
+            good = rng.random() < 0.9
+            wqe = m.recv_wqe(rng.choice([0, 8, 300, 4096]), LKEY if good else rng.getrandbits(32),
+                             LREGION[0] + 0x1000 * rng.randrange(64) if good else rng.getrandbits(64))
+            mem[ctx.rq_base + 16 * slot:ctx.rq_base + 16 * slot + 16] = wqe
+        ci = resp.responder_state(q).rq_ci
+        mem[ctx.rq_dbr:ctx.rq_dbr + 4] = m.rq_doorbell_record(ci + rng.randrange(4))
+
+    def valid_packets(q):
+        st = resp.responder_state(q)
+        psn = (st.epsn + rng.choice([0, 0, 0, -1, -2, 1, 5])) % (1 << 24)
+        if st.atomic_valid and rng.random() < 0.1:
+            psn = st.atomic_psn
+        va = rng.choice([RREGION[0] + 8 * rng.randrange(64), RREGION[0] - 8, rng.getrandbits(64) & ~7,
+                         RREGION[0] + RREGION[1] - 8])
+        rkey = rng.choice([RKEY, RKEY, LKEY, rng.getrandbits(32)])
+        length = rng.choice([0, 1, 8, 256, 300, 700])
+        common = dict(vl=0, sl=0, dlid=LID, slid=rng.choice([PEER_LID] * 9 + [3]), destqp=rng.choice(
+            [q, q, q, q, 7, rng.getrandbits(24)]), psn=psn, pkey=rng.choice([0xFFFF] * 9 + [0x7FFF]),
+            ackreq=rng.getrandbits(1))
+        op = rng.choice(sorted(n._REQUEST_OPCODES))
+        ext = []
+        for cls in n.extension_headers(op):
+            ext.append({RETH: RETH(va=va, rkey=rkey, dmalen=length),
+                        AtomicETH: AtomicETH(va=va + rng.choice([0, 0, 4]), rkey=rkey,
+                                             swap_add=rng.getrandbits(64), compare=rng.getrandbits(64)),
+                        ImmDt: ImmDt(imm=rng.getrandbits(32))}[cls])
+        payload = b"" if not n.carries_payload(op) else bytes(rng.getrandbits(8) for _ in range(
+            rng.choice([0, 1, 4, 256, 256, 300, length])))
+        return n.make_packet(opcode=op, ext=ext, payload=payload, **common)
+
+    before = outside(mem)
+    for i in range(4000):
+        q = rng.choice(list(contexts))
+        if resp.qp_state(q) != n.QpState.RTS or rng.random() < 0.002:
+            resp.reset_qp(q)
+        refill(q)
+        pool = [valid_packets(q) for _ in range(3)]
+        d = resp.process(_fuzz_packet(rng, pool, LID), end_bad=rng.random() < 0.01)
+        for addr, data in d.writes:
+            assert any(b <= addr and addr + len(data) <= b + size for b, size in granted)
+        for p in d.packets:
+            assert parse_packet(p).icrc_ok
+    assert outside(mem) == before
+    c = resp.counters
+    assert c["packets"] == 4000
+    check_partition(c)
+    # the fuzz reached every outcome
+    for name in resp.HW_COUNTERS + ("responses_steered", "seq_dropped", "duplicates_dropped"):
+        assert c[name] > 0, (name, c)
+
+
+def test_legacy_mode_never_raises():
+    rng = random.Random(3)
+    resp = n.ResponderModel(0x55, {1: n.ResponderQp(peer_qpn=0, mtu=1)}, memory=bytearray(4096))
+    pool = [n.make_packet(vl=0, sl=0, dlid=0x55, slid=0x11, opcode=Opcode.RDMA_WRITE_ONLY, destqp=1,
+                          psn=0, ext=[RETH(va=16, rkey=1, dmalen=8)], payload=bytes(8))]
+    for _ in range(2000):
+        resp.receive(_fuzz_packet(rng, pool, 0x55))
+    assert resp.counters["dropped_malformed"] > 0
+
+
+def test_range_wrapping_2_64():
+    """A key whose range runs past 2^64: an access that wraps is refused even though
+    its end is below the key's end; one that ends at 2^64 exactly is fine."""
+    sparse = {}
+
+    def read(addr, size):
+        return bytes(sparse.get(addr + i, 0) for i in range(size))
+
+    def write(addr, data):
+        sparse.update((addr + i, b) for i, b in enumerate(data))
+
+    top = 1 << 64
+    key = n.Mkey(key=RKEY, base=top - 0x100, length=0x1000, access=ALL, pd=PD, valid=True)
+    ctx = n.QpContext(qpn=QPN, dest_qpn=PEER_QPN, dlid=PEER_LID, sl=2, pkey=PKEY, pd=PD, mtu=1,
+                      access=ALL, rq_psn=EPSN)
+    resp = n.ResponderModel(LID, read=read, write=write, contexts={QPN: ctx}, mkeys=[n.Mkey(), key])
+    d = resp.process(write_only(EPSN, top - 8, b"12345678"))
+    assert d.fate == "requests_executed" and read(top - 8, 8) == b"12345678"
+    d = resp.process(write_only(EPSN + 1, top - 4, b"12345678"))
+    assert d.fate == "access_naks" and d.writes == []
