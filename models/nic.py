@@ -762,7 +762,10 @@ class Decision:
     nothing is written; None when the receiver dropped the packet, no descriptor);
     ``writes``: ``(addr, data)`` memory writes in order (payload and atomics);
     ``completions``: :class:`RecvCompletion` made; ``recv_taken``: the receive WQE counter
-    consumed (None if none); ``qp_error``: the QP went to ERR (the ``qp_error`` event)."""
+    consumed (None if none); ``recv_result``: the ReceiveQueue's answer when it was asked
+    (``RecvResultLayout`` fields, ``status`` "OK"/"EMPTY"/"ERROR"); ``atomic``: the
+    ``AtomicRequestLayout`` fields plus ``orig`` of an executed atomic; ``qp_error``: the
+    QP went to ERR (the ``qp_error`` event)."""
     fate: str
     qpn: int | None = None
     psn: int | None = None
@@ -772,6 +775,8 @@ class Decision:
     writes: list = field(default_factory=list)
     completions: list = field(default_factory=list)
     recv_taken: int | None = None
+    recv_result: dict | None = None
+    atomic: dict | None = None
     qp_error: bool = False
 
 
@@ -1420,6 +1425,7 @@ class ResponderModel:
         RNR (nothing consumed) or a bad WQE (consumed, QP to ERR) raise _Fail."""
         pi = parse_rq_doorbell_record(self.read(ctx.rq_dbr, 4))
         if pi == st.rq_ci:
+            d.recv_result = dict(status="EMPTY", syndrome=0, addr=0, length=0, wqe_counter=0)
             raise _Fail("rnr_naks", RNR_NAK | (ctx.min_rnr_timer & 0x1F), fatal=False)
         counter = st.rq_ci
         slot = counter % (1 << ctx.log_rq_size)
@@ -1428,7 +1434,10 @@ class ResponderModel:
         st.rq_ci = (counter + 1) & 0xFFFF
         d.recv_taken = counter
         st.recv_counter = counter
+        d.recv_result = dict(status="OK", syndrome=0, addr=addr, length=length,
+                             wqe_counter=counter)
         if length and not self._key_ok(lkey, ctx.pd, Access.LOCAL_WRITE, addr, length):
+            d.recv_result.update(status="ERROR", syndrome=int(Syndrome.LOCAL_PROT_ERR))
             raise _Fail("op_naks", NAK | NakCode.REMOTE_OPERATIONAL_ERROR,
                         recv_syndrome=Syndrome.LOCAL_PROT_ERR)
         return addr, length, counter
@@ -1455,6 +1464,8 @@ class ResponderModel:
         st.msn = (st.msn + 1) % PSN_MOD
         st.epsn = psn_add(psn, 1)
         st.atomic_valid, st.atomic_psn, st.atomic_orig = True, psn, orig
+        d.atomic = dict(addr=atomic.va, fetch_add=int(op == Opcode.FETCH_ADD),
+                        swap_add=atomic.swap_add, compare=atomic.compare, orig=orig)
         d.commands.append(self._atomic_command(ctx, psn, st.msn, orig))
 
     def _command(self, ctx, kind, psn, msn, **kw) -> dict:

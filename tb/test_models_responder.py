@@ -1,7 +1,15 @@
 """The responder's reference models: the mlx5 receive formats (models/mlx5.py) and
 models.nic.ResponderModel in its hardware mode (docs/nic-responder.md), pure Python."""
 
+import random
+
+import pytest
+
+from hdl.nic import signatures as sig
 from models import mlx5 as m
+from models import nic as n
+from models.ib import AETH, RETH, AtomicETH, ImmDt, Opcode
+from models.packet import parse_packet
 
 H = bytes.fromhex
 
@@ -53,20 +61,11 @@ def test_responder_cqe_bytes():
 
 
 def test_responder_cqe_opcodes_match_signatures():
-    from hdl.nic import signatures as sig
     for e in sig.RecvCqeOpcode:
         assert m.CqeOpcode[e.name] == e.value
 
 
 # --- ResponderModel, hardware mode ----------------------------------------------------------
-
-import random
-
-import pytest
-
-from models import nic as n
-from models.ib import AETH, BTH, LRH, RETH, AtomicETH, ImmDt, Opcode
-from models.packet import parse_packet
 
 LID, PEER_LID, QPN, PEER_QPN, PD, PKEY = 0x55, 0x11, 5, 0x33, 7, 0x8001
 MEM = 1 << 16
@@ -164,7 +163,8 @@ def test_write_read_atomic_execute():
     # READ of 600 bytes at MTU 256: 3 responses, epsn advances by 3
     d = resp.process(read_req(EPSN + 4, 0x1201, 600))
     ps = [parse_packet(p) for p in d.packets]
-    assert [p.bth.opcode for p in ps] == [Opcode.RDMA_READ_RESPONSE_FIRST, Opcode.RDMA_READ_RESPONSE_MIDDLE,
+    assert [p.bth.opcode for p in ps] == [Opcode.RDMA_READ_RESPONSE_FIRST,
+                                          Opcode.RDMA_READ_RESPONSE_MIDDLE,
                                           Opcode.RDMA_READ_RESPONSE_LAST]
     assert [p.bth.psn for p in ps] == [EPSN + 4, EPSN + 5, EPSN + 6]
     assert b"".join(p.payload for p in ps) == data and ps[0].ext[0].msn == 3
@@ -180,6 +180,7 @@ def test_write_read_atomic_execute():
     (p,) = [parse_packet(x) for x in d.packets]
     assert p.bth.opcode == Opcode.ATOMIC_ACKNOWLEDGE and p.ext[1].orig == 5 and p.ext[0].msn == 5
     assert int.from_bytes(mem[0x2000:0x2008], "little") == 8
+    assert d.atomic == dict(addr=0x2000, fetch_add=1, swap_add=3, compare=0, orig=5)
     cs = req(Opcode.COMPARE_SWAP, EPSN + 9, ext=[AtomicETH(va=0x2000, rkey=RKEY, swap_add=77, compare=8)])
     assert parse_packet(resp.process(cs).packets[0]).ext[1].orig == 8
     assert int.from_bytes(mem[0x2000:0x2008], "little") == 77
@@ -289,8 +290,9 @@ def test_psn_rules_and_duplicates():
     assert resp.process(write_only(EPSN + 5, 0x1000, b"BBBB")).fate == "seq_naks"
     assert mem[0x1000:0x1006] == b"AAAACC"
     # half the PSN space ahead is still "ahead"; beyond it is "behind"
-    assert resp.process(write_only((EPSN + 2 + (1 << 23) - 1) % (1 << 24), 0x1000, b"Z")).fate == "seq_dropped"
-    assert resp.process(write_only((EPSN + 2 + (1 << 23)) % (1 << 24), 0x1000, b"Z")).fate == "duplicate_requests"
+    far = (EPSN + 2 + (1 << 23)) % (1 << 24)
+    assert resp.process(write_only(far - 1, 0x1000, b"Z")).fate == "seq_dropped"
+    assert resp.process(write_only(far, 0x1000, b"Z")).fate == "duplicate_requests"
     # duplicate WRITE: ACK epsn-1 with the current MSN, not executed
     mem[0x1000:0x1004] = b"zzzz"
     d = resp.process(write_only(EPSN, 0x1000, b"AAAA", ackreq=0))
@@ -426,8 +428,10 @@ def test_invalid_requests():
 def test_receive_queue():
     resp, mem = world()
     # nothing posted: RNR NAK with min_rnr_timer, nothing consumed, epsn unchanged
-    d = resp.process(req(Opcode.SEND_ONLY_WITH_IMMEDIATE, EPSN, ext=[ImmDt(imm=0xCAFEBABE)], payload=b"hi"))
+    send_imm = req(Opcode.SEND_ONLY_WITH_IMMEDIATE, EPSN, ext=[ImmDt(imm=0xCAFEBABE)], payload=b"hi")
+    d = resp.process(send_imm)
     assert d.fate == "rnr_naks" and acks(d) == [(EPSN, 0x20 | 14, 0)] and not d.qp_error
+    assert d.recv_result["status"] == "EMPTY" and d.recv_taken is None
     assert resp.responder_state(QPN).epsn == EPSN and resp.completions == {}
     d = resp.process(write_only(EPSN, 0x1000, b"data", imm=7))
     assert d.fate == "rnr_naks" and bytes(mem[0x1000:0x1004]) == bytes(4)
@@ -435,7 +439,7 @@ def test_receive_queue():
     assert resp.post_recv(QPN, 100, LKEY, RBUF[0]) == 0
     assert resp.post_recv(QPN, 0, 0xDEAD, 0) == 1          # a 0-byte WQE needs no key
     assert mem[RQ_DBR:RQ_DBR + 4] == m.rq_doorbell_record(2)
-    d = resp.process(req(Opcode.SEND_ONLY_WITH_IMMEDIATE, EPSN, ext=[ImmDt(imm=0xCAFEBABE)], payload=b"hi"))
+    d = resp.process(send_imm)
     assert d.fate == "requests_executed" and d.recv_taken == 0 and mem[RBUF[0]:RBUF[0] + 2] == b"hi"
     (c,) = d.completions
     assert c == n.RecvCompletion(qpn=QPN, cqn=3, opcode=m.CqeOpcode.RESP_SEND_IMM, byte_count=2,
@@ -507,7 +511,19 @@ def test_bad_receive_wqe(name):
     assert d.completions == [n.RecvCompletion(QPN, 3, m.CqeOpcode.RESP_ERR, 0, 0, 0,
                                               m.Syndrome.LOCAL_PROT_ERR)]
     assert m.parse_cqe(d.completions[0].cqe().pack()).syndrome == m.Syndrome.LOCAL_PROT_ERR
+    assert d.recv_result == dict(status="ERROR", syndrome=m.Syndrome.LOCAL_PROT_ERR, addr=addr,
+                                 length=length, wqe_counter=0)
     assert bytes(mem[RBUF[0]:RBUF[0] + RBUF[1]]) == bytes(RBUF[1])
+    # a WRITE_WITH_IMM taking a bad WQE fails the same way, writing nothing
+    resp, mem = world()
+    resp.post_recv(QPN, length, lkey, addr)
+    if name == "pd":
+        resp.mkeys[2].pd = PD + 1
+    elif name == "local_write":
+        resp.mkeys[2].access = n.Access(0)
+    d = resp.process(write_only(EPSN, REMOTE[0], b"abcd", imm=9))
+    assert d.fate == "op_naks" and d.writes == [] and d.completions[0].opcode == m.CqeOpcode.RESP_ERR
+    assert bytes(mem[REMOTE[0]:REMOTE[0] + 4]) == bytes(4)
 
 
 def test_send_too_long():
@@ -601,17 +617,18 @@ class _Peer:
                       ackreq=1)
             return
         chunks = [data[i:i + MTU] for i in range(0, length, MTU)] or [b""]
+        with_imm = kind.endswith("imm")
         if kind.startswith("write"):
             va = self.write_at
             self.write_at += length + rng.randrange(8)
             self.messages[-1] = (kind, data, va)
             ops = (Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_MIDDLE,
-                   Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE if kind == "write_imm" else Opcode.RDMA_WRITE_LAST,
-                   Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE if kind == "write_imm" else Opcode.RDMA_WRITE_ONLY)
+                   Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE if with_imm else Opcode.RDMA_WRITE_LAST,
+                   Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE if with_imm else Opcode.RDMA_WRITE_ONLY)
         else:
             ops = (Opcode.SEND_FIRST, Opcode.SEND_MIDDLE,
-                   Opcode.SEND_LAST_WITH_IMMEDIATE if kind == "send_imm" else Opcode.SEND_LAST,
-                   Opcode.SEND_ONLY_WITH_IMMEDIATE if kind == "send_imm" else Opcode.SEND_ONLY)
+                   Opcode.SEND_LAST_WITH_IMMEDIATE if with_imm else Opcode.SEND_LAST,
+                   Opcode.SEND_ONLY_WITH_IMMEDIATE if with_imm else Opcode.SEND_ONLY)
         if kind in ("write_imm", "send", "send_imm"):
             self.sends_expected.append((kind, data, imm if kind != "send" else 0))
         for i, chunk in enumerate(chunks):
@@ -619,8 +636,8 @@ class _Peer:
             op = ops[3] if len(chunks) == 1 else ops[0] if i == 0 else ops[2] if last else ops[1]
             ext = []
             if kind.startswith("write") and i == 0:
-                ext.append(RETH(va=self.write_at - (self.write_at - va), rkey=RKEY, dmalen=length))
-            if last and kind.endswith("imm"):
+                ext.append(RETH(va=va, rkey=RKEY, dmalen=length))
+            if last and with_imm:
                 ext.append(ImmDt(imm=imm))
             self._pkt(op, msg, ext, chunk, ackreq=int(last or rng.random() < 0.2))
 
@@ -656,10 +673,8 @@ class _Peer:
             if pp.bth.opcode == Opcode.ATOMIC_ACKNOWLEDGE:
                 assert self.atomic_origs.setdefault(pp.bth.psn, pp.ext[1].orig) == pp.ext[1].orig
             elif pp.bth.opcode != Opcode.ACKNOWLEDGE and pp.payload:
-                off = n.psn_diff(pp.bth.psn, psn) * MTU
-                va = self.packets[index][1]
-                reth = parse_packet(va).ext[0]
-                assert pp.payload == bytes(self.mem[reth.va + off:reth.va + off + len(pp.payload)])
+                va = parse_packet(raw).ext[0].va + n.psn_diff(pp.bth.psn, psn) * MTU
+                assert pp.payload == bytes(self.mem[va:va + len(pp.payload)])
         epsn = self.resp.responder_state(self.qpn).epsn
         # go-back-N: the requester resumes at whatever the responder expects
         self.next = next((i for i, (p, _, _) in enumerate(self.packets)
@@ -698,13 +713,13 @@ def test_random_traffic(seed):
     # every payload byte written exactly once: duplicates were never executed again
     assert set(write_count.values()) == {1}
     for p in peers:
-        sends = iter(p.sends_expected)
         completions = resp.completions[contexts[p.qpn].rcqn]
         assert len(completions) == len(p.sends_expected)
-        for i, (c, (kind, data, imm)) in enumerate(zip(completions, sends)):
+        for i, (c, (kind, data, imm)) in enumerate(zip(completions, p.sends_expected)):
             opcode = {"write_imm": m.CqeOpcode.RESP_WR_IMM, "send": m.CqeOpcode.RESP_SEND,
                       "send_imm": m.CqeOpcode.RESP_SEND_IMM}[kind]
-            assert (c.opcode, c.byte_count, c.imm, c.wqe_counter, c.qpn) == (opcode, len(data), imm, i, p.qpn)
+            assert (c.opcode, c.byte_count, c.imm, c.wqe_counter, c.qpn) == (
+                opcode, len(data), imm, i, p.qpn)
             if kind != "write_imm":
                 buf = p.recv_at + 1024 * i
                 assert mem[buf:buf + len(data)] == data
