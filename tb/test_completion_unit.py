@@ -18,9 +18,10 @@ bad ICRC, end_bad, unknown QP, QP in RESET, request opcodes, stale and future PS
 wrong PktLen, reserved AETH syndromes, an ACK with an ATOMIC ACK's length. At most one
 beat per cycle over all VLs (as from one link), random gaps. AXI: random AWREADY/WREADY,
 B answers after random delays, some SLVERR. Checked: ``rx.ready`` always high; every
-retire (per QP order, blocks) against the reference, and that its CQE (AW and W) was
-accepted at or before it; every CQE's address (CQ base, producer index modulo the ring,
-entry 0 when collapsed) and all 64 bytes (owner bit included); AXI constants; qp_error
+retire (per QP order, blocks) against the reference, and that the later of its CQE's AW
+and W was accepted in the retire's cycle (receive CQEs, tb/test_completion_unit_receive.py,
+may come between requester ones); every CQE's address (CQ base, producer index modulo the
+ring, entry 0 when collapsed) and all 64 bytes (owner bit included); AXI constants; qp_error
 before the retire of the NAKed record; all counters at the end; nothing completes that
 the reference does not complete.
 
@@ -49,7 +50,9 @@ from amaranth.sim import Simulator
 
 from hdl.link.signatures import BeatLayout
 from hdl.nic.completion_unit import CompletionUnit
-from hdl.nic.signatures import CompletionRecordLayout, CqConfigLayout, QpState
+from hdl.nic.signatures import (
+    CompletionRecordLayout, CqConfigLayout, QpState, ReceiveCompletionLayout,
+)
 from models import mlx5
 from models.crc import icrc_bytes
 from models.ib import AETH, BTH, AtomicAckETH, Opcode
@@ -65,6 +68,8 @@ SENT, ERROR, FLUSH = 0, 1, 2
 WR_FLUSH_ERR = 0x05
 NAK_SYNDROME = {1: 0x12, 2: 0x13, 3: 0x14}
 LOCAL_SYNDROMES = (0x01, 0x02, 0x04)
+RESP_WR_IMM, RESP_SEND, RESP_SEND_IMM, RESP_ERR = 1, 2, 3, 14
+RECV_OPCODES = (RESP_WR_IMM, RESP_SEND, RESP_SEND_IMM, RESP_ERR)
 
 
 def le(a, b):
@@ -124,7 +129,8 @@ class Reference:
         self.completed = [deque() for _ in range(num_qps)]     # completed, not yet retired
         self.counters = dict.fromkeys((
             "acks_received", "naks_received", "read_responses", "atomic_acks", "cqes_written",
-            "error_cqes", "rx_dropped_icrc", "rx_dropped_unexpected", "cqe_write_errors"), 0)
+            "error_cqes", "rx_dropped_icrc", "rx_dropped_unexpected", "cqe_write_errors",
+            "recv_cqes"), 0)
 
     def enqueue(self, rec):
         if rec.qpn >= self.num_qps:
@@ -228,6 +234,49 @@ def cqe_bytes(rec, owner):
     return bytes(b)
 
 
+@dataclass
+class RecvRec:
+    """A receive completion from the responder (``ReceiveCompletionLayout``)."""
+    qpn: int
+    cqn: int
+    opcode: int
+    byte_count: int = 0
+    imm: int = 0
+    wqe_counter: int = 0
+    syndrome: int = 0
+
+    def bits(self):
+        """The record as ``ReceiveCompletionLayout`` bits (packed by hand: ``const``
+        takes only the enums' members, and the bench also sends other opcodes)."""
+        value = 0
+        for name, field in ReceiveCompletionLayout():
+            value |= (getattr(self, name) & ((1 << field.width) - 1)) << field.offset
+        return value
+
+    def writes(self, num_cqs):
+        """Whether the unit writes a CQE for it: a receive opcode and a CQ it has."""
+        return self.opcode in RECV_OPCODES and self.cqn < num_cqs
+
+
+def recv_cqe_bytes(rec, owner):
+    """``mlx5_cqe64`` (``mlx5_err_cqe`` for RESP_ERR) of a receive completion, from
+    rdma-core's mlx5dv.h offsets, checked against models/mlx5.py's."""
+    b = bytearray(64)
+    b[56:60] = rec.qpn.to_bytes(4, "big")
+    b[60:62] = rec.wqe_counter.to_bytes(2, "big")
+    b[63] = rec.opcode << 4 | owner
+    if rec.opcode == RESP_ERR:
+        b[55] = rec.syndrome
+    else:
+        b[44:48] = rec.byte_count.to_bytes(4, "big")
+        if rec.opcode != RESP_SEND:
+            b[36:40] = rec.imm.to_bytes(4, "big")
+    model = mlx5.build_responder_cqe(rec.qpn, rec.wqe_counter, rec.opcode, rec.byte_count,
+                                     rec.imm, rec.syndrome, owner)
+    assert model == bytes(b), (model.hex(), bytes(b).hex())
+    return bytes(b)
+
+
 # --- Packets ----------------------------------------------------------------------------------
 
 def response(opcode, destqp, psn, syndrome=0, payload=b"", rng=None):
@@ -265,7 +314,7 @@ def beats_of(packet, end_bad=False):
 
 class Bench:
     def __init__(self, dut, rng, *, qp_states, cqs, p_rec=0.5, p_beat=0.7, p_aw=0.7, p_w=0.7,
-                 b_delay=8, p_slverr=0.1, wire=True):
+                 b_delay=8, p_slverr=0.1, wire=True, p_recv=0.5):
         self.dut = dut
         self.rng = rng
         self.t = 0
@@ -295,6 +344,15 @@ class Bench:
         self._cache = {}
         self.qp_errors = []
         self.retire_cycles = []
+        # Receive completions: to offer, offered, taken by the unit (awaiting their CQEs).
+        self.p_recv = p_recv
+        self.recv_to_offer = deque()
+        self.recv_offer = None
+        self.recv_taken = deque()
+        self.recv_cycles = []           # when each receive CQE's AW and W were both accepted
+        self.recv_ready_low = 0
+        self.cq_resets = deque()
+        self.cqe_log = []               # (cqn, receive) of every CQE, in producer-index order
 
     def _set(self, ctx, sig, value):
         key = id(sig)
@@ -314,7 +372,9 @@ class Bench:
         return (self.offer is None and not self.to_offer and not any(self.rx)
                 and all(c is None for c in self.rx_cur) and not self.aw and not self.w
                 and not self.b_due and self.b_cur is None
-                and not any(self.ref.completed) and not self.resets and not self.flushes)
+                and not any(self.ref.completed) and not self.resets and not self.flushes
+                and self.recv_offer is None and not self.recv_to_offer and not self.cq_resets
+                and not any(r.writes(self.dut.num_cqs) for r in self.recv_taken))
 
     async def cycle(self, ctx):
         dut, rng, t = self.dut, self.rng, self.t
@@ -326,6 +386,14 @@ class Bench:
         if self.offer is not None and self._cache.get("offer") is not self.offer:
             self._cache["offer"] = self.offer
             ctx.set(dut.completion.payload, CompletionRecordLayout().const(self.offer.payload()))
+
+        # receive completions
+        if self.recv_offer is None and self.recv_to_offer and rng.random() < self.p_recv:
+            self.recv_offer = self.recv_to_offer.popleft()
+        self._set(ctx, dut.receive.valid, int(self.recv_offer is not None))
+        if self.recv_offer is not None and self._cache.get("recv_offer") is not self.recv_offer:
+            self._cache["recv_offer"] = self.recv_offer
+            ctx.set(dut.receive.payload.as_value(), self.recv_offer.bits())
 
         # rx beats: at most one per cycle over all VLs when ``wire``
         busy = [v for v in range(dut.num_vls) if self.rx_cur[v] is not None or self.rx[v]]
@@ -361,6 +429,10 @@ class Bench:
         self._set(ctx, dut.qp_reset.valid, int(reset_q is not None))
         if reset_q is not None:
             self._set(ctx, dut.qp_reset.qpn, reset_q)
+        cq_reset = self.cq_resets.popleft() if self.cq_resets else None
+        self._set(ctx, dut.cq_reset.valid, int(cq_reset is not None))
+        if cq_reset is not None:
+            self._set(ctx, dut.cq_reset.qpn, cq_reset)
 
         # AXI
         awready = int(rng.random() < self.p_aw)
@@ -381,8 +453,11 @@ class Bench:
         for v in range(dut.num_vls):
             assert ctx.get(dut.rx[v].ready), (t, "rx not ready")
         comp_ready = ctx.get(dut.completion.ready)
+        recv_ready = ctx.get(dut.receive.ready)
         if self.offer is not None and not comp_ready:
             self.ready_low += 1
+        if self.recv_offer is not None and not recv_ready:
+            self.recv_ready_low += 1
         axi = dut.axi
         if ctx.get(axi.awvalid) and awready:
             assert (ctx.get(axi.awlen), ctx.get(axi.awsize), ctx.get(axi.awburst),
@@ -398,36 +473,44 @@ class Bench:
             assert nak, (t, "qp_error without a NAKed record", q)
             nak[0].qp_error_seen = True
             self.qp_errors.append(q)
+        retiring = None
         if ctx.get(dut.retire.valid):
             q = ctx.get(dut.retire.payload.qpn)
             blocks = ctx.get(dut.retire.payload.blocks)
             assert self.ref.completed[q], (t, "retire of a record the reference did not complete", q)
-            rec = self.ref.completed[q].popleft()
-            assert blocks == rec.wqe_blocks, (t, rec, blocks)
-            assert not rec.nak_error or rec.qp_error_seen, (t, "qp_error after retire", rec)
-            if rec.write_cqe:
-                assert self.aw and self.w, (t, "retire before its CQE was issued", rec)
-                addr, data = self.aw.popleft(), self.w.popleft()
-                base, log_size, collapsed = self.cqs[rec.cqn]
-                log = 0 if collapsed else log_size
-                pi = self.cq_pi[rec.cqn]
-                assert addr == base + 64 * (pi % (1 << log)), (t, rec, hex(addr), pi)
-                assert addr == mlx5.cqe_address(base, log_size, collapsed, pi)
-                expect = cqe_bytes(rec, (pi >> log) & 1)
-                assert data == expect, (t, rec, pi, data.hex(), expect.hex())
-                self.cq_pi[rec.cqn] = (pi + 1) % (1 << 16)
-                self.b_due.append((t + rng.randint(1, self.b_delay), int(rng.random() < self.p_slverr) * 2))
-                self.ref.counters["cqes_written"] += 1
-                self.ref.counters["error_cqes"] += rec.error
-            else:
-                assert not (self.aw and self.w), (t, "a CQE issued for a record without one", rec)
+            retiring = self.ref.completed[q].popleft()
+            assert blocks == retiring.wqe_blocks, (t, retiring, blocks)
+            assert not retiring.nak_error or retiring.qp_error_seen, (t, "qp_error after retire", retiring)
             self.outstanding[q] -= 1
             self.retired += 1
             self.retire_cycles.append(t)
+        # CQEs in the order the writer issued them (their producer indices): a receive one
+        # by its opcode, a requester one only with the retire of its record.
+        requester_cqe = False
+        while self.aw and self.w:
+            addr, data = self.aw.popleft(), self.w.popleft()
+            if data[63] >> 4 in RECV_OPCODES:
+                self.check_recv_cqe(t, addr, data)
+                continue
+            rec = retiring
+            assert rec is not None and rec.write_cqe and not requester_cqe, (t, "a requester CQE without its retire", rec)
+            requester_cqe = True
+            pi = self.next_cqe(t, rec.cqn, addr, False)
+            log = 0 if self.cqs[rec.cqn][2] else self.cqs[rec.cqn][1]
+            expect = cqe_bytes(rec, (pi >> log) & 1)
+            assert data == expect, (t, rec, pi, data.hex(), expect.hex())
+            self.ref.counters["error_cqes"] += rec.error
+        if retiring is not None:
+            assert requester_cqe == retiring.write_cqe, (t, "retire and CQE disagree", retiring)
         self.cq_addr = ctx.get(dut.cq_config.addr)
 
         await ctx.tick()
 
+        if self.recv_offer is not None and recv_ready:
+            self.recv_taken.append(self.recv_offer)
+            self.recv_offer = None
+        if cq_reset is not None:
+            self.cq_pi[cq_reset] = 0
         if self.offer is not None and comp_ready:
             rec = self.offer
             self.offer = None
@@ -449,6 +532,35 @@ class Bench:
                 {"base": cq[0], "log_size": cq[1], "collapsed": cq[2]}))
         self.t += 1
 
+    def next_cqe(self, t, cqn, addr, receive):
+        """Check the address of the next CQE of CQ ``cqn``; returns its producer index."""
+        self.cqe_log.append((cqn, receive))
+        base, log_size, collapsed = self.cqs[cqn]
+        log = 0 if collapsed else log_size
+        pi = self.cq_pi[cqn]
+        assert addr == base + 64 * (pi % (1 << log)), (t, cqn, hex(addr), pi)
+        assert addr == mlx5.cqe_address(base, log_size, collapsed, pi)
+        self.cq_pi[cqn] = (pi + 1) % (1 << 16)
+        self.b_due.append((t + self.rng.randint(1, self.b_delay), int(self.rng.random() < self.p_slverr) * 2))
+        self.ref.counters["cqes_written"] += 1
+        return pi
+
+    def check_recv_cqe(self, t, addr, data):
+        """A receive CQE: the oldest taken receive record that writes one (those before
+        it that write none are passed over)."""
+        num_cqs = self.dut.num_cqs
+        while self.recv_taken and not self.recv_taken[0].writes(num_cqs):
+            self.recv_taken.popleft()
+        assert self.recv_taken, (t, "a receive CQE without a record", data.hex())
+        rec = self.recv_taken.popleft()
+        pi = self.next_cqe(t, rec.cqn, addr, True)
+        log = 0 if self.cqs[rec.cqn][2] else self.cqs[rec.cqn][1]
+        expect = recv_cqe_bytes(rec, (pi >> log) & 1)
+        assert data == expect, (t, rec, pi, data.hex(), expect.hex())
+        self.ref.counters["recv_cqes"] += 1
+        self.ref.counters["error_cqes"] += rec.opcode == RESP_ERR
+        self.recv_cycles.append(t)
+
     async def drain(self, ctx, limit=20000):
         start = self.t
         while not self.idle():
@@ -456,6 +568,8 @@ class Bench:
             assert self.t - start < limit, ("no progress", [list(q) for q in self.ref.completed][:3])
         for _ in range(40):
             await self.cycle(ctx)
+        assert not self.recv_taken or not any(r.writes(self.dut.num_cqs) for r in self.recv_taken)
+        self.recv_taken.clear()
 
     async def check_counters(self, ctx):
         for name, value in self.ref.counters.items():
