@@ -799,6 +799,7 @@ class _ResponderState:
     atomic_psn: int = 0
     atomic_orig: int = 0
     rq_ci: int = 0                     # receive queue consumer index (16 bits)
+    rq_pi: int = 0                     # the ReceiveQueue's cached producer index
 
 
 class _Fail(Exception):
@@ -864,7 +865,9 @@ class ResponderModel:
     bound). ``mkeys``: the memory-key table by index (a list, or a dict ``{index: Mkey}``
     with ``num_mkeys`` entries; missing entries are invalid); key ``k`` is looked up at
     ``(k >> 8) % num_mkeys``. ``sl_to_vl``: 16 entries (default VL = SL), the VL of the
-    responses. Memory accesses outside ``memory`` raise ValueError (a test whose keys or
+    responses; a QP whose SL maps to a VL at or beyond ``num_vls`` (the port's data VLs),
+    or whose path MTU code is outside 1..5, drops its requests (``rx_dropped_qp``), as
+    hdl/nic/responder_engine.py does. Memory accesses outside ``memory`` raise ValueError (a test whose keys or
     receive queues lie outside the model's memory is misconfigured). See :meth:`process`
     for what each packet does and :attr:`counters` for the names.
     """
@@ -873,6 +876,8 @@ class ResponderModel:
                    "requests_executed", "duplicate_requests", "seq_naks", "rnr_naks",
                    "access_naks", "invalid_naks", "op_naks", "rx_dropped_qp", "rx_dropped_pkey",
                    "atomic_replays")
+    # The ReceiveQueue's counters (hdl/nic/receive_queue.py).
+    RQ_COUNTERS = ("recv_wqes_consumed", "recv_wqe_errors", "rq_doorbell_reads")
     # Model-only: packets that in the NIC leave the request path without a counter of their
     # own, so that every packet is counted exactly once (see :meth:`process`).
     MODEL_COUNTERS = ("packets", "responses_steered", "seq_dropped", "duplicates_dropped")
@@ -881,7 +886,7 @@ class ResponderModel:
                  memory_bytes: int | None = None, base: int = 0, read=None, write=None,
                  ack_every: int = 1, coalesce_ackreq: bool = False, peer_qpn=None, mtu: int = 5,
                  contexts=None, num_qps: int | None = None, mkeys=None,
-                 num_mkeys: int | None = None, sl_to_vl=None):
+                 num_mkeys: int | None = None, sl_to_vl=None, num_vls: int = 15):
         if ack_every < 1:
             raise ValueError("ack_every must be at least 1")
         if memory is None and memory_bytes is not None:
@@ -890,7 +895,7 @@ class ResponderModel:
             raise ValueError("give memory (or memory_bytes), or both read and write")
         self.hardware = contexts is not None
         if self.hardware:
-            self._init_hardware(contexts, num_qps, mkeys, num_mkeys, sl_to_vl)
+            self._init_hardware(contexts, num_qps, mkeys, num_mkeys, sl_to_vl, num_vls)
         elif mkeys is not None or num_qps is not None or sl_to_vl is not None:
             raise ValueError("mkeys, num_qps and sl_to_vl need contexts (hardware mode)")
         self.lid = lid
@@ -905,7 +910,8 @@ class ResponderModel:
         self.coalesce_ackreq = coalesce_ackreq
         self.naks = {}
         if self.hardware:
-            self.counters = dict.fromkeys(self.HW_COUNTERS + self.MODEL_COUNTERS, 0)
+            self.counters = dict.fromkeys(self.HW_COUNTERS + self.RQ_COUNTERS
+                                          + self.MODEL_COUNTERS, 0)
         else:
             self.counters = dict.fromkeys(("packets", "dropped_icrc", "dropped_unknown_qp",
                                            "dropped_qp_error", "duplicates", "out_of_sequence",
@@ -1124,7 +1130,7 @@ class ResponderModel:
 
     # --- hardware mode (docs/nic-responder.md) -------------------------------------------
 
-    def _init_hardware(self, contexts, num_qps, mkeys, num_mkeys, sl_to_vl):
+    def _init_hardware(self, contexts, num_qps, mkeys, num_mkeys, sl_to_vl, num_vls):
         if mkeys is None:
             mkeys = []
         if isinstance(mkeys, dict):
@@ -1144,6 +1150,7 @@ class ResponderModel:
         self.mkeys = mkeys
         self.num_mkeys = num_mkeys
         self.sl_to_vl = sl_to_vl
+        self.num_vls = num_vls
         self.responder = {}            # QPN -> _ResponderState (created when first needed)
         self.completions = defaultdict(list)   # CQN -> [RecvCompletion] in order
         self.receive_completions = []          # every RecvCompletion in order
@@ -1276,7 +1283,8 @@ class ResponderModel:
         ctx = self.context(qpn) if self.num_qps is None or qpn < self.num_qps else None
         st = None if ctx is None else self._qp_state(qpn)
         # 1. QP
-        if st is None or st.state != QpState.RTS or lrh.slid != ctx.dlid:
+        if (st is None or st.state != QpState.RTS or lrh.slid != ctx.dlid
+                or self.sl_to_vl[ctx.sl] >= self.num_vls or not 1 <= ctx.mtu <= 5):
             d.fate = "rx_dropped_qp"
             return d
         # 2. P_Key
@@ -1421,25 +1429,49 @@ class ResponderModel:
             d.commands.append(self._ack_command(ctx, psn, ACK_SYNDROME, st.msn))
 
     def _take_recv(self, ctx, st, d) -> tuple:
-        """The ReceiveQueue: the next receive WQE as (addr, length, counter), consumed;
-        RNR (nothing consumed) or a bad WQE (consumed, QP to ERR) raise _Fail."""
-        pi = parse_rq_doorbell_record(self.read(ctx.rq_dbr, 4))
-        if pi == st.rq_ci:
-            d.recv_result = dict(status="EMPTY", syndrome=0, addr=0, length=0, wqe_counter=0)
-            raise _Fail("rnr_naks", RNR_NAK | (ctx.min_rnr_timer & 0x1F), fatal=False)
+        """The ReceiveQueue (hdl/nic/receive_queue.py): the next receive WQE as (addr,
+        length, counter), consumed; RNR (nothing consumed) or a bad WQE (consumed, QP to
+        ERR) raise _Fail.
+
+        The producer index is cached per QP; the doorbell record (its address's low two
+        bits ignored) is read only when the cache says empty. A record more than
+        2^log_rq_size ahead of the consumer index (or behind it) answers EMPTY, is not
+        cached and counts in ``recv_wqe_errors``. The WQE (``rq_base``'s low four bits
+        ignored) is OK when its lkey names a valid entry with that key, the QP's PD and
+        LOCAL_WRITE and, unless ``byte_count`` is 0, covers ``[addr, addr + byte_count)``
+        without wrapping 2^64; otherwise ERROR with LOCAL_PROT_ERR."""
+        empty = dict(status="EMPTY", syndrome=0, addr=0, length=0, wqe_counter=0)
+        rnr = _Fail("rnr_naks", RNR_NAK | (ctx.min_rnr_timer & 0x1F), fatal=False)
+        if st.rq_pi == st.rq_ci:
+            self.counters["rq_doorbell_reads"] += 1
+            pi = parse_rq_doorbell_record(self.read(ctx.rq_dbr & ~3, 4))
+            ahead = (pi - st.rq_ci) % (1 << 16)
+            if ahead > 1 << ctx.log_rq_size:
+                self.counters["recv_wqe_errors"] += 1
+            if ahead == 0 or ahead > 1 << ctx.log_rq_size:
+                d.recv_result = empty
+                raise rnr
+            st.rq_pi = pi
         counter = st.rq_ci
         slot = counter % (1 << ctx.log_rq_size)
-        length, lkey, addr = parse_recv_wqe(self.read(ctx.rq_base + RECV_WQE_BYTES * slot,
+        length, lkey, addr = parse_recv_wqe(self.read((ctx.rq_base & ~15) + RECV_WQE_BYTES * slot,
                                                       RECV_WQE_BYTES))
         st.rq_ci = (counter + 1) & 0xFFFF
+        self.counters["recv_wqes_consumed"] += 1
         d.recv_taken = counter
         st.recv_counter = counter
-        d.recv_result = dict(status="OK", syndrome=0, addr=addr, length=length,
-                             wqe_counter=counter)
-        if length and not self._key_ok(lkey, ctx.pd, Access.LOCAL_WRITE, addr, length):
-            d.recv_result.update(status="ERROR", syndrome=int(Syndrome.LOCAL_PROT_ERR))
+        entry = self._mkey_entry(lkey)
+        ok = (entry is not None and entry.valid and entry.key == lkey and entry.pd == ctx.pd
+              and bool(Access(entry.access) & Access.LOCAL_WRITE)
+              and (length == 0 or self._key_ok(lkey, ctx.pd, Access.LOCAL_WRITE, addr, length)))
+        if not ok:
+            self.counters["recv_wqe_errors"] += 1
+            d.recv_result = dict(status="ERROR", syndrome=int(Syndrome.LOCAL_PROT_ERR), addr=0,
+                                 length=0, wqe_counter=counter)
             raise _Fail("op_naks", NAK | NakCode.REMOTE_OPERATIONAL_ERROR,
                         recv_syndrome=Syndrome.LOCAL_PROT_ERR)
+        d.recv_result = dict(status="OK", syndrome=0, addr=addr, length=length,
+                             wqe_counter=counter)
         return addr, length, counter
 
     def _complete_recv(self, ctx, st, d, opcode, byte_count=0, imm=0, syndrome=0):

@@ -437,7 +437,7 @@ def test_receive_queue():
     assert d.fate == "rnr_naks" and bytes(mem[0x1000:0x1004]) == bytes(4)
     # post two, the retries go through
     assert resp.post_recv(QPN, 100, LKEY, RBUF[0]) == 0
-    assert resp.post_recv(QPN, 0, 0xDEAD, 0) == 1          # a 0-byte WQE needs no key
+    assert resp.post_recv(QPN, 0, LKEY, 0) == 1            # a 0-byte WQE: its address is free
     assert mem[RQ_DBR:RQ_DBR + 4] == m.rq_doorbell_record(2)
     d = resp.process(send_imm)
     assert d.fate == "requests_executed" and d.recv_taken == 0 and mem[RBUF[0]:RBUF[0] + 2] == b"hi"
@@ -482,7 +482,7 @@ def test_receive_queue_wraps():
         assert d.recv_taken == i and mem[RBUF[0] + 16 * i:RBUF[0] + 16 * i + 4] == b"%4d" % i
     # the 16-bit counters wrap too
     resp2, mem2 = world(log_rq_size=1)
-    resp2.responder_state(QPN).rq_ci = 0xFFFF
+    resp2.responder_state(QPN).rq_ci = resp2.responder_state(QPN).rq_pi = 0xFFFF
     mem2[RQ_DBR:RQ_DBR + 4] = m.rq_doorbell_record(0xFFFF)
     resp2.post_recv(QPN, 4, LKEY, RBUF[0])
     d = resp2.process(req(Opcode.SEND_ONLY, EPSN, payload=b"wrap"))
@@ -511,8 +511,8 @@ def test_bad_receive_wqe(name):
     assert d.completions == [n.RecvCompletion(QPN, 3, m.CqeOpcode.RESP_ERR, 0, 0, 0,
                                               m.Syndrome.LOCAL_PROT_ERR)]
     assert m.parse_cqe(d.completions[0].cqe().pack()).syndrome == m.Syndrome.LOCAL_PROT_ERR
-    assert d.recv_result == dict(status="ERROR", syndrome=m.Syndrome.LOCAL_PROT_ERR, addr=addr,
-                                 length=length, wqe_counter=0)
+    assert d.recv_result == dict(status="ERROR", syndrome=m.Syndrome.LOCAL_PROT_ERR, addr=0,
+                                 length=0, wqe_counter=0)
     assert bytes(mem[RBUF[0]:RBUF[0] + RBUF[1]]) == bytes(RBUF[1])
     # a WRITE_WITH_IMM taking a bad WQE fails the same way, writing nothing
     resp, mem = world()
@@ -869,3 +869,39 @@ def test_icrc_of_any_bytes_matches_models_crc():
     assert n._icrc_any(pkt[:-4]) == pkt[-4:]
     for size in range(0, 24):           # short strings give a CRC, never an exception
         assert len(n._icrc_any(bytes(size))) == 4
+
+
+def test_receive_queue_cache_and_bad_records():
+    """The ReceiveQueue's rules: cached producer index, records too far ahead, low
+    address bits, a 0-byte WQE still needs its lkey."""
+    resp, mem = world(log_rq_size=2, rq_dbr=RQ_DBR + 3, rq_base=RQ_BASE + 15)
+    c = resp.counters
+    mem[RQ_DBR:RQ_DBR + 4] = m.rq_doorbell_record(5)          # 5 ahead of a ring of 4
+    d = resp.process(req(Opcode.SEND_ONLY, EPSN, payload=b"a"))
+    assert d.fate == "rnr_naks" and c["recv_wqe_errors"] == 1 and c["rq_doorbell_reads"] == 1
+    for i in range(3):
+        mem[RQ_BASE + 16 * i:RQ_BASE + 16 * i + 16] = m.recv_wqe(8, LKEY, RBUF[0] + 8 * i)
+    mem[RQ_DBR:RQ_DBR + 4] = m.rq_doorbell_record(3)
+    assert resp.process(req(Opcode.SEND_ONLY, EPSN, payload=b"a")).recv_taken == 0
+    mem[RQ_DBR:RQ_DBR + 4] = m.rq_doorbell_record(0)          # ignored: 3 are cached
+    assert resp.process(req(Opcode.SEND_ONLY, EPSN + 1, payload=b"b")).recv_taken == 1
+    assert resp.process(req(Opcode.SEND_ONLY, EPSN + 2, payload=b"c")).recv_taken == 2
+    assert c["rq_doorbell_reads"] == 2 and mem[RBUF[0]:RBUF[0] + 17:8] == b"abc"
+    d = resp.process(req(Opcode.SEND_ONLY, EPSN + 3, payload=b"d"))   # record 0 is behind ci 3
+    assert d.fate == "rnr_naks" and c["recv_wqe_errors"] == 2 and c["rq_doorbell_reads"] == 3
+    assert c["recv_wqes_consumed"] == 3
+    # a 0-byte WQE: any address, but its key must still be valid, of the PD, LOCAL_WRITE
+    mem[RQ_BASE + 48:RQ_BASE + 64] = m.recv_wqe(0, LKEY ^ 1, 0)
+    mem[RQ_DBR:RQ_DBR + 4] = m.rq_doorbell_record(4)
+    d = resp.process(req(Opcode.SEND_ONLY, EPSN + 3))
+    assert d.fate == "op_naks" and d.completions[0].wqe_counter == 3 and c["recv_wqe_errors"] == 3
+
+
+@pytest.mark.parametrize("ctx_kw", [dict(sl=3), dict(mtu=0), dict(mtu=6)])
+def test_qp_path_drops(ctx_kw):
+    """A QP whose SL maps to a VL the port lacks, or with a path MTU code outside 1..5,
+    drops its requests (as the engine does)."""
+    resp, mem = world(**ctx_kw)
+    resp.num_vls = 3                                 # world's sl_to_vl maps SL 3 to VL 3
+    assert resp.process(write_only(EPSN, 0x1000, b"x")).fate == "rx_dropped_qp"
+    assert bytes(mem) == bytes(MEM)
