@@ -1,0 +1,73 @@
+from amaranth import *
+from amaranth.lib import stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from hdl.link.signatures import BeatLayout
+
+__all__ = ["PacketMux"]
+
+WIDTH = 64
+
+
+class PacketMux(wiring.Component):
+    """Merges packet streams (one VL's requester and responder packets) into one, whole
+    packets at a time, round robin.
+
+    While no packet is in progress, the input chosen is the first with a beat on offer
+    after the one granted last (in index order, wrapping); its grant holds from that
+    beat up to and including its ``end`` beat, and the next packet, from any input, can
+    follow in the next cycle. An input whose packet is ready is thus passed over at most
+    ``inputs - 1`` times.
+
+    The output is a register (one beat), refilled in the cycle it is taken: beats move
+    at one per cycle while ``output.ready`` is high, with one cycle of latency.
+
+    Packets are framed by ``end`` alone: beats pass unchanged (``start``, ``count`` and
+    ``end_bad`` included), so a packet whose first beat lacks ``start`` still goes out
+    whole, and nothing an input sends can interleave with another input's packet.
+
+    Ports
+    -----
+    inputs : In(stream.Signature(BeatLayout(64))).array(inputs)
+    output : Out(stream.Signature(BeatLayout(64)))
+    """
+
+    def __init__(self, *, inputs=2):
+        if not isinstance(inputs, int) or not 1 <= inputs <= 16:
+            raise ValueError(f"inputs must be an integer from 1 to 16, not {inputs!r}")
+        self.input_count = inputs
+        super().__init__({
+            "inputs": In(stream.Signature(BeatLayout(WIDTH))).array(inputs),
+            "output": Out(stream.Signature(BeatLayout(WIDTH))),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        n = self.input_count
+
+        busy = Signal()                       # a packet is in progress on input ``grant``
+        grant = Signal(range(max(n, 2)))      # the input holding the grant, or granted last
+        pick = Signal.like(grant)
+        with m.If(busy):
+            m.d.comb += pick.eq(grant)
+        with m.Else():
+            with m.Switch(grant):
+                for last in range(n):
+                    with m.Case(last):
+                        # Later assignments win: the input right after ``last`` comes last.
+                        for step in range(n, 0, -1):
+                            index = (last + step) % n
+                            with m.If(self.inputs[index].valid):
+                                m.d.comb += pick.eq(index)
+
+        take = ~self.output.valid | self.output.ready
+        valid = Array(port.valid for port in self.inputs)[pick]
+        beat = BeatLayout(WIDTH)(Array(port.payload.as_value() for port in self.inputs)[pick])
+        for index, port in enumerate(self.inputs):
+            m.d.comb += port.ready.eq(take & (pick == index))
+
+        with m.If(take):
+            m.d.sync += [self.output.valid.eq(valid), self.output.payload.eq(beat)]
+            with m.If(valid):
+                m.d.sync += [busy.eq(~beat.end), grant.eq(pick)]
+        return m
