@@ -1,0 +1,289 @@
+from amaranth import *
+from amaranth.lib import fifo, stream, wiring
+from amaranth.lib.memory import Memory
+from amaranth.lib.wiring import In, Out
+from amaranth.utils import exact_log2
+
+from hdl.crc.icrc_engine import IcrcEngine
+from hdl.ib.headers import (ATOMIC_ETH, BTH, ICRC_BYTES, IMMDT, LNH_IBA_LOCAL, LRH, RETH,
+                            from_wire)
+from hdl.link.signatures import BeatLayout, vl_index
+from hdl.nic.signatures import (MAX_HEADER_BYTES, MAX_PACKET_BEATS, RX_BUFFER_BEAT_BITS,
+                                ContextReadSignature, RequestDescriptorLayout)
+
+__all__ = ["RequestReceiver", "DESCRIPTOR_DEPTH"]
+
+WIDTH = 64                  # bytes per beat
+DESCRIPTOR_DEPTH = 16       # kept requests whose descriptor the engine has not taken yet
+MAX_PAYLOAD_BYTES = 4096
+
+# BTH opcodes (IBA table 38, RC).
+SEND_FIRST, SEND_MIDDLE, SEND_LAST, SEND_LAST_IMM, SEND_ONLY, SEND_ONLY_IMM = range(0x00, 0x06)
+(WRITE_FIRST, WRITE_MIDDLE, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONLY,
+ WRITE_ONLY_IMM) = range(0x06, 0x0C)
+READ_REQUEST = 0x0C
+FIRST_RESPONSE, LAST_RESPONSE = 0x0D, 0x12   # READ responses, ACKNOWLEDGE, ATOMIC ACKNOWLEDGE
+COMPARE_SWAP, FETCH_ADD = 0x13, 0x14
+
+LRH_BTH_BYTES = LRH.size_bytes + BTH.size_bytes
+
+
+class RequestReceiver(wiring.Component):
+    """Receive side of the responder (docs/nic-responder.md, "Receive").
+
+    Per VL, a packet whose start beat carries a response opcode (0x0D..0x12) goes on to
+    ``responses[vl]`` unchanged, beat for beat with that stream's ready; the route is held
+    to its end beat. Every other packet is a request, stored whole (LRH .. ICRC) in a
+    ring of ``buffer_beats`` 64-byte beats: one VL's request at a time, VLs taken round
+    robin at packet boundaries, one beat per cycle. A beat is taken only while the ring
+    has room and a start beat only while the descriptor queue (``DESCRIPTOR_DEPTH``) can
+    take one more, so nothing is dropped for space. Beats past ``MAX_PACKET_BEATS`` are
+    taken but not stored. A non-start beat on a VL outside any packet is discarded.
+
+    The packet's fate is decided the cycle after its end beat, from the ICRC, ``end_bad``
+    and its header (every request header lies in the start beat): a kept packet gives a
+    descriptor; a dropped one gives its beats back at once (the next packet is written
+    where it started) and is counted, ICRC failures before header failures.
+
+    ``release`` frees beats of kept packets, oldest first; ``buffer_read`` reads the ring
+    (data one cycle after addr).
+
+    Parameters
+    ----------
+    num_vls : int
+        Data VLs, 1..15.
+    buffer_beats : int
+        Ring size in beats: a power of two, at least ``2 * MAX_PACKET_BEATS`` (one packet
+        can be stored while the one before it is consumed) and at most
+        ``2 ** RX_BUFFER_BEAT_BITS``.
+    """
+    def __init__(self, *, num_vls=2, buffer_beats=256):
+        if not isinstance(num_vls, int) or not 1 <= num_vls <= 15:
+            raise ValueError(f"num_vls must be an integer from 1 to 15, not {num_vls!r}")
+        if (not isinstance(buffer_beats, int) or buffer_beats < 2 * MAX_PACKET_BEATS
+                or buffer_beats > 1 << RX_BUFFER_BEAT_BITS or buffer_beats & (buffer_beats - 1)):
+            raise ValueError(f"buffer_beats must be a power of two from {2 * MAX_PACKET_BEATS} "
+                             f"to {1 << RX_BUFFER_BEAT_BITS}, not {buffer_beats!r}")
+        self._num_vls = num_vls
+        self._buffer_beats = buffer_beats
+        beat = BeatLayout(WIDTH)
+        super().__init__({
+            "rx": In(stream.Signature(beat)).array(num_vls),
+            "responses": Out(stream.Signature(beat)).array(num_vls),
+            "lid": In(16),
+            "request": Out(stream.Signature(RequestDescriptorLayout())),
+            "buffer_read": In(ContextReadSignature(buffer_beats, unsigned(8 * WIDTH))),
+            "release": In(stream.Signature(range(MAX_PACKET_BEATS + 1), always_ready=True)),
+            "requests_received": Out(32),
+            "rx_request_icrc_drops": Out(32),
+            "rx_request_malformed": Out(32),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        num_vls = self._num_vls
+        depth = self._buffer_beats
+        addr_bits = exact_log2(depth)
+        header_bits = 8 * MAX_HEADER_BYTES
+
+        m.submodules.buffer = buffer = Memory(shape=unsigned(8 * WIDTH), depth=depth, init=[])
+        write = buffer.write_port()
+        read = buffer.read_port(domain="sync")
+        m.d.comb += [
+            read.addr.eq(self.buffer_read.addr),
+            self.buffer_read.data.eq(read.data),
+        ]
+
+        m.submodules.descriptors = descriptors = fifo.SyncFIFOBuffered(
+            width=RequestDescriptorLayout().size, depth=DESCRIPTOR_DEPTH)
+        m.d.comb += [
+            self.request.valid.eq(descriptors.r_rdy),
+            self.request.payload.eq(descriptors.r_data),
+            descriptors.r_en.eq(self.request.ready),
+        ]
+
+        # --- Stage T (take): steering, arbitration, flow control ---
+        busy = Signal()                      # a request packet's beats are being taken
+        current = Signal(vl_index(num_vls))
+        last_grant = Signal(vl_index(num_vls))
+        beats_before = Signal(range(MAX_PACKET_BEATS + 1))  # saturates: too long beyond
+
+        # --- Stage W (write): the beat taken in the cycle before is stored and checked;
+        # on its end beat the packet is kept or dropped in this same cycle, so the next
+        # packet's first beat, one cycle behind, is written where a dropped one began.
+        w_valid = Signal()
+        w_beat = Signal(BeatLayout(WIDTH))
+        w_first = Signal()
+        w_index = Signal(range(MAX_PACKET_BEATS + 1))
+        w_stores = Signal()
+        held_header = Signal(header_bits)
+
+        # Ring pointers carry one bit above the address so that full and empty differ.
+        write_ptr = Signal(addr_bits + 1)     # where stage W writes
+        tail = Signal(addr_bits + 1)          # oldest beat not yet released
+        packet_start = Signal(addr_bits + 1)  # first beat of the packet in stage W
+        with m.If(self.release.valid):
+            m.d.sync += tail.eq(tail + self.release.payload)
+        room = ~(write_ptr - tail + (w_valid & w_stores))[addr_bits]
+
+        # --- Steering per VL ---
+        request_pending = Signal(num_vls)
+        grant = Signal(vl_index(num_vls))
+        granted = Signal()
+        select = Signal(vl_index(num_vls))
+        accept = Signal()
+        m.d.comb += select.eq(Mux(busy, current, grant))
+        for v in range(num_vls):
+            rx, out = self.rx[v], self.responses[v]
+            opcode = rx.payload.data[8 * LRH.size_bytes:8 * LRH.size_bytes + 8]
+            is_response = (opcode >= FIRST_RESPONSE) & (opcode <= LAST_RESPONSE)
+            in_response = Signal(name=f"in_response{v}")
+            ours = busy & (current == v)
+            route_response = in_response | (rx.payload.start & is_response & ~ours)
+            starts_request = rx.payload.start & ~in_response & ~ours & ~is_response
+            m.d.comb += [
+                request_pending[v].eq(rx.valid & starts_request),
+                out.valid.eq(rx.valid & route_response),
+                out.payload.eq(rx.payload),
+            ]
+            with m.If(route_response):
+                m.d.comb += rx.ready.eq(out.ready)
+            with m.Elif(ours | starts_request):
+                m.d.comb += rx.ready.eq(accept & (select == v))
+            with m.Else():
+                m.d.comb += rx.ready.eq(1)
+            with m.If(rx.valid & rx.ready & route_response):
+                m.d.sync += in_response.eq(~rx.payload.end)
+
+        # Round robin: the first VL after the last one granted that offers a request.
+        with m.Switch(last_grant):
+            for last in range(num_vls):
+                with m.Case(last):
+                    for v in reversed([(last + 1 + k) % num_vls for k in range(num_vls)]):
+                        with m.If(request_pending[v]):
+                            m.d.comb += [grant.eq(v), granted.eq(1)]
+
+        beat = BeatLayout(WIDTH)(Array(Value.cast(self.rx[v].payload) for v in range(num_vls))[select])
+        valid = Array(self.rx[v].valid for v in range(num_vls))[select]
+        index = Mux(busy, beats_before, 0)
+        stores = index < MAX_PACKET_BEATS
+        # A start beat reserves its descriptor: the queue's entries plus the one that stage
+        # W may be adding now.
+        descriptor_room = descriptors.level + (w_valid & w_beat.end) < DESCRIPTOR_DEPTH
+        m.d.comb += accept.eq(Mux(busy, ~stores | room, granted & room & descriptor_room))
+        take = valid & accept
+
+        with m.If(take):
+            m.d.sync += [
+                busy.eq(~beat.end),
+                beats_before.eq(Mux(index == MAX_PACKET_BEATS, MAX_PACKET_BEATS, index + 1)),
+                w_beat.eq(beat),
+                w_first.eq(~busy),
+                w_index.eq(index),
+                w_stores.eq(stores),
+            ]
+            with m.If(~busy):
+                m.d.sync += [current.eq(select), last_grant.eq(select)]
+        m.d.sync += w_valid.eq(take)
+
+        # --- Stage W ---
+        m.d.comb += [
+            write.addr.eq(write_ptr[:addr_bits]),
+            write.data.eq(w_beat.data),
+            write.en.eq(w_valid & w_stores),
+        ]
+        m.submodules.icrc = icrc = IcrcEngine(WIDTH, "check")
+        m.d.comb += [
+            icrc.valid.eq(w_valid),
+            icrc.data.eq(w_beat.data),
+            icrc.start.eq(w_first),
+            icrc.end.eq(w_beat.end),
+            icrc.count.eq(w_beat.count),
+        ]
+        start = Mux(w_first, write_ptr, packet_start)
+        header = Mux(w_first, w_beat.data[:header_bits], held_header)
+        with m.If(w_valid & w_first):
+            m.d.sync += [packet_start.eq(write_ptr), held_header.eq(w_beat.data[:header_bits])]
+        length = w_index * WIDTH + w_beat.count
+        decide = w_valid & w_beat.end
+        drop = Signal()
+        m.d.sync += write_ptr.eq(Mux(drop, start, write_ptr + (w_valid & w_stores)))
+
+        # --- Decision: header checks and the descriptor ---
+        lrh = from_wire(LRH, header[:8 * LRH.size_bytes])
+        bth = from_wire(BTH, header[8 * LRH.size_bytes:8 * LRH_BTH_BYTES])
+        extension = header[8 * LRH_BTH_BYTES:]
+        reth = from_wire(RETH, extension[:RETH.size])
+        atomic = from_wire(ATOMIC_ETH, extension[:ATOMIC_ETH.size])
+        immdt = from_wire(IMMDT, extension[:IMMDT.size])
+        immdt_after_reth = from_wire(IMMDT, extension[RETH.size:RETH.size + IMMDT.size])
+
+        descriptor = Signal(RequestDescriptorLayout())
+        header_bytes = descriptor.header_bytes
+        known = Signal()
+        no_payload = Signal()
+        m.d.comb += [
+            descriptor.vl.eq(lrh.vl),
+            descriptor.sl.eq(lrh.sl),
+            descriptor.slid.eq(lrh.slid),
+            descriptor.opcode.eq(bth.opcode),
+            descriptor.se.eq(bth.se),
+            descriptor.ackreq.eq(bth.ackreq),
+            descriptor.pkey.eq(bth.pkey),
+            descriptor.destqp.eq(bth.destqp),
+            descriptor.psn.eq(bth.psn),
+            descriptor.buffer_beat.eq(start[:addr_bits]),
+            descriptor.beats.eq(w_index + 1),
+            known.eq(1),
+        ]
+        with_reth = [descriptor.va.eq(reth.va), descriptor.rkey.eq(reth.rkey),
+                     descriptor.dmalen.eq(reth.dmalen)]
+        with m.Switch(bth.opcode):
+            with m.Case(SEND_FIRST, SEND_MIDDLE, SEND_LAST, SEND_ONLY, WRITE_MIDDLE, WRITE_LAST):
+                m.d.comb += header_bytes.eq(LRH_BTH_BYTES)
+            with m.Case(SEND_LAST_IMM, SEND_ONLY_IMM, WRITE_LAST_IMM):
+                m.d.comb += [header_bytes.eq(LRH_BTH_BYTES + IMMDT.size_bytes),
+                             descriptor.imm.eq(immdt.imm)]
+            with m.Case(WRITE_FIRST, WRITE_ONLY):
+                m.d.comb += [header_bytes.eq(LRH_BTH_BYTES + RETH.size_bytes), *with_reth]
+            with m.Case(WRITE_ONLY_IMM):
+                m.d.comb += [header_bytes.eq(LRH_BTH_BYTES + RETH.size_bytes + IMMDT.size_bytes),
+                             *with_reth, descriptor.imm.eq(immdt_after_reth.imm)]
+            with m.Case(READ_REQUEST):
+                m.d.comb += [header_bytes.eq(LRH_BTH_BYTES + RETH.size_bytes), *with_reth,
+                             no_payload.eq(1)]
+            with m.Case(COMPARE_SWAP, FETCH_ADD):
+                m.d.comb += [
+                    header_bytes.eq(LRH_BTH_BYTES + ATOMIC_ETH.size_bytes),
+                    descriptor.va.eq(atomic.va),
+                    descriptor.rkey.eq(atomic.rkey),
+                    descriptor.swap_add.eq(atomic.swap_add),
+                    descriptor.compare.eq(atomic.compare),
+                    no_payload.eq(1),
+                ]
+            with m.Default():
+                m.d.comb += known.eq(0)
+
+        fixed = header_bytes + ICRC_BYTES
+        payload = length - fixed - bth.padcnt
+        m.d.comb += descriptor.payload_bytes.eq(payload)
+        shape_ok = Mux(no_payload, (length == fixed) & (bth.padcnt == 0),
+                       (length >= fixed + bth.padcnt) & (payload <= MAX_PAYLOAD_BYTES))
+        well_formed = (known & shape_ok & w_stores
+                       & (lrh.lnh == LNH_IBA_LOCAL) & (lrh.dlid == self.lid) & (bth.tver == 0)
+                       & (lrh.pktlen * 4 == length))
+        icrc_good = icrc.icrc_ok & ~w_beat.end_bad
+        keep = decide & icrc_good & well_formed
+        m.d.comb += [
+            drop.eq(decide & ~keep),
+            descriptors.w_en.eq(keep),
+            descriptors.w_data.eq(descriptor),
+        ]
+
+        m.d.sync += [
+            self.requests_received.eq(self.requests_received + keep),
+            self.rx_request_icrc_drops.eq(self.rx_request_icrc_drops + (decide & ~icrc_good)),
+            self.rx_request_malformed.eq(
+                self.rx_request_malformed + (decide & icrc_good & ~well_formed)),
+        ]
+        return m
