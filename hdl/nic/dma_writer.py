@@ -1,5 +1,5 @@
 from amaranth import *
-from amaranth.lib import data, fifo, stream, wiring
+from amaranth.lib import data, fifo, memory, stream, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
@@ -59,21 +59,28 @@ class DmaWriter(wiring.Component):
     ``DMA_WRITE_ID``), realigned to any byte address, and frees the buffer in order.
 
     Three engines work off one command each, decoded at acceptance into three queues: the
-    reader walks the command's source beats through ``source`` into a small FIFO and
+    reader walks the command's source beats through ``source`` into a small queue and
     releases the command's beats once the last one is read (the payload then lives in the
-    FIFO, so the buffer need not wait for the write response); the AW engine presents the
+    queue, so the buffer need not wait for the write response); the AW engine presents the
     command's bursts (split at 4 KiB, so at most two), up to ``AW_AHEAD`` bursts before
     their data; the realigner joins consecutive source beats through a funnel shifter into
     destination beats with exact strobes, one W beat per cycle. A destination beat ``k``
     takes bytes of source beats ``k`` and ``k + 1`` when the payload sits later in its
     source beat than in its destination beat (``prime``: the first source beat is loaded
-    before any output), else of ``k - 1`` and ``k``. A burst's W beats start once its AW is
-    presented (not necessarily accepted: AXI lets a slave wait for W before AWREADY).
+    before any output, in the cycle of the previous command's last W beat when the queue
+    holds it), else of ``k - 1`` and ``k``. So commands follow each other without a gap,
+    and the only limit is the one read port: a command takes at most one source beat more
+    than it has W beats. A burst's W beats start once its AW is presented (not necessarily
+    accepted: AXI lets a slave wait for W before AWREADY).
+
+    ``idle`` covers commands from the cycle after their handshake (not one still offered
+    on ``command``) until their release and the B of their last burst.
+    ``dma_bytes_written`` counts a command's bytes when its last W beat is taken.
 
     A command with ``bytes`` > 4096 writes nothing and only releases its beats, like
-    ``bytes`` = 0. ``bid`` is not looked at (the write arbiter routes B by ID); a B
-    response while no burst is outstanding is accepted and otherwise ignored, except that
-    a non-OKAY one still counts in ``dma_write_errors``.
+    ``bytes`` = 0; ``release_beats`` is passed on as given. ``bid`` is not looked at (the
+    write arbiter routes B by ID); a B response while no burst is outstanding is accepted
+    and otherwise ignored, except that a non-OKAY one still counts in ``dma_write_errors``.
 
     Parameters
     ----------
@@ -110,7 +117,22 @@ class DmaWriter(wiring.Component):
         m.submodules.read_jobs = read_jobs = fifo.SyncFIFO(width=read_layout.size, depth=QUEUE_DEPTH)
         m.submodules.burst_jobs = burst_jobs = fifo.SyncFIFO(width=burst_layout.size, depth=QUEUE_DEPTH)
         m.submodules.write_jobs = write_jobs = fifo.SyncFIFO(width=write_layout.size, depth=QUEUE_DEPTH)
-        m.submodules.beats = beats = fifo.SyncFIFO(width=8 * BEAT_BYTES, depth=DATA_DEPTH)
+        # Source beats read ahead, in order. The realigner sees the first two: the second
+        # lets a command that starts with a source beat of its own load it while the
+        # previous command takes its last beat.
+        m.submodules.beats = beats = memory.Memory(shape=8 * BEAT_BYTES, depth=DATA_DEPTH, init=[])
+        beats_w = beats.write_port()
+        beats_r0 = beats.read_port(domain="comb")
+        beats_r1 = beats.read_port(domain="comb")
+        beats_level = Signal(range(DATA_DEPTH + 1))
+        beats_pop = Signal(2)
+        m.d.comb += [beats_r1.addr.eq(beats_r0.addr + 1), beats_w.data.eq(self.source.data)]
+        m.d.sync += [
+            beats_w.addr.eq(beats_w.addr + beats_w.en),
+            beats_r0.addr.eq(beats_r0.addr + beats_pop),
+            beats_level.eq(beats_level + beats_w.en - beats_pop),
+        ]
+        beat0, beat1 = beats_r0.data, beats_r1.data
 
         # --- Command decode ----------------------------------------------------------------
         cmd = self.command.payload
@@ -159,12 +181,11 @@ class DmaWriter(wiring.Component):
         in_flight = Signal()        # a read issued last cycle: its data arrives now
         m.d.comb += [
             self.source.addr.eq(rd_addr),
-            beats.w_en.eq(in_flight),
-            beats.w_data.eq(self.source.data),
+            beats_w.en.eq(in_flight),
         ]
         # The read port cannot be held: read only with room for the data that is coming.
         issue = Signal()
-        m.d.comb += issue.eq(rd_active & (beats.level + in_flight < DATA_DEPTH))
+        m.d.comb += issue.eq(rd_active & (beats_level + in_flight < DATA_DEPTH))
         last_read = issue & (rd_left == 1)
         m.d.sync += [in_flight.eq(issue), self.release.valid.eq(0)]
         with m.If(issue):
@@ -251,13 +272,13 @@ class DmaWriter(wiring.Component):
         load_prime = Signal()
         m.d.comb += [
             step.eq(w_active & ~prime & (~axi.wvalid | axi.wready)
-                    & (~consume | beats.r_rdy) & (~starting | (ahead != 0))),
-            load_prime.eq(w_active & prime & beats.r_rdy),
+                    & (~consume | (beats_level != 0)) & (~starting | (ahead != 0))),
+            load_prime.eq(w_active & prime & (beats_level != 0)),
         ]
         ones = Const((1 << BEAT_BYTES) - 1, BEAT_BYTES)
         head_mask = Mux(first, (ones << w_head)[:BEAT_BYTES], ones)
         tail_mask = Mux(last_beat, ones >> (w_tail ^ (BEAT_BYTES - 1)), ones)
-        funnel = Cat(prev, beats.r_data).bit_select(Cat(C(0, 3), shift), 8 * BEAT_BYTES)
+        funnel = Cat(prev, beat0).bit_select(Cat(C(0, 3), shift), 8 * BEAT_BYTES)
         burst_len = Mux(starting, Mux(first, first_beats, dst_left), burst_left)
 
         with m.If(axi.wready):
@@ -274,19 +295,20 @@ class DmaWriter(wiring.Component):
                 first.eq(0),
             ]
             with m.If(consume):
-                m.d.comb += beats.r_en.eq(1)
-                m.d.sync += [prev.eq(beats.r_data), src_left.eq(src_left - 1)]
+                m.d.comb += beats_pop.eq(1)
+                m.d.sync += [prev.eq(beat0), src_left.eq(src_left - 1)]
             with m.If(last_beat):
                 m.d.sync += w_active.eq(0)
         with m.If(load_prime):
-            m.d.comb += beats.r_en.eq(1)
-            m.d.sync += [prev.eq(beats.r_data), src_left.eq(src_left - 1), prime.eq(0)]
+            m.d.comb += beats_pop.eq(1)
+            m.d.sync += [prev.eq(beat0), src_left.eq(src_left - 1), prime.eq(0)]
 
         w_job = data.View(write_layout, write_jobs.r_data)
         with m.If(write_jobs.r_rdy & (~w_active | (step & last_beat))):
-            # The FIFO head is the new command's first source beat unless the old command
-            # takes a beat this cycle: prime at once then, saving a cycle per command.
-            prime_now = w_job.prime & beats.r_rdy & ~(w_active & consume)
+            # The new command's first source beat is the first queued one, or the second
+            # if the old command takes a beat this cycle: load it at once.
+            taken = w_active & consume
+            prime_now = w_job.prime & Mux(taken, beats_level >= 2, beats_level != 0)
             m.d.comb += write_jobs.r_en.eq(1)
             m.d.sync += [
                 w_active.eq(1),
@@ -302,8 +324,8 @@ class DmaWriter(wiring.Component):
                 w_bytes.eq(w_job.bytes),
             ]
             with m.If(prime_now):
-                m.d.comb += beats.r_en.eq(1)
-                m.d.sync += prev.eq(beats.r_data)
+                m.d.comb += beats_pop.eq(taken + 1)
+                m.d.sync += prev.eq(Mux(taken, beat1, beat0))
 
         m.d.sync += ahead.eq(ahead + present - (step & starting))
 
@@ -317,6 +339,6 @@ class DmaWriter(wiring.Component):
 
         m.d.comb += self.idle.eq(~read_jobs.r_rdy & ~rd_active & ~in_flight & ~self.release.valid
                                  & ~burst_jobs.r_rdy & ~aw_active & ~axi.awvalid
-                                 & ~write_jobs.r_rdy & ~w_active & ~axi.wvalid & ~beats.r_rdy
+                                 & ~write_jobs.r_rdy & ~w_active & ~axi.wvalid & (beats_level == 0)
                                  & (outstanding == 0))
         return m
