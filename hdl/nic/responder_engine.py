@@ -221,7 +221,7 @@ class ResponderEngine(wiring.Component):
         align_err = is_atomic & (d.va[:3] != 0)
 
         need = Signal(4)
-        with m.If(is_write):
+        with m.If(is_write & first):
             m.d.comb += need.eq(Access.REMOTE_WRITE.value)
         with m.Elif(is_read):
             m.d.comb += need.eq(Access.REMOTE_READ.value)
@@ -250,7 +250,6 @@ class ResponderEngine(wiring.Component):
         f_access = Signal()
         f_read_ok = Signal()                # a duplicate READ passes its rights checks
         f_read_psns = Signal(PSN_BITS)
-        f_mtu_code = Signal(3)
         rcqn = Signal(8)
         min_rnr_timer = Signal(5)
 
@@ -299,7 +298,6 @@ class ResponderEngine(wiring.Component):
         send_too_long = is_send & (pl > exec_room)
 
         def execute():
-            m.d.comb += count["requests_executed"].eq(1)
             m.d.sync += [
                 cmd.addr.eq(Mux(pl != 0, exec_va, 0)),
                 cmd.bytes.eq(pl),
@@ -348,7 +346,6 @@ class ResponderEngine(wiring.Component):
                     f_access.eq(right_err | (key_applies & ~key_ok)),
                     f_read_ok.eq(~right_err & (~key_applies | key_ok)),
                     f_read_psns.eq(read_psns),
-                    f_mtu_code.eq(cfg.mtu),
                     rcqn.eq(cfg.rcqn),
                     min_rnr_timer.eq(cfg.min_rnr_timer),
                     cmd.eq(0),
@@ -361,6 +358,7 @@ class ResponderEngine(wiring.Component):
                     resp.dlid.eq(cfg.dlid),
                     resp.pkey.eq(cfg.pkey),
                     resp.destqp.eq(cfg.dest_qpn),
+                    resp.mtu.eq(cfg.mtu),
                     comp.eq(0),
                     comp.qpn.eq(d.destqp),
                     comp.cqn.eq(cfg.rcqn),
@@ -373,8 +371,7 @@ class ResponderEngine(wiring.Component):
                 m.next = "DECIDE"
 
             with m.State("DECIDE"):
-                read_response = [resp.va.eq(d.va), resp.length.eq(d.dmalen),
-                                 resp.mtu.eq(f_mtu_code)]
+                read_response = [resp.va.eq(d.va), resp.length.eq(d.dmalen)]
                 m.next = "ISSUE"
                 with m.If(~f_qp_ok):
                     m.d.comb += count["rx_dropped_qp"].eq(1)
@@ -399,6 +396,7 @@ class ResponderEngine(wiring.Component):
                         m.d.sync += respond(ResponseKind.ATOMIC, d.psn, ACK_SYNDROME, row.msn)
                         m.d.sync += resp.orig.eq(row.atom_orig)
                 with m.Else():
+                    m.d.comb += count["requests_executed"].eq(1)
                     m.d.sync += [new_row.seq_nak.eq(0), row_pending.eq(1)]
                     with m.If(f_invalid):
                         nak(NAK_INVALID_REQUEST, "invalid_naks")
@@ -407,7 +405,6 @@ class ResponderEngine(wiring.Component):
                     with m.Elif(needs_wqe):
                         m.next = "RECV_REQUEST"
                     with m.Elif(is_read):
-                        m.d.comb += count["requests_executed"].eq(1)
                         m.d.sync += respond(ResponseKind.READ, d.psn, ACK_SYNDROME, row.msn + 1)
                         m.d.sync += read_response
                         m.d.sync += [new_row.epsn.eq(d.psn + f_read_psns),
@@ -473,7 +470,6 @@ class ResponderEngine(wiring.Component):
                     with m.If(result.error):
                         nak(NAK_REMOTE_OPERATIONAL, "op_naks")
                     with m.Else():
-                        m.d.comb += count["requests_executed"].eq(1)
                         m.d.sync += respond(ResponseKind.ATOMIC, d.psn, ACK_SYNDROME, row.msn + 1)
                         m.d.sync += [
                             resp.orig.eq(result.orig),
