@@ -55,11 +55,14 @@ class AxiWriteArbiter(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         axi, writers, n = self.axi, self.writers, len(self.ids)
-        m.submodules.order = order = fifo.SyncFIFO(width=bits_for(n - 1), depth=ORDER_DEPTH)
+        # Writer indices at least one bit wide: a lone writer must not leave zero-width
+        # signals in the Verilog.
+        index_bits = bits_for(n - 1)
+        m.submodules.order = order = fifo.SyncFIFO(width=index_bits, depth=ORDER_DEPTH)
 
         # AW: the first valid writer after the last one granted wins the free slot.
-        last = Signal(range(n))
-        granted = Signal(range(n))
+        last = Signal(index_bits)
+        granted = Signal(index_bits)
         any_valid = Signal()
         aw_free = (~axi.awvalid | axi.awready) & order.w_rdy
         # Later assignments override: walk the candidates from the farthest to the nearest.
