@@ -183,7 +183,6 @@ class Host:
         self.bench, self.rng, self.wqe_maker = bench, rng, wqe_maker
         self.p_post, self.p_dbr, self.p_junk, self.p_bogus = p_post, p_dbr, p_junk, p_bogus
         self.head = {q: 0 for q in bench.qps}
-        self.bogus = set()
 
     def write_dbr(self, qpn, value):
         self.bench.mem.write(self.bench.qps[qpn].rq_dbr & ~3, value.to_bytes(4, "big"))
@@ -201,12 +200,10 @@ class Host:
                 self.head[qpn] = (self.head[qpn] + 1) % (1 << 16)
             return
         if rng.random() < self.p_bogus:
-            self.bogus.add(qpn)
             value = rng.choice([(ci - 1) % (1 << 16), (ci + qp.size + 1) % (1 << 16),
                                 (ci + rng.randrange(qp.size + 1, 1 << 16)) % (1 << 16)])
             bench.bogus_written += 1
         else:
-            self.bogus.discard(qpn)
             value = self.head[qpn]
         if rng.random() < self.p_junk:
             value |= rng.randrange(1, 1 << 16) << 16
@@ -215,7 +212,6 @@ class Host:
     def reset(self, qpn):
         if qpn in self.head:
             self.head[qpn] = 0
-            self.bogus.discard(qpn)
             self.write_dbr(qpn, 0)
 
 
@@ -445,11 +441,9 @@ def test_random(seed, num_qps, nqps, fast):
     simulate(dut, body)
     statuses = [f["status"] for _, f in bench.results]
     syndromes = [f["syndrome"] for _, f in bench.results if f["status"] == ERROR]
-    print({s: statuses.count(s) for s in (OK, EMPTY, ERROR)}, bench.ref.dbr_reads,
-          bench.bogus_written, bench.resets_in_flight)
     assert statuses.count(OK) > 30 and statuses.count(EMPTY) > 20, statuses
     assert PROT in syndromes and QP_OP in syndromes
-    assert bench.ref.dbr_reads < len(requests)
+    assert bench.bogus_written > 0 and bench.ref.dbr_reads < len(requests)
 
 
 def test_resets_and_strays():
@@ -458,7 +452,7 @@ def test_resets_and_strays():
     dut = ReceiveQueue(num_qps=4, num_mkeys=NUM_MKEYS)
     bench = Bench(dut, rng, qps, mkey_table(), p_reset=0.03, p_stray=0.2, p_req=0.9)
     bench.host = Host(bench, rng, lambda rng, q, i: random_wqe(rng, qps[q].pd, 0.1), p_post=0.4)
-    requests = [rng.choice(list(qps)) for _ in range(300)]
+    requests = [rng.choice(list(qps)) for _ in range(200)]
 
     async def body(ctx):
         await bench.run(ctx, requests)
