@@ -27,7 +27,7 @@ above / straddling the region, wrapping 2^64, ending exactly at 2^64, zero lengt
 bad range and with a bad key, an lkey whose index aliases modulo the table); read errors
 on the doorbell record and on a WQE; doorbell records behind and too far ahead; the
 doorbell record read only when needed; ring wrap; index wrap at 2^16; a QP the unit
-does not have; parameter checks.
+does not have; addresses cut to a narrower AXI address; parameter checks.
 """
 import gc
 import random
@@ -229,6 +229,7 @@ class Bench:
         self.bogus_written = 0
         self.resets_in_flight = 0
         self.stray = 0
+        self.amask = (1 << dut.addr_width) - 1
         self.cfg_consts = {q: qp.const() for q, qp in qps.items()}
         self.mkey_consts = {i: MkeyLayout().const(e) for i, e in mkeys.items()}
 
@@ -301,7 +302,8 @@ class Bench:
                 assert pending is not None and pending.expect is not None and beat is None, \
                     (t, "unexpected AR", hex(ar[1]))
                 if ctx.get(dut.ar.ready):
-                    assert ar == (RECV_ID, pending.expect, 0), (t, hex(ar[1]), hex(pending.expect))
+                    assert ar == (RECV_ID, pending.expect & self.amask, 0), \
+                        (t, hex(ar[1]), hex(pending.expect))
                     resp = rng.choice([2, 3]) if rng.random() < self.p_err else 0
                     beat = (t + 1 + rng.randint(*self.latency), pending.expect, resp)
                     last_ar = None
@@ -461,11 +463,11 @@ def test_resets_and_strays():
     assert bench.resets_in_flight > 5 and bench.stray > 20
 
 
-def run_directed(qp, steps, *, num_mkeys=NUM_MKEYS, start=None, p_err=0.0, latency=(0, 5)):
+def run_directed(qp, steps, *, start=None, p_err=0.0, latency=(0, 5), addr_width=64):
     """``steps``: callables (bench) -> None run before each request of QP 0 (posting WQEs,
     writing the record); returns the results."""
     rng = random.Random(5)
-    dut = Probed(num_qps=2, num_mkeys=num_mkeys)
+    dut = Probed(num_qps=2, num_mkeys=NUM_MKEYS, addr_width=addr_width)
     bench = Bench(dut, rng, {0: qp}, mkey_table(), p_err=p_err, latency=latency, p_stray=0)
     bench.host = Host(bench, rng, None, p_post=0, p_dbr=0)
     steps = deque(steps)
@@ -579,6 +581,17 @@ def test_ring_and_index_wrap():
     bench = run_directed(qp, steps, start=start)
     assert [f["status"] for _, f in bench.results] == [EMPTY, OK]
     assert bench.ref.errors == 1
+
+
+def test_narrow_addresses():
+    # Ring and record beyond a 40-bit AXI address: the reads are cut to 40 bits.
+    qp = Qp((1 << 40) + 0x5000_0000, 1, (5 << 40) + 0x6000_0004, PD_A)
+    lkey = make_key(1, 0x11)
+    steps = [both(post(qp, 0, lkey, 0x10_0000, 1), post(qp, 1, lkey, 0x10_0001, 1),
+                  dbr(qp, 2)), nothing, nothing]
+    bench = run_directed(qp, steps, addr_width=40)
+    assert [(f["status"], f["addr"]) for _, f in bench.results] == \
+        [(OK, 0x10_0000), (OK, 0x10_0001), (EMPTY, 0)]
 
 
 def test_read_errors():
