@@ -35,18 +35,22 @@ class RequestReceiver(wiring.Component):
     ``responses[vl]`` unchanged, beat for beat with that stream's ready; the route is held
     to its end beat. Every other packet is a request, stored whole (LRH .. ICRC) in a
     ring of ``buffer_beats`` 64-byte beats: one VL's request at a time, VLs taken round
-    robin at packet boundaries, one beat per cycle. A beat is taken only while the ring
-    has room and a start beat only while the descriptor queue (``DESCRIPTOR_DEPTH``) can
-    take one more, so nothing is dropped for space. Beats past ``MAX_PACKET_BEATS`` are
-    taken but not stored. A non-start beat on a VL outside any packet is discarded.
+    robin at packet boundaries, one beat per cycle with no gap between packets. A beat is
+    taken only while the ring has room and a start beat only while the descriptor queue
+    (``DESCRIPTOR_DEPTH``) can take one more, so nothing is dropped for space. Beats past
+    ``MAX_PACKET_BEATS`` are taken but not stored. The link's framing is trusted: a
+    non-start beat on a VL outside any packet is discarded, and a VL's beats from a
+    request's start to its end are that request's.
 
-    The packet's fate is decided the cycle after its end beat, from the ICRC, ``end_bad``
-    and its header (every request header lies in the start beat): a kept packet gives a
-    descriptor; a dropped one gives its beats back at once (the next packet is written
-    where it started) and is counted, ICRC failures before header failures.
+    Two stages: T takes a beat (steering, arbitration, room); W, a cycle later, writes it
+    into the ring and runs the ICRC check on it. On the end beat W also checks the
+    header (every request header lies in the start beat, held from it) and decides: a
+    kept packet's descriptor enters the queue (on ``request`` two cycles later); a dropped
+    one is counted, ICRC failures before header failures, and the write pointer goes back
+    to its first beat, where the next packet's first beat, one cycle behind, is written.
 
-    ``release`` frees beats of kept packets, oldest first; ``buffer_read`` reads the ring
-    (data one cycle after addr).
+    ``release`` frees beats of kept packets, oldest first (the consumer never frees more
+    than it was given); ``buffer_read`` reads the ring (data one cycle after addr).
 
     Parameters
     ----------
