@@ -23,7 +23,7 @@ import gc
 import random
 import warnings
 from collections import Counter, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import pytest
 from amaranth.hdl import UnusedElaboratable

@@ -93,21 +93,26 @@ class ResponderEngine(wiring.Component):
       ``duplicate_requests``); an in-sequence packet with such an opcode is an invalid
       request.
     - Every in-sequence packet clears the sequence-NAK flag, NAKed ones included.
-    - A SEND/WRITE ONLY with a payload above the MTU is an invalid request, as a LAST;
-      the QP's REMOTE_WRITE right is checked on every WRITE packet, the memory key on
-      the FIRST/ONLY (for the RETH's whole range; ending at exactly 2^64 is allowed).
+    - A SEND/WRITE ONLY with a payload above the MTU is an invalid request, as a LAST.
+      The QP's rights and the memory key are checked on a WRITE's FIRST/ONLY (the key
+      for the RETH's whole range; a range ending at exactly 2^64 is allowed), so a
+      message under way finishes if the host takes the right away meanwhile.
+    - ``requests_executed`` counts every in-sequence request that reaches the execution
+      checks, NAKed and RNR-NAKed ones too (as models.nic counts it); a failing one is
+      also counted by its NAK's counter. Duplicates count in ``duplicate_requests`` only.
     - Responses carry the QP's MSN after the packet: an executed READ's responses and
-      an atomic's acknowledgement the incremented MSN, duplicates and NAKs the
-      current one. A duplicate READ also waits for ``dma_idle`` and is counted in
-      ``duplicate_requests`` only; ``requests_executed`` counts executed packets (not
-      NAKed, RNR-NAKed or duplicate ones; an atomic when its result has no error).
+      an atomic's acknowledgement the incremented MSN, duplicates and NAKs the current
+      one; ``mtu`` is the QP's MTU code in every response command. A duplicate READ
+      waits for ``dma_idle`` too.
     - A receive result with a status other than OK or EMPTY is treated as ERROR.
-      Receive error completions carry ``byte_count`` 0 and the WQE's ``wqe_counter``.
+      Receive error completions carry ``byte_count`` 0 and the WQE's ``wqe_counter``
+      (the WQE of the message under way when a SEND MIDDLE/LAST overflows it).
     - An atomic result with ``error``: NAK remote operational error, QP to ERR
       (``op_naks``); nothing is saved for duplicates.
     - ``dma_idle`` must be low from the cycle after a command with ``bytes`` > 0 is
-      accepted until its writes have their responses (the engine looks at it at least
-      three cycles after its previous command).
+      taken until its writes have their responses. The engine first looks at it five
+      cycles after the cycle that took its previous command, so an ``idle`` that
+      drops up to four cycles late is still safe.
     """
 
     def __init__(self, *, num_qps=64, num_mkeys=64, num_vls=2):
@@ -250,7 +255,6 @@ class ResponderEngine(wiring.Component):
         f_access = Signal()
         f_read_ok = Signal()                # a duplicate READ passes its rights checks
         f_read_psns = Signal(PSN_BITS)
-        rcqn = Signal(8)
         min_rnr_timer = Signal(5)
 
         # Registered outputs of the decision.
@@ -346,7 +350,6 @@ class ResponderEngine(wiring.Component):
                     f_access.eq(right_err | (key_applies & ~key_ok)),
                     f_read_ok.eq(~right_err & (~key_applies | key_ok)),
                     f_read_psns.eq(read_psns),
-                    rcqn.eq(cfg.rcqn),
                     min_rnr_timer.eq(cfg.min_rnr_timer),
                     cmd.eq(0),
                     cmd.src_beat.eq(d.buffer_beat),
