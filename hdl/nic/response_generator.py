@@ -74,7 +74,9 @@ class ResponseGenerator(wiring.Component):
     3. a queue of ``packet_queue_depth`` descriptors towards the assembler, so that
        reads run ahead of the packets being sent by as much as the payload buffer
        allows (the assembler takes a descriptor only when the previous packet ends):
-       a long READ keeps the wire busy once the memory latency is covered.
+       a long READ keeps the wire busy once the memory latency is covered (64 entries:
+       the 64-byte words of 64 packets of 256 bytes, 320 cycles of wire, cover a memory
+       latency of 200 cycles at the smallest MTU).
 
     A stream of one-packet commands runs at one per cycle while the outputs are ready; a
     packet whose payload crosses 4 KiB takes two cycles of the read stage. LRH.SLID is
@@ -89,7 +91,7 @@ class ResponseGenerator(wiring.Component):
     ``payload_freed`` with no beat reserved is ignored.
     """
 
-    def __init__(self, *, num_vls=2, payload_buffer_beats=512, packet_queue_depth=32):
+    def __init__(self, *, num_vls=2, payload_buffer_beats=512, packet_queue_depth=64):
         for name, value, low, high in (
                 ("num_vls", num_vls, 1, 15),
                 ("payload_buffer_beats", payload_buffer_beats, MAX_DMA_BEATS, 1 << 16),
