@@ -13,17 +13,22 @@ at a random pace and compares it byte for byte, then releases the packet's beats
 random chunks. Responses go out per VL byte-exact (flags too) against their own queue.
 Counters are checked at the end.
 
-Random test: every request opcode with random payload sizes (0 .. 4096 bytes), responses
-interleaved on the same VLs, bad ICRCs, end_bad, malformed mutations, random rx gaps,
-random request/response backpressure, and a consumer that sometimes stalls long enough to
-fill the ring (rx backpressure, nothing lost).
+Random test (2 and 3 VLs): every request opcode with random payload sizes (0 .. 4096
+bytes), responses interleaved on the same VLs (some end_bad: passed on as they are), bad
+ICRCs, end_bad, malformed mutations, random rx gaps, random request/response backpressure,
+and a consumer that sometimes stalls long enough to bring the ring close to full.
 
-Directed (one each): LNH with a GRH, DLID, TVer, PktLen, non-request opcodes, too short
-for the headers (two opcodes), payload > 4096, READ and atomic with payload, PadCnt beyond
-the payload, longer than MAX_PACKET_BEATS (and the next packet stored where it started),
-bad ICRC, end_bad, a stray non-start beat; each dropped and counted, then a good packet
-kept in the reclaimed space. Throughput: one beat per cycle back to back (long and
-one-beat packets, two VLs alternating). Parameter checks.
+Directed (one each): LNH with a GRH, DLID, TVer, PktLen short and long, non-request
+opcodes (reserved, UC), too short for the headers (WRITE FIRST, atomic), payload > 4096,
+READ and atomic with payload, PadCnt beyond the payload (SEND, READ), longer than
+MAX_PACKET_BEATS, bad ICRC, end_bad; each dropped and counted once, with a response on
+the other VL alongside, and the good packet after it kept where the dropped one began;
+a stray non-start beat discarded. A full ring holds rx off and loses nothing; a 127-beat
+packet arriving with 96 beats free is taken whole and dropped, only MAX_PACKET_BEATS
+beats of it counting against the ring; a request stream that is not ready holds rx off
+after DESCRIPTOR_DEPTH one-beat requests. Throughput: one beat per cycle back to back
+(long packets, one-beat packets, two VLs alternating under round robin, every other
+packet dropped). Parameter checks.
 """
 import random
 from collections import deque
@@ -149,7 +154,7 @@ def mutate(rng, pkt):
 
 class Bench:
     def __init__(self, dut, rng, *, p_gap=0.2, p_request_ready=0.7, p_response_ready=0.8,
-                 p_read=0.8, p_stall=0.0, stall_cycles=(50, 400)):
+                 p_read=0.8, p_stall=0.0, stall_cycles=(100, 600)):
         self.dut = dut
         self.rng = rng
         self.num_vls = len(dut.rx)
@@ -175,7 +180,7 @@ class Bench:
         self.pending_read = None        # (expected beat bytes) for the addr set last cycle
         self.to_release = 0
         self.stall = 0
-        self.beats_in = 0
+        self.most_held = 0              # most beats of kept packets not yet released
 
     def send(self, vl, pkt, end_bad=False, raw_beats=None):
         """Queue ``pkt`` on ``vl`` and its expected fate."""
@@ -212,12 +217,13 @@ class Bench:
             ctx.set(dut.responses[v].ready, rng.random() < self.p_response_ready)
         ctx.set(dut.request.ready, rng.random() < self.p_request_ready)
         self.consumer(ctx)
+        self.most_held = max(self.most_held, self.to_release + sum(job[1] for job in self.jobs)
+                             + (self.reading[1] if self.reading else 0))
 
         # Sample the handshakes of this edge.
         for v in range(self.num_vls):
             if self.offered[v] is not None and ctx.get(dut.rx[v].ready):
                 self.offered[v] = None
-                self.beats_in += 1
             if ctx.get(dut.responses[v].valid) and ctx.get(dut.responses[v].ready):
                 beat = ctx.get(Value.cast(dut.responses[v].payload))
                 assert self.responses[v], (self.t, v, "unexpected response beat")
@@ -326,11 +332,12 @@ def test_random(num_vls, seed, packets):
                     pkt = mutate(rng, pkt)
             fate = bench.send(v, pkt, end_bad)
             fates[fate] = fates.get(fate, 0) + 1
-            while sum(len(s) for s in bench.sources) > 200:
+            while sum(len(s) for s in bench.sources) > 600:
                 await bench.cycle(ctx)
         await bench.drain(ctx)
         bench.check_counters(ctx)
         assert bench.descriptors == bench.counts["requests_received"]
+        assert bench.most_held > 256 - 32, bench.most_held      # the ring came close to full
         done.append(True)
 
     run(dut, body)
