@@ -18,6 +18,14 @@ while a payload write is unacknowledged.
 Scenario items are descriptors (the reference decides them when they are queued) and
 barriers: functions run once the engine has finished everything before them (context
 changes, QP resets, host QP states).
+
+Tests: directed (every row of the check tables, each kind of duplicate, the sequence NAK
+sent once, RNR then a successful retry, bad receive WQEs, atomic memory errors, the PSN
+wrap, qp_reset mid-message and while the engine waits, qp_reset of QP numbers it lacks);
+random traffic on several QPs with backpressure everywhere; the same kind of traffic
+cross-checked against models.nic.ResponderModel (memory contents rebuilt from the DMA
+and atomic commands, response commands, receive completions, QP errors, counters);
+throughput; parameters.
 """
 import gc
 import random
@@ -276,8 +284,8 @@ class Ref:
             wqe = self.rq[q].popleft()
             if wqe[0] == OK:
                 self.recv.append((q, (OK, 0, wqe[1], wqe[2], wqe[3])))
-            else:
-                self.recv.append((q, (ERROR, wqe[1], 0, 0, wqe[2])))
+            else:                                   # ERROR, or a status the record lacks
+                self.recv.append((q, (wqe[0], wqe[1], 0, 0, wqe[2])))
                 self._complete(d, RESP_ERR, syndrome=wqe[1], wqe=wqe[2])
                 return self._fatal(d, row, 3, "op_naks")
         if kind == "send":
@@ -836,6 +844,8 @@ def directed_items(b):
                      posting((ERROR, LOCAL_PROT_ERR, 9)))
     yield from fatal(2, lambda: e(2, WRITE_ONLY_IMM, "op_naks", payload_bytes=4, va=0x10000,
                                   rkey=KEY, dmalen=4), posting((ERROR, 0x02, 10)))
+    yield from fatal(2, lambda: e(2, SEND_ONLY, "op_naks", payload_bytes=4),
+                     posting((3, 0x02, 15)))           # status 3: not in RecvStatus
     yield from fatal(2, lambda: e(2, SEND_ONLY_IMM, inv, payload_bytes=4),
                      posting((OK, 0x50000, 3, 11)))
     yield from fatal(2, lambda: e(2, SEND_FIRST, inv, payload_bytes=MTU),
@@ -879,6 +889,10 @@ def directed_items(b):
     yield When(lambda bench: bench.recv_due and bench.exp["recv"] == deque(),
                lambda bench: bench.reset_qp(3, rq_psn=77))
     yield e(3, SEND_ONLY, "rnr_naks", payload_bytes=8)
+    # qp_reset of QP numbers the engine lacks (5 and 8 alias QP 0 in 3 bits) changes nothing.
+    for bad in (5, 8, 200):
+        yield lambda bench, bad=bad: bench.resets.append(bad)
+    yield write(0)
     # The engine keeps its own record of qp_error (the host's QP state lags).
     yield e(0, WRITE_MIDDLE, "invalid_naks", payload_bytes=MTU)
     yield write(0, outcome="rx_dropped_qp")
