@@ -273,6 +273,7 @@ class RequestReceiver(wiring.Component):
         m.d.comb += descriptor.payload_bytes.eq(payload)
         shape_ok = Mux(no_payload, (length == fixed) & (bth.padcnt == 0),
                        (length >= fixed + bth.padcnt) & (payload <= MAX_PAYLOAD_BYTES))
+        # Past MAX_PACKET_BEATS the length saturates: such a packet is malformed outright.
         well_formed = (known & shape_ok & w_stores
                        & (lrh.lnh == LNH_IBA_LOCAL) & (lrh.dlid == self.lid) & (bth.tver == 0)
                        & (lrh.pktlen * 4 == length))
