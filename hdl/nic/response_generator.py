@@ -7,6 +7,7 @@ from hdl.ib.headers import (
     LRH_BYTES, PKTLEN_WORD_BYTES, to_wire,
 )
 from hdl.nic.packet_assembler import MAX_DMA_BEATS
+from hdl.nic.payload_reads import payload_bursts, payload_reservation
 from hdl.nic.signatures import (
     PSN_BITS, RESPONSE_ID, ArLayout, PacketDescriptorLayout, PayloadSource,
     ResponseCommandLayout, ResponseKind,
@@ -22,8 +23,6 @@ READ_RESPONSE_ONLY = 0x10
 ACKNOWLEDGE = 0x11
 ATOMIC_ACKNOWLEDGE = 0x12
 
-BEAT_BYTES = 64
-PAGE_BYTES = 4096            # AXI bursts may not cross this
 # The longest response header: LRH + BTH + AETH + AtomicAckETH.
 RESPONSE_HEADER_BYTES = LRH_BYTES + BTH_BYTES + AETH_BYTES + ATOMIC_ACK_ETH_BYTES
 OPCODE_BYTE = LRH_BYTES                  # BTH.OpCode: the first BTH byte
@@ -190,14 +189,7 @@ class ResponseGenerator(wiring.Component):
                                    Mux(is_atomic, to_wire(ATOMIC_ACK_ETH, atomic_ack), 0)))
 
         # Payload reads: the 64-byte words holding the packet's bytes, cut at 4 KiB.
-        offset = va[:6]
-        beats = Signal(range(MAX_DMA_BEATS + 1))
-        page_left = Signal(range(PAGE_BYTES // BEAT_BYTES + 1))
-        m.d.comb += [
-            beats.eq((offset + plen + BEAT_BYTES - 1) >> 6),
-            page_left.eq(PAGE_BYTES // BEAT_BYTES - va[6:12]),
-        ]
-        two_bursts = beats > page_left
+        bursts = payload_bursts(m, va, plen)
 
         item = Signal(_ItemLayout())
         m.d.comb += [
@@ -209,13 +201,11 @@ class ResponseGenerator(wiring.Component):
         with m.If(plen != 0):
             m.d.comb += [
                 item.desc.source.eq(PayloadSource.DMA),
-                item.desc.offset.eq(offset),
-                item.desc.dma_beats.eq(beats),
-                item.n_ar.eq(Mux(two_bursts, 2, 1)),
-                item.ar0_addr.eq(Cat(C(0, 6), va[6:])),
-                item.ar0_len.eq(Mux(two_bursts, page_left, beats) - 1),
-                item.ar1_addr.eq(Cat(C(0, 12), va[12:] + 1)),
-                item.ar1_len.eq(beats - page_left - 1),
+                item.desc.offset.eq(bursts.offset),
+                item.desc.dma_beats.eq(bursts.beats),
+                item.n_ar.eq(bursts.n_ar),
+                item.ar0_addr.eq(bursts.ar0_addr), item.ar0_len.eq(bursts.ar0_len),
+                item.ar1_addr.eq(bursts.ar1_addr), item.ar1_len.eq(bursts.ar1_len),
             ]
 
         with m.If(j_out):
@@ -239,7 +229,8 @@ class ResponseGenerator(wiring.Component):
         p_valid = Signal()
         p = Signal(_ItemLayout())
         ars_left = Signal(range(3))
-        reserved = Signal(range(self.payload_buffer_beats + 1))
+        reserve = Signal(range(MAX_DMA_BEATS + 1))
+        reserved = payload_reservation(m, self.payload_buffer_beats, reserve, self.payload_freed)
         first_ar = ars_left == p.n_ar
         room = reserved + p.desc.dma_beats <= self.payload_buffer_beats
         m.d.comb += [
@@ -249,10 +240,7 @@ class ResponseGenerator(wiring.Component):
             self.ar.payload.len.eq(Mux(first_ar, p.ar0_len, p.ar1_len)),
         ]
         ar_fire = self.ar.valid & self.ar.ready
-        reserving = Signal(range(self.payload_buffer_beats + MAX_DMA_BEATS + 1))
-        m.d.comb += reserving.eq(reserved + Mux(ar_fire & first_ar, p.desc.dma_beats, 0))
-        # The assembler frees only beats that were reserved; a stray strobe is ignored.
-        m.d.sync += reserved.eq(reserving - (self.payload_freed & (reserving != 0)))
+        m.d.comb += reserve.eq(Mux(ar_fire & first_ar, p.desc.dma_beats, 0))
 
         # --- stage 3: the descriptor queue ---------------------------------------------------
         m.submodules.queue = queue = fifo.SyncFIFOBuffered(

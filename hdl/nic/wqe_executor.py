@@ -6,6 +6,7 @@ from hdl.ib.headers import (
     ATOMIC_ETH, ATOMIC_ETH_BYTES, BTH, BTH_BYTES, IMMDT, IMMDT_BYTES, LNH_IBA_LOCAL, LRH,
     LRH_BYTES, PKTLEN_WORD_BYTES, RETH, RETH_BYTES, VL15, to_wire,
 )
+from hdl.nic.payload_reads import payload_bursts, payload_reservation
 from hdl.nic.signatures import (
     MAX_HEADER_BYTES, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, PAYLOAD_ID, PSN_BITS, Access, ArLayout,
     CompletionRecordLayout, CompletionStatus, ContextReadSignature, EventSignature, MkeyLayout,
@@ -27,7 +28,6 @@ MIDDLE, LAST, LAST_IMM, ONLY, ONLY_IMM = 1, 2, 3, 4, 5
 SOLICITED = 0x02             # fm_ce_se bit: solicited event on the message's last packet
 CQ_UPDATE = 0x08             # fm_ce_se bit: write a CQE on success
 BEAT_BYTES = 64
-PAGE_BYTES = 4096            # AXI bursts may not cross this
 MAX_PACKET_BEATS = 4096 // BEAT_BYTES + 1
 EXT_BYTES = MAX_HEADER_BYTES - LRH_BYTES - BTH_BYTES
 
@@ -345,14 +345,7 @@ class WqeExecutor(wiring.Component):
 
         # Payload reads: the 64-byte words holding the packet's bytes, cut at 4 KiB.
         dma = job_sent & ~job.inline & (plen != 0)
-        offset = laddr[:6]
-        beats = Signal(range(MAX_PACKET_BEATS + 1))
-        page_left = Signal(range(PAGE_BYTES // BEAT_BYTES + 1))
-        m.d.comb += [
-            beats.eq((offset + plen + BEAT_BYTES - 1) >> 6),
-            page_left.eq(PAGE_BYTES // BEAT_BYTES - laddr[6:12]),
-        ]
-        two_bursts = beats > page_left
+        bursts = payload_bursts(m, laddr, plen)
 
         item = Signal(_ItemLayout())
         m.d.comb += [
@@ -367,13 +360,11 @@ class WqeExecutor(wiring.Component):
         with m.If(dma):
             m.d.comb += [
                 item.desc.source.eq(PayloadSource.DMA),
-                item.desc.offset.eq(offset),
-                item.desc.dma_beats.eq(beats),
-                item.n_ar.eq(Mux(two_bursts, 2, 1)),
-                item.ar0_addr.eq(Cat(C(0, 6), laddr[6:])),
-                item.ar0_len.eq(Mux(two_bursts, page_left, beats) - 1),
-                item.ar1_addr.eq(Cat(C(0, 12), laddr[12:] + 1)),
-                item.ar1_len.eq(beats - page_left - 1),
+                item.desc.offset.eq(bursts.offset),
+                item.desc.dma_beats.eq(bursts.beats),
+                item.n_ar.eq(bursts.n_ar),
+                item.ar0_addr.eq(bursts.ar0_addr), item.ar0_len.eq(bursts.ar0_len),
+                item.ar1_addr.eq(bursts.ar1_addr), item.ar1_len.eq(bursts.ar1_len),
             ]
         with m.Elif(job_sent & job.inline & (plen != 0)):
             m.d.comb += [
@@ -398,7 +389,8 @@ class WqeExecutor(wiring.Component):
         p_valid = Signal()
         p = Signal(_ItemLayout())
         ars_left = Signal(range(3))
-        reserved = Signal(range(self.payload_buffer_beats + 1))
+        reserve = Signal(range(MAX_PACKET_BEATS + 1))
+        reserved = payload_reservation(m, self.payload_buffer_beats, reserve, self.payload_freed)
         first_ar = ars_left == p.n_ar
         room = reserved + p.desc.dma_beats <= self.payload_buffer_beats
         m.d.comb += [
@@ -408,10 +400,7 @@ class WqeExecutor(wiring.Component):
             self.ar.payload.len.eq(Mux(first_ar, p.ar0_len, p.ar1_len)),
         ]
         ar_fire = self.ar.valid & self.ar.ready
-        reserving = Signal(range(self.payload_buffer_beats + MAX_PACKET_BEATS + 1))
-        m.d.comb += reserving.eq(reserved + Mux(ar_fire & first_ar, p.desc.dma_beats, 0))
-        # The assembler frees only beats that were reserved; a stray strobe is ignored.
-        m.d.sync += reserved.eq(reserving - (self.payload_freed & (reserving != 0)))
+        m.d.comb += reserve.eq(Mux(ar_fire & first_ar, p.desc.dma_beats, 0))
 
         d_can_load = Signal()
         p_out = p_valid & ((ars_left == 0) | ((ars_left == 1) & ar_fire)) & d_can_load
