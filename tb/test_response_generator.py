@@ -308,7 +308,7 @@ def test_random_two_vls():
     assert all(b[0] == a[0] + 1 for a, b in zip(ack_spans, ack_spans[1:])), ack_spans
     for phase in long:
         assert busy_fraction(phase) >= 0.95, (phase.name, busy_fraction(phase))
-    bytes_4096 = 16 * (24 + 4096 + 4)
+    bytes_4096 = 2 * 24 + 14 * 20 + 16 * (4096 + 4)      # FIRST and LAST carry an AETH
     first, last = long[0].spans[0][0], long[0].spans[-1][1]
     assert bytes_4096 / (WIDTH * (last - first + 1)) >= 0.95
 
