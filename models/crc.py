@@ -58,19 +58,25 @@ def crc32(data: bytes) -> int:
 
 
 def icrc_masked(packet: bytes) -> bytes:
-    """`packet` (LRH .. end of pad) with the fields a switch or router may change set to ones."""
+    """`packet` (LRH .. end of pad) with the fields a switch or router may change set to ones.
+    Any bytes are accepted: a field past the end of a short (malformed) packet is skipped."""
     masked = bytearray(packet)
-    masked[0] |= 0xF0  # LRH.VL
-    lnh = masked[1] & 0b11
+
+    def ones(index, mask=0xFF):
+        if index < len(masked):
+            masked[index] |= mask
+    ones(0, 0xF0)  # LRH.VL
+    lnh = masked[1] & 0b11 if len(masked) > 1 else 0
     bth_offset = LRH_SIZE
     if lnh == LNH_GRH:
         grh = LRH_SIZE
-        masked[grh] |= 0x0F  # TClass high nibble (low nibble of byte 0 after IPVer)
-        masked[grh + 1 : grh + 4] = b"\xff\xff\xff"  # TClass low nibble + FlowLabel
-        masked[grh + 7] = 0xFF  # HopLmt
+        ones(grh, 0x0F)  # TClass high nibble (low nibble of byte 0 after IPVer)
+        for i in (1, 2, 3):
+            ones(grh + i)  # TClass low nibble + FlowLabel
+        ones(grh + 7)  # HopLmt
         bth_offset += GRH_SIZE
     if lnh & LNH_BTH:
-        masked[bth_offset + 4] = 0xFF  # BTH.resv8a
+        ones(bth_offset + 4)  # BTH.resv8a
     return bytes(masked)
 
 

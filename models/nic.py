@@ -23,6 +23,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field, replace
 from enum import Enum, IntEnum, IntFlag
 
+from models.crc import icrc_bytes
 from models.ib import (AETH, BTH, LNH_IBA_LOCAL, LRH, RETH, AtomicAckETH, AtomicETH, ImmDt,
                        Opcode, carries_payload, extension_headers)
 from models.mlx5 import (MAX_MESSAGE_BYTES, RECV_WQE_BYTES, WQEBB_BYTES, Cqe, CqeOpcode,
@@ -822,26 +823,6 @@ NAK = 0x60
 RNR_NAK = 0x20
 
 
-def _icrc_any(body: bytes) -> bytes:
-    """ICRC of any byte string as the NIC's checker computes it: LRH.VL and, when LNH
-    says a BTH follows, BTH.resv8a (after the GRH for LNH 3) and the GRH's variant
-    fields replaced by ones, wherever those bytes exist."""
-    masked = bytearray(body)
-    if masked:
-        masked[0] |= 0xF0
-    lnh = masked[1] & 0b11 if len(masked) > 1 else 0
-    bth = LRH.SIZE
-    if lnh == 0b11:
-        grh = LRH.SIZE
-        for i, mask in ((0, 0x0F), (1, 0xFF), (2, 0xFF), (3, 0xFF), (7, 0xFF)):
-            if grh + i < len(masked):
-                masked[grh + i] |= mask
-        bth += 40
-    if lnh & 0b10 and bth + 4 < len(masked):
-        masked[bth + 4] = 0xFF
-    return zlib.crc32(bytes(masked)).to_bytes(4, "little")
-
-
 class ResponderModel:
     """The remote end of the RC connections (IBA ch. 9.7, responder side).
 
@@ -1250,7 +1231,7 @@ class ResponderModel:
         """The request receiver's checks: (counter, None) or (None, fields)."""
         if len(buf) > LRH.SIZE and buf[LRH.SIZE] in _RESPONSE_OPCODES:
             return "responses_steered", None
-        if end_bad or len(buf) < ICRC_SIZE or _icrc_any(buf[:-ICRC_SIZE]) != buf[-ICRC_SIZE:]:
+        if end_bad or len(buf) < ICRC_SIZE or icrc_bytes(buf[:-ICRC_SIZE]) != buf[-ICRC_SIZE:]:
             return "rx_request_icrc_drops", None
         if len(buf) < LRH.SIZE + BTH.SIZE + ICRC_SIZE:
             return "rx_request_malformed", None

@@ -288,6 +288,24 @@ def nic_benchmarks():
                    testcase=testcase, expect_tests=1, build_args=BUILD_ARGS,
                    extra_env={"BENCH_RECORDS": str(path)})
         records += json.loads(path.read_text())
+    records += nic_pair_benchmarks()
+    return records
+
+
+def nic_pair_benchmarks():
+    """Two NICs back to back (the build the two-NIC tests use), then through a switch."""
+    from tb.test_nic_pair import BUILD_ARGS, PAIR, nic_pair_top
+    records = []
+    runs = [(PAIR, "e2e_write_latency"), (PAIR, "write_bandwidth"), (PAIR, "read_bandwidth"),
+            ({**PAIR, "through_switch": True}, "e2e_write_latency")]
+    for params, testcase in runs:
+        path = OUT / "records" / f"nic_pair_{testcase}_{runner.param_tag(params)}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        runner.run(module="tb.bench_nic_pair", toplevel="nic_pair_top", factory=nic_pair_top,
+                   params=params, testcase=testcase, expect_tests=1, build_args=BUILD_ARGS,
+                   extra_env={"BENCH_RECORDS": str(path)})
+        records += json.loads(path.read_text())
     return records
 
 

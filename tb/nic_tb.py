@@ -35,6 +35,7 @@ from models.pcap import LinkCapture
 from tb import runner
 from tb.beats import CycleLoop, PacketSink, PacketSource, WireMonitor, backpressure_random
 from tb.gpu_model import GpuModel, GpuQp
+from tb.nic_host import NicHost
 
 __all__ = ["NicTB", "BusMonitor", "CLOCK_NS", "MEMORY_BYTES", "NIC_LID", "REMOTE_LID"]
 
@@ -60,7 +61,7 @@ def remote_qpn(qpn):
     return 0x100 + qpn
 
 
-class NicTB:
+class NicTB(NicHost):
     def __init__(self, dut, *, seed=1, memory_latency=200, backpressure=0.0, ack_every=1,
                  coalesce_acks=False, capture_path=None):
         self.dut = dut
@@ -72,12 +73,8 @@ class NicTB:
         self.rng = random.Random(seed)
         self.clock = dut.clk
         cocotb.start_soon(Clock(dut.clk, CLOCK_NS, "ns").start())
-        from cocotbext.axi import AxiBus, AxiLiteBus, AxiLiteMaster, AxiRam
-        self.axil = AxiLiteMaster(AxiLiteBus.from_prefix(dut, "axil", bus_separator="__"),
-                                  dut.clk, dut.rst)
-        self.memory = AxiRam(AxiBus.from_prefix(dut, "axi", bus_separator="__"), dut.clk,
-                             dut.rst, size=MEMORY_BYTES)
-        self._hook_memory_writes()
+        super().__init__(dut, "", memory_bytes=MEMORY_BYTES, num_mkeys=self.num_mkeys)
+        self.hook_memory_writes(self._memory_written)
         self.memory_latency = memory_latency
         dut.memory_latency.value = memory_latency
 
@@ -138,53 +135,6 @@ class NicTB:
                 return
             await RisingEdge(self.clock)
         raise AssertionError("link did not come up")
-
-    # --- registers ----------------------------------------------------------------------
-
-    async def write(self, offset, value, expect_error=False):
-        resp = await self.axil.write(offset, int(value).to_bytes(8, "little"))
-        error = int(resp.resp) != rmap.OKAY
-        if error != expect_error:
-            raise AssertionError(f"register write {offset:#06x} = {value:#x}: response "
-                                 f"{int(resp.resp)}, expected {'SLVERR' if expect_error else 'OKAY'}")
-
-    async def read(self, offset):
-        resp = await self.axil.read(offset, 8)
-        assert int(resp.resp) == rmap.OKAY, f"register read {offset:#06x}: {int(resp.resp)}"
-        return int.from_bytes(resp.data, "little")
-
-    async def counter(self, name):
-        return await self.read(rmap.register_offset(name))
-
-    async def counters(self):
-        return {name: await self.counter(name) for name, _, _ in rmap.counter_words()}
-
-    async def ring_doorbell(self, data8):
-        await self.axil.write(rmap.UAR_BASE + 0x800, data8)
-
-    async def program_qp(self, qp, state=3):
-        """Write QP context ``qp`` (a :class:`models.nic.QpContext`) and move it to ``state``."""
-        for word in rmap.QP_WORDS[1:]:
-            value = rmap.place_fields(word.fields, **{f.name: getattr(qp, f.name)
-                                                      for f in word.fields})
-            await self.write(rmap.context_offset("qp", qp.qpn, word.name), value)
-        await self.write(rmap.context_offset("qp", qp.qpn, "state"), state)
-
-    async def set_qp_state(self, qpn, state, expect_error=False):
-        await self.write(rmap.context_offset("qp", qpn, "state"), state, expect_error)
-
-    async def program_cq(self, cq):
-        for word in rmap.CQ_WORDS:
-            value = rmap.place_fields(word.fields, **{f.name: int(getattr(cq, f.name))
-                                                      for f in word.fields})
-            await self.write(rmap.context_offset("cq", cq.cqn, word.name), value)
-
-    async def program_mkey(self, mkey):
-        index = (mkey.key >> 8) % self.num_mkeys
-        for word in rmap.MKEY_WORDS:
-            value = rmap.place_fields(word.fields, **{f.name: int(getattr(mkey, f.name))
-                                                      for f in word.fields})
-            await self.write(rmap.context_offset("mkey", index, word.name), value)
 
     # --- a standard setup ---------------------------------------------------------------
 
@@ -284,14 +234,6 @@ class NicTB:
 
     # --- observation ------------------------------------------------------------------
 
-    def _hook_memory_writes(self):
-        write = self.memory.write_if._write
-
-        async def hooked(address, data):
-            await write(address, data)
-            self._memory_written(address % MEMORY_BYTES, bytes(data))
-        self.memory.write_if._write = hooked
-
     def _memory_written(self, address, data):
         if not CQ_REGION <= address < CQ_REGION + CQ_STRIDE * max(len(self.cqs), 1):
             self.errors.append(f"NIC wrote {len(data)} bytes at {address:#x}, outside every CQ")
@@ -346,6 +288,10 @@ class NicTB:
             self.errors.append(f"QP {qpn}: packet\n  {packet.hex()}\nexpected\n  {want.hex()}")
         return self.responder.receive(packet)
 
+    def on_response(self, packet):
+        """A response packet (from the NIC's responder) reached the remote end."""
+        self.errors.append(f"cycle {self.loop.cycle}: unexpected response {packet.hex()}")
+
     # --- end of test ----------------------------------------------------------------------
 
     def outstanding(self):
@@ -385,38 +331,45 @@ class NicTB:
 
 
 class BusMonitor:
-    """Cycle stamps of what crosses the NIC's buses: doorbell writes into the UAR page
-    (the later of the AW and W handshakes), read bursts the NIC issues (``nic_ar_fire``,
-    before the memory delay) and read data beats, both by ARID."""
+    """Cycle stamps of what crosses one NIC's buses: doorbell writes into the UAR page
+    (the later of the AW and W handshakes), read bursts the NIC issues (``<nic>ar_fire``,
+    before the memory delay) and read data beats, both by ARID. ``bus``: the prefix of the
+    NIC's AXI ports on the top (``a_`` ...), ``nic``: of its ``ar_fire``/``ar_id`` ports."""
 
-    def __init__(self, dut):
-        self.dut = dut
+    def __init__(self, dut, bus="", nic="nic_"):
         self.doorbells = []             # cycle
         self.ar = defaultdict(list)     # id -> cycles
         self.r = defaultdict(list)      # id -> cycles of beats
         self._aw = deque()
         self._w = deque()
+        self.axil = {name: getattr(dut, f"{bus}axil__{name}")
+                     for name in ("awvalid", "awready", "awaddr", "wvalid", "wready")}
+        self.axi = {name: getattr(dut, f"{bus}axi__{name}") for name in ("rvalid", "rready", "rid")}
+        self.ar_fire = getattr(dut, f"{nic}ar_fire")
+        self.ar_id = getattr(dut, f"{nic}ar_id")
 
     def sample(self, cycle):
-        dut = self.dut
-        if int(dut.axil__awvalid.value) and int(dut.axil__awready.value):
-            self._aw.append((int(dut.axil__awaddr.value), cycle))
-        if int(dut.axil__wvalid.value) and int(dut.axil__wready.value):
+        axil, axi = self.axil, self.axi
+        if int(axil["awvalid"].value) and int(axil["awready"].value):
+            self._aw.append((int(axil["awaddr"].value), cycle))
+        if int(axil["wvalid"].value) and int(axil["wready"].value):
             self._w.append(cycle)
         while self._aw and self._w:
             (address, aw_cycle), w_cycle = self._aw.popleft(), self._w.popleft()
             if rmap.UAR_BASE <= address < rmap.UAR_BASE + rmap.UAR_SIZE:
                 self.doorbells.append(max(aw_cycle, w_cycle))
-        if int(dut.nic_ar_fire.value):
-            self.ar[int(dut.nic_ar_id.value)].append(cycle)
-        if int(dut.axi__rvalid.value) and int(dut.axi__rready.value):
-            self.r[int(dut.axi__rid.value)].append(cycle)
+        if int(self.ar_fire.value):
+            self.ar[int(self.ar_id.value)].append(cycle)
+        if int(axi["rvalid"].value) and int(axi["rready"].value):
+            self.r[int(axi["rid"].value)].append(cycle)
 
     def drive(self, cycle):
         pass
 
 
 ACK_FLUSH_CYCLES = 32
+# BTH opcodes of RC responses: READ response FIRST .. ATOMIC ACKNOWLEDGE.
+RESPONSE_OPCODES = range(0x0D, 0x13)
 
 
 class _Responder:
@@ -441,6 +394,9 @@ class _Responder:
                 self.taken[v] += 1
                 if end_bad:
                     tb.errors.append(f"cycle {cycle}: packet arrived end-bad")
+                    continue
+                if len(packet) > 8 and packet[8] in RESPONSE_OPCODES:
+                    tb.on_response(packet)
                     continue
                 for response in tb.on_request(packet):
                     tb.sources[v].send(response)

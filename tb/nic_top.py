@@ -21,12 +21,33 @@ from hdl.link.link_port import LinkPort
 from hdl.link.signatures import LinkState, WireSignature
 from hdl.nic.nic import NIC_WIDTH, Nic
 from hdl.nic.nic_registers import AxiLite64Signature
+from hdl.nic.signatures import AXI_ID_BITS
 from tb.gateware.axi_read_delay import AR_MEMBERS, AxiReadDelay
 from tb.link_pair import delay_line, expose_port, port_members
 
-__all__ = ["NicTop"]
+__all__ = ["NicTop", "attach_memory"]
 
 WIRE_FIELDS = tuple(WireSignature(8).members)
+
+
+def attach_memory(m, nic, axi, delay, latency):
+    """Join ``nic``'s AXI4 master to the top's ``axi`` member, its read requests through
+    ``delay`` (an :class:`AxiReadDelay`) holding each for ``latency`` cycles."""
+    for name, member in nic.signature.members["axi"].signature.members.items():
+        if name in AR_MEMBERS or name in ("arvalid", "arready"):
+            continue
+        outer, inner = getattr(axi, name), getattr(nic.axi, name)
+        m.d.comb += outer.eq(inner) if member.flow == Out else inner.eq(outer)
+    for name in AR_MEMBERS:
+        m.d.comb += [getattr(delay, f"up_{name}").eq(getattr(nic.axi, name)),
+                     getattr(axi, name).eq(getattr(delay, f"down_{name}"))]
+    m.d.comb += [
+        delay.up_arvalid.eq(nic.axi.arvalid),
+        nic.axi.arready.eq(delay.up_arready),
+        axi.arvalid.eq(delay.down_arvalid),
+        delay.down_arready.eq(axi.arready),
+        delay.latency.eq(latency),
+    ]
 
 
 class NicTop(wiring.Component):
@@ -49,7 +70,7 @@ class NicTop(wiring.Component):
             "memory_latency": In(range(max_memory_latency + 1)),
             "nic_link_state": Out(LinkState),
             "nic_ar_fire": Out(1),          # the NIC issued a read burst this cycle ...
-            "nic_ar_id": Out(2),            # ... with this ARID (before the memory delay)
+            "nic_ar_id": Out(AXI_ID_BITS),  # ... with this ARID (before the memory delay)
             "nic_wire_monitor": Out(WireSignature(NIC_WIDTH)),
             **port_members("remote", NIC_WIDTH, num_vls),
         }
@@ -62,20 +83,8 @@ class NicTop(wiring.Component):
         delay = m.submodules.read_delay = self.read_delay
 
         wiring.connect(m, wiring.flipped(self.axil), nic.axil)
-        for name, member in nic.signature.members["axi"].signature.members.items():
-            if name in AR_MEMBERS or name in ("arvalid", "arready"):
-                continue
-            outer, inner = getattr(self.axi, name), getattr(nic.axi, name)
-            m.d.comb += outer.eq(inner) if member.flow == Out else inner.eq(outer)
-        for name in AR_MEMBERS:
-            m.d.comb += [getattr(delay, f"up_{name}").eq(getattr(nic.axi, name)),
-                         getattr(self.axi, name).eq(getattr(delay, f"down_{name}"))]
+        attach_memory(m, nic, self.axi, delay, self.memory_latency)
         m.d.comb += [
-            delay.up_arvalid.eq(nic.axi.arvalid),
-            nic.axi.arready.eq(delay.up_arready),
-            self.axi.arvalid.eq(delay.down_arvalid),
-            delay.down_arready.eq(self.axi.arready),
-            delay.latency.eq(self.memory_latency),
             self.nic_link_state.eq(nic.link_state),
             self.nic_ar_fire.eq(nic.axi.arvalid & delay.up_arready),
             self.nic_ar_id.eq(nic.axi.arid),

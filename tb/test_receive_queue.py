@@ -414,6 +414,7 @@ def random_qps(rng, num_qps, count):
 
 def poke_indices(ctx, dut, qpn, ci, pi):
     ctx.set(dut.indices.data[qpn], ci | pi << 16)
+    ctx.set(dut.rows_unwritten, ctx.get(dut.rows_unwritten) & ~(1 << qpn))
 
 
 # --- Tests ------------------------------------------------------------------------------------
@@ -581,6 +582,32 @@ def test_ring_and_index_wrap():
     bench = run_directed(qp, steps, start=start)
     assert [f["status"] for _, f in bench.results] == [EMPTY, OK]
     assert bench.ref.errors == 1
+
+
+def test_stale_rows_read_as_zero():
+    """Index rows left in the memory from before a reset (memories are not cleared) read
+    as 0 until the row is written: the first request of a QP takes WQE 0."""
+    qp = Qp(0x5000_0000, 2, 0x6000_0000, PD_A)
+    lkey = make_key(1, 0x11)
+    steps = [both(post(qp, 0, lkey, 0x10_0000, 1), dbr(qp, 1)), nothing]
+    rng = random.Random(5)
+    dut = Probed(num_qps=2, num_mkeys=NUM_MKEYS)
+    bench = Bench(dut, rng, {0: qp}, mkey_table(), p_err=0.0, latency=(0, 5), p_stray=0)
+    bench.host = Host(bench, rng, None, p_post=0, p_dbr=0)
+    steps = deque(steps)
+
+    def source():
+        if not steps:
+            return None
+        steps.popleft()(bench)
+        return 0
+
+    async def body(ctx):
+        ctx.set(dut.indices.data[0], 0x0007_0005)      # stale ci 5, pi 7
+        await bench.run(ctx, source, serial=True)
+
+    simulate(dut, body)
+    assert [(f["status"], f["wqe_counter"]) for _, f in bench.results] == [(OK, 0), (EMPTY, 1)]
 
 
 def test_narrow_addresses():

@@ -6,12 +6,21 @@ from amaranth.lib.wiring import In, Out
 from hdl.link.link_port import LinkPort
 from hdl.link.signatures import LinkState, WireSignature
 
+from .atomic_unit import AtomicUnit
 from .axi_read_arbiter import AxiReadArbiter
+from .axi_write_arbiter import AxiWriteArbiter
 from .completion_unit import CompletionUnit
+from .dma_writer import DmaWriter
 from .doorbell_scheduler import DoorbellScheduler
 from .nic_registers import AxiLite64Signature, NicRegisters
 from .packet_assembler import PacketAssembler
-from .signatures import (COUNTERS, FETCH_ID, PAYLOAD_ID, AxiReadSignature, AxiWriteSignature,
+from .packet_mux import PacketMux
+from .receive_queue import ReceiveQueue
+from .request_receiver import RequestReceiver
+from .responder_engine import ResponderEngine
+from .response_generator import ResponseGenerator
+from .signatures import (ATOMIC_ID, COUNTERS, CQE_ID, DMA_WRITE_ID, FETCH_ID, PAYLOAD_ID,
+                         RECV_ID, RESPONSE_ID, AxiReadSignature, AxiWriteSignature,
                          PacketDescriptorLayout)
 from .wqe_executor import WqeExecutor
 from .wqe_fetcher import WqeFetcher
@@ -22,9 +31,10 @@ NIC_WIDTH = 64          # bytes per beat, on the wire and on the AXI4 data bus
 
 
 class Nic(wiring.Component):
-    """The RDMA NIC, requester side (docs/nic.md): doorbells from GPU threads in, mlx5 WQEs
+    """The RDMA NIC: as requester (docs/nic.md), doorbells from GPU threads in, mlx5 WQEs
     fetched from memory, InfiniBand RC packets out on one credit-based link port, CQEs
-    written back when the responder acknowledges.
+    written back when the responder acknowledges; as responder (docs/nic-responder.md),
+    the remote requests executed against memory and answered.
 
     Parameters
     ----------
@@ -46,20 +56,26 @@ class Nic(wiring.Component):
         latency: with 4 KiB packets and 200 cycles of latency about 4 must be in flight.
     link_buffer_blocks : int or None
         Receive buffer of the network port, in 64-byte credits (None: the link's default).
+    rx_buffer_beats : int
+        The responder's receive packet buffer (store and forward, ICRC checked), in beats.
+    response_buffer_beats : int
+        Payload buffer of the responder's packet assembler (READ response data in flight).
 
     Ports
     -----
     axil : In(AxiLite64Signature(16))
         Registers and the UAR doorbell page (docs/nic-registers.md).
     axi : Out(AXI4)
-        DMA master: WQE fetches (ARID 0), payload reads (ARID 1), CQE writes.
+        DMA master: WQE fetches (ARID 0), payload reads (ARID 1), READ response payload
+        (ARID 2), receive WQEs and doorbell records (ARID 3), atomics (ARID/AWID 4), CQE
+        writes (AWID 0), RDMA WRITE and SEND payload (AWID 1).
     wire_out, wire_in : the network link.
     link_state : Out(LinkState)
     """
     def __init__(self, *, num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2, mtu=4096,
                  addr_width=64, fetch_buffer_blocks=256, payload_buffer_beats=512,
                  packet_queue_depth=32, link_buffer_blocks=None, fc_period=1024, fc_min_interval=64,
-                 fc_batch_blocks=64):
+                 fc_batch_blocks=64, rx_buffer_beats=256, response_buffer_beats=512):
         if not 12 <= addr_width <= 64:
             raise ValueError(f"AXI address width must be 12 to 64 bits, not {addr_width!r}")
         if not 2 <= packet_queue_depth <= 1024:
@@ -70,8 +86,8 @@ class Nic(wiring.Component):
         self.num_vls = num_vls
         self.addr_width = addr_width
         self.registers = NicRegisters(num_qps=num_qps, num_cqs=num_cqs, num_mkeys=num_mkeys,
-                                      num_vls=num_vls, qp_read_ports=2, cq_read_ports=1,
-                                      mkey_read_ports=1)
+                                      num_vls=num_vls, qp_read_ports=4, cq_read_ports=1,
+                                      mkey_read_ports=3)
         self.scheduler = DoorbellScheduler(num_qps=num_qps)
         self.fetcher = WqeFetcher(num_qps=num_qps, buffer_blocks=fetch_buffer_blocks)
         self.executor = WqeExecutor(num_qps=num_qps, num_mkeys=num_mkeys, num_vls=num_vls,
@@ -79,7 +95,20 @@ class Nic(wiring.Component):
         self.assembler = PacketAssembler(num_vls=num_vls, payload_buffer_beats=payload_buffer_beats)
         self.completions = CompletionUnit(num_qps=num_qps, num_cqs=num_cqs, num_vls=num_vls,
                                           addr_width=addr_width)
-        self.reads = AxiReadArbiter(readers=2, addr_width=addr_width, data_bytes=NIC_WIDTH)
+        self.receiver = RequestReceiver(num_vls=num_vls, buffer_beats=rx_buffer_beats)
+        self.engine = ResponderEngine(num_qps=num_qps, num_mkeys=num_mkeys, num_vls=num_vls)
+        self.dma = DmaWriter(buffer_beats=rx_buffer_beats, addr_width=addr_width)
+        self.receive_queue = ReceiveQueue(num_qps=num_qps, num_mkeys=num_mkeys,
+                                          addr_width=addr_width)
+        self.atomics = AtomicUnit(addr_width=addr_width)
+        self.responses = ResponseGenerator(num_vls=num_vls,
+                                           payload_buffer_beats=response_buffer_beats)
+        self.response_assembler = PacketAssembler(num_vls=num_vls,
+                                                  payload_buffer_beats=response_buffer_beats)
+        self.muxes = [PacketMux(inputs=2) for _ in range(num_vls)]
+        self.reads = AxiReadArbiter(readers=5, addr_width=addr_width, data_bytes=NIC_WIDTH)
+        self.writes = AxiWriteArbiter(ids=(CQE_ID, DMA_WRITE_ID, ATOMIC_ID), addr_width=addr_width,
+                                      data_bytes=NIC_WIDTH)
         self.port = LinkPort(width=NIC_WIDTH, num_vls=num_vls, mtu=mtu,
                              buffer_blocks=link_buffer_blocks, fc_period=fc_period,
                              fc_min_interval=fc_min_interval, fc_batch_blocks=fc_batch_blocks)
@@ -101,7 +130,15 @@ class Nic(wiring.Component):
         exe = m.submodules.executor = self.executor
         asm = m.submodules.assembler = self.assembler
         comp = m.submodules.completions = self.completions
+        recv = m.submodules.receiver = self.receiver
+        engine = m.submodules.engine = self.engine
+        dma = m.submodules.dma = self.dma
+        rq = m.submodules.receive_queue = self.receive_queue
+        atomics = m.submodules.atomics = self.atomics
+        resp = m.submodules.responses = self.responses
+        resp_asm = m.submodules.response_assembler = self.response_assembler
         reads = m.submodules.reads = self.reads
+        writes = m.submodules.writes = self.writes
         port = m.submodules.port = self.port
 
         wiring.connect(m, wiring.flipped(self.axil), regs.axi)
@@ -109,10 +146,15 @@ class Nic(wiring.Component):
         # Contexts and QP state.
         wiring.connect(m, fetch.qp_config, regs.qp_read[0])
         wiring.connect(m, exe.qp_config, regs.qp_read[1])
+        wiring.connect(m, engine.qp_config, regs.qp_read[2])
+        wiring.connect(m, rq.qp_config, regs.qp_read[3])
         wiring.connect(m, exe.mkey, regs.mkey_read[0])
+        wiring.connect(m, engine.mkey, regs.mkey_read[1])
+        wiring.connect(m, rq.mkey, regs.mkey_read[2])
         wiring.connect(m, comp.cq_config, regs.cq_read[0])
         wiring.connect(m, exe.qp_error, regs.qp_error[0])
         wiring.connect(m, comp.qp_error, regs.qp_error[1])
+        wiring.connect(m, engine.qp_error, regs.qp_error[2])
         for q in range(self.num_qps):
             m.d.comb += [
                 sched.qp_state[q].eq(regs.qp_state[q]),
@@ -120,8 +162,9 @@ class Nic(wiring.Component):
                 sched.qp_max_outstanding[q].eq(regs.qp_max_outstanding[q]),
                 exe.qp_state[q].eq(regs.qp_state[q]),
                 comp.qp_state[q].eq(regs.qp_state[q]),
+                engine.qp_state[q].eq(regs.qp_state[q]),
             ]
-        for block in (sched, exe, comp):
+        for block in (sched, exe, comp, engine, rq):
             m.d.comb += [block.qp_reset.valid.eq(regs.qp_reset.valid),
                          block.qp_reset.qpn.eq(regs.qp_reset.qpn)]
         wiring.connect(m, regs.qp_flush, comp.qp_flush)
@@ -129,12 +172,15 @@ class Nic(wiring.Component):
         m.d.comb += [
             regs.qp_busy.eq(sched.qp_busy),
             exe.slid.eq(regs.slid),
+            recv.lid.eq(regs.slid),
+            resp.slid.eq(regs.slid),
             regs.link_state.eq(port.state),
             regs.link_inits.eq(port.link_inits),
             self.link_state.eq(port.state),
         ]
         for sl in range(16):
-            m.d.comb += exe.sl_to_vl[sl].eq(regs.sl_to_vl[sl])
+            m.d.comb += [exe.sl_to_vl[sl].eq(regs.sl_to_vl[sl]),
+                         engine.sl_to_vl[sl].eq(regs.sl_to_vl[sl])]
 
         # Requester pipeline.
         wiring.connect(m, regs.doorbell, sched.doorbell)
@@ -153,30 +199,45 @@ class Nic(wiring.Component):
         wiring.connect(m, comp.retire, sched.retire)
         m.d.comb += exe.payload_freed.eq(asm.payload_freed)
 
-        # Memory: reads by ID, writes from the completion unit.
-        wiring.connect(m, fetch.ar, reads.requests[FETCH_ID])
-        wiring.connect(m, exe.ar, reads.requests[PAYLOAD_ID])
-        wiring.connect(m, reads.responses[FETCH_ID], fetch.r)
-        wiring.connect(m, reads.responses[PAYLOAD_ID], asm.payload)
-        for name in AxiReadSignature(self.addr_width, NIC_WIDTH).members:
-            port_member = getattr(self.axi, name)
-            inner = getattr(reads.axi, name)
-            if AxiReadSignature(self.addr_width, NIC_WIDTH).members[name].flow == Out:
-                m.d.comb += port_member.eq(inner)
-            else:
-                m.d.comb += inner.eq(port_member)
-        for name, member in AxiWriteSignature(self.addr_width, NIC_WIDTH).members.items():
-            port_member = getattr(self.axi, name)
-            inner = getattr(comp.axi, name)
-            if member.flow == Out:
-                m.d.comb += port_member.eq(inner)
-            else:
-                m.d.comb += inner.eq(port_member)
+        # Responder pipeline.
+        wiring.connect(m, recv.request, engine.request)
+        wiring.connect(m, engine.dma, dma.command)
+        wiring.connect(m, dma.source, recv.buffer_read)
+        wiring.connect(m, dma.release, recv.release)
+        m.d.comb += engine.dma_idle.eq(dma.idle)
+        wiring.connect(m, engine.recv_request, rq.request)
+        wiring.connect(m, rq.result, engine.recv_result)
+        wiring.connect(m, engine.atomic_request, atomics.request)
+        wiring.connect(m, atomics.result, engine.atomic_result)
+        wiring.connect(m, engine.receive_completion, comp.receive)
+        wiring.connect(m, engine.response, resp.command)
+        wiring.connect(m, resp.packet, resp_asm.packet)
+        m.d.comb += resp.payload_freed.eq(resp_asm.payload_freed)
 
-        # Network port.
+        # Memory: reads by ARID, writes by AWID.
+        readers = {FETCH_ID: (fetch.ar, fetch.r), PAYLOAD_ID: (exe.ar, asm.payload),
+                   RESPONSE_ID: (resp.ar, resp_asm.payload), RECV_ID: (rq.ar, rq.r),
+                   ATOMIC_ID: (atomics.ar, atomics.r)}
+        for rid, (ar, r) in readers.items():
+            wiring.connect(m, ar, reads.requests[rid])
+            wiring.connect(m, reads.responses[rid], r)
+        for index, writer in enumerate((comp.axi, dma.axi, atomics.axi)):
+            wiring.connect(m, writer, writes.writers[index])
+        for bus, signature in ((reads.axi, AxiReadSignature(self.addr_width, NIC_WIDTH)),
+                               (writes.axi, AxiWriteSignature(self.addr_width, NIC_WIDTH))):
+            for name, member in signature.members.items():
+                outer, inner = getattr(self.axi, name), getattr(bus, name)
+                m.d.comb += outer.eq(inner) if member.flow == Out else inner.eq(outer)
+
+        # Network port: received responses to the completion unit, requests to the
+        # responder; requester and responder packets share each VL.
         for v in range(self.num_vls):
-            wiring.connect(m, asm.data_out[v], port.data_in[v])
-            wiring.connect(m, port.data_out[v], comp.rx[v])
+            mux = m.submodules[f"mux{v}"] = self.muxes[v]
+            wiring.connect(m, asm.data_out[v], mux.inputs[0])
+            wiring.connect(m, resp_asm.data_out[v], mux.inputs[1])
+            wiring.connect(m, mux.output, port.data_in[v])
+            wiring.connect(m, port.data_out[v], recv.rx[v])
+            wiring.connect(m, recv.responses[v], comp.rx[v])
             m.d.comb += port.vl_weight[v].eq(regs.vl_weight[v])
         wiring.connect(m, port.wire_out, wiring.flipped(self.wire_out))
         wiring.connect(m, wiring.flipped(self.wire_in), port.wire_in)
@@ -184,7 +245,9 @@ class Nic(wiring.Component):
         # Counters, in the register map's order.
         index = 0
         blocks = {"DoorbellScheduler": sched, "WqeFetcher": fetch, "WqeExecutor": exe,
-                  "PacketAssembler": asm, "CompletionUnit": comp}
+                  "PacketAssembler": asm, "CompletionUnit": comp, "RequestReceiver": recv,
+                  "ResponderEngine": engine, "DmaWriter": dma, "ReceiveQueue": rq,
+                  "AtomicUnit": atomics, "ResponseGenerator": resp}
         for block_name, counters in COUNTERS.items():
             for name, _ in counters:
                 m.d.comb += regs.counters[index].eq(getattr(blocks[block_name], name))

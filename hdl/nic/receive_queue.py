@@ -88,6 +88,11 @@ class ReceiveQueue(wiring.Component):
         write = indices.write_port()
         read = indices.read_port(transparent_for=(write,))
 
+        # Rows not written since power-up read as 0: memories keep their contents through
+        # a reset, and a QP's indices must start at 0 whatever ran before.
+        unwritten = Signal(self.num_qps, init=(1 << self.num_qps) - 1)
+        self.rows_unwritten = unwritten     # for a testbench that presets rows
+        row_unwritten = Signal()
         qpn = Signal(QPN_BITS)
         ci = Signal(16)
         pi = Signal(16)
@@ -118,6 +123,9 @@ class ReceiveQueue(wiring.Component):
             m.d.sync += reset_hit.eq(1)
 
         wb_en = Signal()
+        with m.If(write.en):
+            m.d.sync += unwritten.eq(unwritten & ~(Const(1, self.num_qps) << write.addr)[:self.num_qps])
+        reading_dbr = Signal()      # the AR is the doorbell record's (else the WQE's)
         m.d.comb += [
             write.en.eq(reset_valid | wb_en),
             write.addr.eq(Mux(reset_valid, self.qp_reset.qpn, qpn)),
@@ -128,6 +136,7 @@ class ReceiveQueue(wiring.Component):
             r.ready.eq(1),
             ar.payload.id.eq(RECV_ID),
             ar.payload.len.eq(0),
+            ar.payload.addr.eq(Cat(C(0, 6), Mux(reading_dbr, rq_dbr, wqe_addr)[6:self.addr_width])),
         ]
 
         def finish(status, syndrome=None, consumes=False):
@@ -141,11 +150,13 @@ class ReceiveQueue(wiring.Component):
             with m.State("IDLE"):
                 m.d.comb += request.ready.eq(1)
                 with m.If(request.valid):
-                    m.d.sync += [qpn.eq(request.payload.qpn), reset_hit.eq(0)]
+                    m.d.sync += [qpn.eq(request.payload.qpn), reset_hit.eq(0),
+                                 row_unwritten.eq(unwritten.bit_select(request.payload.qpn, 1))]
                     m.next = "LOAD"
             with m.State("LOAD"):
                 m.d.sync += [
-                    ci.eq(read.data[:16]), pi.eq(read.data[16:]),
+                    ci.eq(Mux(row_unwritten, 0, read.data[:16])),
+                    pi.eq(Mux(row_unwritten, 0, read.data[16:])),
                     rq_base.eq(cfg.rq_base), log_rq_size.eq(cfg.log_rq_size),
                     rq_dbr.eq(cfg.rq_dbr), pd.eq(cfg.pd),
                     result.payload.eq(0),
@@ -161,10 +172,7 @@ class ReceiveQueue(wiring.Component):
                 with m.Else():
                     m.next = "WQE_ADDR"
             with m.State("DBR_AR"):
-                m.d.comb += [
-                    ar.valid.eq(1),
-                    ar.payload.addr.eq(Cat(C(0, 6), rq_dbr[6:self.addr_width])),
-                ]
+                m.d.comb += [ar.valid.eq(1), reading_dbr.eq(1)]
                 with m.If(ar.ready):
                     m.d.sync += self.rq_doorbell_reads.eq(self.rq_doorbell_reads + 1)
                     m.next = "DBR_R"
@@ -190,10 +198,7 @@ class ReceiveQueue(wiring.Component):
                 m.d.sync += wqe_addr.eq(Cat(C(0, 4), rq_base[4:]) + Cat(C(0, 4), index[:16]))
                 m.next = "WQE_AR"
             with m.State("WQE_AR"):
-                m.d.comb += [
-                    ar.valid.eq(1),
-                    ar.payload.addr.eq(Cat(C(0, 6), wqe_addr[6:self.addr_width])),
-                ]
+                m.d.comb += ar.valid.eq(1)
                 with m.If(ar.ready):
                     m.next = "WQE_R"
             with m.State("WQE_R"):

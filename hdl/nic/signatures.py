@@ -100,6 +100,48 @@ COUNTERS = {
         ("rx_dropped_unexpected", "received packets dropped: not a response, unknown or idle QP, "
                                   "or a PSN no outstanding WQE waits for"),
         ("cqe_write_errors", "CQE writes answered with BRESP not OKAY"),
+        ("recv_cqes", "receive CQEs written, errors included (also in cqes_written)"),
+    ),
+    "RequestReceiver": (
+        ("requests_received", "request packets kept for the responder"),
+        ("rx_request_icrc_drops", "request packets dropped for a bad ICRC or marked end-bad"),
+        ("rx_request_malformed", "request packets dropped as malformed (headers, lengths, "
+                                 "DLID, opcode)"),
+    ),
+    "ResponderEngine": (
+        ("requests_executed", "request packets at the expected PSN (those then NAKed or RNR "
+                              "NAKed included: they count in their NAK counter too)"),
+        ("duplicate_requests", "duplicate request packets (PSN behind the expected one)"),
+        ("seq_naks", "NAK PSN sequence error sent"),
+        ("rnr_naks", "RNR NAKs sent (no receive WQE posted)"),
+        ("access_naks", "NAK remote access error sent (rights, keys, ranges)"),
+        ("invalid_naks", "NAK invalid request sent (opcode sequence, lengths, alignment)"),
+        ("op_naks", "NAK remote operational error sent (bad receive WQE, memory error)"),
+        ("rx_dropped_qp", "requests dropped: no such QP, QP not ready, or not from its path"),
+        ("rx_dropped_pkey", "requests dropped for a P_Key mismatch"),
+        ("atomic_replays", "duplicate atomics answered from the saved result"),
+    ),
+    "DmaWriter": (
+        ("dma_bytes_written", "payload bytes written to memory"),
+        ("dma_write_errors", "payload writes answered with BRESP not OKAY"),
+    ),
+    "ReceiveQueue": (
+        ("recv_wqes_consumed", "receive WQEs taken (good or bad)"),
+        ("recv_wqe_errors", "receive requests answered ERROR (bad WQE, read error, unknown "
+                            "QP) and doorbell records more than the queue's size ahead"),
+        ("rq_doorbell_reads", "receive doorbell records read"),
+    ),
+    "AtomicUnit": (
+        ("atomics_executed", "atomic read-modify-writes, failed ones included"),
+        ("atomic_memory_errors", "atomics whose read or write was answered with an error"),
+    ),
+    "ResponseGenerator": (
+        ("acks_sent", "ACK packets sent"),
+        ("naks_sent", "NAK and RNR NAK packets sent"),
+        ("read_response_packets", "RDMA READ response packets sent"),
+        ("atomic_responses", "ATOMIC ACKNOWLEDGE packets sent"),
+        ("bad_commands", "response commands dropped: unknown kind, VL out of range, READ MTU "
+                         "code outside 1..5"),
     ),
 }
 

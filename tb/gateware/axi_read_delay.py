@@ -15,6 +15,8 @@ from amaranth.lib import data, wiring
 from amaranth.lib.fifo import SyncFIFOBuffered
 from amaranth.lib.wiring import In, Out
 
+from hdl.nic.signatures import AXI_ID_BITS
+
 __all__ = ["AxiReadDelay", "AR_MEMBERS", "MIN_LATENCY"]
 
 AR_MEMBERS = ("arid", "araddr", "arlen", "arsize", "arburst")
@@ -24,7 +26,7 @@ MIN_LATENCY = 2
 
 
 class AxiReadDelay(wiring.Component):
-    def __init__(self, *, addr_width=64, id_width=2, depth=128, max_latency=4095):
+    def __init__(self, *, addr_width=64, id_width=AXI_ID_BITS, depth=128, max_latency=4095):
         if depth < 2:
             raise ValueError(f"Depth must be at least 2 requests, not {depth!r}")
         if not 0 <= max_latency < 1 << 16:

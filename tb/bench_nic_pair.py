@@ -1,0 +1,137 @@
+"""Benchmarks between two NICs back to back (cocotb, tb/nic_pair_tb.py). Run by ``make
+bench`` / ``python -m tb.bench --only nic`` through tb/bench.py; records go to the file
+named by ``BENCH_RECORDS``. Simulated cycles at 64-byte beats, 400 MHz
+(docs/performance.md, NIC).
+
+* ``nic.e2e_write_latency_ns`` (NIC - switch - NIC) and ``.back_to_back``: the doorbell's
+  AXI4-Lite write at NIC A (the later of AW and W) to the write that lands the last payload
+  byte in NIC B's memory, for one 8-byte inline RDMA WRITE at a time, with the split: NIC A
+  before and after its WQE fetch, the memory latency of that fetch, cables, the switch,
+  NIC B.
+* ``nic.write_bandwidth.64KiB.nic_to_nic``: 64 KiB RDMA WRITEs from A into B's memory
+  (B's responder writes them by DMA): payload bytes on A's wire / (cycles x 64 B).
+* ``nic.read_bandwidth.64KiB``: 64 KiB RDMA READs by A from B's memory: READ response
+  payload bytes on B's wire / (cycles x 64 B).
+"""
+import random
+import statistics
+
+import cocotb
+
+from models import mlx5
+from tb import runner
+from tb.nic_pair_tb import CLOCK_NS, SOURCE_REGION, NicPairTB
+from tb.runner import bench_record as record
+
+Op = mlx5.Opcode
+
+
+def config(tb, **extra):
+    params = runner.tb_params()
+    return {"width": 64, "clock_mhz": round(1000 / CLOCK_NS), "num_qps": params["num_qps"],
+            "num_vls": params["num_vls"], "wire_delay_cycles": params["wire_delay"],
+            "memory_latency_cycles": tb.memory_latency, **extra}
+
+
+@cocotb.test()
+async def e2e_write_latency(dut):
+    tb = NicPairTB(dut, memory_latency=200)
+    await tb.reset()
+    await tb.setup(qps=2, mtu=5)
+    a, b = tb.a, tb.b
+    wire = runner.tb_params()["wire_delay"]
+    cables = 2 if tb.switch is not None else 1
+    rng = random.Random(4)
+    trials = []
+    for trial in range(12):
+        q = trial % 2
+        target, _ = b.target(q)
+        raddr = target + 64 * trial
+        fields = dict(opcode=Op.RDMA_WRITE, inline=rng.randbytes(8), raddr=raddr,
+                      rkey=b.data_key, fm_ce_se=mlx5.CTRL_CQ_UPDATE)
+        marks = (len(a.bus.doorbells), len(a.bus.ar[0]), len(a.bus.r[0]),
+                 len(a.wire.data_packets), len(b.wire_in.data_packets), len(b.writes))
+        await a.gpu.post(q, 1, a.builder(q, **fields), last=True)
+        await tb.drain()
+        t_db, t_ar, t_r = a.bus.doorbells[marks[0]], a.bus.ar[0][marks[1]], a.bus.r[0][marks[2]]
+        t_out = a.wire.data_packets[marks[3]][2]
+        t_in = b.wire_in.data_packets[marks[4]][2]
+        t_landed = next(c for c, address, n in b.writes[marks[5]:]
+                        if address <= raddr + 7 < address + n)
+        trials.append({"total": t_landed - t_db, "nic_a_to_fetch": t_ar - t_db,
+                       "memory": t_r - t_ar, "nic_a_to_wire": t_out - t_r,
+                       "switch": t_in - t_out - cables * wire, "nic_b": t_landed - t_in})
+    await tb.check_clean()
+
+    def median(key):
+        return statistics.median(t[key] for t in trials)
+    total = median("total")
+    name = "nic.e2e_write_latency_ns" + ("" if tb.switch is not None else ".back_to_back")
+    record(name, total * CLOCK_NS, "ns",
+           config(tb, operation="RDMA_WRITE inline 8 B", trials=len(trials),
+                  topology="NIC - switch - NIC" if tb.switch is not None else
+                  "two NICs back to back",
+                  total_cycles=total, nic_a_doorbell_to_fetch_cycles=median("nic_a_to_fetch"),
+                  memory_wait_cycles=median("memory"),
+                  nic_a_wqe_to_wire_cycles=median("nic_a_to_wire"),
+                  wire_cycles=cables * wire, switch_cycles=median("switch"),
+                  nic_b_wire_to_memory_cycles=median("nic_b"),
+                  nic_cycles=median("nic_a_to_fetch") + median("nic_a_to_wire") + median("nic_b"),
+                  note="B's memory write counts when the testbench memory takes its W beat"))
+
+
+async def bulk(tb, kind, size=64 * 1024, qps=4, per_qp=4):
+    """``per_qp`` messages of ``size`` bytes on each of ``qps`` QPs from A to B; returns the
+    payload fraction of the wire that carried the payload (A's for WRITE, B's for READ)."""
+    await tb.reset()
+    await tb.setup(qps=qps, mtu=5)
+    a, b = tb.a, tb.b
+    work = []
+    for q in range(qps):
+        target, _ = b.target(q)
+        items = []
+        for n in range(per_qp):
+            if kind == "write":
+                fields = dict(opcode=Op.RDMA_WRITE, byte_count=size, lkey=a.data_key,
+                              laddr=SOURCE_REGION + (q * per_qp + n) * size,
+                              raddr=target + n * size, rkey=b.data_key)
+            else:
+                fields = dict(opcode=Op.RDMA_READ, byte_count=size, lkey=a.data_key,
+                              laddr=SOURCE_REGION + (q * per_qp + n) * size,
+                              raddr=SOURCE_REGION + (q * per_qp + n) * size, rkey=b.data_key)
+            fields["fm_ce_se"] = mlx5.CTRL_CQ_UPDATE
+            items.append((q, 1, a.builder(q, **fields), n))
+        work.append(items)
+    wire = a.wire if kind == "write" else b.wire
+    first = len(wire.data_packets)
+    for task in a.gpu.start_warps(work):
+        await task
+    await a.gpu.quiet()
+    await tb.drain(limit=1_000_000)
+    await tb.check_clean()
+    opcodes = range(0x06, 0x0C) if kind == "write" else range(0x0D, 0x11)
+    packets = [p for p in wire.data_packets[first:] if p[0][8] in opcodes]
+    start = packets[0][2]
+    end = packets[-1][2] + (len(packets[-1][0]) + 63) // 64
+    payload = size * qps * per_qp
+    return payload / ((end - start) * 64), len(packets), end - start
+
+
+@cocotb.test()
+async def write_bandwidth(dut):
+    tb = NicPairTB(dut, memory_latency=200)
+    value, packets, span = await bulk(tb, "write")
+    record("nic.write_bandwidth.64KiB.nic_to_nic", round(value, 4), "fraction of wire",
+           config(tb, operation="RDMA_WRITE 64 KiB, DMA at both ends", messages=16, mtu=4096,
+                  topology="two NICs back to back",
+                  packets=packets, span_cycles=span))
+
+
+@cocotb.test()
+async def read_bandwidth(dut):
+    tb = NicPairTB(dut, memory_latency=200)
+    value, packets, span = await bulk(tb, "read")
+    record("nic.read_bandwidth.64KiB", round(value, 4), "fraction of wire",
+           config(tb, operation="RDMA_READ 64 KiB", messages=16, mtu=4096,
+                  topology="two NICs back to back",
+                  packets=packets, span_cycles=span))

@@ -1,0 +1,98 @@
+"""Simulation top: two :class:`hdl.nic.nic.Nic`, A and B, joined by a cable, or with
+``through_switch`` by a :class:`hdl.switch.switch.Switch` (A on port 0, B on port 1, its
+registers as ``switch_axil__*``, 32-bit AXI4-Lite), each link a cable.
+
+Each NIC has its own registers (``a_axil__*``, ``b_axil__*``, for cocotbext-axi's
+``AxiLiteMaster``) and its own memory (``a_axi__*``, ``b_axi__*``, for ``AxiRam``), read
+requests held ``memory_latency`` cycles (:class:`tb.gateware.axi_read_delay.AxiReadDelay`,
+the same latency on both). Each cable is a delay line of ``wire_delay`` cycles each way.
+``a_wire_monitor``/``b_wire_monitor`` show what each NIC drives at its own pins, and
+``a_wire_in_monitor``/``b_wire_in_monitor`` what reaches them, and
+``{side}_ar_fire``/``{side}_ar_id`` each read burst a NIC issues before the memory delay,
+so a latency can be split into NIC cycles, memory waits, wire and switch.
+"""
+from amaranth import *
+from amaranth.lib import wiring
+from amaranth.lib.wiring import In, Out
+
+from hdl.link.signatures import LinkState, WireSignature
+from hdl.nic.nic import NIC_WIDTH, Nic
+from hdl.nic.nic_registers import AxiLite64Signature
+from hdl.nic.signatures import AXI_ID_BITS
+from hdl.switch.switch import Switch
+from hdl.switch.switch_registers import AxiLiteSignature
+from tb.gateware.axi_read_delay import AxiReadDelay
+from tb.link_pair import delay_line
+from tb.nic_top import WIRE_FIELDS, attach_memory
+
+__all__ = ["NicPairTop", "NIC_SIDES", "SWITCH_LIDS"]
+
+NIC_SIDES = ("a", "b")
+SWITCH_LIDS = 256           # forwarding-table entries of the switch
+
+
+class NicPairTop(wiring.Component):
+    def __init__(self, *, num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2, mtu=4096,
+                 addr_width=64, wire_delay=8, max_memory_latency=4095, outstanding_reads=128,
+                 through_switch=False):
+        if not 1 <= wire_delay <= 4096:
+            raise ValueError(f"Wire delay must be 1 to 4096 cycles, not {wire_delay!r}")
+        self.wire_delay = wire_delay
+        self.switch = (Switch(ports=2, num_vls=num_vls, mtu=mtu, lids=SWITCH_LIDS)
+                       if through_switch else None)
+        self.nics = {side: Nic(num_qps=num_qps, num_cqs=num_cqs, num_mkeys=num_mkeys,
+                               num_vls=num_vls, mtu=mtu, addr_width=addr_width)
+                     for side in NIC_SIDES}
+        self.read_delays = {side: AxiReadDelay(addr_width=addr_width, depth=outstanding_reads,
+                                               max_latency=max_memory_latency)
+                            for side in NIC_SIDES}
+        members = {"memory_latency": In(range(max_memory_latency + 1))}
+        if self.switch is not None:
+            members["switch_axil"] = In(AxiLiteSignature(16))
+        for side in NIC_SIDES:
+            members.update({
+                f"{side}_axil": In(AxiLite64Signature(16)),
+                f"{side}_axi": Out(self.nics[side].signature.members["axi"].signature),
+                f"{side}_link_state": Out(LinkState),
+                f"{side}_ar_fire": Out(1),
+                f"{side}_ar_id": Out(AXI_ID_BITS),
+                f"{side}_wire_monitor": Out(WireSignature(NIC_WIDTH)),
+                f"{side}_wire_in_monitor": Out(WireSignature(NIC_WIDTH)),
+            })
+        super().__init__(members)
+
+    def elaborate(self, platform):
+        m = Module()
+
+        def flat(wire):
+            return Cat(getattr(wire, name) for name in WIRE_FIELDS)
+
+        for side in NIC_SIDES:
+            nic = m.submodules[f"nic_{side}"] = self.nics[side]
+            delay = m.submodules[f"read_delay_{side}"] = self.read_delays[side]
+            wiring.connect(m, wiring.flipped(getattr(self, f"{side}_axil")), nic.axil)
+            attach_memory(m, nic, getattr(self, f"{side}_axi"), delay, self.memory_latency)
+            m.d.comb += [
+                getattr(self, f"{side}_link_state").eq(nic.link_state),
+                getattr(self, f"{side}_ar_fire").eq(nic.axi.arvalid & delay.up_arready),
+                getattr(self, f"{side}_ar_id").eq(nic.axi.arid),
+                flat(getattr(self, f"{side}_wire_monitor")).eq(flat(nic.wire_out)),
+                flat(getattr(self, f"{side}_wire_in_monitor")).eq(flat(nic.wire_in)),
+            ]
+        a, b = self.nics["a"], self.nics["b"]
+        if self.switch is None:
+            m.d.comb += [
+                flat(b.wire_in).eq(delay_line(m, "a_to_b", flat(a.wire_out), self.wire_delay)),
+                flat(a.wire_in).eq(delay_line(m, "b_to_a", flat(b.wire_out), self.wire_delay)),
+            ]
+            return m
+        switch = m.submodules.switch = self.switch
+        wiring.connect(m, wiring.flipped(self.switch_axil), switch.axi)
+        for port, (side, nic) in enumerate(self.nics.items()):
+            m.d.comb += [
+                flat(switch.wire_in[port]).eq(delay_line(m, f"{side}_to_switch",
+                                                         flat(nic.wire_out), self.wire_delay)),
+                flat(nic.wire_in).eq(delay_line(m, f"switch_to_{side}",
+                                                flat(switch.wire_out[port]), self.wire_delay)),
+            ]
+        return m
