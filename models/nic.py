@@ -130,6 +130,17 @@ def qp_context_ok(qp: QpContext, num_cqs: int) -> bool:
 
 # --- PSNs and packets -----------------------------------------------------------------------
 
+def read_response_opcode(i: int, count: int) -> int:
+    """The opcode of RDMA READ response packet ``i`` of ``count``."""
+    if count == 1:
+        return Opcode.RDMA_READ_RESPONSE_ONLY
+    if i == 0:
+        return Opcode.RDMA_READ_RESPONSE_FIRST
+    if i == count - 1:
+        return Opcode.RDMA_READ_RESPONSE_LAST
+    return Opcode.RDMA_READ_RESPONSE_MIDDLE
+
+
 def psn_add(psn: int, n: int) -> int:
     return (psn + n) % PSN_MOD
 
@@ -1074,14 +1085,7 @@ class ResponderModel:
         out = []
         for i in range(count):
             chunk = data[i * mtu:(i + 1) * mtu]
-            if count == 1:
-                op = Opcode.RDMA_READ_RESPONSE_ONLY
-            elif i == 0:
-                op = Opcode.RDMA_READ_RESPONSE_FIRST
-            elif i == count - 1:
-                op = Opcode.RDMA_READ_RESPONSE_LAST
-            else:
-                op = Opcode.RDMA_READ_RESPONSE_MIDDLE
+            op = read_response_opcode(i, count)
             ext = [] if op == Opcode.RDMA_READ_RESPONSE_MIDDLE else [AETH(syndrome=ACK_SYNDROME,
                                                                           msn=qp.msn)]
             out.append(self._response(qp, op, psn_add(psn, i), ext=ext, payload=chunk))
@@ -1512,14 +1516,7 @@ class ResponderModel:
         count = max(1, -(-len(data) // mtu))
         out = []
         for i in range(count):
-            if count == 1:
-                op = Opcode.RDMA_READ_RESPONSE_ONLY
-            elif i == 0:
-                op = Opcode.RDMA_READ_RESPONSE_FIRST
-            elif i == count - 1:
-                op = Opcode.RDMA_READ_RESPONSE_LAST
-            else:
-                op = Opcode.RDMA_READ_RESPONSE_MIDDLE
+            op = read_response_opcode(i, count)
             out.append(make_packet(**common, opcode=op, psn=psn_add(c["psn"], i),
                                    ext=[] if op == Opcode.RDMA_READ_RESPONSE_MIDDLE else [aeth],
                                    payload=data[i * mtu:(i + 1) * mtu]))

@@ -20,17 +20,11 @@ import cocotb
 
 from models import mlx5
 from tb import runner
+from tb.bench_nic import config
 from tb.nic_pair_tb import CLOCK_NS, SOURCE_REGION, NicPairTB
 from tb.runner import bench_record as record
 
 Op = mlx5.Opcode
-
-
-def config(tb, **extra):
-    params = runner.tb_params()
-    return {"width": 64, "clock_mhz": round(1000 / CLOCK_NS), "num_qps": params["num_qps"],
-            "num_vls": params["num_vls"], "wire_delay_cycles": params["wire_delay"],
-            "memory_latency_cycles": tb.memory_latency, **extra}
 
 
 @cocotb.test()

@@ -327,7 +327,7 @@ class NicTB(NicHost):
         assert int(self.dut.remote_link_inits.value) == 0, "the link re-initialised"
         if self.capture:
             self.capture.__exit__(None, None, None)
-            self.capture = None
+            self.capture = self.wire.capture = None
 
 
 class BusMonitor:

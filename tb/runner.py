@@ -114,11 +114,12 @@ def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
         )
     env = {"TB_PARAMS": json.dumps(params)}
     env.update(extra_env or {})
-    # Each distinct run (test filter, environment) gets its own directory for logs and outputs.
-    run_tag = hashlib.sha1(json.dumps([testcase, test_filter, env],
+    # Each distinct run (module, test filter, environment) gets its own directory for logs
+    # and outputs: modules sharing a build may run at once (pytest-xdist).
+    run_tag = hashlib.sha1(json.dumps([module, testcase, test_filter, env],
                                       sort_keys=True).encode()).hexdigest()[:8]
     label = testcase or (test_filter and "".join(c for c in test_filter if c.isalnum() or c == "_"))
-    test_dir = build_dir / f"run_{label or 'all'}_{run_tag}"
+    test_dir = build_dir / f"run_{module.rsplit('.', 1)[-1]}_{label or 'all'}_{run_tag}"
     test_dir.mkdir(exist_ok=True)
     results = runner.test(
         test_module=module,

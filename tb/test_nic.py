@@ -17,6 +17,7 @@ from hdl.nic import register_map as rmap
 from models import mlx5
 from tb import runner
 from tb.nic_tb import DATA_BYTES, DATA_REGION, MEMORY_BYTES, PD, NicTB, remote_qpn
+from tb.wqe_mix import KINDS, wqe_fields
 
 Op = mlx5.Opcode
 RTS, ERR, RESET = 3, 6, 0
@@ -24,35 +25,13 @@ RTS, ERR, RESET = 3, 6, 0
 
 def random_wqe(tb, rng, *, small=False):
     """One random, valid WQE's fields (for :meth:`NicTB.builder`)."""
-    kind = rng.choice(["write_inline", "write", "write_imm", "send", "send_imm", "read",
-                       "fetch_add", "compare_swap", "send_inline"])
-    signaled = mlx5.CTRL_CQ_UPDATE if rng.random() < 0.8 else 0
-    fields = dict(fm_ce_se=signaled | (mlx5.CTRL_SOLICITED if rng.random() < 0.2 else 0))
+    kind = rng.choice(KINDS)
     limit = 600 if small else rng.choice([64, 600, 5000, 12000])
     length = rng.randrange(0, limit + 1)
-    laddr = DATA_REGION + rng.randrange(0, DATA_BYTES - length - 8)
-    raddr = rng.randrange(0, MEMORY_BYTES - max(length, 8))   # in the responder's memory
-    rkey = rng.getrandbits(32)
-    if kind in ("write_inline", "send_inline"):
-        fields.update(opcode=Op.RDMA_WRITE if kind == "write_inline" else Op.SEND,
-                      inline=rng.randbytes(rng.randrange(0, 65)))
-        if kind == "write_inline":
-            fields.update(raddr=raddr, rkey=rkey)
-    elif kind in ("write", "write_imm", "send", "send_imm"):
-        opcode = {"write": Op.RDMA_WRITE, "write_imm": Op.RDMA_WRITE_IMM, "send": Op.SEND,
-                  "send_imm": Op.SEND_IMM}[kind]
-        fields.update(opcode=opcode, byte_count=length, lkey=tb.data_key, laddr=laddr,
-                      imm=rng.getrandbits(32))
-        if kind.startswith("write"):
-            fields.update(raddr=raddr, rkey=rkey)
-    elif kind == "read":
-        fields.update(opcode=Op.RDMA_READ, byte_count=length, lkey=tb.data_key, laddr=laddr,
-                      raddr=raddr, rkey=rkey)
-    else:
-        fields.update(opcode=Op.ATOMIC_FA if kind == "fetch_add" else Op.ATOMIC_CS,
-                      lkey=tb.data_key, laddr=laddr & ~7, raddr=raddr & ~7, rkey=rkey,
-                      swap_add=rng.getrandbits(64), compare=rng.getrandbits(64))
-    return fields
+    return wqe_fields(kind, rng, length=length, lkey=tb.data_key,
+                      laddr=DATA_REGION + rng.randrange(0, DATA_BYTES - length - 8),
+                      raddr=rng.randrange(0, MEMORY_BYTES - max(length, 8)),   # the responder's
+                      rkey=rng.getrandbits(32))
 
 
 def fill_data(tb, rng):

@@ -11,49 +11,28 @@ import pytest
 from models import mlx5
 from tb import runner
 from tb.nic_pair_tb import SOURCE_BYTES, SOURCE_REGION, NicPairTB
+from tb.wqe_mix import KINDS, RECEIVING_KINDS, wqe_fields
 
 Op = mlx5.Opcode
-RECEIVING = {"send", "send_imm", "send_inline", "write_imm"}
 ATOMIC_AREA = 0x1000            # bytes at the start of each target slice for atomic words
 
 
-def random_wqe(tb, side, qpn, rng, kinds, limit, cursor):
+def random_wqe(side, qpn, rng, kinds, limit, cursor):
     """One random, valid WQE's fields from ``side``'s QP ``qpn`` into its peer's target
     slice (``cursor``: the next free offset there, per QP). Returns (kind, fields)."""
     kind = rng.choice(kinds)
-    peer = side.peer
-    base, size = peer.target(qpn)
-    signaled = mlx5.CTRL_CQ_UPDATE if rng.random() < 0.8 else 0
-    fields = dict(fm_ce_se=signaled | (mlx5.CTRL_SOLICITED if rng.random() < 0.2 else 0))
+    base, size = side.peer.target(qpn)
     length = rng.randrange(0, limit + 1)
-    laddr = SOURCE_REGION + rng.randrange(0, SOURCE_BYTES - length - 8)
     if cursor[qpn] + length + 64 > size:
         cursor[qpn] = ATOMIC_AREA
     raddr = base + cursor[qpn] + rng.randrange(64)
     cursor[qpn] += length + 64
-    rkey = peer.data_key
-    if kind in ("write_inline", "send_inline"):
-        fields.update(opcode=Op.RDMA_WRITE if kind == "write_inline" else Op.SEND,
-                      inline=rng.randbytes(rng.randrange(0, 65)))
-        if kind == "write_inline":
-            fields.update(raddr=raddr, rkey=rkey)
-    elif kind in ("write", "write_imm", "send", "send_imm"):
-        opcode = {"write": Op.RDMA_WRITE, "write_imm": Op.RDMA_WRITE_IMM, "send": Op.SEND,
-                  "send_imm": Op.SEND_IMM}[kind]
-        fields.update(opcode=opcode, byte_count=length, lkey=side.data_key, laddr=laddr,
-                      imm=rng.getrandbits(32))
-        if kind.startswith("write"):
-            fields.update(raddr=raddr, rkey=rkey)
-    elif kind == "read":
-        source = SOURCE_REGION + rng.randrange(0, SOURCE_BYTES - length)
-        fields.update(opcode=Op.RDMA_READ, byte_count=length, lkey=side.data_key, laddr=laddr,
-                      raddr=source, rkey=rkey)
-    else:
-        word = base + 8 * rng.randrange(ATOMIC_AREA // 8)
-        fields.update(opcode=Op.ATOMIC_FA if kind == "fetch_add" else Op.ATOMIC_CS,
-                      lkey=side.data_key, laddr=laddr & ~7, raddr=word, rkey=rkey,
-                      swap_add=rng.getrandbits(64), compare=rng.getrandbits(64))
-    return kind, fields
+    return kind, wqe_fields(
+        kind, rng, length=length, lkey=side.data_key,
+        laddr=SOURCE_REGION + rng.randrange(0, SOURCE_BYTES - length - 8), raddr=raddr,
+        rkey=side.peer.data_key,
+        read_raddr=SOURCE_REGION + rng.randrange(0, SOURCE_BYTES - length),
+        atomic_raddr=base + 8 * rng.randrange(ATOMIC_AREA // 8))
 
 
 async def run_both(tb, work):
@@ -75,8 +54,8 @@ def plan(tb, rng, qps, per_qp, kinds, limit, receive_bytes):
         for q in qps:
             items = []
             for _ in range(per_qp):
-                kind, fields = random_wqe(tb, side, q, rng, kinds, limit, cursor)
-                if kind in RECEIVING:
+                kind, fields = random_wqe(side, q, rng, kinds, limit, cursor)
+                if kind in RECEIVING_KINDS:
                     base, size = side.peer.target(q)
                     buffer = base + size - receive_bytes * (1 + rng.randrange(4))
                     side.peer.post_receive(q, receive_bytes, buffer)
@@ -97,9 +76,7 @@ async def random_both_directions(dut, seed):
     tb = NicPairTB(dut, seed=seed, memory_latency=100)
     await tb.reset()
     qps = await tb.setup(qps=8)
-    kinds = ["write_inline", "write", "write_imm", "send", "send_imm", "send_inline", "read",
-             "fetch_add", "compare_swap"]
-    work = plan(tb, rng, qps, per_qp=24, kinds=kinds, limit=3000, receive_bytes=4096)
+    work = plan(tb, rng, qps, per_qp=24, kinds=KINDS, limit=3000, receive_bytes=4096)
     await run_both(tb, work)
     await tb.drain()
     await tb.check_clean()

@@ -36,7 +36,7 @@ from hdl.nic.packet_assembler import PacketAssembler
 from hdl.nic.response_generator import ResponseGenerator
 from hdl.nic.signatures import RESPONSE_ID, ResponseCommandLayout
 from models.ib import AETH, AtomicAckETH, Opcode
-from models.nic import make_packet, psn_add
+from models.nic import make_packet, psn_add, read_response_opcode
 
 CMD = ResponseCommandLayout()
 ACK, READ, ATOMIC = 0, 1, 2
@@ -81,14 +81,7 @@ def expected_packets(cmd, memory):
     out = []
     for i in range(count):
         chunk = memory.read(cmd["va"] + i * mtu, min(mtu, length - i * mtu)) if length else b""
-        if count == 1:
-            op = Opcode.RDMA_READ_RESPONSE_ONLY
-        elif i == 0:
-            op = Opcode.RDMA_READ_RESPONSE_FIRST
-        elif i == count - 1:
-            op = Opcode.RDMA_READ_RESPONSE_LAST
-        else:
-            op = Opcode.RDMA_READ_RESPONSE_MIDDLE
+        op = read_response_opcode(i, count)
         ext = [] if op == Opcode.RDMA_READ_RESPONSE_MIDDLE else [aeth]
         out.append(response(op, psn_add(cmd["psn"], i), ext, chunk))
     return out

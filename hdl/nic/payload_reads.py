@@ -7,7 +7,7 @@ from amaranth.lib import data
 
 from hdl.nic.packet_assembler import MAX_DMA_BEATS
 
-__all__ = ["PayloadBurstsLayout", "payload_bursts", "payload_reservation"]
+__all__ = ["PayloadBurstsLayout", "payload_bursts", "payload_reservation", "payload_read_stage"]
 
 BEAT_BYTES = 64
 PAGE_BYTES = 4096            # AXI bursts may not cross this
@@ -58,3 +58,40 @@ def payload_reservation(m, buffer_beats, reserve, freed):
     m.d.comb += reserving.eq(reserved + reserve)
     m.d.sync += reserved.eq(reserving - (freed & (reserving != 0)))
     return reserved
+
+
+def payload_read_stage(m, *, layout, item, item_valid, item_taken, can_pass, ar, ar_id,
+                       buffer_beats, freed):
+    """The pipeline stage that issues a packet's payload bursts. It holds one item of
+    ``layout`` (the :class:`PayloadBurstsLayout` fields plus ``desc.dma_beats``), taken
+    from ``item`` when ``item_valid`` and the stage is free or passing its item on (this
+    drives ``item_taken``); issues its bursts on ``ar`` (id ``ar_id``), the first only
+    once the assembler's buffer has room for all of the packet's beats (reserved then:
+    the read data is always accepted); and passes the item on when its last burst is out
+    and ``can_pass``. Returns the held item and the pass strobe."""
+    held_valid = Signal()
+    held = Signal(layout)
+    ars_left = Signal(range(3))
+    reserve = Signal(range(MAX_DMA_BEATS + 1))
+    reserved = payload_reservation(m, buffer_beats, reserve, freed)
+    first_ar = ars_left == held.n_ar
+    room = reserved + held.desc.dma_beats <= buffer_beats
+    m.d.comb += [
+        ar.valid.eq(held_valid & (ars_left != 0) & (~first_ar | room)),
+        ar.payload.id.eq(ar_id),
+        ar.payload.addr.eq(Mux(first_ar, held.ar0_addr, held.ar1_addr)),
+        ar.payload.len.eq(Mux(first_ar, held.ar0_len, held.ar1_len)),
+    ]
+    ar_fire = ar.valid & ar.ready
+    passed = held_valid & ((ars_left == 0) | ((ars_left == 1) & ar_fire)) & can_pass
+    m.d.comb += [
+        reserve.eq(Mux(ar_fire & first_ar, held.desc.dma_beats, 0)),
+        item_taken.eq(item_valid & (~held_valid | passed)),
+    ]
+    with m.If(ar_fire):
+        m.d.sync += ars_left.eq(ars_left - 1)
+    with m.If(passed):
+        m.d.sync += held_valid.eq(0)
+    with m.If(item_taken):
+        m.d.sync += [held_valid.eq(1), held.eq(item), ars_left.eq(item.n_ar)]
+    return held, passed

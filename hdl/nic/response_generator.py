@@ -7,7 +7,7 @@ from hdl.ib.headers import (
     LRH_BYTES, PKTLEN_WORD_BYTES, to_wire,
 )
 from hdl.nic.packet_assembler import MAX_DMA_BEATS
-from hdl.nic.payload_reads import payload_bursts, payload_reservation
+from hdl.nic.payload_reads import payload_bursts, payload_read_stage
 from hdl.nic.signatures import (
     PSN_BITS, RESPONSE_ID, ArLayout, PacketDescriptorLayout, PayloadSource,
     ResponseCommandLayout, ResponseKind,
@@ -225,38 +225,14 @@ class ResponseGenerator(wiring.Component):
                 psn.eq(cmd.psn), first.eq(1),
             ]
 
-        # --- stage 2: payload reads ----------------------------------------------------------
-        p_valid = Signal()
-        p = Signal(_ItemLayout())
-        ars_left = Signal(range(3))
-        reserve = Signal(range(MAX_DMA_BEATS + 1))
-        reserved = payload_reservation(m, self.payload_buffer_beats, reserve, self.payload_freed)
-        first_ar = ars_left == p.n_ar
-        room = reserved + p.desc.dma_beats <= self.payload_buffer_beats
-        m.d.comb += [
-            self.ar.valid.eq(p_valid & (ars_left != 0) & (~first_ar | room)),
-            self.ar.payload.id.eq(RESPONSE_ID),
-            self.ar.payload.addr.eq(Mux(first_ar, p.ar0_addr, p.ar1_addr)),
-            self.ar.payload.len.eq(Mux(first_ar, p.ar0_len, p.ar1_len)),
-        ]
-        ar_fire = self.ar.valid & self.ar.ready
-        m.d.comb += reserve.eq(Mux(ar_fire & first_ar, p.desc.dma_beats, 0))
-
-        # --- stage 3: the descriptor queue ---------------------------------------------------
+        # --- stage 2: payload reads, then the descriptor queue ---------------------------------
         m.submodules.queue = queue = fifo.SyncFIFOBuffered(
             width=_QueuedLayout().size, depth=self.packet_queue_depth)
-        p_out = p_valid & ((ars_left == 0) | ((ars_left == 1) & ar_fire)) & queue.w_rdy
-        m.d.comb += [
-            j_out.eq(j_valid & (~p_valid | p_out)),
-            queue.w_en.eq(p_out),
-            queue.w_data.eq(p.desc),
-        ]
-        with m.If(ar_fire):
-            m.d.sync += ars_left.eq(ars_left - 1)
-        with m.If(p_out):
-            m.d.sync += p_valid.eq(0)
-        with m.If(j_out):
-            m.d.sync += [p_valid.eq(1), p.eq(item), ars_left.eq(item.n_ar)]
+        p, p_out = payload_read_stage(
+            m, layout=_ItemLayout(), item=item, item_valid=j_valid, item_taken=j_out,
+            can_pass=queue.w_rdy, ar=self.ar, ar_id=RESPONSE_ID,
+            buffer_beats=self.payload_buffer_beats, freed=self.payload_freed)
+        m.d.comb += [queue.w_en.eq(p_out), queue.w_data.eq(p.desc)]
 
         queued = _QueuedLayout()(queue.r_data)
         desc = self.packet.payload

@@ -6,7 +6,7 @@ from hdl.ib.headers import (
     ATOMIC_ETH, ATOMIC_ETH_BYTES, BTH, BTH_BYTES, IMMDT, IMMDT_BYTES, LNH_IBA_LOCAL, LRH,
     LRH_BYTES, PKTLEN_WORD_BYTES, RETH, RETH_BYTES, VL15, to_wire,
 )
-from hdl.nic.payload_reads import payload_bursts, payload_reservation
+from hdl.nic.payload_reads import payload_bursts, payload_read_stage
 from hdl.nic.signatures import (
     MAX_HEADER_BYTES, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, PAYLOAD_ID, PSN_BITS, Access, ArLayout,
     CompletionRecordLayout, CompletionStatus, ContextReadSignature, EventSignature, MkeyLayout,
@@ -386,31 +386,11 @@ class WqeExecutor(wiring.Component):
             m.d.sync += j_valid.eq(1)
 
         # --- stage 3: payload reads ----------------------------------------------------------
-        p_valid = Signal()
-        p = Signal(_ItemLayout())
-        ars_left = Signal(range(3))
-        reserve = Signal(range(MAX_PACKET_BEATS + 1))
-        reserved = payload_reservation(m, self.payload_buffer_beats, reserve, self.payload_freed)
-        first_ar = ars_left == p.n_ar
-        room = reserved + p.desc.dma_beats <= self.payload_buffer_beats
-        m.d.comb += [
-            self.ar.valid.eq(p_valid & (ars_left != 0) & (~first_ar | room)),
-            self.ar.payload.id.eq(PAYLOAD_ID),
-            self.ar.payload.addr.eq(Mux(first_ar, p.ar0_addr, p.ar1_addr)),
-            self.ar.payload.len.eq(Mux(first_ar, p.ar0_len, p.ar1_len)),
-        ]
-        ar_fire = self.ar.valid & self.ar.ready
-        m.d.comb += reserve.eq(Mux(ar_fire & first_ar, p.desc.dma_beats, 0))
-
         d_can_load = Signal()
-        p_out = p_valid & ((ars_left == 0) | ((ars_left == 1) & ar_fire)) & d_can_load
-        m.d.comb += j_out.eq(j_valid & (~p_valid | p_out))
-        with m.If(ar_fire):
-            m.d.sync += ars_left.eq(ars_left - 1)
-        with m.If(p_out):
-            m.d.sync += p_valid.eq(0)
-        with m.If(j_out):
-            m.d.sync += [p_valid.eq(1), p.eq(item), ars_left.eq(item.n_ar)]
+        p, p_out = payload_read_stage(
+            m, layout=_ItemLayout(), item=item, item_valid=j_valid, item_taken=j_out,
+            can_pass=d_can_load, ar=self.ar, ar_id=PAYLOAD_ID,
+            buffer_beats=self.payload_buffer_beats, freed=self.payload_freed)
 
         # --- stage 4: packet descriptor, completion record ---------------------------------
         m.submodules.completions = completions = fifo.SyncFIFO(
