@@ -60,44 +60,41 @@ def tb_qps(dut):
     return runner.tb_params().get("num_qps", 64)
 
 
-def write_message(tb, q, va, data, imm=None):
-    """The packets of one RDMA WRITE (with immediate if ``imm``) at the QP's path MTU."""
+# Opcodes of a SEND or WRITE message's packets: (ONLY, FIRST, MIDDLE, LAST), without and
+# with an immediate.
+_MESSAGE_OPCODES = {
+    ("send", False): (Opcode.SEND_ONLY, Opcode.SEND_FIRST, Opcode.SEND_MIDDLE, Opcode.SEND_LAST),
+    ("send", True): (Opcode.SEND_ONLY_WITH_IMMEDIATE, Opcode.SEND_FIRST, Opcode.SEND_MIDDLE,
+                     Opcode.SEND_LAST_WITH_IMMEDIATE),
+    ("write", False): (Opcode.RDMA_WRITE_ONLY, Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_MIDDLE,
+                       Opcode.RDMA_WRITE_LAST),
+    ("write", True): (Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE, Opcode.RDMA_WRITE_FIRST,
+                      Opcode.RDMA_WRITE_MIDDLE, Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE),
+}
+
+
+def message(tb, q, kind, data, imm=None, va=None):
+    """The packets of one SEND or RDMA WRITE (``kind``), with an immediate if ``imm``, cut
+    at the QP's path MTU; a WRITE's RETH names ``va`` and the write key."""
     mtu = 128 << tb.qps[q].mtu
     chunks = [data[i:i + mtu] for i in range(0, len(data), mtu)] or [b""]
-    reth = RETH(va=va, rkey=KEYS["write"].key, dmalen=len(data))
+    only, first_op, middle_op, last_op = _MESSAGE_OPCODES[(kind, imm is not None)]
     packets = []
     for i, chunk in enumerate(chunks):
         first, last = i == 0, i == len(chunks) - 1
-        if first and last:
-            op = Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE if imm is not None else Opcode.RDMA_WRITE_ONLY
-        elif first:
-            op = Opcode.RDMA_WRITE_FIRST
-        elif last:
-            op = Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE if imm is not None else Opcode.RDMA_WRITE_LAST
-        else:
-            op = Opcode.RDMA_WRITE_MIDDLE
-        ext = ([reth] if first else []) + ([ImmDt(imm=imm)] if last and imm is not None else [])
+        op = only if first and last else first_op if first else last_op if last else middle_op
+        ext = [RETH(va=va, rkey=KEYS["write"].key, dmalen=len(data))] if first and kind == "write" else []
+        ext += [ImmDt(imm=imm)] if last and imm is not None else []
         packets.append(tb.request(q, op, payload=chunk, ext=ext, ackreq=int(last)))
     return packets
+
+
+def write_message(tb, q, va, data, imm=None):
+    return message(tb, q, "write", data, imm, va)
 
 
 def send_message(tb, q, data, imm=None):
-    mtu = 128 << tb.qps[q].mtu
-    chunks = [data[i:i + mtu] for i in range(0, len(data), mtu)] or [b""]
-    packets = []
-    for i, chunk in enumerate(chunks):
-        first, last = i == 0, i == len(chunks) - 1
-        if first and last:
-            op = Opcode.SEND_ONLY_WITH_IMMEDIATE if imm is not None else Opcode.SEND_ONLY
-        elif first:
-            op = Opcode.SEND_FIRST
-        elif last:
-            op = Opcode.SEND_LAST_WITH_IMMEDIATE if imm is not None else Opcode.SEND_LAST
-        else:
-            op = Opcode.SEND_MIDDLE
-        ext = [ImmDt(imm=imm)] if last and imm is not None else []
-        packets.append(tb.request(q, op, payload=chunk, ext=ext, ackreq=int(last)))
-    return packets
+    return message(tb, q, "send", data, imm)
 
 
 def read_request(tb, q, va, length, key="read"):
