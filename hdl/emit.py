@@ -114,9 +114,10 @@ register("tf_switch_8p", lambda: _switch(ports=8),
 
 
 register("tf_nic", lambda: __import__("hdl.nic.nic", fromlist=["*"]).Nic(),
-         "RDMA NIC, requester side: 64 QPs, 16 CQs, 64 memory keys, 64-byte beats and AXI4 "
-         "data, 2 data VLs, MTU 4096; AXI4-Lite registers and UAR doorbell page, AXI4 DMA "
-         "master, one link port (docs/nic.md, docs/nic-registers.md)")
+         "RDMA NIC, requester and responder: 64 QPs, 16 CQs, 64 memory keys, 64-byte beats "
+         "and AXI4 data, 2 data VLs, MTU 4096; AXI4-Lite registers and UAR doorbell page, "
+         "AXI4 DMA master, one link port (docs/nic.md, docs/nic-responder.md, "
+         "docs/nic-registers.md)")
 
 
 # --- Port meanings --------------------------------------------------------------------------
