@@ -99,7 +99,6 @@ class Side:
         self.gpu = None
         self.expected = defaultdict(deque)     # (qpn, "send" | "recv") -> completions to come
         self.cq_pi = defaultdict(int)
-        self.cqes = 0
 
     async def ring_doorbell(self, data8):
         await self.host.ring_doorbell(data8)
@@ -118,7 +117,6 @@ class Side:
             return
         pi = self.cq_pi[cqn]
         self.cq_pi[cqn] += 1
-        self.cqes += 1
         want_address = mlx5.cqe_address(cq.base, cq.log_size, cq.collapsed, pi)
         if address != want_address:
             errors.append(f"{self.name}: CQ {cqn} CQE {pi} at {address:#x}, expected "

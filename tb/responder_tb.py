@@ -41,7 +41,6 @@ class ResponderTB(NicTB):
         self.model = None
         self.pending = defaultdict(deque)       # requester QPN -> responses to come, in order
         self.recv_pending = defaultdict(deque)  # CQN -> receive completions to come
-        self.responses = []                     # every response the NIC sent
         self.next_psn = {}                      # NIC QP -> the next PSN the requester uses
 
     # --- set-up ---------------------------------------------------------------------------
@@ -140,7 +139,6 @@ class ResponderTB(NicTB):
         return decision
 
     def on_response(self, packet):
-        self.responses.append(packet)
         destqp = int.from_bytes(packet[13:16], "big")
         queue = self.pending.get(destqp)
         if not queue:
