@@ -86,6 +86,10 @@ class QpContext:
     log_rq_size: int = 0
     rq_dbr: int = 0
     rcqn: int = 0
+    # requester reliability (docs/nic-reliability.md)
+    retry_cnt: int = 7
+    rnr_retry: int = 7
+    ack_timeout: int = 0
     qpn: int = 0
 
     @property

@@ -128,11 +128,15 @@ QP_WORDS = (
                 "Byte address of WQE basic block 0; aligned to min(4096, 64 << log_sq_size)"),
     ContextWord(2, "sq_config", (Field("log_sq_size", 0, 4), Field("mtu", 8, 3),
                                  Field("sl", 16, 4), Field("max_outstanding", 24, 7),
-                                 Field("log_rq_size", 32, 4), Field("rcqn", 40, 8)),
+                                 Field("log_rq_size", 32, 4), Field("rcqn", 40, 8),
+                                 Field("retry_cnt", 48, 3), Field("rnr_retry", 52, 3),
+                                 Field("ack_timeout", 56, 5)),
                 "Send queue of 2**log_sq_size basic blocks; IBA path MTU code (1 = 256 B .. "
                 "5 = 4096 B); service level; WQE basic blocks fetched and not yet completed "
                 "(1..64); receive queue of 2**log_rq_size WQEs of 16 bytes; the CQ of receive "
-                "completions (< num_cqs)"),
+                "completions (< num_cqs); retransmissions allowed after a timeout or sequence "
+                "NAK, and after an RNR NAK (7: without limit); local ACK timeout 4.096 us * "
+                "2**ack_timeout (0: none)"),
     ContextWord(3, "dest", (Field("dest_qpn", 0, 24), Field("dlid", 32, 16),
                             Field("min_rnr_timer", 48, 5)),
                 "Destination QP number and LID (requests from another LID are dropped); the "

@@ -30,6 +30,7 @@ __all__ = [
     "RequestDescriptorLayout", "DmaWriteLayout", "ResponseKind", "ResponseCommandLayout",
     "RecvStatus", "RecvRequestLayout", "RecvResultLayout", "AtomicRequestLayout",
     "AtomicResultLayout", "RecvCqeOpcode", "ReceiveCompletionLayout",
+    "RewindLayout", "ResponseVerdictLayout", "READ_DATA_ID", "EPOCH_BITS", "RESPONSE_SEQ_BITS",
     "RESPONSE_ID", "RECV_ID", "ATOMIC_ID", "CQE_ID", "DMA_WRITE_ID", "RX_BUFFER_BEAT_BITS",
     "MAX_PACKET_BEATS",
     "QPN_BITS", "CQN_BITS", "PSN_BITS", "WQEBB_BYTES", "MAX_WQE_BLOCKS", "MAX_INLINE_BYTES",
@@ -55,6 +56,9 @@ RECV_ID = 3                  # AR/R of receive WQEs and the receive doorbell rec
 ATOMIC_ID = 4                # AR/R and AW/W/B of the atomic unit's read-modify-write
 CQE_ID = 0                   # AW/W/B of CQE writes (CompletionUnit)
 DMA_WRITE_ID = 1             # AW/W/B of RDMA WRITE / SEND payload (DmaWriter)
+READ_DATA_ID = 2             # AW/W/B of READ response data and atomic results (ResponseWriter)
+EPOCH_BITS = 4               # per-QP rewind count carried by fetches and WQE descriptors
+RESPONSE_SEQ_BITS = 16       # sequence number of a response packet the ResponseWriter stores
 
 RX_BUFFER_BEAT_BITS = 12     # beat index into the responder's receive packet buffer
 MAX_PACKET_BEATS = 66        # LRH .. ICRC of a 4096-byte payload with every header, 64-byte beats
@@ -84,6 +88,8 @@ COUNTERS = {
         ("payload_bytes_sent", "payload bytes of those packets"),
         ("wqe_errors", "WQEs completed with a local error"),
         ("wqes_flushed", "WQEs completed with a flush error by the executor"),
+        ("wqes_squashed", "WQEs dropped because their QP rewound after they were fetched"),
+        ("packets_resent", "request packets sent again after a rewind (go-back-N)"),
     ),
     "PacketAssembler": (
         ("payload_read_errors", "payload beats read with RRESP not OKAY (packet sent end-bad)"),
@@ -101,6 +107,17 @@ COUNTERS = {
                                   "or a PSN no outstanding WQE waits for"),
         ("cqe_write_errors", "CQE writes answered with BRESP not OKAY"),
         ("recv_cqes", "receive CQEs written, errors included (also in cqes_written)"),
+        ("retransmits_nak", "go-back-N rewinds after a NAK sequence error or a gap in the "
+                            "responses"),
+        ("retransmits_timeout", "go-back-N rewinds after the local ACK timeout"),
+        ("retransmits_rnr", "rewinds after an RNR NAK's wait"),
+        ("retries_exhausted", "WQEs completed with TRANSPORT_RETRY_EXC_ERR or "
+                              "RNR_RETRY_EXC_ERR"),
+    ),
+    "ResponseWriter": (
+        ("response_bytes_written", "READ response and atomic result bytes written to memory"),
+        ("response_write_errors", "those writes answered with BRESP not OKAY"),
+        ("responses_discarded", "stored response packets the completion unit did not take"),
     ),
     "RequestReceiver": (
         ("requests_received", "request packets kept for the responder"),
@@ -211,6 +228,10 @@ class QpConfigLayout(data.StructLayout):
             "log_rq_size": 4,        # the receive queue holds 2**log_rq_size WQEs
             "rq_dbr": 64,            # byte address of the receive doorbell record (be32 counter)
             "rcqn": CQN_BITS,        # CQ of receive completions
+            # Requester reliability (docs/nic-reliability.md).
+            "retry_cnt": 3,          # retransmissions after a timeout or sequence NAK, 0..7
+            "rnr_retry": 3,          # retransmissions after an RNR NAK, 0..6; 7: without limit
+            "ack_timeout": 5,        # IBA local ACK timeout: 4.096 us * 2**n; 0: none
         })
 
 
@@ -271,6 +292,7 @@ class FetchRequestLayout(data.StructLayout):
             "wqe_index": 16,
             "blocks": range(MAX_WQE_BLOCKS + 1),
             "first_only": 1,
+            "epoch": EPOCH_BITS,     # the QP's rewind count when the fetch was issued
         })
 
 
@@ -279,7 +301,30 @@ class FetchDoneLayout(data.StructLayout):
     descriptors; the rest of the fetch (a WQE cut by the fetch's end) is read again
     later."""
     def __init__(self):
-        super().__init__({"qpn": QPN_BITS, "consumed": range(MAX_WQE_BLOCKS + 1)})
+        super().__init__({"qpn": QPN_BITS, "consumed": range(MAX_WQE_BLOCKS + 1),
+                          "epoch": EPOCH_BITS})
+
+
+class RewindLayout(data.StructLayout):
+    """Go back N (docs/nic-reliability.md): QP ``qpn`` sends again from the WQE at
+    basic-block index ``wqe_index``, whose first packet has PSN ``psn``. Everything the
+    QP fetched or executed after that WQE is discarded and redone."""
+    def __init__(self):
+        super().__init__({"qpn": QPN_BITS, "wqe_index": 16, "psn": PSN_BITS})
+
+
+class ResponseVerdictLayout(data.StructLayout):
+    """The completion unit's decision on a response packet the ResponseWriter stored
+    (``seq``): ``write`` its ``bytes`` payload bytes, found ``offset`` bytes into the
+    packet, to memory at ``addr``; otherwise discard it."""
+    def __init__(self):
+        super().__init__({
+            "seq": RESPONSE_SEQ_BITS,
+            "write": 1,
+            "addr": 64,
+            "bytes": range(4096 + 1),
+            "offset": 6,
+        })
 
 
 class RetireLayout(data.StructLayout):
@@ -297,6 +342,7 @@ class WqeDescriptorLayout(data.StructLayout):
     def __init__(self):
         super().__init__({
             "qpn": QPN_BITS,
+            "epoch": EPOCH_BITS,                     # the fetch's epoch
             "wqe_index": 16,                         # basic-block index of the WQE's start
             "wqe_blocks": range(MAX_WQE_BLOCKS + 1),
             "opcode": 8,                             # mlx5 opcode, as in the control segment
@@ -365,6 +411,12 @@ class CompletionRecordLayout(data.StructLayout):
             "signaled": 1,               # fm_ce_se has CQ_UPDATE (0x08): write a CQE
             "status": CompletionStatus,
             "syndrome": Syndrome,
+            # For the completion unit's reliability engine (docs/nic-reliability.md).
+            "laddr": 64,                 # READ: where the data lands; atomics: the result
+            "mtu": 3,                    # the QP's path MTU code
+            "retry_cnt": 3,
+            "rnr_retry": 3,
+            "ack_timeout": 5,
         })
 
 
