@@ -7,18 +7,30 @@ from hdl.crc.icrc_engine import IcrcEngine
 from hdl.ib.headers import AETH, BTH, LNH_IBA_LOCAL, LRH, from_wire
 from hdl.link.signatures import BeatLayout, vl_index
 from hdl.nic.signatures import (
-    MAX_OUTSTANDING_BLOCKS, PSN_BITS, QPN_BITS, AxiWriteSignature, CompletionRecordLayout,
-    CompletionStatus, ContextReadSignature, CqConfigLayout, EventSignature, MlxOpcode, QpState,
-    ReceiveCompletionLayout, RecvCqeOpcode, RetireLayout, Syndrome,
+    MAX_OUTSTANDING_BLOCKS, PSN_BITS, QPN_BITS, RESPONSE_SEQ_BITS, AxiWriteSignature,
+    CompletionRecordLayout, CompletionStatus, ContextReadSignature, CqConfigLayout,
+    EventSignature, MlxOpcode, QpState, ReceiveCompletionLayout, RecvCqeOpcode, RetireLayout,
+    ResponseVerdictLayout, RewindLayout, Syndrome,
 )
 
-__all__ = ["CompletionUnit", "RX_EVENT_DEPTH"]
+__all__ = ["CompletionUnit", "RX_EVENT_DEPTH", "RNR_TIMER_TICKS", "TIMER_TICK_CYCLES"]
 
 WIDTH = 64                  # bytes per beat and per AXI data beat: one CQE per beat
 QUEUE_DEPTH = MAX_OUTSTANDING_BLOCKS    # a record holds at least one block of the window
 RX_EVENT_DEPTH = 8          # decoded responses waiting per VL for the one-per-cycle processor
 JOB_DEPTH = 8               # completed records waiting for their CQE write
 RECEIVE_DEPTH = 4           # receive completions waiting for the CQE writer
+TIMER_TICK_CYCLES = 1638    # 4.096 us at 400 MHz: IBA's unit of the local ACK timeout
+TIMER_BITS = 20             # tick stamps; a wait is at most 2**19 ticks
+MAX_TIMEOUT_EXPONENT = 19   # ack_timeout codes above this wait 2**19 ticks (2.1 s)
+SCAN_INTERVAL = 16          # cycles between timer scans when the engine is busy
+RNR_INFINITE = 7            # rnr_retry value meaning: retry without limit
+
+# IBA RNR NAK timer codes (table 45) in microseconds, and in timer ticks (rounded up).
+_RNR_TIMER_US = (655360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280,
+                 1920, 2560, 3840, 5120, 7680, 10240, 15360, 20480, 30720, 40960, 61440,
+                 81920, 122880, 163840, 245760, 327680, 491520)
+RNR_TIMER_TICKS = tuple(-(-us * 1000 // 4096) for us in _RNR_TIMER_US)
 
 # BTH opcodes of the responses a requester takes (IBA table 38).
 READ_FIRST = 0x0D
@@ -27,6 +39,7 @@ READ_LAST = 0x0F
 READ_ONLY = 0x10
 ACKNOWLEDGE = 0x11
 ATOMIC_ACKNOWLEDGE = 0x12
+STORED_OPCODES = (READ_FIRST, READ_MIDDLE, READ_LAST, READ_ONLY, ATOMIC_ACKNOWLEDGE)
 
 # AETH syndrome, bits 7..5, and the NAK codes in bits 4..0.
 AETH_ACK = 0b000
@@ -41,6 +54,7 @@ NAK_FATAL = {               # NAK code: syndrome of the error CQE it gives
 
 LRH_BTH_BYTES = 8 + 12
 AETH_BYTES = 4
+MAX_PAYLOAD_BYTES = 4096
 ATOMIC_ACK_ETH_BYTES = 8
 ICRC_BYTES = 4
 
@@ -84,9 +98,9 @@ def _head_outcome(m, rec, st, flushing, name):
     is_read = rec.opcode == MlxOpcode.RDMA_READ.value
     is_atomic = ((rec.opcode == MlxOpcode.ATOMIC_CS.value)
                  | (rec.opcode == MlxOpcode.ATOMIC_FA.value))
+    # READ and atomic WQEs complete only by their own responses: their data must land.
     acknowledged = Mux(is_read, _psn_le(last_psn, st.read_psn),
-                       Mux(is_atomic,
-                           _psn_le(last_psn, st.atomic_psn) | _psn_lt(last_psn, st.ack_psn),
+                       Mux(is_atomic, _psn_le(last_psn, st.atomic_psn),
                            _psn_le(last_psn, st.ack_psn)))
     can = Signal(name=f"{name}_can")
     error = Signal(name=f"{name}_error")
@@ -110,7 +124,9 @@ def _head_outcome(m, rec, st, flushing, name):
 class _RxEventLayout(data.StructLayout):
     """A well-formed response with a good ICRC, as a VL hands it to the processor."""
     def __init__(self):
-        super().__init__({"qpn": QPN_BITS, "opcode": 8, "psn": PSN_BITS, "syndrome": 8})
+        super().__init__({"qpn": QPN_BITS, "opcode": 8, "psn": PSN_BITS, "syndrome": 8,
+                          "seq": RESPONSE_SEQ_BITS,     # the ResponseWriter's, if stored
+                          "payload_bytes": range(8192)})
 
 
 class _StateLayout(data.StructLayout):
@@ -127,6 +143,16 @@ class _StateLayout(data.StructLayout):
             "nak_pending": 1,
             "nak_psn": PSN_BITS,
             "nak_syndrome": 8,
+            # Reliability (docs/nic-reliability.md).
+            "rewind_pending": 1,    # a sequence NAK or response gap: rewind at the head
+            "gap_seen": 1,          # rewound and no progress since: ignore further gaps
+            "rnr_pending": 1,       # an RNR NAK: rewind once its wait is over
+            "rnr_code": 5,
+            "armed": 1,             # the timer runs since ``stamp``
+            "stamp": TIMER_BITS,
+            "retries_used": 3,
+            "rnr_used": 3,
+            "data_seq": RESPONSE_SEQ_BITS,  # the newest response the QP took data from
         })
 
 
@@ -147,6 +173,7 @@ class _JobLayout(data.StructLayout):
         super().__init__({
             "qpn": QPN_BITS, "cqn": 8, "wqe_index": 16, "wqe_blocks": range(17),
             "opcode": 8, "byte_count": 32, "error": 1, "syndrome": 8, "write_cqe": 1,
+            "wait_data": 1, "data_seq": RESPONSE_SEQ_BITS,
         })
 
 
@@ -203,10 +230,45 @@ class CompletionUnit(wiring.Component):
 
     - ACKNOWLEDGE, ACK: ``ack_psn = p``;
     - ACKNOWLEDGE, NAK code 1/2/3: ``ack_psn = p - 1``, fatal NAK pending at p;
-    - ACKNOWLEDGE, RNR NAK or NAK code 0/4: counted only (retransmission is not done);
-    - READ response FIRST/MIDDLE: counted only (the payload is not written);
-    - READ response LAST/ONLY: ``ack_psn = read_psn = p``;
-    - ATOMIC ACKNOWLEDGE: ``ack_psn = atomic_psn = p``.
+    - ACKNOWLEDGE, NAK code 0 (PSN sequence error): ``ack_psn = p - 1``; unless
+      ``gap_seen``, a rewind is pending (below);
+    - ACKNOWLEDGE, RNR NAK: ``ack_psn = p - 1``; the RNR wait (the AETH timer code, IBA
+      table 45, in ticks rounded up: ``RNR_TIMER_TICKS``) starts;
+    - ACKNOWLEDGE, NAK code 4: counted only;
+    - READ response, ATOMIC ACKNOWLEDGE: *taken* only if ``p == ack_psn + 1``, the QP's
+      head record H is a SENT RDMA_READ (resp. atomic) holding p, the opcode is the one
+      its position in H needs (ONLY, FIRST, MIDDLE, LAST) and its payload is as long as
+      that position's (the path MTU, ``H.byte_count`` minus the bytes before it for the
+      last; an atomic's AtomicAckETH). Such an event is not issued while its QP may still
+      complete a head (it is marked or current, or an operation or record for it is in
+      flight), so H is the oldest incomplete record. Taken: ``ack_psn = p``, LAST/ONLY
+      ``read_psn = p``, atomic ``atomic_psn = p``, and a ``verdict`` to write its payload
+      at ``H.laddr + (p - H.first_psn) * mtu``. Not taken with ``ack_psn + 1 < p`` (a
+      response went missing): unless ``gap_seen``, a rewind is pending.
+
+    Every packet the ResponseWriter stored (READ responses, ATOMIC ACKNOWLEDGE, with the
+    sequence number ``rx_seq`` gives beside its beats) gets exactly one decision: a
+    ``discard`` strobe at its end beat when it does not become an event (bad ICRC,
+    end-bad, malformed, event queue full), else a ``verdict`` (write or not) a cycle
+    after its event's X. An event that moves ``ack_psn`` forward is progress: the retry
+    counters restart, ``gap_seen`` clears and the timer stops.
+
+    Retransmission (go-back-N, docs/nic-reliability.md). The QP's head record H is
+    *stuck* when it is SENT and cannot complete. A timer scan (an engine operation on
+    QP ``scan_q``, issued when the engine has nothing else to do and at least every
+    ``SCAN_INTERVAL`` cycles, walking the QPs in turn) arms the timer on a stuck head
+    (``stamp = now``; ``now`` counts ticks of ``timer_tick`` cycles) and disarms it on an
+    empty queue. A rewind is due when H is stuck and: a rewind is pending (seen by a
+    completion operation or a scan), or the RNR wait is over (scan), or the timer ran
+    ``2**min(ack_timeout, 19)`` ticks with ``ack_timeout`` (from H) not 0 (scan). Then,
+    if the QP is in ERR or flushing, it flushes; else if the retries are used up
+    (``retries_used == retry_cnt``; RNR: ``rnr_retry != 7`` and ``rnr_used ==
+    rnr_retry``) a fatal NAK is pending at ``H.first_psn`` with TRANSPORT_RETRY_EXC_ERR
+    (RNR_RETRY_EXC_ERR), which completes H with that error, errors and flushes the QP;
+    else ``rewind`` goes out a cycle later with ``(q, H.wqe_index, H.first_psn)``,
+    ``ack_psn``, ``read_psn`` and ``atomic_psn`` go back to ``H.first_psn - 1``, the
+    retry counter used counts one more, ``gap_seen`` is set, and the pending rewind, the
+    RNR wait and the timer clear.
 
     Records from ``completion`` are kept per QP in order in one memory (``QUEUE_DEPTH``
     per QP; a record for a full queue waits on ``ready``; one for a QP number beyond
@@ -217,8 +279,8 @@ class CompletionUnit(wiring.Component):
     its syndrome; FLUSH (or an unknown status) with WR_FLUSH_ERR; SENT with a fatal NAK
     pending at p: OK if its ``last_psn < p``, else the NAK's error, ``qp_error``, and
     flushing from then on (until ``qp_reset``); SENT otherwise: RDMA_READ when
-    ``last_psn <= read_psn``, atomics when ``last_psn <= atomic_psn`` or
-    ``last_psn < ack_psn``, others when ``last_psn <= ack_psn``. An OK completion pulls
+    ``last_psn <= read_psn``, atomics when ``last_psn <= atomic_psn`` (only their own
+    responses complete them: their data must land), others when ``last_psn <= ack_psn``. An OK completion pulls
     ``read_psn`` and ``atomic_psn`` up to its ``last_psn`` so that they never fall
     more than the outstanding PSNs behind (the modulo-2^24 compares assume a QP's
     unacknowledged PSNs span less than 2^23).
@@ -234,7 +296,10 @@ class CompletionUnit(wiring.Component):
     ``base + 64 * (pi mod 2^log_size)`` (entry 0 when collapsed, where ``log_size``
     counts as 0) with owner bit ``(pi >> log_size) & 1``, ``pi`` the CQ's producer
     index. Writes are pipelined (B is not awaited); ``bready`` is always high and a
-    BRESP other than OKAY counts in ``cqe_write_errors``. ``retire`` goes out in the
+    BRESP other than OKAY counts in ``cqe_write_errors``. The CQE of a READ or atomic
+    completed OK waits until ``landed`` (the ResponseWriter's oldest stored packet not yet
+    written) has passed the QP's last taken response, so that the data is in memory
+    before its CQE. ``retire`` goes out in the
     cycle the record's AW and W have both been accepted (at once without a CQE), in
     completion order, which is WQE order per QP. ``cqes_written``/``error_cqes`` count
     at the same time.
@@ -258,14 +323,14 @@ class CompletionUnit(wiring.Component):
     (the executor emits it with the message's last packet descriptor, a round trip ahead
     of the response), else that response is dropped as a future PSN. AETH.MSN, P_Key,
     LIDs and SL of a response are not checked; responses with a GRH are dropped.
-    Retransmission and its timers are not done: after a PSN-sequence-error or RNR NAK, or
-    a READ whose responses were lost (a later ACK does not complete a READ), the QP's
-    records wait until ``qp_flush``. ``qp_reset`` is for an idle QP (all its records
-    retired). A CQ's producer index starts at 0 after a reset and after ``cq_reset`` (the
+    A READ response or atomic acknowledge that implicitly acknowledges earlier requests
+    (their ACK was lost) is not taken: the go-back-N retry recovers it. ``qp_reset`` is
+    for an idle QP (all its records retired). A CQ's producer index starts at 0 after a reset and after ``cq_reset`` (the
     host wrote its context).
     """
 
-    def __init__(self, *, num_qps=64, num_cqs=16, num_vls=2, addr_width=64):
+    def __init__(self, *, num_qps=64, num_cqs=16, num_vls=2, addr_width=64,
+                 timer_tick=TIMER_TICK_CYCLES):
         if not isinstance(num_qps, int) or not 1 <= num_qps <= 1 << QPN_BITS:
             raise ValueError(f"QPs must be 1 to {1 << QPN_BITS}, not {num_qps!r}")
         if not isinstance(num_cqs, int) or not 1 <= num_cqs <= 256:
@@ -274,6 +339,9 @@ class CompletionUnit(wiring.Component):
             raise ValueError(f"Data VLs must be 1 to 15, not {num_vls!r}")
         if not isinstance(addr_width, int) or not 16 <= addr_width <= 64:
             raise ValueError(f"AXI address width must be 16 to 64 bits, not {addr_width!r}")
+        if not isinstance(timer_tick, int) or not 1 <= timer_tick <= 1 << 16:
+            raise ValueError(f"Timer tick must be 1 to 65536 cycles, not {timer_tick!r}")
+        self.timer_tick = timer_tick
         self.num_qps = num_qps
         self.num_cqs = num_cqs
         self.num_vls = num_vls
@@ -300,6 +368,15 @@ class CompletionUnit(wiring.Component):
             "cqe_write_errors": Out(32),
             "receive": In(stream.Signature(ReceiveCompletionLayout())),
             "recv_cqes": Out(32),
+            "rx_seq": In(RESPONSE_SEQ_BITS).array(num_vls),
+            "discard": Out(stream.Signature(RESPONSE_SEQ_BITS, always_ready=True)),
+            "verdict": Out(stream.Signature(ResponseVerdictLayout(), always_ready=True)),
+            "landed": In(RESPONSE_SEQ_BITS),
+            "rewind": Out(stream.Signature(RewindLayout(), always_ready=True)),
+            "retransmits_nak": Out(32),
+            "retransmits_timeout": Out(32),
+            "retransmits_rnr": Out(32),
+            "retries_exhausted": Out(32),
         })
 
     def elaborate(self, platform):
@@ -348,6 +425,8 @@ class CompletionUnit(wiring.Component):
         full = Signal(num_qps)          # QUEUE_DEPTH records in the QP's queue
         in_reset = Signal(num_qps)
         m.d.comb += in_reset.eq(Cat(self.qp_state[q] == QpState.RESET for q in range(num_qps)))
+        in_err = Signal(num_qps)
+        m.d.comb += in_err.eq(Cat(self.qp_state[q] == QpState.ERR for q in range(num_qps)))
 
         # The strobes act on the flags a cycle late, after the operations issued in their
         # cycle (which a strobe follows, as it wins over everything else in its cycle).
@@ -361,6 +440,14 @@ class CompletionUnit(wiring.Component):
             flush_valid.eq(self.qp_flush.valid & (self.qp_flush.qpn < num_qps)),
             flush_q.eq(self.qp_flush.qpn),
         ]
+
+        # --- Timer: ``now`` counts ticks of ``timer_tick`` cycles ---
+        now = Signal(TIMER_BITS)
+        prescaler = Signal(range(self.timer_tick))
+        with m.If(prescaler == self.timer_tick - 1):
+            m.d.sync += [prescaler.eq(0), now.eq(now + 1)]
+        with m.Else():
+            m.d.sync += prescaler.eq(prescaler + 1)
 
         # --- Receive: per VL, ICRC check and header decode; events into per-VL queues ---
         event_queues = []
@@ -382,15 +469,15 @@ class CompletionUnit(wiring.Component):
 
             # Every header a response has fits in its start beat.
             header_layout = data.StructLayout({
-                "lnh": 2, "pktlen": 11, "opcode": 8, "destqp": 24, "psn": PSN_BITS,
-                "syndrome": 8})
+                "lnh": 2, "pktlen": 11, "opcode": 8, "padcnt": 2, "destqp": 24,
+                "psn": PSN_BITS, "syndrome": 8})
             lrh = from_wire(LRH, beat.data[:64])
             bth = from_wire(BTH, beat.data[64:160])
             aeth = from_wire(AETH, beat.data[160:192])
             start_header = Signal(header_layout, name=f"start_header{v}")
             held_header = Signal(header_layout, name=f"held_header{v}")
-            m.d.comb += start_header.eq(Cat(lrh.lnh, lrh.pktlen, bth.opcode, bth.destqp,
-                                            bth.psn, aeth.syndrome))
+            m.d.comb += start_header.eq(Cat(lrh.lnh, lrh.pktlen, bth.opcode, bth.padcnt,
+                                            bth.destqp, bth.psn, aeth.syndrome))
             header = Signal(header_layout, name=f"header{v}")
             m.d.comb += header.eq(Mux(beat.start, start_header, held_header))
 
@@ -429,6 +516,14 @@ class CompletionUnit(wiring.Component):
                     m.d.comb += shape_ok.eq(length >= LRH_BTH_BYTES + ICRC_BYTES)
             well_formed = (shape_ok & (header.lnh == LNH_IBA_LOCAL)
                            & (length == header.pktlen * 4) & (header.destqp < num_qps))
+            # Payload: READ response data (MIDDLE has no AETH), the atomic's original value.
+            headers = Mux(header.opcode == READ_MIDDLE, LRH_BTH_BYTES,
+                          LRH_BTH_BYTES + AETH_BYTES)
+            payload_bytes = Signal(range(8192), name=f"payload_bytes{v}")
+            with m.If(header.opcode == ATOMIC_ACKNOWLEDGE):
+                m.d.comb += payload_bytes.eq(ATOMIC_ACK_ETH_BYTES)
+            with m.Elif(length >= headers + header.padcnt + ICRC_BYTES):
+                m.d.comb += payload_bytes.eq(length - headers - header.padcnt - ICRC_BYTES)
 
             ends = rx.valid & beat.end & in_a_packet
             good = ends & icrc.icrc_ok & ~beat.end_bad
@@ -441,11 +536,19 @@ class CompletionUnit(wiring.Component):
                 event.opcode.eq(header.opcode),
                 event.psn.eq(header.psn),
                 event.syndrome.eq(header.syndrome),
+                event.seq.eq(self.rx_seq[v]),
+                event.payload_bytes.eq(payload_bytes),
                 queue.w_en.eq(good & well_formed),
             ]
             event_queues.append(queue)
             icrc_drops.append(ends & ~good)
             malformed_drops.append(good & ~(well_formed & queue.w_rdy))
+            # The ResponseWriter stored this packet; without an event nothing else will
+            # decide on it. It stores one packet at a time, so one VL ends one per cycle.
+            stored = Signal(name=f"stored{v}")
+            m.d.comb += stored.eq(header.opcode.matches(*STORED_OPCODES))
+            with m.If(ends & stored & ~(good & well_formed & queue.w_rdy)):
+                m.d.comb += [self.discard.valid.eq(1), self.discard.payload.eq(self.rx_seq[v])]
 
         # --- Record path, beside the engine: R1 (take the record, read its QP's tail row
         # and head) and R2 (write the record at the tail, write the tail row back). A
@@ -477,21 +580,23 @@ class CompletionUnit(wiring.Component):
         # it, every record taken in or before its issue cycle and every qp_flush/qp_reset
         # strobe before its issue cycle; a strobe in its issue cycle or later takes effect
         # after it.
-        s_ev, s_cmp = Signal(), Signal()
+        s_ev, s_cmp, s_scan = Signal(), Signal(), Signal()
         s_q = Signal(range(max(num_qps, 2)))
         s_event = Signal(_RxEventLayout())
         s_in_reset = Signal()
-        x_ev, x_cmp = Signal(), Signal()
+        s_in_err = Signal()
+        x_ev, x_cmp, x_scan = Signal(), Signal(), Signal()
         x_q = Signal(range(max(num_qps, 2)))
         x_event = Signal(_RxEventLayout())
         x_state = Signal(state_layout)
         x_tail = Signal(tail_layout)
         x_in_reset = Signal()
+        x_in_err = Signal()
         x_flushing = Signal()
         x_killed = Signal()             # a qp_reset of its QP in its issue cycle: no writes
         x_new = Signal(state_layout)
         x_sets_flushing = Signal()
-        x_writes = (x_ev | x_cmp) & ~x_killed
+        x_writes = (x_ev | x_cmp | x_scan) & ~x_killed
 
         # R2: the tail row as read, else as reset; the head as X leaves it.
         r_tail = Signal(tail_layout)
@@ -523,17 +628,6 @@ class CompletionUnit(wiring.Component):
         # the head cannot complete yet: an event marks it again).
         r_marks = r2_valid & (r_count == 0)
 
-        # I: events first (their queues are short and the link does not wait), then
-        # completions.
-        last_vl = Signal(vl_index(num_vls))
-        any_event, event_vl = _round_robin(
-            m, Cat(queue.r_rdy for queue in event_queues), last_vl, "vl_rr")
-        event = _RxEventLayout()(Array(queue.r_data for queue in event_queues)[event_vl])
-        for v, queue in enumerate(event_queues):
-            m.d.comb += queue.r_en.eq(any_event & (event_vl == v))
-        with m.If(any_event):
-            m.d.sync += last_vl.eq(event_vl)
-
         # The engine stays on a QP (``cur_q``), issuing a completion for it every cycle
         # while the one in S leaves a record behind and the one in X completed and left
         # one; otherwise it takes the next marked QP (clearing its mark). Each completion
@@ -541,6 +635,36 @@ class CompletionUnit(wiring.Component):
         cur_active = Signal()
         cur_q = Signal(range(max(num_qps, 2)))
         any_marked, pick = _round_robin(m, marked, cur_q, "qp_rr")
+
+        # I: events first (their queues are short and the link does not wait), then timer
+        # scans when one is due, then completions, then scans. A READ response or atomic
+        # acknowledge needs its QP's oldest incomplete WQE at the head: it waits while the
+        # QP may still complete heads (marked, current, or an operation or record for it
+        # in flight), so its X sees the head the responses are for.
+        def head_busy(q):
+            return (marked.bit_select(q, 1) | (cur_active & (cur_q == q))
+                    | ((s_ev | s_cmp | s_scan) & (s_q == q))
+                    | ((x_ev | x_cmp | x_scan) & (x_q == q))
+                    | (r2_valid & (r2_q == q)))
+        event_ready = []
+        for v, queue in enumerate(event_queues):
+            head = _RxEventLayout()(queue.r_data)
+            needs_head = head.opcode.matches(*STORED_OPCODES)
+            event_ready.append(queue.r_rdy & ~(needs_head & head_busy(head.qpn[:qp_bits])))
+        last_vl = Signal(vl_index(num_vls))
+        any_event, event_vl = _round_robin(m, Cat(event_ready), last_vl, "vl_rr")
+        event = _RxEventLayout()(Array(queue.r_data for queue in event_queues)[event_vl])
+        for v, queue in enumerate(event_queues):
+            m.d.comb += queue.r_en.eq(any_event & (event_vl == v))
+        with m.If(any_event):
+            m.d.sync += last_vl.eq(event_vl)
+
+        # Timer scans walk the QPs; while the engine is busy, one goes in every
+        # SCAN_INTERVAL cycles, so each QP is looked at least every
+        # SCAN_INTERVAL * num_qps cycles (1024 with 64 QPs, under one tick).
+        scan_q = Signal(range(max(num_qps, 2)))
+        since_scan = Signal(range(SCAN_INTERVAL + 1))
+        scan_due = since_scan == SCAN_INTERVAL
         s_count = Signal(count_bits)
         complete = Signal()
         drained = Signal()
@@ -549,18 +673,26 @@ class CompletionUnit(wiring.Component):
         cur_go = cur_active & ~cur_done & ~(s_cmp & (s_q == cur_q) & (s_count < 2))
         jobs_room = jobs.level + s_cmp + x_cmp < JOB_DEPTH - 1
         cmp_request = jobs_room & (cur_go | any_marked)
-        issue_cmp = ~any_event & cmp_request
+        issue_scan = ~any_event & (scan_due | ~cmp_request)
+        issue_cmp = ~any_event & cmp_request & ~scan_due
 
         i_q = Signal(range(max(num_qps, 2)))
         with m.If(any_event):
             m.d.comb += i_q.eq(event.qpn[:qp_bits])
+        with m.Elif(issue_scan):
+            m.d.comb += i_q.eq(scan_q)
         with m.Else():
             m.d.comb += i_q.eq(Mux(cur_go, cur_q, pick))
+        with m.If(issue_scan):
+            m.d.sync += [scan_q.eq(Mux(scan_q == num_qps - 1, 0, scan_q + 1)), since_scan.eq(0)]
+        with m.Elif(~scan_due):
+            m.d.sync += since_scan.eq(since_scan + 1)
         m.d.comb += [state_read.addr.eq(i_q), engine_tail_read.addr.eq(i_q)]
         m.d.sync += [
-            s_ev.eq(any_event), s_cmp.eq(issue_cmp),
+            s_ev.eq(any_event), s_cmp.eq(issue_cmp), s_scan.eq(issue_scan),
             s_q.eq(i_q), s_event.eq(event),
             s_in_reset.eq(in_reset.bit_select(i_q, 1)),
+            s_in_err.eq(in_err.bit_select(i_q, 1)),
         ]
 
         # S: the row as X leaves it, else as reset, else as read; the tail row as R2
@@ -569,7 +701,7 @@ class CompletionUnit(wiring.Component):
         s_row = Signal(state_layout)
         s_tail = Signal(tail_layout)
         s_state = Signal(state_layout)
-        x_same = (x_ev | x_cmp) & (x_q == s_q)
+        x_same = (x_ev | x_cmp | x_scan) & (x_q == s_q)
         with m.If(x_same):
             with m.If(~x_killed):
                 m.d.comb += s_row.eq(x_new)
@@ -594,7 +726,7 @@ class CompletionUnit(wiring.Component):
             s_count.eq(s_tail.tail - s_state.head),
         ]
         m.d.sync += [
-            x_ev.eq(s_ev), x_cmp.eq(s_cmp),
+            x_ev.eq(s_ev), x_cmp.eq(s_cmp), x_scan.eq(s_scan),
             x_q.eq(s_q), x_event.eq(s_event),
             x_state.eq(s_state), x_tail.eq(s_tail),
             x_flushing.eq(flushing.bit_select(s_q, 1)
@@ -603,6 +735,7 @@ class CompletionUnit(wiring.Component):
             # the flags along with its writes, and wins.
             x_killed.eq(reset_valid & (reset_q == s_q)),
             x_in_reset.eq(s_in_reset),
+            x_in_err.eq(s_in_err),
         ]
 
         # X
@@ -615,6 +748,17 @@ class CompletionUnit(wiring.Component):
         ]
         x_marks = Signal()
 
+        # X: the head record, read in S, for every operation.
+        head_rec = rec_read.data
+        head_valid = st.head != x_tail.tail
+        last_psn = head_rec.last_psn
+        opcode = head_rec.opcode
+        head_sent = head_valid & (head_rec.status == CompletionStatus.SENT)
+        head_is_read = head_sent & (opcode == MlxOpcode.RDMA_READ.value)
+        head_is_atomic = head_sent & ((opcode == MlxOpcode.ATOMIC_CS.value)
+                                      | (opcode == MlxOpcode.ATOMIC_FA.value))
+        can, error, syndrome, nak_error = _head_outcome(m, head_rec, st, x_flushing, "head")
+
         # X, event for QP q at PSN p.
         p = x_event.psn
         accept = Signal()
@@ -626,8 +770,9 @@ class CompletionUnit(wiring.Component):
         ev_ack = Signal()
         ev_nak = Signal()
         ev_fatal = Signal()
+        ev_seq_nak = Signal()
+        ev_rnr = Signal()
         ev_read = Signal()
-        ev_read_done = Signal()
         ev_atomic = Signal()
         with m.If(accept):
             with m.Switch(x_event.opcode):
@@ -636,18 +781,49 @@ class CompletionUnit(wiring.Component):
                         ev_ack.eq(ev_kind == AETH_ACK),
                         ev_nak.eq(ev_kind != AETH_ACK),
                         ev_fatal.eq((ev_kind == AETH_NAK) & (ev_code >= 1) & (ev_code <= 3)),
+                        ev_seq_nak.eq((ev_kind == AETH_NAK) & (ev_code == 0)),
+                        ev_rnr.eq(ev_kind == AETH_RNR_NAK),
                     ]
-                with m.Case(READ_FIRST, READ_MIDDLE):
+                with m.Case(READ_FIRST, READ_MIDDLE, READ_LAST, READ_ONLY):
                     m.d.comb += ev_read.eq(1)
-                with m.Case(READ_LAST, READ_ONLY):
-                    m.d.comb += [ev_read.eq(1), ev_read_done.eq(1)]
                 with m.Case(ATOMIC_ACKNOWLEDGE):
                     m.d.comb += ev_atomic.eq(1)
-        with m.If(ev_ack | ev_read_done | ev_atomic):
+
+        # A READ response or atomic acknowledge is taken only in order (right after the
+        # acknowledged PSNs), for the head WQE (its events wait until the head is current),
+        # at the opcode and length of its position there; its payload then lands.
+        first_psn = head_rec.first_psn
+        index = Signal(PSN_BITS)
+        m.d.comb += index.eq(p - first_psn)
+        at_first = p == first_psn
+        at_last = p == last_psn
+        want_opcode = Mux(at_first & at_last, READ_ONLY,
+                          Mux(at_first, READ_FIRST, Mux(at_last, READ_LAST, READ_MIDDLE)))
+        data_offset = Signal(PSN_BITS + 12)
+        m.d.comb += data_offset.eq((index << 7) << head_rec.mtu)
+        want_bytes = Signal(PSN_BITS + 13)
+        m.d.comb += want_bytes.eq(Mux(at_last, head_rec.byte_count - data_offset,
+                                      Const(128, 13) << head_rec.mtu))
+        in_order = p == (st.ack_psn + 1)[:PSN_BITS]
+        take_read = Signal()
+        take_atomic = Signal()
+        m.d.comb += [
+            take_read.eq(ev_read & head_is_read & in_order & _psn_le(first_psn, p)
+                         & _psn_le(p, last_psn) & (x_event.opcode == want_opcode)
+                         & (x_event.payload_bytes == want_bytes)),
+            take_atomic.eq(ev_atomic & head_is_atomic & in_order & at_first & at_last),
+        ]
+        taken = take_read | take_atomic
+        # A response beyond the next expected PSN: the ones before it went missing.
+        response_gap = (ev_read | ev_atomic) & ~taken & _psn_lt((st.ack_psn + 1)[:PSN_BITS], p)
+
+        with m.If(ev_ack):
             m.d.comb += [x_new.ack_psn.eq(p), x_marks.eq(1)]
-        with m.If(ev_read_done):
+        with m.If(taken):
+            m.d.comb += [x_new.ack_psn.eq(p), x_new.data_seq.eq(x_event.seq), x_marks.eq(1)]
+        with m.If(take_read & at_last):
             m.d.comb += x_new.read_psn.eq(p)
-        with m.If(ev_atomic):
+        with m.If(take_atomic):
             m.d.comb += x_new.atomic_psn.eq(p)
         with m.If(ev_fatal):
             m.d.comb += [
@@ -660,14 +836,34 @@ class CompletionUnit(wiring.Component):
                 for nak_code, nak_syn in NAK_FATAL.items():
                     with m.Case(nak_code):
                         m.d.comb += x_new.nak_syndrome.eq(nak_syn)
+        with m.If(ev_seq_nak | ev_rnr):
+            m.d.comb += [x_new.ack_psn.eq(p - 1), x_marks.eq(1)]
+        # After a rewind, NAKs and gaps caused by packets sent before it are stale.
+        with m.If((ev_seq_nak | response_gap) & ~st.gap_seen):
+            m.d.comb += [x_new.rewind_pending.eq(1), x_marks.eq(1)]
+        progress = x_ev & _psn_lt(st.ack_psn, x_new.ack_psn)
+        with m.If(progress):
+            m.d.comb += [x_new.retries_used.eq(0), x_new.rnr_used.eq(0),
+                         x_new.gap_seen.eq(0), x_new.armed.eq(0)]
+        with m.If(ev_rnr):
+            m.d.comb += [x_new.rnr_pending.eq(1), x_new.rnr_code.eq(ev_code),
+                         x_new.armed.eq(1), x_new.stamp.eq(now)]
 
-        # X, completion: the head record, read in S.
-        head_rec = rec_read.data
-        last_psn = head_rec.last_psn
-        opcode = head_rec.opcode
-        can, error, syndrome, nak_error = _head_outcome(m, head_rec, st, x_flushing, "head")
+        # Every stored response gets one verdict (a reset in its issue cycle included).
+        stored_event = x_ev & x_event.opcode.matches(*STORED_OPCODES)
+        m.d.sync += [
+            self.verdict.valid.eq(stored_event),
+            self.verdict.payload.seq.eq(x_event.seq),
+            self.verdict.payload.write.eq(taken & ~x_killed & (x_event.payload_bytes != 0)),
+            self.verdict.payload.addr.eq(head_rec.laddr + data_offset),
+            self.verdict.payload.bytes.eq(x_event.payload_bytes),
+            self.verdict.payload.offset.eq(Mux(x_event.opcode == READ_MIDDLE, LRH_BTH_BYTES,
+                                               LRH_BTH_BYTES + AETH_BYTES)),
+        ]
+
+        # X, completion of the head.
         m.d.comb += [
-            complete.eq(x_cmp & (st.head != x_tail.tail) & can),
+            complete.eq(x_cmp & head_valid & can),
             drained.eq((st.head + 1)[:count_bits] == x_tail.tail),
         ]
 
@@ -683,6 +879,9 @@ class CompletionUnit(wiring.Component):
             job.error.eq(error),
             job.syndrome.eq(syndrome),
             job.write_cqe.eq((error | head_rec.signaled) & (head_rec.cqn < self.num_cqs)),
+            # Its CQE must not overtake its data: it waits until that response landed.
+            job.wait_data.eq(~error & (head_is_read | head_is_atomic)),
+            job.data_seq.eq(st.data_seq),
         ]
         m.d.sync += [self.qp_error.valid.eq(complete & nak_error), self.qp_error.qpn.eq(x_q)]
         with m.If(complete):
@@ -694,6 +893,65 @@ class CompletionUnit(wiring.Component):
                     m.d.comb += x_new.read_psn.eq(last_psn)
                 with m.If(_psn_lt(st.atomic_psn, last_psn)):
                     m.d.comb += x_new.atomic_psn.eq(last_psn)
+
+        # X, retransmission. The head is stuck when it is SENT and not acknowledged. A
+        # scan arms the timer on a stuck head and fires it after 2**ack_timeout ticks
+        # without progress; an RNR NAK's wait runs on the same stamp.
+        stuck = head_valid & ~can & ~x_in_reset & x_tail.started
+        elapsed = Signal(TIMER_BITS)
+        m.d.comb += elapsed.eq(now - st.stamp)
+        exponent = Mux(head_rec.ack_timeout > MAX_TIMEOUT_EXPONENT, MAX_TIMEOUT_EXPONENT,
+                       head_rec.ack_timeout)
+        timed_out = (st.armed & (head_rec.ack_timeout != 0)
+                     & (elapsed >= (Const(1, TIMER_BITS) << exponent)))
+        rnr_ticks = Array(Const(t, TIMER_BITS) for t in RNR_TIMER_TICKS)[st.rnr_code]
+        do_rnr = x_scan & stuck & st.rnr_pending & (elapsed >= rnr_ticks)
+        do_nak = (x_cmp | x_scan) & stuck & ~st.rnr_pending & st.rewind_pending
+        do_timeout = x_scan & stuck & ~st.rnr_pending & ~st.rewind_pending & timed_out
+        with m.If(x_scan & stuck & ~st.armed & ~st.rnr_pending):
+            m.d.comb += [x_new.armed.eq(1), x_new.stamp.eq(now)]
+        with m.If(x_scan & ~head_valid):
+            m.d.comb += x_new.armed.eq(0)
+        with m.If(x_scan & head_valid & can):
+            m.d.comb += x_marks.eq(1)
+
+        retries_out = Mux(do_rnr,
+                          (head_rec.rnr_retry != RNR_INFINITE) & (st.rnr_used >= head_rec.rnr_retry),
+                          st.retries_used >= head_rec.retry_cnt)
+        rewinds = Signal()
+        exhausted = Signal()
+        with m.If(do_rnr | do_nak | do_timeout):
+            m.d.comb += [x_new.rewind_pending.eq(0), x_new.rnr_pending.eq(0),
+                         x_new.armed.eq(0), x_marks.eq(1)]
+            with m.If(x_in_err | x_flushing):
+                # A QP in ERR does not send again: what it waits for is flushed.
+                m.d.comb += x_sets_flushing.eq(1)
+            with m.Elif(retries_out):
+                m.d.comb += [
+                    exhausted.eq(1),
+                    x_new.nak_pending.eq(1),
+                    x_new.nak_psn.eq(first_psn),
+                    x_new.nak_syndrome.eq(Mux(do_rnr, Syndrome.RNR_RETRY_EXC_ERR,
+                                              Syndrome.TRANSPORT_RETRY_EXC_ERR)),
+                ]
+            with m.Else():
+                m.d.comb += [
+                    rewinds.eq(1),
+                    x_new.ack_psn.eq(first_psn - 1),
+                    x_new.read_psn.eq(first_psn - 1),
+                    x_new.atomic_psn.eq(first_psn - 1),
+                    x_new.gap_seen.eq(1),
+                ]
+                with m.If(do_rnr):
+                    m.d.comb += x_new.rnr_used.eq(st.rnr_used + 1)
+                with m.Else():
+                    m.d.comb += x_new.retries_used.eq(st.retries_used + 1)
+        m.d.sync += [
+            self.rewind.valid.eq(rewinds & ~x_killed),
+            self.rewind.payload.qpn.eq(x_q),
+            self.rewind.payload.wqe_index.eq(head_rec.wqe_index),
+            self.rewind.payload.psn.eq(first_psn),
+        ]
 
         with m.If(complete & ~on_cur & ~drained):
             # The engine has left the QP meanwhile: come back for its next head.
@@ -764,9 +1022,14 @@ class CompletionUnit(wiring.Component):
             from_responder.imm.eq(Mux(recv_imm, recv_head.imm, 0)),
             from_responder.syndrome.eq(Mux(recv_error, recv_head.syndrome, 0)),
         ]
+        # A READ's or atomic's CQE waits until the ResponseWriter has written the data of
+        # its last response (``landed`` has passed that response's sequence number).
+        landed_gap = Signal(RESPONSE_SEQ_BITS)
+        m.d.comb += landed_gap.eq(self.landed - job_head.data_seq - 1)
+        job_ready = jobs.r_rdy & ~(job_head.wait_data & landed_gap[-1])
         # Round robin: after an engine job, a waiting receive completion goes first.
         responder_turn = Signal()
-        take_receive = receives.r_rdy & (~jobs.r_rdy | responder_turn)
+        take_receive = receives.r_rdy & (~job_ready | responder_turn)
         head = Signal(_CqeLayout())
         m.d.comb += head.eq(Mux(take_receive, from_responder, from_engine))
 
@@ -791,7 +1054,7 @@ class CompletionUnit(wiring.Component):
         o_done = o_valid & (~aw_pending | axi.awready) & (~w_pending | axi.wready)
         o_free = ~o_valid | o_done
         p_move = p_valid & o_free
-        load_p = (jobs.r_rdy | receives.r_rdy) & (~p_valid | p_move)
+        load_p = (job_ready | receives.r_rdy) & (~p_valid | p_move)
         m.d.comb += [
             jobs.r_en.eq(load_p & ~take_receive),
             receives.r_en.eq(load_p & take_receive),
@@ -873,4 +1136,8 @@ class CompletionUnit(wiring.Component):
         count(self.rx_dropped_icrc, sum(icrc_drops))
         count(self.rx_dropped_unexpected, sum(malformed_drops) + (x_ev & ~accept))
         count(self.cqe_write_errors, axi.bvalid & (axi.bresp != 0))
+        count(self.retransmits_nak, rewinds & do_nak & ~x_killed)
+        count(self.retransmits_timeout, rewinds & do_timeout & ~x_killed)
+        count(self.retransmits_rnr, rewinds & do_rnr & ~x_killed)
+        count(self.retries_exhausted, exhausted & ~x_killed)
         return m
