@@ -153,6 +153,7 @@ class _StateLayout(data.StructLayout):
             "retries_used": 3,
             "rnr_used": 3,
             "data_seq": RESPONSE_SEQ_BITS,  # the newest response the QP took data from
+            "rhead": count_bits,    # READ/atomic records whose responses all came
         })
 
 
@@ -164,6 +165,16 @@ class _TailLayout(data.StructLayout):
             "started": 1,           # a SENT record came since reset
             "sent_psn": PSN_BITS,
             "base_psn": PSN_BITS,   # the first SENT record's ``first_psn - 1``
+            "rtail": count_bits,    # SENT READ/atomic records taken, modulo 2 * QUEUE_DEPTH
+        })
+
+
+class _ReadLayout(data.StructLayout):
+    """A SENT RDMA_READ or atomic record as the response path needs it."""
+    def __init__(self):
+        super().__init__({
+            "first_psn": PSN_BITS, "last_psn": PSN_BITS, "byte_count": 32, "laddr": 64,
+            "mtu": 3, "atomic": 1,
         })
 
 
@@ -228,23 +239,27 @@ class CompletionUnit(wiring.Component):
     SENT record's ``first_psn - 1`` after reset). So stale, duplicate and future PSNs
     are dropped. Otherwise:
 
-    - ACKNOWLEDGE, ACK: ``ack_psn = p``;
+    - ACKNOWLEDGE, ACK: ``ack_psn = p``; if it covers R (below), R's responses went
+      missing: unless ``gap_seen``, a rewind is pending;
     - ACKNOWLEDGE, NAK code 1/2/3: ``ack_psn = p - 1``, fatal NAK pending at p;
     - ACKNOWLEDGE, NAK code 0 (PSN sequence error): ``ack_psn = p - 1``; unless
       ``gap_seen``, a rewind is pending (below);
     - ACKNOWLEDGE, RNR NAK: ``ack_psn = p - 1``; the RNR wait (the AETH timer code, IBA
       table 45, in ticks rounded up: ``RNR_TIMER_TICKS``) starts;
     - ACKNOWLEDGE, NAK code 4: counted only;
-    - READ response, ATOMIC ACKNOWLEDGE: *taken* only if ``p == ack_psn + 1``, the QP's
-      head record H is a SENT RDMA_READ (resp. atomic) holding p, the opcode is the one
-      its position in H needs (ONLY, FIRST, MIDDLE, LAST) and its payload is as long as
-      that position's (the path MTU, ``H.byte_count`` minus the bytes before it for the
-      last; an atomic's AtomicAckETH). Such an event is not issued while its QP may still
-      complete a head (it is marked or current, or an operation or record for it is in
-      flight), so H is the oldest incomplete record. Taken: ``ack_psn = p``, LAST/ONLY
-      ``read_psn = p``, atomic ``atomic_psn = p``, and a ``verdict`` to write its payload
-      at ``H.laddr + (p - H.first_psn) * mtu``. Not taken with ``ack_psn + 1 < p`` (a
-      response went missing): unless ``gap_seen``, a rewind is pending.
+    - READ response, ATOMIC ACKNOWLEDGE: these refer to R, the QP's oldest SENT
+      RDMA_READ or atomic record whose responses have not all been taken (a second
+      per-QP queue of those records, ``reads``, with its tail in the record path's row
+      and its head ``rhead`` in the engine's). One is *taken* only if R is a READ (resp.
+      an atomic), p is ``ack_psn + 1`` inside R or R's first PSN (then it also
+      acknowledges everything before R, as IBA lets a response do), the opcode is the
+      one its position in R needs (ONLY, FIRST, MIDDLE, LAST), and its payload is as
+      long as that position's (the path MTU; ``R.byte_count`` minus the bytes before it
+      for the last; the AtomicAckETH for an atomic). Taken: ``ack_psn = p``, LAST/ONLY
+      ``read_psn = p`` and R leaves the queue, atomic ``atomic_psn = p``, and a
+      ``verdict`` writes its payload at ``R.laddr + (p - R.first_psn) * mtu``. Not taken
+      with ``ack_psn + 1 < p`` (a response went missing): unless ``gap_seen``, a rewind
+      is pending.
 
     Every packet the ResponseWriter stored (READ responses, ATOMIC ACKNOWLEDGE, with the
     sequence number ``rx_seq`` gives beside its beats) gets exactly one decision: a
@@ -411,6 +426,15 @@ class CompletionUnit(wiring.Component):
         rec_write = records.write_port()
         # A record written in the cycle the engine reads a head is that head.
         rec_read = records.read_port(transparent_for=(rec_write,))
+
+        # Per QP, its SENT READ and atomic records again, in order (a second queue of the
+        # same depth, so it cannot fill first): responses refer to the oldest whose
+        # responses have not all come, which need not be the head (earlier WQEs may be
+        # acknowledged by the response itself, and completions lag events).
+        m.submodules.reads = reads = Memory(
+            shape=_ReadLayout(), depth=num_qps * QUEUE_DEPTH, init=[])
+        read_write = reads.write_port()
+        read_read = reads.read_port(transparent_for=(read_write,))
 
         m.submodules.jobs = jobs = fifo.SyncFIFOBuffered(width=_JobLayout().size, depth=JOB_DEPTH)
 
@@ -624,6 +648,22 @@ class CompletionUnit(wiring.Component):
             m.d.comb += [r_new.sent_psn.eq(r2_record.last_psn), r_new.started.eq(1)]
             with m.If(~r_tail.started):
                 m.d.comb += r_new.base_psn.eq(r2_record.first_psn - 1)
+        r2_atomic = ((r2_record.opcode == MlxOpcode.ATOMIC_CS.value)
+                     | (r2_record.opcode == MlxOpcode.ATOMIC_FA.value))
+        r2_reads = (r2_valid & (r2_record.status == CompletionStatus.SENT)
+                    & ((r2_record.opcode == MlxOpcode.RDMA_READ.value) | r2_atomic))
+        m.d.comb += [
+            read_write.addr.eq(Cat(r_tail.rtail[:slot_bits], r2_q)),
+            read_write.data.first_psn.eq(r2_record.first_psn),
+            read_write.data.last_psn.eq(r2_record.last_psn),
+            read_write.data.byte_count.eq(r2_record.byte_count),
+            read_write.data.laddr.eq(r2_record.laddr),
+            read_write.data.mtu.eq(r2_record.mtu),
+            read_write.data.atomic.eq(r2_atomic),
+            read_write.en.eq(r2_reads),
+        ]
+        with m.If(r2_reads):
+            m.d.comb += r_new.rtail.eq(r_tail.rtail + 1)
         # A record that becomes its QP's head marks the QP (the engine drops the mark if
         # the head cannot complete yet: an event marks it again).
         r_marks = r2_valid & (r_count == 0)
@@ -637,22 +677,10 @@ class CompletionUnit(wiring.Component):
         any_marked, pick = _round_robin(m, marked, cur_q, "qp_rr")
 
         # I: events first (their queues are short and the link does not wait), then timer
-        # scans when one is due, then completions, then scans. A READ response or atomic
-        # acknowledge needs its QP's oldest incomplete WQE at the head: it waits while the
-        # QP may still complete heads (marked, current, or an operation or record for it
-        # in flight), so its X sees the head the responses are for.
-        def head_busy(q):
-            return (marked.bit_select(q, 1) | (cur_active & (cur_q == q))
-                    | ((s_ev | s_cmp | s_scan) & (s_q == q))
-                    | ((x_ev | x_cmp | x_scan) & (x_q == q))
-                    | (r2_valid & (r2_q == q)))
-        event_ready = []
-        for v, queue in enumerate(event_queues):
-            head = _RxEventLayout()(queue.r_data)
-            needs_head = head.opcode.matches(*STORED_OPCODES)
-            event_ready.append(queue.r_rdy & ~(needs_head & head_busy(head.qpn[:qp_bits])))
+        # scans when one is due, then completions, then scans.
         last_vl = Signal(vl_index(num_vls))
-        any_event, event_vl = _round_robin(m, Cat(event_ready), last_vl, "vl_rr")
+        any_event, event_vl = _round_robin(
+            m, Cat(queue.r_rdy for queue in event_queues), last_vl, "vl_rr")
         event = _RxEventLayout()(Array(queue.r_data for queue in event_queues)[event_vl])
         for v, queue in enumerate(event_queues):
             m.d.comb += queue.r_en.eq(any_event & (event_vl == v))
@@ -723,6 +751,7 @@ class CompletionUnit(wiring.Component):
             ]
         m.d.comb += [
             rec_read.addr.eq(Cat(s_state.head[:slot_bits], s_q)),
+            read_read.addr.eq(Cat(s_state.rhead[:slot_bits], s_q)),
             s_count.eq(s_tail.tail - s_state.head),
         ]
         m.d.sync += [
@@ -752,6 +781,7 @@ class CompletionUnit(wiring.Component):
         head_rec = rec_read.data
         head_valid = st.head != x_tail.tail
         last_psn = head_rec.last_psn
+        first_psn = head_rec.first_psn
         opcode = head_rec.opcode
         head_sent = head_valid & (head_rec.status == CompletionStatus.SENT)
         head_is_read = head_sent & (opcode == MlxOpcode.RDMA_READ.value)
@@ -789,38 +819,46 @@ class CompletionUnit(wiring.Component):
                 with m.Case(ATOMIC_ACKNOWLEDGE):
                     m.d.comb += ev_atomic.eq(1)
 
-        # A READ response or atomic acknowledge is taken only in order (right after the
-        # acknowledged PSNs), for the head WQE (its events wait until the head is current),
-        # at the opcode and length of its position there; its payload then lands.
-        first_psn = head_rec.first_psn
+        # Responses with data refer to R, the QP's oldest READ/atomic whose responses have
+        # not all come. One is taken at the next PSN (``ack_psn + 1``) inside R, or at R's
+        # first PSN beyond it (it acknowledges the requests before R, as IBA allows), with
+        # the opcode and length of its position in R; its payload then lands.
+        rd = read_read.data
+        rd_valid = st.rhead != x_tail.rtail
         index = Signal(PSN_BITS)
-        m.d.comb += index.eq(p - first_psn)
-        at_first = p == first_psn
-        at_last = p == last_psn
+        m.d.comb += index.eq(p - rd.first_psn)
+        at_first = p == rd.first_psn
+        at_last = p == rd.last_psn
         want_opcode = Mux(at_first & at_last, READ_ONLY,
                           Mux(at_first, READ_FIRST, Mux(at_last, READ_LAST, READ_MIDDLE)))
         data_offset = Signal(PSN_BITS + 12)
-        m.d.comb += data_offset.eq((index << 7) << head_rec.mtu)
+        m.d.comb += data_offset.eq((index << 7) << rd.mtu)
         want_bytes = Signal(PSN_BITS + 13)
-        m.d.comb += want_bytes.eq(Mux(at_last, head_rec.byte_count - data_offset,
-                                      Const(128, 13) << head_rec.mtu))
-        in_order = p == (st.ack_psn + 1)[:PSN_BITS]
+        m.d.comb += want_bytes.eq(Mux(at_last, rd.byte_count - data_offset,
+                                      Const(128, 13) << rd.mtu))
+        next_psn = (st.ack_psn + 1)[:PSN_BITS]
+        in_position = ((p == next_psn) & _psn_le(rd.first_psn, p) & _psn_le(p, rd.last_psn)
+                       | at_first & _psn_lt(next_psn, p))
         take_read = Signal()
         take_atomic = Signal()
         m.d.comb += [
-            take_read.eq(ev_read & head_is_read & in_order & _psn_le(first_psn, p)
-                         & _psn_le(p, last_psn) & (x_event.opcode == want_opcode)
+            take_read.eq(ev_read & rd_valid & ~rd.atomic & in_position
+                         & (x_event.opcode == want_opcode)
                          & (x_event.payload_bytes == want_bytes)),
-            take_atomic.eq(ev_atomic & head_is_atomic & in_order & at_first & at_last),
+            take_atomic.eq(ev_atomic & rd_valid & rd.atomic & at_first),
         ]
         taken = take_read | take_atomic
-        # A response beyond the next expected PSN: the ones before it went missing.
-        response_gap = (ev_read | ev_atomic) & ~taken & _psn_lt((st.ack_psn + 1)[:PSN_BITS], p)
+        # A response past the next PSN that is not R's first: the ones before it went
+        # missing. An ACK covering R: R's responses went missing.
+        response_gap = (((ev_read | ev_atomic) & ~taken & _psn_lt(next_psn, p))
+                        | (ev_ack & rd_valid & _psn_le(rd.first_psn, p)))
 
         with m.If(ev_ack):
             m.d.comb += [x_new.ack_psn.eq(p), x_marks.eq(1)]
         with m.If(taken):
             m.d.comb += [x_new.ack_psn.eq(p), x_new.data_seq.eq(x_event.seq), x_marks.eq(1)]
+            with m.If(at_last):
+                m.d.comb += x_new.rhead.eq(st.rhead + 1)
         with m.If(take_read & at_last):
             m.d.comb += x_new.read_psn.eq(p)
         with m.If(take_atomic):
@@ -855,7 +893,7 @@ class CompletionUnit(wiring.Component):
             self.verdict.valid.eq(stored_event),
             self.verdict.payload.seq.eq(x_event.seq),
             self.verdict.payload.write.eq(taken & ~x_killed & (x_event.payload_bytes != 0)),
-            self.verdict.payload.addr.eq(head_rec.laddr + data_offset),
+            self.verdict.payload.addr.eq(rd.laddr + data_offset),
             self.verdict.payload.bytes.eq(x_event.payload_bytes),
             self.verdict.payload.offset.eq(Mux(x_event.opcode == READ_MIDDLE, LRH_BTH_BYTES,
                                                LRH_BTH_BYTES + AETH_BYTES)),
