@@ -12,14 +12,24 @@ rules, ``blocks`` within its pending blocks and its window, ``first_only`` only 
 nothing outstanding), and fairness: a QP that stays eligible sees at most ``num_qps``
 grants to others.
 
+The reference also keeps each QP's epoch: ``fetch.epoch`` and ``qp_epoch`` are checked
+every cycle, a ``fetch_done`` of an older epoch (or beside a rewind) leaves ``fetch_pi``,
+a rewind sets ``fetch_pi``, bumps the epoch, clears the wait and keeps the QP out of
+that cycle's and the next cycle's arbitration.
+
 Random runs: doorbells (accepted, duplicate, stale, backwards, too far, random, bad QPN,
 QPs in RESET), a fetch consumer with random ``ready`` that answers each accepted request
-after a random delay with ``consumed`` in 0..blocks (0 included), retires of random sizes
-up to what was fetched, QPs moving RTS -> ERR -> RESET (with ``qp_reset``, when idle) ->
-RTS with a new random context, everything possibly in the same cycle for the same QP.
+after a random delay with ``consumed`` in 0..blocks (0 included) and the request's epoch,
+retires of random sizes up to the furthest block fetched (so after a rewind ``done_ci``
+passes ``fetch_pi``, checked to happen), rewinds to a random block from ``done_ci`` on
+(and to QP numbers the scheduler lacks), QPs moving RTS -> ERR -> RESET (with
+``qp_reset``, when idle) -> RTS with a new random context, everything possibly in the
+same cycle for the same QP. Rewinds and stale fetch dones are checked to happen.
 Directed: the window limit, ``first_only`` and a window overrun by it, waiting after
 ``consumed == 0`` until an accepted doorbell or a retire, the 16-bit index wrap-around,
-the ERR state, all events in one cycle for one QP (``qp_reset`` wins), parameter checks.
+the ERR state, all events in one cycle for one QP (``qp_reset`` wins), rewinds (stale
+fetch done, the wait, beside a fetch done, a grant and a reset, ``done_ci`` past
+``fetch_pi``, the epoch wrapping), parameter checks.
 """
 import random
 
@@ -27,9 +37,10 @@ import pytest
 from amaranth.sim import Simulator
 
 from hdl.nic.doorbell_scheduler import DoorbellScheduler
-from hdl.nic.signatures import COUNTERS, QpState
+from hdl.nic.signatures import COUNTERS, EPOCH_BITS, QpState
 
 MASK = 0xFFFF
+EPOCH_MASK = (1 << EPOCH_BITS) - 1
 COUNTER_NAMES = [name for name, _ in COUNTERS["DoorbellScheduler"]]
 ACTIVE = (QpState.RTS, QpState.ERR)
 
@@ -45,6 +56,7 @@ class Qp:
 
     def clear(self):
         self.db = self.fp = self.dc = 0
+        self.epoch = 0
         self.in_flight = False
         self.waiting = False
 
@@ -54,7 +66,9 @@ class Qp:
 
     @property
     def outstanding(self):
-        return (self.fp - self.dc) & MASK
+        # done_ci may pass fetch_pi after a rewind (retired before the refetch): 0 then.
+        ahead = (self.fp - self.dc) & MASK
+        return 0 if ahead >= 1 << 15 else ahead
 
     @property
     def busy(self):
@@ -94,13 +108,15 @@ def check_doorbell(qp, n, qpn, pi):
 
 class Inputs:
     """What the bench drives in one cycle."""
-    __slots__ = ("doorbell", "fetch_done", "retire", "reset", "ready")
+    __slots__ = ("doorbell", "fetch_done", "retire", "reset", "rewind", "ready")
 
-    def __init__(self, doorbell=None, fetch_done=None, retire=None, reset=None, ready=True):
+    def __init__(self, doorbell=None, fetch_done=None, retire=None, reset=None, rewind=None,
+                 ready=True):
         self.doorbell = doorbell        # (qpn, pi)
-        self.fetch_done = fetch_done    # (qpn, consumed)
+        self.fetch_done = fetch_done    # (qpn, consumed[, epoch]): the QP's epoch if not given
         self.retire = retire            # (qpn, blocks)
         self.reset = reset              # qpn
+        self.rewind = rewind            # (qpn, wqe_index)
         self.ready = ready
 
 
@@ -114,6 +130,8 @@ class Reference:
         self.touched = set()            # QPs whose state changed in the previous cycle
         self.last = None                # last granted QP
         self.out = None                 # (qpn, wqe_index, blocks, first_only) offered on fetch
+        self.out_epoch = None           # and its epoch
+        self.stale_dones = 0            # fetch_done of an old epoch seen
         self.counters = dict.fromkeys(COUNTER_NAMES, 0)
         self.passed = [0] * n           # grants to others while this QP stayed eligible
         self.grants = 0
@@ -123,7 +141,8 @@ class Reference:
         n, qps = self.n, self.qps
         usable = [q for q in range(n)
                   if self.plans[q] is not None and q not in self.touched
-                  and qps[q].state in ACTIVE and q != ins.reset]
+                  and qps[q].state in ACTIVE and q != ins.reset
+                  and (ins.rewind is None or q != ins.rewind[0])]
         grant = None
         if self.out is None or ins.ready:
             above = [q for q in usable if self.last is not None and q > self.last]
@@ -132,6 +151,7 @@ class Reference:
         accepted = self.out if self.out is not None and ins.ready else None
         if accepted is not None:
             self.counters["wqe_fetches"] += 1
+            self.accepted_epoch = self.out_epoch
 
         # The documented rules, on this cycle's state, whatever the pipelining.
         eligible = {q for q in range(n) if qps[q].state in ACTIVE and plan(qps[q]) is not None}
@@ -148,6 +168,7 @@ class Reference:
                 assert qp.outstanding + blocks <= qp.max_out, (t, grant, "window overrun")
             self.grants += 1
             request = (grant, qp.fp, blocks, first_only)
+            request_epoch = qp.epoch
         for q in range(n):
             if q in eligible and grant is not None and grant != q:
                 self.passed[q] += 1
@@ -157,17 +178,23 @@ class Reference:
 
         self.plans = [plan(qp) for qp in qps]
 
-        db_hit = done_hit = retire_hit = None
-        consumed_none = False
+        db_hit = done_hit = retire_hit = rewind_hit = None
+        consumed_none = fresh = False
         if ins.doorbell is not None:
             qpn, pi = ins.doorbell
             verdict = check_doorbell(qps[qpn] if qpn < n else None, n, qpn, pi)
             self.counters[verdict] += 1
             if verdict == "doorbells_accepted":
                 db_hit = qpn
+        if ins.rewind is not None and ins.rewind[0] < n:
+            rewind_hit = ins.rewind[0]
         if ins.fetch_done is not None and ins.fetch_done[0] < n:
-            done_hit, consumed = ins.fetch_done
-            consumed_none = consumed == 0
+            done_hit, consumed = ins.fetch_done[:2]
+            epoch = ins.fetch_done[2] if len(ins.fetch_done) > 2 else qps[done_hit].epoch
+            # An older epoch's answer, or one beside a rewind: fetch_pi stays.
+            fresh = epoch == qps[done_hit].epoch and done_hit != rewind_hit
+            self.stale_dones += epoch != qps[done_hit].epoch
+            consumed_none = consumed == 0 and fresh
         if ins.retire is not None and ins.retire[0] < n:
             retire_hit = ins.retire[0]
 
@@ -175,10 +202,16 @@ class Reference:
             qps[db_hit].db = ins.doorbell[1]
         if done_hit is not None:
             qp = qps[done_hit]
-            qp.fp = (qp.fp + ins.fetch_done[1]) & MASK
+            if fresh:
+                qp.fp = (qp.fp + ins.fetch_done[1]) & MASK
             qp.in_flight = False
             if consumed_none:
                 qp.waiting = True
+        if rewind_hit is not None:
+            qp = qps[rewind_hit]
+            qp.fp = ins.rewind[1]
+            qp.epoch = (qp.epoch + 1) & EPOCH_MASK
+            qp.waiting = False
         if retire_hit is not None:
             qp = qps[retire_hit]
             qp.dc = (qp.dc + ins.retire[1]) & MASK
@@ -191,10 +224,11 @@ class Reference:
             self.last = grant
         if ins.reset is not None and ins.reset < n:
             qps[ins.reset].clear()
-        self.touched = {q for q in (ins.reset, grant) if q is not None}
+        self.touched = {q for q in (ins.reset, grant, rewind_hit) if q is not None}
 
         if grant is not None:
             self.out = request
+            self.out_epoch = request_epoch
         elif ins.ready:
             self.out = None
         return accepted
@@ -212,6 +246,8 @@ class Bench:
         self._cache = {}
         self.db_qpn, self.db_pi = dut.doorbell.p.qpn, dut.doorbell.p.pi
         self.done_qpn, self.done_consumed = dut.fetch_done.p.qpn, dut.fetch_done.p.consumed
+        self.done_epoch = dut.fetch_done.p.epoch
+        self.rewind_qpn, self.rewind_index = dut.rewind.p.qpn, dut.rewind.p.wqe_index
         self.retire_qpn, self.retire_blocks = dut.retire.p.qpn, dut.retire.p.blocks
 
     def _set(self, sig, value):
@@ -243,6 +279,9 @@ class Bench:
             p = dut.fetch.p
             got = (ctx.get(p.qpn), ctx.get(p.wqe_index), ctx.get(p.blocks), ctx.get(p.first_only))
             assert got == ref.out, (t, "fetch request", got, ref.out)
+            assert ctx.get(p.epoch) == ref.out_epoch, (t, "fetch epoch")
+        for q, qp in enumerate(ref.qps):
+            assert ctx.get(dut.qp_epoch[q]) == qp.epoch, (t, "qp_epoch", q)
         busy = ctx.get(dut.qp_busy)
         expected = sum(1 << q for q, qp in enumerate(ref.qps) if qp.busy)
         assert busy == expected, (t, "qp_busy", hex(busy), hex(expected))
@@ -263,6 +302,13 @@ class Bench:
         if ins.fetch_done is not None:
             self._set(self.done_qpn, ins.fetch_done[0])
             self._set(self.done_consumed, ins.fetch_done[1])
+            q = ins.fetch_done[0]
+            self._set(self.done_epoch, ins.fetch_done[2] if len(ins.fetch_done) > 2
+                      else self.ref.qps[q].epoch if q < self.n else 0)
+        self._set(dut.rewind.valid, int(ins.rewind is not None))
+        if ins.rewind is not None:
+            self._set(self.rewind_qpn, ins.rewind[0])
+            self._set(self.rewind_index, ins.rewind[1])
         self._set(dut.retire.valid, int(ins.retire is not None))
         if ins.retire is not None:
             self._set(self.retire_qpn, ins.retire[0])
@@ -311,7 +357,7 @@ class Traffic:
     """Host, fetch consumer, completion unit and register block, all random."""
 
     def __init__(self, bench, rng, *, doorbell_rate=0.4, ready_rate=0.7, retire_rate=0.35,
-                 state_rate=0.02, max_delay=8, zero_rate=0.15):
+                 state_rate=0.02, max_delay=8, zero_rate=0.15, rewind_rate=0.03):
         self.bench = bench
         self.rng = rng
         self.doorbell_rate = doorbell_rate
@@ -320,8 +366,14 @@ class Traffic:
         self.state_rate = state_rate
         self.max_delay = max_delay
         self.zero_rate = zero_rate
-        self.fetches = []               # (due cycle, request) accepted, not yet answered
+        self.rewind_rate = rewind_rate
+        self.fetches = []               # (due cycle, request, epoch) accepted, not yet answered
         self.requests = []
+        # Per QP, the furthest fetch_pi reached: the completion unit holds records up to
+        # there, so it may retire up to it and rewind to any WQE from done_ci on.
+        self.high = [0] * bench.n
+        self.rewinds = 0
+        self.done_passed_fetch = 0      # cycles some QP had done_ci past fetch_pi
 
     def random_context(self, q):
         rng = self.rng
@@ -347,19 +399,30 @@ class Traffic:
             self.fetches.remove(f)
             qpn, _, blocks, _ = f[1]
             qp = ref.qps[qpn]
+            epoch = f[2]
             # Nothing consumed only while a retire or a doorbell can still end the wait.
             can_wait = qp.outstanding or (qp.dc + (1 << qp.log_sq_size) - qp.db) & MASK
             r = rng.random()
             low = 0 if can_wait else 1
             consumed = (low if r < self.zero_rate else blocks if r < 0.65
                         else rng.randint(low, blocks))
-            ins.fetch_done = (qpn, consumed)
+            ins.fetch_done = (qpn, consumed, epoch)
 
+        owed = [(self.high[q] - qp.dc) & MASK for q, qp in enumerate(ref.qps)]
         if rng.random() < self.retire_rate:
-            owing = [q for q, qp in enumerate(ref.qps) if qp.outstanding]
+            owing = [q for q in range(n) if owed[q]]
             if owing:
                 q = rng.choice(owing)
-                ins.retire = (q, rng.randint(1, min(16, ref.qps[q].outstanding)))
+                ins.retire = (q, rng.randint(1, min(16, owed[q])))
+
+        if rng.random() < self.rewind_rate:
+            owing = [q for q in range(n) if owed[q]]
+            if rng.random() < 0.05:
+                ins.rewind = (rng.randrange(n, 256), rng.getrandbits(16))    # no such QP
+            elif owing:
+                q = rng.choice(owing)
+                ins.rewind = (q, (ref.qps[q].dc + rng.randrange(owed[q])) & MASK)
+                self.rewinds += 1
 
         if rng.random() < self.state_rate:
             q = rng.randrange(n)
@@ -383,10 +446,18 @@ class Traffic:
             self.random_context(q)
             bench.configure(q, state=rng.choice([QpState.RTS] * 4 + [QpState.ERR, QpState.RESET]))
         for _ in range(cycles):
-            accepted = await bench.cycle(self.inputs())
+            ins = self.inputs()
+            accepted = await bench.cycle(ins)
             if accepted is not None:
                 self.requests.append(accepted)
-                self.fetches.append((bench.t + rng.randint(0, self.max_delay), accepted))
+                self.fetches.append((bench.t + rng.randint(0, self.max_delay), accepted,
+                                     bench.ref.accepted_epoch))
+            for q, qp in enumerate(bench.ref.qps):
+                if q == ins.reset:
+                    self.high[q] = 0
+                elif 0 < (qp.fp - self.high[q]) & MASK < 1 << 15:
+                    self.high[q] = qp.fp
+                self.done_passed_fetch += (qp.fp - qp.dc) & MASK >= 1 << 15
 
 
 def counters_never_hit(ref):
@@ -411,6 +482,8 @@ def test_random(num_qps, seed, cycles):
         assert ref.grants > cycles // 50
         assert any(r[3] for r in traffic.requests) or num_qps == 1, "no first_only request"
         assert any(r[2] < 16 and not r[3] and r[2] < ref.qps[r[0]].max_out for r in traffic.requests)
+        assert traffic.rewinds > cycles // 300 and ref.stale_dones > 0
+        assert traffic.done_passed_fetch > 0
 
     simulate(num_qps, body)
 
@@ -618,6 +691,74 @@ def test_everything_in_one_cycle():
         await bench.cycle(Inputs(reset=0))
         assert bench.ref.out is None or bench.ref.out[0] != 0
         assert await run_for(bench, 5) == []
+
+    simulate(2, body)
+
+
+def test_rewind():
+    """Rewinds: fetch_pi and the epoch, a stale fetch_done (fetch_pi stays, the fetch ends),
+    the wait cleared, a rewind beside a fresh fetch_done (the rewind wins) and in the
+    cycle of a grant (no grant, the QP sits out one more cycle), done_ci past fetch_pi
+    (an empty window), the epoch wrapping, qp_reset clearing it."""
+    async def body(bench):
+        ref = bench.ref
+        qp = ref.qps[0]
+        await start(bench, 0, max_out=40)
+        await start(bench, 1)
+        await bench.cycle(Inputs(doorbell=(0, 40)))
+        assert await next_request(bench) == (0, 0, 16, 0) and ref.accepted_epoch == 0
+        await bench.cycle(Inputs(fetch_done=(0, 16)))
+        assert await next_request(bench) == (0, 16, 16, 0)
+        await bench.cycle(Inputs(rewind=(0, 4)))                # that fetch still in flight
+        assert (qp.fp, qp.epoch, qp.in_flight) == (4, 1, True)
+        assert await run_for(bench, 5) == []
+        await bench.cycle(Inputs(fetch_done=(0, 16, 0)))        # stale: fetch_pi stays
+        assert (qp.fp, qp.in_flight) == (4, False) and ref.stale_dones == 1
+        assert await next_request(bench) == (0, 4, 16, 0) and ref.accepted_epoch == 1
+        await bench.cycle(Inputs(fetch_done=(0, 0)))            # fresh, nothing consumed: waits
+        assert qp.waiting
+        assert await run_for(bench, 4) == []
+        await bench.cycle(Inputs(rewind=(0, 2)))                # ends the wait
+        assert not qp.waiting and qp.epoch == 2
+        assert await next_request(bench) == (0, 2, 16, 0) and ref.accepted_epoch == 2
+        # Beside a fresh fetch_done the rewind's fetch_pi wins; the fetch has ended.
+        await bench.cycle(Inputs(fetch_done=(0, 16, 2), rewind=(0, 3)))
+        assert (qp.fp, qp.epoch, qp.in_flight) == (3, 3, False)
+        assert await next_request(bench) == (0, 3, 16, 0) and ref.accepted_epoch == 3
+        # A stale consumed == 0 answer does not make the QP wait.
+        await bench.cycle(Inputs(rewind=(0, 3)))
+        await bench.cycle(Inputs(fetch_done=(0, 0, 3)))
+        assert not qp.waiting and qp.fp == 3
+        # A rewind in the cycle the QP would be granted: no grant then or in the next cycle.
+        await bench.cycle(Inputs())
+        assert ref.plans[0] is not None and 0 not in ref.touched
+        await bench.cycle(Inputs(rewind=(0, 5)))
+        assert ref.out is None and 0 in ref.touched
+        await bench.cycle(Inputs())
+        assert ref.out is None
+        assert await next_request(bench) == (0, 5, 16, 0) and ref.accepted_epoch == 5
+        # Retired past fetch_pi after a rewind (late acknowledgements): the window is empty.
+        await bench.cycle(Inputs(fetch_done=(0, 16), retire=(0, 12)))
+        await bench.cycle(Inputs(rewind=(0, 12)))
+        assert await next_request(bench) == (0, 12, 16, 0)
+        await bench.cycle(Inputs(rewind=(0, 12), retire=(0, 9)))     # done_ci 21 > fetch_pi 12
+        bench.configure(0, max_out=8)                                 # (while in flight)
+        await bench.cycle(Inputs(fetch_done=(0, 16, 6)))              # stale
+        await bench.cycle(Inputs(doorbell=(0, 60)))
+        assert qp.outstanding == 0 and (qp.fp - qp.dc) & MASK > 1 << 15
+        assert await next_request(bench) == (0, 12, 16, 1)            # alone, as with none
+        await bench.cycle(Inputs(fetch_done=(0, 16)))
+        assert await next_request(bench) == (0, 28, 1, 0)             # window 8 - 7
+        await bench.cycle(Inputs(fetch_done=(0, 1)))
+        # Sixteen rewinds bring the epoch round; a reset clears it.
+        for _ in range(16):
+            await bench.cycle(Inputs(rewind=(0, 29)))
+        assert qp.epoch == 7                                            # 23 mod 16
+        await bench.cycle(Inputs(rewind=(1, 0)))
+        assert ref.qps[1].epoch == 1
+        await bench.cycle(Inputs(rewind=(1, 0), reset=1))             # the reset wins
+        assert (ref.qps[1].epoch, ref.qps[1].fp) == (0, 0)
+        await run_for(bench, 3)
 
     simulate(2, body)
 

@@ -3,8 +3,8 @@ from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from hdl.nic.signatures import (
-    COUNTERS, MAX_WQE_BLOCKS, DoorbellLayout, EventSignature, FetchDoneLayout,
-    FetchRequestLayout, QpState, RetireLayout,
+    COUNTERS, EPOCH_BITS, MAX_WQE_BLOCKS, DoorbellLayout, EventSignature, FetchDoneLayout,
+    FetchRequestLayout, QpState, RetireLayout, RewindLayout,
 )
 
 __all__ = ["DoorbellScheduler"]
@@ -30,7 +30,24 @@ class DoorbellScheduler(wiring.Component):
     ``done_ci`` (next basic block to complete), ``in_flight`` (a fetch request granted and
     not yet answered by ``fetch_done``; offered and not yet accepted counts) and
     ``waiting`` (its last fetch consumed nothing; cleared by an accepted doorbell or a
-    retire). Indices compare modulo 2^16.
+    retire). Indices compare modulo 2^16. ``epoch`` (``qp_epoch``) counts the QP's rewinds
+    modulo 2^EPOCH_BITS; every fetch request carries it.
+
+    ``rewind`` (go-back-N, from the completion unit): ``fetch_pi := wqe_index``, ``epoch +=
+    1``, ``waiting`` clears; a fetch in flight stays in flight (its ``fetch_done`` still
+    comes, with the old epoch, and then only clears ``in_flight``: a ``fetch_done`` whose
+    epoch is not the QP's current one never moves ``fetch_pi`` nor sets ``waiting``). Same
+    cycle, same QP: the rewind's ``fetch_pi`` wins over a ``fetch_done`` (which still ends
+    the fetch in flight; its epoch is compared with the epoch before the rewind), a
+    doorbell and a retire apply as usual, ``qp_reset`` wins over the rewind, and the QP
+    is masked from that cycle's arbitration (a grant would fetch from the old index with
+    the old epoch) and sits out the next one (its plan is from before the rewind, and a
+    rewind may move ``fetch_pi`` forward, past blocks completed meanwhile). A request granted before and still offered on ``fetch`` keeps its
+    old epoch: it is stale and its descriptors are squashed by the executor. The
+    completion unit may retire the rewound WQE (a late acknowledgement) before it is
+    fetched again, so ``done_ci`` can pass ``fetch_pi``; ``outstanding`` then counts as 0
+    (the window is empty: the blocks being fetched again have completed) until
+    ``fetch_pi`` catches up.
 
     Doorbells are checked in the documented order against the QP's indices at the start
     of the cycle (a retire of the same cycle does not yet count for ``doorbells_too_far``).
@@ -50,11 +67,13 @@ class DoorbellScheduler(wiring.Component):
     (doorbells, retires), and what shrinks them (``fetch_done``, waiting) happens only
     while the QP is in flight, when its plan is not eligible. So a request follows the
     documented rules on the QP's state of the cycle before its grant; it may be smaller
-    than the newest state would allow, never larger. Only a grant or a reset makes a
-    plan wrong, and the QP then sits out the next arbitration. Tracking an eligible bit
-    incrementally instead would need the same subtractions at every event port plus
-    forwarding between same-cycle events, for no saving. A doorbell in cycle t can be
-    granted in t + 2, offered on ``fetch`` from t + 3. QP context fields
+    than the newest state would allow, never larger. Only a grant, a reset or a rewind
+    makes a plan wrong, and the QP then sits out the next arbitration. Tracking an
+    eligible bit incrementally instead would need the same subtractions at every event
+    port plus forwarding between same-cycle events, for no saving. A doorbell in cycle t
+    can be granted in t + 2, offered on ``fetch`` from t + 3; a rewind in cycle t shows
+    on ``qp_epoch`` from t + 1, and the QP's refetch (once no fetch of it is in flight)
+    can be granted in t + 2, offered from t + 3. QP context fields
     (``qp_log_sq_size``, ``qp_max_outstanding``) are assumed to change only while their
     QP is in RESET.
     """
@@ -72,6 +91,8 @@ class DoorbellScheduler(wiring.Component):
             "fetch": Out(stream.Signature(FetchRequestLayout())),
             "fetch_done": In(stream.Signature(FetchDoneLayout(), always_ready=True)),
             "retire": In(stream.Signature(RetireLayout(), always_ready=True)),
+            "rewind": In(stream.Signature(RewindLayout(), always_ready=True)),
+            "qp_epoch": Out(EPOCH_BITS).array(num_qps),
             "qp_busy": Out(num_qps),
         }
         for name, _ in COUNTERS["DoorbellScheduler"]:
@@ -86,8 +107,10 @@ class DoorbellScheduler(wiring.Component):
         db_pi = [Signal(INDEX_BITS, name=f"db_pi{q}") for q in range(n)]
         fetch_pi = [Signal(INDEX_BITS, name=f"fetch_pi{q}") for q in range(n)]
         done_ci = [Signal(INDEX_BITS, name=f"done_ci{q}") for q in range(n)]
+        epoch = [Signal(EPOCH_BITS, name=f"epoch{q}") for q in range(n)]
         in_flight = Signal(n)
         waiting = Signal(n)
+        m.d.comb += [self.qp_epoch[q].eq(epoch[q]) for q in range(n)]
 
         def decode(valid, qpn):
             """One bit per QP: ``valid`` and ``qpn`` names that QP (none for a bad qpn)."""
@@ -131,6 +154,14 @@ class DoorbellScheduler(wiring.Component):
         done_hit = decode(self.fetch_done.valid, self.fetch_done.p.qpn)
         retire_hit = decode(self.retire.valid, self.retire.p.qpn)
         reset_hit = decode(self.qp_reset.valid, self.qp_reset.qpn)
+        rewind_hit = decode(self.rewind.valid, self.rewind.p.qpn)
+        # A fetch_done of an older epoch answers a fetch from before a rewind: its blocks
+        # are not the QP's current stream.
+        done_fresh = Signal()
+        m.d.comb += done_fresh.eq(
+            self.fetch_done.p.epoch == Array(epoch)[self.fetch_done.p.qpn[:qp_bits]])
+        fresh_hit = Signal(n)
+        m.d.comb += fresh_hit.eq(Mux(done_fresh, done_hit, 0) & ~rewind_hit)
 
         # One shared adder per event port: the event's QP is selected, not 64 adders built.
         new_fetch_pi = Signal(INDEX_BITS)
@@ -147,6 +178,7 @@ class DoorbellScheduler(wiring.Component):
         plans = [Signal(plan_layout, name=f"plan{q}") for q in range(n)]
         for q in range(n):
             pending = Signal(INDEX_BITS, name=f"pending{q}")
+            ahead_of_done = Signal(INDEX_BITS, name=f"ahead_of_done{q}")
             outstanding = Signal(INDEX_BITS, name=f"outstanding{q}")
             want = Signal(range(MAX_WQE_BLOCKS + 1), name=f"want{q}")
             max_out = self.qp_max_outstanding[q]
@@ -154,7 +186,9 @@ class DoorbellScheduler(wiring.Component):
             room = Signal(signed(INDEX_BITS + 2), name=f"room{q}")
             m.d.comb += [
                 pending.eq(db_pi[q] - fetch_pi[q]),
-                outstanding.eq(fetch_pi[q] - done_ci[q]),
+                ahead_of_done.eq(fetch_pi[q] - done_ci[q]),
+                # done_ci past fetch_pi (retired after a rewind, before the refetch): 0.
+                outstanding.eq(Mux(ahead_of_done[-1], 0, ahead_of_done)),
                 want.eq(Mux(pending > MAX_WQE_BLOCKS, MAX_WQE_BLOCKS, pending)),
                 room.eq(max_out - outstanding),
             ]
@@ -178,7 +212,8 @@ class DoorbellScheduler(wiring.Component):
         active = Signal(n)
         m.d.comb += active.eq(Cat((s == QpState.RTS) | (s == QpState.ERR) for s in self.qp_state))
         usable = Signal(n)
-        m.d.comb += usable.eq(Cat(p.eligible for p in plans) & ~touched & active & ~reset_hit)
+        m.d.comb += usable.eq(Cat(p.eligible for p in plans) & ~touched & active &
+                              ~(reset_hit | rewind_hit))
 
         above = Signal(n)                   # QPs after the last granted one
         first_above = Signal(n)
@@ -202,9 +237,11 @@ class DoorbellScheduler(wiring.Component):
         # AND-OR over the one-hot grant: a balanced OR tree, not a 64-deep priority chain.
         chosen = Signal(plan_layout)
         chosen_index = Signal(INDEX_BITS)
+        chosen_epoch = Signal(EPOCH_BITS)
         m.d.comb += [
             chosen.eq(_or_all(Mux(grant[q], plans[q].as_value(), 0) for q in range(n))),
             chosen_index.eq(_or_all(Mux(grant[q], fetch_pi[q], 0) for q in range(n))),
+            chosen_epoch.eq(_or_all(Mux(grant[q], epoch[q], 0) for q in range(n))),
         ]
 
         with m.If(grant != 0):
@@ -214,6 +251,7 @@ class DoorbellScheduler(wiring.Component):
                 self.fetch.p.wqe_index.eq(chosen_index),
                 self.fetch.p.blocks.eq(chosen.blocks),
                 self.fetch.p.first_only.eq(chosen.first_only),
+                self.fetch.p.epoch.eq(chosen_epoch),
             ]
         with m.Elif(self.fetch.ready):
             m.d.sync += self.fetch.valid.eq(0)
@@ -222,11 +260,13 @@ class DoorbellScheduler(wiring.Component):
         # --- per-QP state updates -----------------------------------------------------------
         for q in range(n):
             with m.If(reset_hit[q]):
-                m.d.sync += [db_pi[q].eq(0), fetch_pi[q].eq(0), done_ci[q].eq(0)]
+                m.d.sync += [db_pi[q].eq(0), fetch_pi[q].eq(0), done_ci[q].eq(0), epoch[q].eq(0)]
             with m.Else():
                 with m.If(db_hit[q]):
                     m.d.sync += db_pi[q].eq(db.pi)
-                with m.If(done_hit[q]):
+                with m.If(rewind_hit[q]):
+                    m.d.sync += [fetch_pi[q].eq(self.rewind.p.wqe_index), epoch[q].eq(epoch[q] + 1)]
+                with m.Elif(fresh_hit[q]):
                     m.d.sync += fetch_pi[q].eq(new_fetch_pi)
                 with m.If(retire_hit[q]):
                     m.d.sync += done_ci[q].eq(new_done_ci)
@@ -234,11 +274,12 @@ class DoorbellScheduler(wiring.Component):
         # A doorbell or retire in the cycle of a consumed == 0 answer brings what the fetch
         # did not see, so it cancels the wait rather than waiting for the next one.
         consumed_none = Signal(n)
-        m.d.comb += consumed_none.eq(Mux(self.fetch_done.p.consumed == 0, done_hit, 0))
+        m.d.comb += consumed_none.eq(Mux(self.fetch_done.p.consumed == 0, fresh_hit, 0))
         m.d.sync += [
             in_flight.eq((in_flight & ~done_hit | grant) & ~reset_hit),
-            waiting.eq((waiting | consumed_none) & ~db_hit & ~retire_hit & ~reset_hit),
-            touched.eq(reset_hit | grant),
+            waiting.eq((waiting | consumed_none) & ~db_hit & ~retire_hit & ~reset_hit &
+                       ~rewind_hit),
+            touched.eq(reset_hit | grant | rewind_hit),
         ]
 
         # Rung but unfetched WQEs do not count: a move to RESET drops them without
