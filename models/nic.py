@@ -238,7 +238,7 @@ _WRITE_OPS = {
 @dataclass
 class WqeResult:
     """What the NIC does with one WQE: ``CompletionRecordLayout`` plus the packets
-    (byte_count and PSNs are 0 unless SENT, as the executor's record has them)."""
+    (byte_count, PSNs and laddr are 0 unless SENT, as the executor's record has them)."""
     qpn: int
     cqn: int
     wqe_index: int
@@ -253,8 +253,15 @@ class WqeResult:
     byte_count: int = 0
     signaled: bool = False
     laddr: int = 0              # where READ data / the atomic's original value go
-    mtu_bytes: int = 4096
+    mtu: int = 5                # the QP's path MTU code (mtu_bytes = 128 << mtu)
+    retry_cnt: int = 7          # the QP's retry limits and ACK timeout, for the reliability
+    rnr_retry: int = 7          # engine (docs/nic-reliability.md)
+    ack_timeout: int = 0
     wqe: ParsedWqe | None = None
+
+    @property
+    def mtu_bytes(self) -> int:
+        return 128 << self.mtu
 
     def cqe(self, owner: int = 0) -> Cqe:
         """The CQE this WQE completes with if nothing goes wrong remotely."""
@@ -273,7 +280,9 @@ class WqeResult:
         return dict(qpn=self.qpn, cqn=self.cqn, wqe_index=self.wqe_index & 0xFFFF,
                     wqe_blocks=self.wqe_blocks, opcode=self.opcode, byte_count=self.byte_count,
                     first_psn=self.first_psn, last_psn=self.last_psn, signaled=int(self.signaled),
-                    status=self.status.code, syndrome=int(self.syndrome))
+                    status=self.status.code, syndrome=int(self.syndrome), laddr=self.laddr,
+                    mtu=self.mtu, retry_cnt=self.retry_cnt, rnr_retry=self.rnr_retry,
+                    ack_timeout=self.ack_timeout)
 
 
 class RequesterModel:
@@ -361,17 +370,19 @@ class RequesterModel:
         result = WqeResult(qpn=qpn, cqn=qp.cqn, wqe_index=wqe_index & 0xFFFF,
                            wqe_blocks=wqe.wqe_blocks, opcode=wqe.opcode,
                            status=CompletionStatus.SENT, signaled=bool(wqe.fm_ce_se & CTRL_CQ_UPDATE),
-                           byte_count=wqe.length, laddr=wqe.laddr, mtu_bytes=qp.mtu_bytes, wqe=wqe)
+                           byte_count=wqe.length, laddr=wqe.laddr, mtu=qp.mtu,
+                           retry_cnt=qp.retry_cnt, rnr_retry=qp.rnr_retry,
+                           ack_timeout=qp.ack_timeout, wqe=wqe)
         if self.state[qpn] != QpState.RTS:
             result.status = CompletionStatus.FLUSH
             result.syndrome = Syndrome.WR_FLUSH_ERR
-            result.byte_count = 0
+            result.byte_count = result.laddr = 0
             return result
         syndrome = self._check(qp, wqe, fetch_error)
         if syndrome:
             result.status = CompletionStatus.ERROR
             result.syndrome = syndrome
-            result.byte_count = 0
+            result.byte_count = result.laddr = 0
             self.state[qpn] = QpState.ERR
             return result
         self._packets(qpn, qp, wqe, result, read_memory)
@@ -493,9 +504,26 @@ _READ_RESPONSES = _RESPONSES - {Opcode.ACKNOWLEDGE, Opcode.ATOMIC_ACKNOWLEDGE}
 _ATOMIC_MLX = (MlxOpcode.ATOMIC_CS, MlxOpcode.ATOMIC_FA)
 
 
+# IBA RNR NAK timer field (AETH bits 4..0) -> the wait in microseconds (IBA table 45).
+RNR_TIMER_US = (655360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280,
+                1920, 2560, 3840, 5120, 7680, 10240, 15360, 20480, 30720, 40960, 61440,
+                81920, 122880, 163840, 245760, 327680, 491520)
+RNR_RETRY_UNLIMITED = 7
+
+
+@dataclass
+class Rewind:
+    """A ``rewind`` strobe (``RewindLayout``) and why: "nak" (sequence NAK or a gap in the
+    responses), "timeout" or "rnr"."""
+    qpn: int
+    wqe_index: int
+    psn: int
+    cause: str
+
+
 @dataclass
 class _QpProgress:
-    """The completion unit's per-QP PSN state (hdl/nic/completion_unit.py)."""
+    """The completion unit's per-QP PSN and retry state (hdl/nic/completion_unit.py)."""
     has_sent: bool = False
     ack_psn: int = 0         # newest acknowledged PSN
     sent_psn: int = 0        # last PSN of the newest SENT record
@@ -503,28 +531,58 @@ class _QpProgress:
     atomic_psn: int = 0      # newest ATOMIC ACKNOWLEDGE
     nak: tuple | None = None  # (psn, syndrome) of a fatal NAK not yet applied
     flushing: bool = False
+    rewind_pending: bool = False
+    gap_seen: bool = False   # rewound since the last progress: more NAKs/gaps are echoes
+    rnr_pending: bool = False
+    rnr_code: int = 0
+    retries_used: int = 0
+    rnr_used: int = 0
 
 
 class CompletionModel:
-    """The NIC's completion unit (docs/nic.md, "Completions"; the PSN rules of
-    hdl/nic/completion_unit.py).
+    """The NIC's completion unit (docs/nic.md, "Completions"; the PSN and retry rules of
+    hdl/nic/completion_unit.py, docs/nic-reliability.md).
 
-    Give it every :class:`WqeResult` in WQE order per QP (:meth:`post`) and every packet
-    that arrives (:meth:`receive`); both return the :class:`Completion` list they cause,
-    in order. A response for QP q at PSN p is taken only if q has had a SENT record since
-    its reset, is not flushing, and ``ack_psn < p <= sent_psn``; else it is dropped and
-    counted (``rx_dropped_unexpected``, or ``rx_dropped_icrc``). ACK: ``ack_psn = p``;
-    fatal NAK (codes 1..3): records ending before p complete, the one holding p gets the
-    NAK's error, the rest and every later one are flushed, ``requester.set_qp_error``;
-    RNR NAK and NAK codes 0/4, READ response FIRST/MIDDLE: counted only; READ response
-    LAST/ONLY: ``ack_psn = read_psn = p``; ATOMIC ACK: ``ack_psn = atomic_psn = p``. A
+    Give it every :class:`WqeResult` in WQE order per QP (:meth:`post`; a WQE sent again
+    after a rewind is not posted again: the executor emits no second record) and every
+    packet that arrives (:meth:`receive`); both return the :class:`Completion` list they
+    cause, in order. What depends on time is driven from outside: :meth:`timer_expired`
+    (the local ACK timeout fired) and :meth:`rnr_wait_over`. Every ``rewind`` strobe the
+    NIC would emit is appended to :attr:`rewinds`.
+
+    A response for QP q at PSN p is taken only if q has had a SENT record since its reset,
+    is not flushing, and ``ack_psn < p <= sent_psn``; else it is dropped and counted
+    (``rx_dropped_unexpected``, or ``rx_dropped_icrc``). Then:
+
+    - ACK: ``ack_psn = p``.
+    - fatal NAK (codes 1..3): records ending before p complete, the one holding p gets the
+      NAK's error, the rest and every later one are flushed, ``requester.set_qp_error``.
+    - NAK PSN sequence error: ``ack_psn = p - 1``; a rewind unless one already happened
+      since the last progress (``gap_seen``: this NAK answers packets sent before it).
+    - RNR NAK: ``ack_psn = p - 1``; the QP waits (:meth:`rnr_wait_over`) and then rewinds.
+    - NAK codes 4..: counted only.
+    - READ response / ATOMIC ACKNOWLEDGE: taken only if ``p == ack_psn + 1``, the oldest
+      incomplete WQE H is a SENT READ (atomic) holding p, the opcode is the one p's
+      position in H needs (:func:`read_response_opcode`) and the payload is the position's
+      length (MTU, or the rest; atomic: the AtomicAckETH). Taken: the payload goes to
+      ``write_memory`` at ``H.laddr + (p - H.first_psn) * MTU`` (atomic: the original
+      value, 8 bytes little-endian, at ``H.laddr``), ``ack_psn = p``, LAST/ONLY:
+      ``read_psn = p``, atomic: ``atomic_psn = p``. Not taken with ``ack_psn + 1 < p`` (a
+      response went missing): like a sequence NAK, without moving ``ack_psn``. Otherwise
+      dropped (``rx_dropped_unexpected``). ``read_responses`` / ``atomic_acks`` count the
+      taken ones and the gaps.
+
+    ``ack_psn`` moving forward is progress: the retry counts and ``gap_seen`` clear. A
     SENT head completes: READ when ``last_psn <= read_psn``, atomic when ``last_psn <=
-    atomic_psn`` or ``< ack_psn``, others when ``last_psn <= ack_psn``.
+    atomic_psn`` (only its own acknowledge), others when ``last_psn <= ack_psn``.
 
-    ``write_memory(addr, data)``, if given, receives READ response payload (at ``laddr`` +
-    offset) and atomics' original values (8 bytes, little-endian, at ``laddr``): the
-    NIC's completion unit does not write them yet. ``counters`` uses the CompletionUnit
-    names.
+    Rewind, when the head cannot complete: in a QP in ERR or flushing, everything
+    outstanding flushes instead; with the retries used up (``retry_cnt``; RNR:
+    ``rnr_retry``, 7 without limit) the head completes with TRANSPORT_RETRY_EXC_ERR
+    (RNR_RETRY_EXC_ERR), the QP goes to ERR and the rest flush; else a :class:`Rewind`
+    to the head's first PSN, ``ack_psn = read_psn = atomic_psn = first_psn - 1``, one
+    retry used, ``gap_seen``, pending NAK and RNR cleared. ``counters`` uses the
+    CompletionUnit names.
     """
 
     def __init__(self, requester: RequesterModel, write_memory=None):
@@ -533,9 +591,11 @@ class CompletionModel:
         self.cq_pi = defaultdict(int)
         self.outstanding = defaultdict(deque)
         self.progress = defaultdict(_QpProgress)
+        self.rewinds = []
         self.counters = dict.fromkeys(
             ("acks_received", "naks_received", "read_responses", "atomic_acks", "cqes_written",
-             "error_cqes", "rx_dropped_icrc", "rx_dropped_unexpected"), 0)
+             "error_cqes", "rx_dropped_icrc", "rx_dropped_unexpected", "retransmits_nak",
+             "retransmits_timeout", "retransmits_rnr", "retries_exhausted"), 0)
 
     def post(self, result: WqeResult) -> list:
         self.outstanding[result.qpn].append(result)
@@ -562,6 +622,35 @@ class CompletionModel:
         self.progress[qpn] = _QpProgress()
         self.outstanding[qpn].clear()
 
+    def head(self, qpn: int) -> WqeResult | None:
+        """The oldest WQE of the QP not yet completed (H), or None."""
+        queue = self.outstanding[qpn]
+        return queue[0] if queue else None
+
+    def timer_expired(self, qpn: int) -> list:
+        """The local ACK timeout fired for the QP (its head is a SENT WQE that has waited
+        ``2**ack_timeout`` ticks without progress): rewind, or give up."""
+        return self._retry(qpn, "timeout")
+
+    def rnr_wait_over(self, qpn: int) -> list:
+        """The wait an RNR NAK asked for is over: rewind, or give up."""
+        st = self.progress[qpn]
+        if not st.rnr_pending:
+            raise ValueError(f"QP {qpn} waits for no RNR timer")
+        return self._retry(qpn, "rnr")
+
+    def rnr_wait_ns(self, qpn: int) -> int:
+        """How long the pending RNR NAK of the QP asked to wait (its AETH timer code)."""
+        return 1000 * RNR_TIMER_US[self.progress[qpn].rnr_code]
+
+    def _retry(self, qpn: int, cause: str) -> list:
+        out = []
+        head = self.head(qpn)
+        if head is not None and head.status == CompletionStatus.SENT:
+            self._rewind(qpn, cause, out)
+        self._advance(qpn, out)
+        return out
+
     def _complete(self, result: WqeResult, out: list, syndrome: int = 0):
         cqe = None
         address = None
@@ -580,6 +669,37 @@ class CompletionModel:
             self.counters["error_cqes"] += cqe.is_error
         out.append(Completion(result.qpn, result.wqe_index, result.wqe_blocks, result.cqn,
                               cqe, address))
+
+    def _rewind(self, qpn: int, cause: str, out: list):
+        """Go back to the head H (a SENT WQE that cannot complete)."""
+        st = self.progress[qpn]
+        head = self.outstanding[qpn][0]
+        st.rewind_pending = False
+        if st.flushing or self.requester.state[qpn] != QpState.RTS:
+            st.flushing = True          # the flush happens in _advance
+            st.rnr_pending = False
+            return
+        if cause == "rnr":
+            exhausted = head.rnr_retry != RNR_RETRY_UNLIMITED and st.rnr_used >= head.rnr_retry
+            syndrome = Syndrome.RNR_RETRY_EXC_ERR
+        else:
+            exhausted = st.retries_used >= head.retry_cnt
+            syndrome = Syndrome.TRANSPORT_RETRY_EXC_ERR
+        st.rnr_pending = False
+        if exhausted:
+            self.counters["retries_exhausted"] += 1
+            self._complete(self.outstanding[qpn].popleft(), out, syndrome)
+            st.flushing = True
+            self.requester.set_qp_error(qpn)
+            return
+        if cause == "rnr":
+            st.rnr_used += 1
+        else:
+            st.retries_used += 1
+        self.counters[f"retransmits_{cause}"] += 1
+        self.rewinds.append(Rewind(qpn, head.wqe_index, head.first_psn, cause))
+        st.ack_psn = st.read_psn = st.atomic_psn = psn_add(head.first_psn, -1)
+        st.gap_seen = True
 
     def _advance(self, qpn: int, out: list):
         queue = self.outstanding[qpn]
@@ -605,20 +725,51 @@ class CompletionModel:
             if head.opcode == MlxOpcode.RDMA_READ:
                 done = psn_le(head.last_psn, st.read_psn)
             elif head.opcode in _ATOMIC_MLX:
-                done = psn_le(head.last_psn, st.atomic_psn) or psn_lt(head.last_psn, st.ack_psn)
+                done = psn_le(head.last_psn, st.atomic_psn)
             else:
                 done = psn_le(head.last_psn, st.ack_psn)
             if not done:
+                if st.rewind_pending:
+                    self._rewind(qpn, "nak", out)
+                    continue
                 return
             self._complete(queue.popleft(), out)
             if psn_lt(st.read_psn, head.last_psn):
                 st.read_psn = head.last_psn
             if psn_lt(st.atomic_psn, head.last_psn):
                 st.atomic_psn = head.last_psn
+        st.rewind_pending = st.rnr_pending = False
+
+    def _acknowledge(self, st: _QpProgress, psn: int):
+        """``ack_psn = psn``; moving forward is progress."""
+        if psn_lt(st.ack_psn, psn):
+            st.retries_used = st.rnr_used = 0
+            st.gap_seen = False
+        st.ack_psn = psn
+
+    def _gap(self, st: _QpProgress):
+        if not st.gap_seen:
+            st.rewind_pending = True
 
     def _drop(self) -> list:
         self.counters["rx_dropped_unexpected"] += 1
         return []
+
+    def _response_fits(self, head: WqeResult | None, opcode: int, psn: int, pkt: Packet) -> bool:
+        """Whether a READ response / ATOMIC ACKNOWLEDGE at ``psn`` is the one the head WQE
+        needs there (opcode for the position, payload length)."""
+        if head is None or head.status != CompletionStatus.SENT:
+            return False
+        if not (psn_le(head.first_psn, psn) and psn_le(psn, head.last_psn)):
+            return False
+        if opcode == Opcode.ATOMIC_ACKNOWLEDGE:
+            return head.opcode in _ATOMIC_MLX and not pkt.payload
+        if head.opcode != MlxOpcode.RDMA_READ:
+            return False
+        count = psn_diff(head.last_psn, head.first_psn) + 1
+        i = psn_diff(psn, head.first_psn)
+        length = min(head.mtu_bytes, head.byte_count - i * head.mtu_bytes)
+        return opcode == read_response_opcode(i, count) and len(pkt.payload) == length
 
     def receive(self, packet: bytes) -> list:
         try:
@@ -648,30 +799,42 @@ class CompletionModel:
         if opcode == Opcode.ACKNOWLEDGE:
             if kind == 0b000:
                 self.counters["acks_received"] += 1
-                st.ack_psn = psn
+                self._acknowledge(st, psn)
             else:
                 self.counters["naks_received"] += 1
                 code = aeth & 0x1F
-                if kind == 0b011 and code in NAK_CODE_SYNDROME:
-                    st.ack_psn = psn_add(psn, -1)
+                if kind == 0b001:
+                    self._acknowledge(st, psn_add(psn, -1))
+                    st.rnr_pending = True
+                    st.rnr_code = code
+                elif code in NAK_CODE_SYNDROME:
+                    self._acknowledge(st, psn_add(psn, -1))
                     st.nak = (psn, NAK_CODE_SYNDROME[code])
-        elif opcode == Opcode.ATOMIC_ACKNOWLEDGE:
-            self.counters["atomic_acks"] += 1
-            st.ack_psn = st.atomic_psn = psn
-            for r in self.outstanding[qpn]:
-                if (r.opcode in _ATOMIC_MLX and r.last_psn == psn and r.status == CompletionStatus.SENT
-                        and self.write_memory is not None):
-                    self.write_memory(r.laddr, pkt.ext[1].orig.to_bytes(8, "little"))
+                elif code == NakCode.PSN_SEQUENCE_ERROR:
+                    self._acknowledge(st, psn_add(psn, -1))
+                    self._gap(st)
         else:
-            self.counters["read_responses"] += 1
-            for r in self.outstanding[qpn]:
-                if (r.opcode == MlxOpcode.RDMA_READ and r.status == CompletionStatus.SENT
-                        and psn_le(r.first_psn, psn) and psn_le(psn, r.last_psn)
-                        and self.write_memory is not None and pkt.payload):
-                    self.write_memory(r.laddr + psn_diff(psn, r.first_psn) * r.mtu_bytes,
-                                      pkt.payload)
-            if opcode in (Opcode.RDMA_READ_RESPONSE_LAST, Opcode.RDMA_READ_RESPONSE_ONLY):
-                st.ack_psn = st.read_psn = psn
+            atomic = opcode == Opcode.ATOMIC_ACKNOWLEDGE
+            head = self.head(qpn)
+            if psn == psn_add(st.ack_psn, 1) and self._response_fits(head, opcode, psn, pkt):
+                self.counters["atomic_acks" if atomic else "read_responses"] += 1
+                if atomic:
+                    data, addr = pkt.ext[1].orig.to_bytes(8, "little"), head.laddr
+                else:
+                    data = pkt.payload
+                    addr = head.laddr + psn_diff(psn, head.first_psn) * head.mtu_bytes
+                if self.write_memory is not None and data:
+                    self.write_memory(addr, data)
+                self._acknowledge(st, psn)
+                if atomic:
+                    st.atomic_psn = psn
+                elif opcode in (Opcode.RDMA_READ_RESPONSE_LAST, Opcode.RDMA_READ_RESPONSE_ONLY):
+                    st.read_psn = psn
+            elif psn_lt(psn_add(st.ack_psn, 1), psn):
+                self.counters["atomic_acks" if atomic else "read_responses"] += 1
+                self._gap(st)
+            else:
+                return self._drop()
         self._advance(qpn, out)
         return out
 
