@@ -25,6 +25,9 @@ them in order, plus the reservation (blocks requested and not yet received never
 the buffer; blocks requested and not known to be parsed exceed it by at most one
 fetch), ``r.ready`` always high, and every counter at the end.
 
+Every request of the random runs carries a random epoch, which every descriptor of the
+fetch and its fetch-done record must carry.
+
 Directed tests: the format-error table row by row (syndromes spelled out by hand, not by
 the reference parser); RRESP errors on a WQE's first and second block; exact bursts of
 ring-wrap and 4 KiB splits; rejected requests; ``first_only``; a WQE cut by the fetch's
@@ -301,8 +304,10 @@ class Ring:
 
 
 def ref_fetch(ring, req, num_qps):
-    """(bursts, descriptors, consumed) the fetcher owes a request."""
-    qpn, index, blocks, first_only = req
+    """(bursts, descriptors, consumed) the fetcher owes a request ``(qpn, index, blocks,
+    first_only[, epoch])`` (epoch 0 if not given): every descriptor carries its epoch."""
+    qpn, index, blocks, first_only = req[:4]
+    epoch = req[4] if len(req) > 4 else 0
     if not 1 <= blocks <= 16 or qpn >= num_qps:
         return [], [], 0
     got = [(ring.block(index + k), ring.is_bad(index + k)) for k in range(blocks)]
@@ -312,8 +317,8 @@ def ref_fetch(ring, req, num_qps):
         if n > blocks - pos:
             break
         part = got[pos:pos + n]
-        descriptors.append(ref_descriptor([g[0] for g in part], [g[1] for g in part],
-                                          qpn, index + pos))
+        descriptors.append(dict(ref_descriptor([g[0] for g in part], [g[1] for g in part],
+                                               qpn, index + pos), epoch=epoch))
         pos += n
         if first_only:
             break
@@ -366,9 +371,10 @@ class Bench:
                 presented = self.requests.popleft()
             ctx.set(dut.fetch.valid, presented is not None)
             if presented is not None:
-                qpn, index, blocks, first_only = presented
-                ctx.set(dut.fetch.payload.as_value(),
-                        qpn | index << 8 | blocks << 24 | first_only << 29)
+                qpn, index, blocks, first_only = presented[:4]
+                epoch = presented[4] if len(presented) > 4 else 0
+                ctx.set(dut.fetch.payload, {"qpn": qpn, "wqe_index": index, "blocks": blocks,
+                                            "first_only": first_only, "epoch": epoch})
             ctx.set(dut.ar.ready, rng.random() < self.ar_p)
             beat = None
             if self.beats and self.beats[0][0] <= t and rng.random() >= self.gap_p:
@@ -398,7 +404,8 @@ class Bench:
 
             if ctx.get(dut.fetch_done.valid):
                 self.take_done(t, ctx.get(dut.fetch_done.payload.qpn),
-                               ctx.get(dut.fetch_done.payload.consumed))
+                               ctx.get(dut.fetch_done.payload.consumed),
+                               ctx.get(dut.fetch_done.payload.epoch))
 
             if ctx.get(dut.ar.valid):
                 ar = (ctx.get(dut.ar.payload.id), ctx.get(dut.ar.payload.addr),
@@ -449,7 +456,7 @@ class Bench:
         self.exp_bursts.extend(bursts)
         fetch = [blocks, 0, False]
         self.exp_desc.extend((fetch, d) for d in descriptors)
-        self.exp_done.append((qpn, consumed, fetch))
+        self.exp_done.append((qpn, consumed, req[4] if len(req) > 4 else 0, fetch))
         self.fetched += blocks
         self.refetched += blocks - consumed
 
@@ -483,10 +490,11 @@ class Bench:
         self.wqe_cycles.append(t)
         self.desc_log.append(got)
 
-    def take_done(self, t, qpn, consumed):
+    def take_done(self, t, qpn, consumed, epoch):
         assert self.exp_done, (t, "unexpected fetch done")
-        want_qpn, want_consumed, fetch = self.exp_done.popleft()
-        assert (qpn, consumed) == (want_qpn, want_consumed), (t, qpn, consumed)
+        want_qpn, want_consumed, want_epoch, fetch = self.exp_done.popleft()
+        assert (qpn, consumed, epoch) == (want_qpn, want_consumed, want_epoch), \
+            (t, qpn, consumed, epoch)
         self.parsed += fetch[0] - fetch[1]
         fetch[2] = True
         self.done_log.append((t, qpn, consumed))
@@ -546,7 +554,7 @@ def random_requests(rng, rings, num_qps, count):
         else:
             index = (rng.choice(ring.starts) + 0xFFF0) & 0xFFFF if ring.size <= 16 else 0xFFF8
             blocks = 16
-        out.append((qpn, index, blocks, int(rng.random() < 0.2)))
+        out.append((qpn, index, blocks, int(rng.random() < 0.2), rng.randrange(16)))
     return out
 
 

@@ -44,7 +44,9 @@ class WqeFetcher(wiring.Component):
     ``wqe``. With ``first_only`` the blocks after the first WQE are dropped. Dropped blocks
     count in ``wqe_blocks_refetched`` (every block fetched and not consumed is read again
     later). ``fetch_done`` pulses in the cycle after a fetch's last block was handled (it
-    does not wait for the last descriptor to be taken).
+    does not wait for the last descriptor to be taken). The request's ``epoch`` (the QP's
+    rewind count, docs/nic.md "Doorbells") is copied into every descriptor of the fetch
+    and into its ``fetch_done``; the fetcher itself never looks at it.
 
     Descriptor fields: multi-byte fields hold the numeric value of the big-endian bytes in
     memory; ``imm`` is the big-endian value of control-segment bytes 12..15, so sending it
@@ -208,6 +210,7 @@ class WqeFetcher(wiring.Component):
                      bad0=at_start & head.bad, bad_later=~at_start & (read_err | head.bad))
         m.d.comb += [
             desc.qpn.eq(cur.qpn),
+            desc.epoch.eq(cur.epoch),
             desc.wqe_index.eq(cur.wqe_index + Mux(at_start, pos, wqe_start)),
             desc.wqe_blocks.eq(Mux(at_start, 1, wqe_blocks)),
         ]
@@ -238,12 +241,14 @@ class WqeFetcher(wiring.Component):
                     self.fetch_done.valid.eq(1),
                     self.fetch_done.payload.qpn.eq(cur.qpn),
                     self.fetch_done.payload.consumed.eq(consumed + added),
+                    self.fetch_done.payload.epoch.eq(cur.epoch),
                 ]
         with m.If(empty_fetch):
             m.d.sync += [
                 self.fetch_done.valid.eq(1),
                 self.fetch_done.payload.qpn.eq(cur.qpn),
                 self.fetch_done.payload.consumed.eq(0),
+                self.fetch_done.payload.epoch.eq(cur.epoch),
             ]
 
     @staticmethod
