@@ -747,10 +747,6 @@ class CompletionModel:
             st.gap_seen = False
         st.ack_psn = psn
 
-    def _gap(self, st: _QpProgress):
-        if not st.gap_seen:
-            st.rewind_pending = True
-
     def _drop(self) -> list:
         self.counters["rx_dropped_unexpected"] += 1
         return []
@@ -811,8 +807,11 @@ class CompletionModel:
                     self._acknowledge(st, psn_add(psn, -1))
                     st.nak = (psn, NAK_CODE_SYNDROME[code])
                 elif code == NakCode.PSN_SEQUENCE_ERROR:
+                    # gap_seen as it was before this NAK: an echo of the loss already
+                    # rewound may itself move ack_psn (back to where the rewind took it from)
+                    seen = st.gap_seen
                     self._acknowledge(st, psn_add(psn, -1))
-                    self._gap(st)
+                    st.rewind_pending |= not seen
         else:
             atomic = opcode == Opcode.ATOMIC_ACKNOWLEDGE
             head = self.head(qpn)
@@ -832,7 +831,7 @@ class CompletionModel:
                     st.read_psn = psn
             elif psn_lt(psn_add(st.ack_psn, 1), psn):
                 self.counters["atomic_acks" if atomic else "read_responses"] += 1
-                self._gap(st)
+                st.rewind_pending |= not st.gap_seen
             else:
                 return self._drop()
         self._advance(qpn, out)

@@ -902,3 +902,82 @@ def test_completion_psn_marks_follow_completions():
                   raddr=REMOTE_BASE, rkey=9)
         assert far.first_psn == 0x7FFFFF
         assert comp.post(far) == []
+
+
+def test_rewinds_and_giving_up():
+    """Sequence NAK and response gap rewind to the head once per loss (echoes ignored until
+    progress); progress restores the retries; retry_cnt and rnr_retry exhausted: the head
+    errs, the QP goes to ERR, the rest flush."""
+    req, local = world(mtu=1)
+    req.qps[0] = dataclasses.replace(req.qps[0], retry_cnt=2, rnr_retry=1)
+    comp = n.CompletionModel(req, write_memory=writer(local))
+
+    def resp(opcode, psn, syndrome=0, payload=b"", ext=None):
+        return n.make_packet(vl=0, sl=0, dlid=0x11, slid=0x55, opcode=opcode, destqp=0,
+                             psn=psn, payload=payload,
+                             ext=[AETH(syndrome=syndrome, msn=1)] if ext is None else ext)
+    w = run(req, local, 0, 0, op=m.Opcode.RDMA_WRITE, byte_count=300, lkey=LKEY, laddr=LOCAL_BASE,
+            raddr=REMOTE_BASE, rkey=9)                                   # PSN 0, 1
+    rd = run(req, local, 0, 1, op=m.Opcode.RDMA_READ, byte_count=600, lkey=LKEY,
+             laddr=LOCAL_BASE + 0x1000, raddr=REMOTE_BASE, rkey=9)       # PSN 2, 3, 4
+    s = run(req, local, 0, 2, op=m.Opcode.SEND, inline=b"z")           # PSN 5
+    for r in (w, rd, s):
+        comp.post(r)
+    # PSN 1 lost: the responder NAKs 1 (sequence error); the echo NAK is ignored
+    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 0)) == []
+    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 1, syndrome=0x60)) == []
+    assert comp.rewinds == [n.Rewind(0, 0, 0, "nak")] and comp.progress[0].ack_psn == n.PSN_MOD - 1
+    # the echo moves ack_psn from where the rewind put it (PSN 0 - 1) to 0: progress,
+    # which restarts the retries, but no second rewind (gap_seen before the echo counts)
+    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 1, syndrome=0x60)) == []
+    assert len(comp.rewinds) == 1 and comp.progress[0].retries_used == 0
+    # the replay: the WRITE is acknowledged (progress), READ FIRST taken, MIDDLE lost:
+    # LAST is a gap, a rewind to the READ
+    (c,) = comp.receive(resp(Opcode.ACKNOWLEDGE, 1))
+    assert c.wqe_index == 0
+    assert comp.receive(resp(Opcode.RDMA_READ_RESPONSE_FIRST, 2, payload=bytes([1]) * 256)) == []
+    assert comp.receive(resp(Opcode.RDMA_READ_RESPONSE_LAST, 4, payload=bytes([3]) * 88)) == []
+    assert comp.rewinds[-1] == n.Rewind(0, 1, 2, "nak") and comp.counters["retransmits_nak"] == 2
+    # a response of the wrong length or opcode for its position is dropped
+    before = comp.counters["rx_dropped_unexpected"]
+    assert comp.receive(resp(Opcode.RDMA_READ_RESPONSE_FIRST, 2, payload=bytes(255))) == []
+    assert comp.receive(resp(Opcode.RDMA_READ_RESPONSE_ONLY, 2, payload=bytes(256))) == []
+    assert comp.counters["rx_dropped_unexpected"] == before + 2
+    for psn, opcode, fill, size in ((2, Opcode.RDMA_READ_RESPONSE_FIRST, 1, 256),
+                                    (3, Opcode.RDMA_READ_RESPONSE_MIDDLE, 2, 256)):
+        ext = [] if opcode == Opcode.RDMA_READ_RESPONSE_MIDDLE else None
+        assert comp.receive(resp(opcode, psn, payload=bytes([fill]) * size, ext=ext)) == []
+    (c,) = comp.receive(resp(Opcode.RDMA_READ_RESPONSE_LAST, 4, payload=bytes([3]) * 88))
+    assert c.wqe_index == 1
+    assert local[0x1000:0x1000 + 600] == bytes([1]) * 256 + bytes([2]) * 256 + bytes([3]) * 88
+    # the SEND times out twice (retry_cnt 2), then gives up; a later WQE is flushed
+    assert comp.timer_expired(0) == [] and comp.timer_expired(0) == []
+    (c,) = comp.timer_expired(0)
+    assert c.cqe.syndrome == m.Syndrome.TRANSPORT_RETRY_EXC_ERR and c.wqe_index == 2
+    assert req.state[0] == n.QpState.ERR and comp.counters["retries_exhausted"] == 1
+    (c,) = comp.post(run(req, local, 0, 3, op=m.Opcode.SEND, inline=b"y"))
+    assert c.cqe.syndrome == m.Syndrome.WR_FLUSH_ERR
+    # RNR: rnr_retry 1 allows one rewind after the wait; the second RNR gives up
+    req, local = world(mtu=1)
+    req.qps[0] = dataclasses.replace(req.qps[0], rnr_retry=1)
+    comp = n.CompletionModel(req)
+    s0 = run(req, local, 0, 0, op=m.Opcode.SEND, inline=b"a")
+    s1 = run(req, local, 0, 1, op=m.Opcode.SEND, inline=b"b", fm_ce_se=0)
+    comp.post(s0)
+    comp.post(s1)
+    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 0, syndrome=0x21)) == []   # RNR, 10 us
+    assert comp.rnr_wait_ns(0) == 10000
+    assert comp.rnr_wait_over(0) == [] and comp.rewinds == [n.Rewind(0, 0, 0, "rnr")]
+    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 0, syndrome=0x21)) == []
+    got = comp.rnr_wait_over(0)
+    assert [c.cqe.syndrome for c in got] == [m.Syndrome.RNR_RETRY_EXC_ERR, m.Syndrome.WR_FLUSH_ERR]
+    assert comp.counters["retransmits_rnr"] == 1 and comp.counters["retries_exhausted"] == 1
+    # rnr_retry 7 never gives up
+    req, local = world(mtu=1)
+    comp = n.CompletionModel(req)
+    comp.post(run(req, local, 0, 0, op=m.Opcode.SEND, inline=b"a"))
+    for _ in range(20):
+        assert comp.receive(resp(Opcode.ACKNOWLEDGE, 0, syndrome=0x21)) == []
+        assert comp.rnr_wait_over(0) == []
+    (c,) = comp.receive(resp(Opcode.ACKNOWLEDGE, 0))
+    assert c.wqe_index == 0 and not c.cqe.is_error
