@@ -184,7 +184,7 @@ class _JobLayout(data.StructLayout):
         super().__init__({
             "qpn": QPN_BITS, "cqn": 8, "wqe_index": 16, "wqe_blocks": range(17),
             "opcode": 8, "byte_count": 32, "error": 1, "syndrome": 8, "write_cqe": 1,
-            "wait_data": 1, "data_seq": RESPONSE_SEQ_BITS,
+            "wait_data": 1, "data_seq": RESPONSE_SEQ_BITS, "next_psn": PSN_BITS,
         })
 
 
@@ -196,6 +196,7 @@ class _CqeLayout(data.StructLayout):
             "requester": 1, "qpn": QPN_BITS, "cqn": 8, "wqe_counter": 16,
             "wqe_blocks": range(17), "write_cqe": 1, "error": 1, "cqe_opcode": 4,
             "wqe_opcode": 8, "byte_count": 32, "imm": 32, "syndrome": 8,
+            "next_psn": PSN_BITS,
         })
 
 
@@ -920,6 +921,7 @@ class CompletionUnit(wiring.Component):
             # Its CQE must not overtake its data: it waits until that response landed.
             job.wait_data.eq(~error & (head_is_read | head_is_atomic)),
             job.data_seq.eq(st.data_seq),
+            job.next_psn.eq(Mux(head_sent, last_psn + 1, 0)),
         ]
         m.d.sync += [self.qp_error.valid.eq(complete & nak_error), self.qp_error.qpn.eq(x_q)]
         with m.If(complete):
@@ -1041,6 +1043,7 @@ class CompletionUnit(wiring.Component):
             from_engine.wqe_opcode.eq(job_head.opcode),
             from_engine.byte_count.eq(Mux(job_head.error, 0, job_head.byte_count)),
             from_engine.syndrome.eq(Mux(job_head.error, job_head.syndrome, 0)),
+            from_engine.next_psn.eq(job_head.next_psn),
         ]
         recv_head = ReceiveCompletionLayout()(receives.r_data)
         recv_opcode = recv_head.opcode.as_value()
@@ -1159,6 +1162,7 @@ class CompletionUnit(wiring.Component):
             self.retire.valid.eq(o_done & o_job.requester),
             self.retire.payload.qpn.eq(o_job.qpn),
             self.retire.payload.blocks.eq(o_job.wqe_blocks),
+            self.retire.payload.next_psn.eq(o_job.next_psn),
         ]
 
         # --- Counters ---

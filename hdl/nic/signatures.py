@@ -329,9 +329,12 @@ class ResponseVerdictLayout(data.StructLayout):
 
 class RetireLayout(data.StructLayout):
     """WQE basic blocks of a QP whose WQE completed (its CQE, if any, was written):
-    the send queue's consumer index moves on by ``blocks``."""
+    the send queue's consumer index moves on by ``blocks``. ``next_psn``: the PSN after
+    the WQE's last (its ``last_psn + 1``; for a WQE that sent nothing, 0): where the QP's
+    stream stands after it, should a retransmission have to skip it."""
     def __init__(self):
-        super().__init__({"qpn": QPN_BITS, "blocks": range(MAX_WQE_BLOCKS + 1)})
+        super().__init__({"qpn": QPN_BITS, "blocks": range(MAX_WQE_BLOCKS + 1),
+                          "next_psn": PSN_BITS})
 
 
 class WqeDescriptorLayout(data.StructLayout):
