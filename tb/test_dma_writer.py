@@ -10,12 +10,12 @@ byte-array memory (random AWREADY/WREADY, B after random delays, now and then SL
 W beats may arrive before their AW is accepted and wait in the slave).
 
 Checked: every AW burst exactly as the reference splits the command (64-byte aligned,
-INCR, size 6, ID 1, at most 64 beats, never across 4 KiB) and presented no later than its
-first W beat; every W beat's strobe and strobed bytes, and ``wlast`` at the burst's end;
-the memory byte-exact at the end (untouched bytes included); releases in command order
-with the command's count; ``idle`` low whenever a command is unreleased or a burst
-unanswered, and high within two cycles otherwise; the counters. Also a 32-bit address
-instance. Directed: no B at all until the end (releases still come, idle stays low, AW
+INCR, size 6, ID ``awid``, at most 64 beats, never across 4 KiB) and presented no later
+than its first W beat; every W beat's strobe and strobed bytes, and ``wlast`` at the
+burst's end; the memory byte-exact at the end (untouched bytes included); releases in
+command order with the command's count; ``idle`` low whenever a command is unreleased or
+a burst unanswered, and high within two cycles otherwise; the counters. Also a 32-bit
+address instance and one with the ResponseWriter's AWID (``READ_DATA_ID``). Directed: no B at all until the end (releases still come, idle stays low, AW
 within its bound ahead of W); a slow AW with a fast W (W waits for its AW); B responses
 with nothing outstanding (ignored but counted if not OKAY); one W per cycle with an
 always-ready slave and commands back to back, bounded only by the source reads when the
@@ -31,7 +31,7 @@ from amaranth.hdl import UnusedElaboratable
 from amaranth.sim import Simulator
 
 from hdl.nic.dma_writer import AW_AHEAD, DmaWriter
-from hdl.nic.signatures import DMA_WRITE_ID
+from hdl.nic.signatures import DMA_WRITE_ID, READ_DATA_ID
 
 MEM_WINDOW = 1 << 20                 # memory at the top of the address space, below the wrap
 MEM_SIZE = 16 << 10
@@ -175,7 +175,7 @@ class Bench:
         ctx.set(dut.axi.wready, wready)
         b = self.b_due[0] if self.b_due and self.b_due[0][0] <= t and not self.hold_b else None
         ctx.set(dut.axi.bvalid, b is not None)
-        ctx.set(dut.axi.bid, DMA_WRITE_ID)
+        ctx.set(dut.axi.bid, dut.awid)
         ctx.set(dut.axi.bresp, b[1] if b else 0)
 
         busy = bool(self.unreleased) or self.b_done < self.bursts_expected
@@ -200,7 +200,7 @@ class Bench:
         if awvalid and awready:
             burst = (ctx.get(dut.axi.awaddr), ctx.get(dut.axi.awlen))
             assert (ctx.get(dut.axi.awid), ctx.get(dut.axi.awsize), ctx.get(dut.axi.awburst)) \
-                == (DMA_WRITE_ID, 6, 1), t
+                == (dut.awid, 6, 1), t
             assert self.aw_expected, (t, "AW burst the reference does not have", burst)
             assert burst == self.aw_expected.popleft(), (t, burst)
             a, n = burst
@@ -274,11 +274,13 @@ def simulate(dut, testbench):
     sim.run()
 
 
-@pytest.mark.parametrize("seed,buffer_beats,addr_width", [
-    (1, 128, 64), (2, 128, 64), (3, 256, 64), (4, 128, 32),
+@pytest.mark.parametrize("seed,buffer_beats,addr_width,awid", [
+    (1, 128, 64, DMA_WRITE_ID), (2, 128, 64, DMA_WRITE_ID), (3, 256, 64, DMA_WRITE_ID),
+    (4, 128, 32, DMA_WRITE_ID), (9, 128, 64, READ_DATA_ID),
 ])
-def test_random(seed, buffer_beats, addr_width):
-    dut = DmaWriter(buffer_beats=buffer_beats, addr_width=addr_width)
+def test_random(seed, buffer_beats, addr_width, awid):
+    """The last case is the ResponseWriter's instance: every AW carries its ``awid``."""
+    dut = DmaWriter(buffer_beats=buffer_beats, addr_width=addr_width, awid=awid)
     bench = Bench(dut, random.Random(seed))
 
     async def testbench(ctx):
@@ -399,7 +401,7 @@ def test_throughput(aligned, max_bytes):
 
 @pytest.mark.parametrize("args", [
     {"buffer_beats": 100}, {"buffer_beats": 32}, {"buffer_beats": 8192}, {"addr_width": 11},
-    {"addr_width": 65},
+    {"addr_width": 65}, {"awid": 8}, {"awid": -1}, {"awid": "2"},
 ])
 def test_parameters(args):
     # The half-built component would warn, when collected, that it was never elaborated.

@@ -4,10 +4,11 @@ from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
 from .signatures import (
-    DMA_WRITE_ID, MAX_PACKET_BEATS, AxiWriteSignature, ContextReadSignature, DmaWriteLayout,
+    AXI_ID_BITS, DMA_WRITE_ID, MAX_PACKET_BEATS, AxiWriteSignature, ContextReadSignature,
+    DmaWriteLayout,
 )
 
-__all__ = ["DmaWriter"]
+__all__ = ["DmaWriter", "command_bursts"]
 
 BEAT_BYTES = 64
 PAGE_BEATS = 4096 // BEAT_BYTES     # an AXI burst may not cross 4 KiB
@@ -20,6 +21,14 @@ MAX_OUTSTANDING = 255               # bursts presented on AW and not yet answere
 
 AXI_BURST_INCR = 0b01
 AXI_RESP_OKAY = 0b00
+
+
+def command_bursts(addr, nbytes):
+    """The AW bursts (and so B responses) a command of ``nbytes`` bytes to ``addr`` gives:
+    none if it writes nothing (0 or more than 4096 bytes), two if it crosses a 4 KiB line,
+    else one. For a block that must know when a command's writes have all been answered."""
+    writes = (nbytes != 0) & (nbytes <= MAX_WRITE_BYTES)
+    return Mux(writes, 1 + (addr[:12] + nbytes > 4096), 0)
 
 
 class _ReadJob(data.StructLayout):
@@ -55,8 +64,8 @@ class _WriteJob(data.StructLayout):
 
 
 class DmaWriter(wiring.Component):
-    """Writes payload bytes from the responder's receive buffer to memory (AXI4, AWID
-    ``DMA_WRITE_ID``), realigned to any byte address, and frees the buffer in order.
+    """Writes payload bytes from a receive buffer to memory (AXI4, AWID ``awid``),
+    realigned to any byte address, and frees the buffer in order.
 
     Three engines work off one command each, decoded at acceptance into three queues: the
     reader walks the command's source beats through ``source`` into a small queue and
@@ -88,15 +97,21 @@ class DmaWriter(wiring.Component):
         Beats of the receive buffer ring (power of two, 64 .. 4096).
     addr_width : int
         AXI address bits, 12 .. 64.
+    awid : int
+        AXI ID of every burst: ``DMA_WRITE_ID`` for the responder's payload,
+        ``READ_DATA_ID`` in the requester's :class:`ResponseWriter`.
     """
-    def __init__(self, *, buffer_beats=256, addr_width=64):
+    def __init__(self, *, buffer_beats=256, addr_width=64, awid=DMA_WRITE_ID):
         if (not isinstance(buffer_beats, int) or not 64 <= buffer_beats <= 4096
                 or buffer_beats & (buffer_beats - 1)):
             raise ValueError(f"Buffer beats must be a power of two from 64 to 4096, not {buffer_beats!r}")
         if not isinstance(addr_width, int) or not 12 <= addr_width <= 64:
             raise ValueError(f"AXI address width must be 12 to 64 bits, not {addr_width!r}")
+        if not isinstance(awid, int) or not 0 <= awid < 1 << AXI_ID_BITS:
+            raise ValueError(f"AWID must be an integer from 0 to {(1 << AXI_ID_BITS) - 1}, not {awid!r}")
         self.buffer_beats = buffer_beats
         self.addr_width = addr_width
+        self.awid = awid
         super().__init__({
             "command": In(stream.Signature(DmaWriteLayout())),
             "source": Out(ContextReadSignature(buffer_beats, unsigned(8 * BEAT_BYTES))),
@@ -223,7 +238,7 @@ class DmaWriter(wiring.Component):
         m.d.comb += present.eq(aw_active & (~axi.awvalid | axi.awready)
                                & (ahead != AW_AHEAD) & (outstanding != MAX_OUTSTANDING))
         m.d.comb += [
-            axi.awid.eq(DMA_WRITE_ID),
+            axi.awid.eq(self.awid),
             axi.awsize.eq(exact_log2(BEAT_BYTES)),
             axi.awburst.eq(AXI_BURST_INCR),
         ]

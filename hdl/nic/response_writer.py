@@ -1,0 +1,376 @@
+from amaranth import *
+from amaranth.lib import data, fifo, memory, stream, wiring
+from amaranth.lib.wiring import In, Out
+from amaranth.utils import exact_log2
+
+from hdl.ib.headers import AETH, BTH, LRH
+from hdl.link.signatures import BeatLayout, vl_index
+
+from .dma_writer import DmaWriter, command_bursts
+from .signatures import (
+    MAX_PACKET_BEATS, READ_DATA_ID, RESPONSE_SEQ_BITS, RX_BUFFER_BEAT_BITS, AxiWriteSignature,
+    ResponseVerdictLayout,
+)
+
+__all__ = ["ResponseWriter", "MAX_SLOTS"]
+
+WIDTH = 64                  # bytes per beat
+MAX_SLOTS = 256
+# BTH opcodes of the responses that are stored (IBA table 38): READ response FIRST,
+# MIDDLE, LAST, ONLY, and ATOMIC ACKNOWLEDGE.
+READ_FIRST, READ_ONLY = 0x0D, 0x10
+ATOMIC_ACKNOWLEDGE = 0x12
+OPCODE_BYTE = LRH.size_bytes                                  # BTH's first byte
+ORIG_BYTE = LRH.size_bytes + BTH.size_bytes + AETH.size_bytes  # AtomicAckETH: 24
+ORIG_BYTES = 8
+MAX_STORED_BYTES = MAX_PACKET_BEATS * WIDTH
+MIN_BUFFER_BEATS = 1 << (MAX_PACKET_BEATS - 1).bit_length()     # 128
+
+
+class _PacketLayout(data.StructLayout):
+    """Where a stored packet lies in the ring, written when its end beat is taken."""
+    def __init__(self, beat_bits):
+        super().__init__({
+            "start": beat_bits,
+            "beats": range(MAX_PACKET_BEATS + 1),
+            "length": range(MAX_STORED_BYTES + 1),      # bytes stored
+        })
+
+
+class _WriteLayout(data.StructLayout):
+    """The part of a verdict kept until its packet's command goes out."""
+    def __init__(self, addr_width):
+        super().__init__({"addr": addr_width, "bytes": range(4096 + 1), "offset": 6})
+
+
+class ResponseWriter(wiring.Component):
+    """Writes RDMA READ response payload and ATOMIC ACKNOWLEDGE original values into the
+    requester's memory, on the completion unit's word (docs/nic.md, "READ response data").
+
+    It sits between ``RequestReceiver.responses[v]`` and ``CompletionUnit.rx[v]``.
+
+    **Pass-through.** Every beat of every VL goes from ``rx[v]`` to ``out[v]`` unchanged
+    (flags too): ``out[v].valid = rx[v].valid & allow``, ``rx[v].ready = allow &
+    out[v].ready``, so a beat moves on both at once or on neither, and the block has no
+    latency. ``allow`` does not look at ``out[v].ready``, and once it has shown a beat it
+    stays high until the beat moves: the stream rules hold with any consumer (the
+    completion unit is always ready).
+
+    **Storing.** A packet whose start beat carries BTH opcode 0x0D..0x10 (READ response
+    FIRST, MIDDLE, LAST, ONLY) or 0x12 (ATOMIC ACKNOWLEDGE), at byte 8 of the start beat,
+    is also stored whole, LRH .. ICRC as on the wire, in a ring of ``buffer_beats`` 64-byte
+    beats, one beat per cycle as it passes. Only one packet is stored at a time: VLs are
+    taken round robin at packet boundaries, and a stored kind's start beat waits (ready
+    low) while another VL's stored packet is passing, while the ring has no free beat, or
+    while ``slots`` stored packets have not landed; each further beat waits while the ring
+    is full. Nothing is dropped for space, and waiting holds only the stored kinds: an
+    ACKNOWLEDGE (0x11), any other opcode, the rest of such a packet, and a non-start beat
+    outside any packet pass at once (``allow`` = 1). The link's framing is trusted (a
+    VL's beats from a start to an end are one packet). For an ATOMIC ACKNOWLEDGE the
+    stored copy has bytes 24..31 of its start beat (the AtomicAckETH original value,
+    big-endian on the wire) reversed, so that a verdict writing them puts the value in
+    memory little-endian, in host order. ``end_bad`` and the ICRC are not looked at: the
+    packet is stored, and the completion unit sends ``discard`` for it. A stored kind
+    longer than ``MAX_PACKET_BEATS`` beats (not possible from a well-behaved link) passes
+    whole, but only its first ``MAX_PACKET_BEATS`` beats are stored: its stored length
+    is ``MAX_PACKET_BEATS * 64`` bytes, and a verdict can write only from those.
+
+    **Sequence numbers.** Each stored packet gets the next ``seq`` (RESPONSE_SEQ_BITS,
+    wrapping; 0 after reset), shown on every ``out_seq[v]`` from before its start beat
+    until its end beat has moved (it changes in the cycle after a stored packet's end
+    beat moves, and at no other time). The completion unit samples it on a stored
+    packet's end beat; on other packets it is meaningless.
+
+    **Verdicts.** Every stored packet then needs exactly one verdict, from ``discard``
+    (its ``seq``) or ``verdict`` (``write``: write ``bytes`` bytes found ``offset`` bytes
+    into the stored packet to ``addr``; else discard it). Both are always ready, one per
+    cycle each, in any order across packets, at the earliest in the cycle after the
+    packet's end beat moved. A verdict or discard for a ``seq`` that is not a stored
+    packet waiting for its verdict (in the cycle its end beat moves, already judged, or
+    not stored at all) is ignored; a discard and a verdict for the same ``seq`` in one
+    cycle: the discard wins. A write whose ``offset + bytes`` exceeds the stored length
+    is refused: treated as a discard.
+
+    **Writing.** Packets are dealt with in ``seq`` order: once the oldest one not yet
+    dealt with has its verdict, it gives one command to an internal :class:`DmaWriter`
+    (AWID ``READ_DATA_ID``): ``bytes`` bytes from the packet's first ring beat, byte
+    ``offset``, to ``addr`` (``bytes`` = 0 for a discard, a refused write or a write of
+    nothing), releasing the packet's ring beats. The command is offered in the cycle
+    after the verdict arrives (if the packet's turn has come), one per cycle; an idle
+    DmaWriter takes it at once and shows AW three cycles later: verdict in cycle t, AW
+    valid in t + 4, W beats from about the cycle after. The DmaWriter releases the ring
+    beats as soon as it has read them (the payload waits for W in its queue), not at B.
+    ``axi`` is the DmaWriter's port (INCR bursts of full 64-byte beats with strobes,
+    split at 4 KiB; B always ready, routed by ID, so in order).
+
+    **Landed.** ``landed`` is the ``seq`` of the oldest stored packet whose command has
+    not completed: a command completes when the DmaWriter has released its beats and every
+    B of its bursts (0, 1 or 2: :func:`command_bursts`) has come, and the commands
+    before it have completed. The completion unit may treat ``seq`` as landed when
+    ``(landed - seq - 1) mod 2**16 < 2**15``. ``landed`` steps one command per cycle, in
+    the second cycle after the event that completed it (last B or release in cycle t:
+    ``landed`` past it in cycle t + 2; a discard in cycle t is released in t + 3 and
+    landed in t + 5 if nothing is ahead of it). A B counts only while an accepted AW burst is
+    unanswered, so a stray B cannot land anything early.
+
+    **Counters.** ``response_bytes_written``: bytes written (counted as the DmaWriter's
+    ``dma_bytes_written``: a command's bytes when its last W beat is taken);
+    ``response_write_errors``: B responses not OKAY (the DmaWriter's
+    ``dma_write_errors``); ``responses_discarded``: stored packets whose command writes
+    nothing because of a discard, a verdict with ``write`` = 0 or a refused write (a
+    write of 0 bytes is not a discard), counted when the command is taken.
+
+    Resources: the ring (``buffer_beats`` x 512 bits, one write and one read port), two
+    ``slots``-entry tables read asynchronously (packet place: ~26 bits; verdict:
+    ``addr_width`` + 19 bits), a ``slots`` x 2-bit FIFO of burst counts, and the
+    DmaWriter (three 4-deep job queues and a 4-beat data queue).
+
+    Parameters
+    ----------
+    num_vls : int
+        Data VLs, 1..15.
+    buffer_beats : int
+        Ring size in 64-byte beats: a power of two from 128 (it must hold one packet of
+        ``MAX_PACKET_BEATS`` beats, which has its verdict only after its end beat) to
+        ``2 ** RX_BUFFER_BEAT_BITS``.
+    slots : int
+        Stored packets that may be waiting for their verdict, write or B at once: a
+        power of two from 2 to ``MAX_SLOTS``.
+    addr_width : int
+        AXI address bits, 12 .. 64 (a verdict's ``addr`` is cut to them).
+    """
+    def __init__(self, *, num_vls=2, buffer_beats=256, slots=16, addr_width=64):
+        if not isinstance(num_vls, int) or not 1 <= num_vls <= 15:
+            raise ValueError(f"num_vls must be an integer from 1 to 15, not {num_vls!r}")
+        # A packet's verdict comes after its end beat, so the ring must hold a whole one.
+        if (not isinstance(buffer_beats, int) or buffer_beats < MAX_PACKET_BEATS
+                or buffer_beats > 1 << RX_BUFFER_BEAT_BITS or buffer_beats & (buffer_beats - 1)):
+            raise ValueError(f"buffer_beats must be a power of two from {MIN_BUFFER_BEATS} to "
+                             f"{1 << RX_BUFFER_BEAT_BITS}, not {buffer_beats!r}")
+        if (not isinstance(slots, int) or not 2 <= slots <= MAX_SLOTS
+                or slots & (slots - 1)):
+            raise ValueError(f"slots must be a power of two from 2 to {MAX_SLOTS}, not {slots!r}")
+        if not isinstance(addr_width, int) or not 12 <= addr_width <= 64:
+            raise ValueError(f"AXI address width must be 12 to 64 bits, not {addr_width!r}")
+        self.num_vls = num_vls
+        self.buffer_beats = buffer_beats
+        self.slots = slots
+        self.addr_width = addr_width
+        beat = BeatLayout(WIDTH)
+        super().__init__({
+            "rx": In(stream.Signature(beat)).array(num_vls),
+            "out": Out(stream.Signature(beat)).array(num_vls),
+            "out_seq": Out(RESPONSE_SEQ_BITS).array(num_vls),
+            "discard": In(stream.Signature(RESPONSE_SEQ_BITS, always_ready=True)),
+            "verdict": In(stream.Signature(ResponseVerdictLayout(), always_ready=True)),
+            "landed": Out(RESPONSE_SEQ_BITS),
+            "axi": Out(AxiWriteSignature(addr_width, WIDTH)),
+            "response_bytes_written": Out(32),
+            "response_write_errors": Out(32),
+            "responses_discarded": Out(32),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        num_vls, depth, slots = self.num_vls, self.buffer_beats, self.slots
+        beat_bits = exact_log2(depth)
+        slot_bits = exact_log2(slots)
+        packet_layout = _PacketLayout(beat_bits)
+        write_layout = _WriteLayout(self.addr_width)
+
+        m.submodules.ring = ring = memory.Memory(shape=8 * WIDTH, depth=depth, init=[])
+        ring_w = ring.write_port()
+        ring_r = ring.read_port(domain="sync")
+        m.submodules.dma = dma = DmaWriter(buffer_beats=depth, addr_width=self.addr_width,
+                                           awid=READ_DATA_ID)
+        wiring.connect(m, dma.axi, wiring.flipped(self.axi))
+        m.d.comb += [
+            ring_r.addr.eq(dma.source.addr),
+            dma.source.data.eq(ring_r.data),
+            self.response_bytes_written.eq(dma.dma_bytes_written),
+            self.response_write_errors.eq(dma.dma_write_errors),
+        ]
+
+        seq = Signal(RESPONSE_SEQ_BITS)     # the packet being stored, or the next one
+        head = Signal(RESPONSE_SEQ_BITS)    # the oldest stored packet without its command
+        landed = self.landed
+        for v in range(num_vls):
+            m.d.comb += self.out_seq[v].eq(seq)
+
+        # Ring pointers carry one bit above the address so that full and empty differ.
+        write_ptr = Signal(beat_bits + 1)
+        tail = Signal(beat_bits + 1)
+        with m.If(dma.release.valid):
+            m.d.sync += tail.eq(tail + dma.release.payload)
+        room = ~(write_ptr - tail)[beat_bits]
+        # A new packet needs a slot: seq .. seq - slots + 1 must not reach a packet that
+        # has not landed, whose slot entries may still be read.
+        slot_free = (seq - landed)[:RESPONSE_SEQ_BITS] < slots
+
+        # --- Ingress: pass-through, and one stored packet at a time ---------------------
+        busy = Signal()                     # a stored packet's beats are being taken
+        current = Signal(vl_index(num_vls))
+        last_grant = Signal(vl_index(num_vls))
+        beats_before = Signal(range(MAX_PACKET_BEATS + 1))   # saturates: not stored beyond
+        packet_start = Signal(beat_bits)
+        # A stored kind's start beat offered on ``out`` but not taken (its ``out`` not
+        # ready) keeps the grant, so that its valid stays up until it moves.
+        hold = Signal()
+        held = Signal(vl_index(num_vls))
+
+        index = Mux(busy, beats_before, 0)
+        stores = index < MAX_PACKET_BEATS
+        pending = Signal(num_vls)
+        rr_grant = Signal(vl_index(num_vls))
+        rr_granted = Signal()
+        with m.Switch(last_grant):
+            for last in range(num_vls):
+                with m.Case(last):
+                    for v in reversed([(last + 1 + k) % num_vls for k in range(num_vls)]):
+                        with m.If(pending[v]):
+                            m.d.comb += [rr_grant.eq(v), rr_granted.eq(1)]
+        grant = Mux(hold, held, rr_grant)
+        go = ~busy & (hold | rr_granted) & room & slot_free
+
+        taken = Signal(num_vls)             # a stored packet's beat moves on VL v
+        for v in range(num_vls):
+            rx, out = self.rx[v], self.out[v]
+            opcode = rx.payload.data[8 * OPCODE_BYTE:8 * OPCODE_BYTE + 8]
+            stored_kind = (((opcode >= READ_FIRST) & (opcode <= READ_ONLY))
+                           | (opcode == ATOMIC_ACKNOWLEDGE))
+            passing = Signal(name=f"passing{v}")     # inside a packet that is not stored
+            ours = busy & (current == v)
+            starts = rx.payload.start & ~ours & ~passing & stored_kind
+            allow = Signal(name=f"allow{v}")
+            with m.If(ours):
+                m.d.comb += allow.eq(~stores | room)
+            with m.Elif(starts):
+                m.d.comb += allow.eq(go & (grant == v))
+            with m.Else():
+                m.d.comb += allow.eq(1)
+            m.d.comb += [
+                pending[v].eq(rx.valid & starts),
+                out.valid.eq(rx.valid & allow),
+                out.payload.eq(rx.payload),
+                rx.ready.eq(allow & out.ready),
+                taken[v].eq(rx.valid & rx.ready & (ours | starts)),
+            ]
+            with m.If(rx.valid & rx.ready & ~ours & ~starts & (rx.payload.start | passing)):
+                m.d.sync += passing.eq(~rx.payload.end)
+
+        select = Mux(busy, current, grant)
+        beat = BeatLayout(WIDTH)(Array(Value.cast(self.rx[v].payload) for v in range(num_vls))[select])
+        take = taken.any()
+        m.d.sync += hold.eq(go & pending.bit_select(grant, 1) & ~take)
+        m.d.sync += held.eq(grant)
+
+        first = ~busy
+        orig = beat.data[8 * ORIG_BYTE:8 * (ORIG_BYTE + ORIG_BYTES)]
+        orig_host = Cat(orig[8 * i:8 * i + 8] for i in reversed(range(ORIG_BYTES)))
+        is_atomic = beat.data[8 * OPCODE_BYTE:8 * OPCODE_BYTE + 8] == ATOMIC_ACKNOWLEDGE
+        m.d.comb += [
+            ring_w.addr.eq(write_ptr[:beat_bits]),
+            ring_w.data.eq(Mux(first & is_atomic,
+                               Cat(beat.data[:8 * ORIG_BYTE], orig_host,
+                                   beat.data[8 * (ORIG_BYTE + ORIG_BYTES):]),
+                               beat.data)),
+            ring_w.en.eq(take & stores),
+        ]
+        m.d.sync += write_ptr.eq(write_ptr + (take & stores))
+        with m.If(take):
+            m.d.sync += [
+                busy.eq(~beat.end),
+                beats_before.eq(Mux(stores, index + 1, index)),
+            ]
+            with m.If(first):
+                m.d.sync += [current.eq(select), last_grant.eq(select),
+                             packet_start.eq(write_ptr[:beat_bits])]
+
+        # Where each stored packet lies, by seq, written as its end beat moves.
+        m.submodules.packets = packets = memory.Memory(shape=packet_layout, depth=slots, init=[])
+        packets_w = packets.write_port()
+        packets_r = packets.read_port(domain="comb")
+        ends = take & beat.end
+        m.d.comb += [
+            packets_w.addr.eq(seq[:slot_bits]),
+            packets_w.en.eq(ends),
+            packets_w.data.start.eq(Mux(first, write_ptr[:beat_bits], packet_start)),
+            packets_w.data.beats.eq(Mux(stores, index + 1, index)),
+            packets_w.data.length.eq(Mux(stores, index * WIDTH + beat.count, MAX_STORED_BYTES)),
+        ]
+        m.d.sync += seq.eq(seq + ends)
+
+        # --- Verdicts: by slot, a judged flag, the write flag and the write itself ---------
+        judged = Signal(slots)
+        writes = Signal(slots)
+        m.submodules.verdicts = verdicts = memory.Memory(shape=write_layout, depth=slots, init=[])
+        verdicts_w = verdicts.write_port()
+        verdicts_r = verdicts.read_port(domain="comb")
+        waiting = (seq - head)[:RESPONSE_SEQ_BITS]      # stored, and without a command yet
+
+        def hit(stream_, number):
+            """The slot a verdict input names, if its packet is waiting for a verdict."""
+            slot = number[:slot_bits]
+            valid = (stream_.valid & ((number - head)[:RESPONSE_SEQ_BITS] < waiting)
+                     & ~judged.bit_select(slot, 1))
+            return valid, slot
+
+        verdict = self.verdict.payload
+        verdict_valid, verdict_slot = hit(self.verdict, verdict.seq)
+        discard_valid, discard_slot = hit(self.discard, self.discard.payload)
+        m.d.comb += [
+            verdicts_w.addr.eq(verdict_slot),
+            verdicts_w.en.eq(verdict_valid),
+            verdicts_w.data.addr.eq(verdict.addr[:self.addr_width]),
+            verdicts_w.data.bytes.eq(verdict.bytes),
+            verdicts_w.data.offset.eq(verdict.offset),
+        ]
+
+        # --- Commands, oldest packet first ------------------------------------------------
+        head_slot = head[:slot_bits]
+        m.d.comb += [packets_r.addr.eq(head_slot), verdicts_r.addr.eq(head_slot)]
+        place, judgement = packets_r.data, verdicts_r.data
+        fits = judgement.offset + judgement.bytes <= place.length
+        writes_head = writes.bit_select(head_slot, 1) & fits
+        command = dma.command
+        nbytes = Mux(writes_head, judgement.bytes, 0)
+        # Burst counts of commands given and not landed: at most ``slots`` of them.
+        m.submodules.landing = landing = fifo.SyncFIFO(width=2, depth=slots)
+        m.d.comb += [
+            command.valid.eq((waiting != 0) & judged.bit_select(head_slot, 1) & landing.w_rdy),
+            command.payload.addr.eq(judgement.addr),
+            command.payload.bytes.eq(nbytes),
+            command.payload.src_beat.eq(place.start),
+            command.payload.src_offset.eq(judgement.offset),
+            command.payload.release_beats.eq(place.beats),
+            landing.w_data.eq(command_bursts(judgement.addr, nbytes)),
+            landing.w_en.eq(command.valid & command.ready),
+        ]
+        dispatch = command.valid & command.ready
+        m.d.sync += [
+            head.eq(head + dispatch),
+            self.responses_discarded.eq(self.responses_discarded + (dispatch & ~writes_head)),
+        ]
+        for k in range(slots):
+            with m.If(dispatch & (head_slot == k)):
+                m.d.sync += judged[k].eq(0)
+            with m.If(verdict_valid & (verdict_slot == k)):
+                m.d.sync += [judged[k].eq(1), writes[k].eq(verdict.write)]
+            with m.If(discard_valid & (discard_slot == k)):
+                m.d.sync += [judged[k].eq(1), writes[k].eq(0)]
+
+        # --- Landing: a command is done once released and its B responses are all in ---
+        axi = self.axi
+        unanswered = Signal(range(2 * slots + 1))   # AW bursts accepted, B not yet come
+        answers = Signal(range(2 * slots + 1))      # B responses not yet matched to commands
+        releases = Signal(range(slots + 1))         # releases not yet matched to commands
+        answer = axi.bvalid & axi.bready & (unanswered != 0)
+        pop = landing.r_rdy & (releases != 0) & (answers >= landing.r_data)
+        m.d.comb += landing.r_en.eq(pop)
+        m.d.sync += [
+            unanswered.eq(unanswered + (axi.awvalid & axi.awready) - answer),
+            answers.eq(answers + answer - Mux(pop, landing.r_data, 0)),
+            releases.eq(releases + dma.release.valid - pop),
+            landed.eq(landed + pop),
+        ]
+        return m
