@@ -73,7 +73,8 @@ class ResponseWriter(wiring.Component):
     packet is stored, and the completion unit sends ``discard`` for it. A stored kind
     longer than ``MAX_PACKET_BEATS`` beats (not possible from a well-behaved link) passes
     whole, but only its first ``MAX_PACKET_BEATS`` beats are stored: its stored length
-    is ``MAX_PACKET_BEATS * 64`` bytes, and a verdict can write only from those.
+    is ``MAX_PACKET_BEATS * 64`` bytes (4224), so every verdict fits (``offset`` < 64,
+    ``bytes`` <= 4096) and writes from the stored beats.
 
     **Sequence numbers.** Each stored packet gets the next ``seq`` (RESPONSE_SEQ_BITS,
     wrapping; 0 after reset), shown on every ``out_seq[v]`` from before its start beat
@@ -110,15 +111,19 @@ class ResponseWriter(wiring.Component):
     ``(landed - seq - 1) mod 2**16 < 2**15``. ``landed`` steps one command per cycle, in
     the second cycle after the event that completed it (last B or release in cycle t:
     ``landed`` past it in cycle t + 2; a discard in cycle t is released in t + 3 and
-    landed in t + 5 if nothing is ahead of it). A B counts only while an accepted AW burst is
-    unanswered, so a stray B cannot land anything early.
+    landed in t + 5 if nothing is ahead of it). A B counts only while an accepted AW
+    burst is unanswered, so a stray B cannot land anything early.
 
     **Counters.** ``response_bytes_written``: bytes written (counted as the DmaWriter's
     ``dma_bytes_written``: a command's bytes when its last W beat is taken);
     ``response_write_errors``: B responses not OKAY (the DmaWriter's
-    ``dma_write_errors``); ``responses_discarded``: stored packets whose command writes
+    ``dma_write_errors``, stray ones included); ``responses_discarded``: stored packets whose command writes
     nothing because of a discard, a verdict with ``write`` = 0 or a refused write (a
     write of 0 bytes is not a discard), counted when the command is taken.
+
+    A ring beat is taken from a packet's beat until the DmaWriter has read it for the
+    packet's command (after the verdict); a slot from a packet's start beat until it
+    has landed.
 
     Resources: the ring (``buffer_beats`` x 512 bits, one write and one read port), two
     ``slots``-entry tables read asynchronously (packet place: ~26 bits; verdict:
