@@ -264,7 +264,7 @@ class CompletionUnit(wiring.Component):
 
     Every packet the ResponseWriter stored (READ responses, ATOMIC ACKNOWLEDGE, with the
     sequence number ``rx_seq`` gives beside its beats) gets exactly one decision: a
-    ``discard`` strobe at its end beat when it does not become an event (bad ICRC,
+    ``discard`` strobe a cycle after its end beat when it does not become an event (bad ICRC,
     end-bad, malformed, event queue full), else a ``verdict`` (write or not) a cycle
     after its event's X. An event that moves ``ack_psn`` forward is progress: the retry
     counters restart, ``gap_seen`` clears and the timer stops.
@@ -476,6 +476,7 @@ class CompletionUnit(wiring.Component):
 
         # --- Receive: per VL, ICRC check and header decode; events into per-VL queues ---
         event_queues = []
+        discards = []
         icrc_drops = []
         malformed_drops = []
         for v in range(num_vls):
@@ -570,10 +571,18 @@ class CompletionUnit(wiring.Component):
             malformed_drops.append(good & ~(well_formed & queue.w_rdy))
             # The ResponseWriter stored this packet; without an event nothing else will
             # decide on it. It stores one packet at a time, so one VL ends one per cycle.
+            # Registered: the writer takes decisions from the cycle after the end beat.
             stored = Signal(name=f"stored{v}")
             m.d.comb += stored.eq(header.opcode.matches(*STORED_OPCODES))
-            with m.If(ends & stored & ~(good & well_formed & queue.w_rdy)):
-                m.d.comb += [self.discard.valid.eq(1), self.discard.payload.eq(self.rx_seq[v])]
+            discards.append((ends & stored & ~(good & well_formed & queue.w_rdy), self.rx_seq[v]))
+
+        discard_valid = Signal()
+        discard_seq = Signal(RESPONSE_SEQ_BITS)
+        m.d.sync += discard_valid.eq(0)
+        for valid, seq in discards:
+            with m.If(valid):
+                m.d.sync += [discard_valid.eq(1), discard_seq.eq(seq)]
+        m.d.comb += [self.discard.valid.eq(discard_valid), self.discard.payload.eq(discard_seq)]
 
         # --- Record path, beside the engine: R1 (take the record, read its QP's tail row
         # and head) and R2 (write the record at the tail, write the tail row back). A
