@@ -8,10 +8,10 @@ from hdl.ib.headers import (
 )
 from hdl.nic.payload_reads import payload_bursts, payload_read_stage
 from hdl.nic.signatures import (
-    MAX_HEADER_BYTES, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, PAYLOAD_ID, PSN_BITS, Access, ArLayout,
-    CompletionRecordLayout, CompletionStatus, ContextReadSignature, EventSignature, MkeyLayout,
-    MlxOpcode, PacketDescriptorLayout, PayloadSource, QpConfigLayout, QpState, Syndrome,
-    WqeDescriptorLayout,
+    EPOCH_BITS, MAX_HEADER_BYTES, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, PAYLOAD_ID, PSN_BITS,
+    Access, ArLayout, CompletionRecordLayout, CompletionStatus, ContextReadSignature,
+    EventSignature, MkeyLayout, MlxOpcode, PacketDescriptorLayout, PayloadSource,
+    QpConfigLayout, QpState, RewindLayout, Syndrome, WqeDescriptorLayout,
 )
 
 __all__ = ["WqeExecutor"]
@@ -33,11 +33,13 @@ EXT_BYTES = MAX_HEADER_BYTES - LRH_BYTES - BTH_BYTES
 
 
 class _JobLayout(data.StructLayout):
-    """A checked WQE, as the segmenter walks it: its completion record (status decided)
-    and what its packets' headers need."""
+    """A checked WQE, as the segmenter walks it: its completion record (status decided),
+    whether it emits that record (``resent``: it does not, the WQE was recorded before a
+    rewind) and what its packets' headers need."""
     def __init__(self):
         super().__init__({
             "cmp": CompletionRecordLayout(),
+            "resent": 1,
             "send": 1, "write": 1, "read": 1, "atomic": 1, "fetch_add": 1,
             "with_imm": 1,           # SEND_IMM / RDMA_WRITE_IMM
             "solicited": 1,          # SE on the last packet
@@ -50,11 +52,13 @@ class _JobLayout(data.StructLayout):
 
 class _ItemLayout(data.StructLayout):
     """One packet (or, for a failed or flushed WQE, none) with the payload reads it needs
-    and, on a message's last packet, the WQE's completion record."""
+    and, on a message's last packet, the WQE's completion record (unless suppressed);
+    ``resent``: a packet of a WQE whose record was suppressed."""
     def __init__(self):
         super().__init__({
             "desc": PacketDescriptorLayout(),
             "has_packet": 1,
+            "resent": 1,
             "cmp": CompletionRecordLayout(),
             "has_completion": 1,
             "n_ar": range(3),
@@ -107,6 +111,34 @@ class WqeExecutor(wiring.Component):
 
     A FETCH_ADD goes out with AtomicETH.CompareData 0: IBA has the responder ignore it,
     and libmlx5 leaves the atomic segment's compare field unwritten (stale ring bytes).
+
+    Go-back-N (docs/nic.md, "Execution"; ``rewind`` and ``qp_epoch`` come from the
+    completion unit and the scheduler in the same cycle, the scheduler's epoch changing
+    one cycle after its rewind strobe):
+
+    * stage 1 squashes a WQE whose ``epoch`` differs from ``qp_epoch[qpn]`` or whose QP
+      has a ``rewind`` in that cycle (so there is no window: a WQE leaving stage 1 in
+      the rewind's cycle is squashed too). A squashed WQE has no effect at all (no PSN,
+      no error bit, no ``qp_error``, no record), and it leaves stage 1 only when the
+      segmenter could take it, so the epoch compare stays off the ``wqe.ready`` path.
+    * the segmenter registers a rewind of its job's QP (``job_stale``): a SENT job stops
+      before its next packet from the cycle after the rewind (the one packet taken in
+      the rewind's cycle still goes, and if it is the last, the record with it); an
+      ERROR or FLUSH job (no packets) is not stopped, its record goes out. Packets that
+      reached the read or output stage go out whole, with their bursts (stale
+      duplicates the responder tolerates): at most two packets after the rewind's cycle.
+    * ``rewind`` sets the QP's next PSN to ``psn`` (a WQE leaving stage 1 in the same
+      cycle is squashed, so nothing competes); ``qp_reset`` wins over a rewind.
+    * ``recorded[q]`` (16 bits, 0 after ``qp_reset``): the WQE index just past the newest
+      WQE of q committed to a record. Stage 1 decides: a WQE with ``(wqe_index -
+      recorded) mod 2^16 >= 2^15`` gets no record (``resent``; its packets count in
+      ``packets_resent``), any other sets ``recorded = wqe_index + wqe_blocks`` as it
+      leaves stage 1, whatever its status. A SENT job stopped by a rewind that was to
+      emit its record sets ``recorded`` back to its own ``wqe_index`` (it is always the
+      newest WQE of its QP past stage 1, so that is exact); the stop happens the cycle
+      after the rewind, long before a fetch of the new epoch can reach stage 1.
+    * ``wqes_squashed`` counts WQEs squashed in stage 1 and SENT jobs stopped;
+      ``wqes_executed`` counts SENT records, so a WQE sent again counts once.
     """
 
     def __init__(self, *, num_qps=64, num_mkeys=64, num_vls=2, payload_buffer_beats=512):
@@ -128,6 +160,8 @@ class WqeExecutor(wiring.Component):
             "qp_state": In(QpState).array(num_qps),
             "qp_reset": In(EventSignature()),
             "qp_error": Out(EventSignature()),
+            "rewind": In(stream.Signature(RewindLayout(), always_ready=True)),
+            "qp_epoch": In(EPOCH_BITS).array(num_qps),
             "slid": In(16),
             "sl_to_vl": In(4).array(16),
             "ar": Out(stream.Signature(ArLayout())),
@@ -139,6 +173,8 @@ class WqeExecutor(wiring.Component):
             "payload_bytes_sent": Out(32),
             "wqe_errors": Out(32),
             "wqes_flushed": Out(32),
+            "wqes_squashed": Out(32),
+            "packets_resent": Out(32),
         })
 
     def elaborate(self, platform):
@@ -152,6 +188,9 @@ class WqeExecutor(wiring.Component):
         # two later, and the QP's next WQE must already be flushed.
         local_error = Array(Signal(name=f"local_error{q}") for q in range(num_qps))
         qp_states = Array(state.as_value() for state in self.qp_state)
+        recorded = Array(Signal(16, name=f"recorded{q}") for q in range(num_qps))
+        qp_epochs = Array(self.qp_epoch)
+        rewind = self.rewind.p
 
         # --- stage 1: the WQE and its contexts ------------------------------------------------
         r1_valid = Signal()
@@ -219,6 +258,14 @@ class WqeExecutor(wiring.Component):
             m.d.comb += status.eq(CompletionStatus.SENT)
         sent = status == CompletionStatus.SENT
 
+        # Go-back-N: the WQE was fetched before a rewind of its QP (docs/nic.md).
+        stale = Signal()
+        m.d.comb += stale.eq((r1.epoch != qp_epochs[r1.qpn]) |
+                             (self.rewind.valid & (rewind.qpn == r1.qpn)))
+        since_recorded = Signal(16)
+        m.d.comb += since_recorded.eq(r1.wqe_index - recorded[r1.qpn])
+        resent = since_recorded[-1]         # before ``recorded``: its record was emitted
+
         first_psn = Signal(PSN_BITS)
         npsn = Signal(PSN_BITS)
         length_less_one = Signal(32)
@@ -237,8 +284,11 @@ class WqeExecutor(wiring.Component):
         first = Signal()
         j_out = Signal()
         j_last = Signal()
+        job_stale = Signal()                # a rewind of the job's QP came after it loaded
+        stop = Signal()                     # drop the rest of a SENT job
         j_can_load = ~j_valid | (j_out & j_last)
-        r1_to_j = r1_valid & ~qpn_bad & j_can_load
+        r1_to_j = r1_valid & ~qpn_bad & ~stale & j_can_load
+        squash = r1_valid & ~qpn_bad & stale & j_can_load
         m.d.comb += r1_advance.eq(r1_valid & (qpn_bad | j_can_load))
 
         with m.If(r1_to_j):
@@ -254,6 +304,12 @@ class WqeExecutor(wiring.Component):
                 job.cmp.signaled.eq((r1.fm_ce_se & CQ_UPDATE) != 0),
                 job.cmp.status.eq(status),
                 job.cmp.syndrome.eq(Mux(sent, 0, syndrome)),
+                job.cmp.laddr.eq(r1.laddr),
+                job.cmp.mtu.eq(qp.mtu),
+                job.cmp.retry_cnt.eq(qp.retry_cnt),
+                job.cmp.rnr_retry.eq(qp.rnr_retry),
+                job.cmp.ack_timeout.eq(qp.ack_timeout),
+                job.resent.eq(resent),
                 job.send.eq(is_send), job.write.eq(is_write), job.read.eq(is_read),
                 job.atomic.eq(is_atomic), job.fetch_add.eq(is_fetch_add),
                 job.with_imm.eq(with_imm),
@@ -272,9 +328,16 @@ class WqeExecutor(wiring.Component):
                     m.d.sync += [next_psn[q].eq(first_psn + npsn), psn_loaded[q].eq(1)]
                 with m.If(status == CompletionStatus.ERROR):
                     m.d.sync += local_error[q].eq(1)
+                with m.If(~resent):
+                    m.d.sync += recorded[q].eq(r1.wqe_index + r1.wqe_blocks)
+            # A stopped job was the QP's newest WQE past stage 1: its record never comes.
+            with m.If(stop & ~job.resent & (job.cmp.qpn == q)):
+                m.d.sync += recorded[q].eq(job.cmp.wqe_index)
+            with m.If(self.rewind.valid & (rewind.qpn == q)):
+                m.d.sync += [next_psn[q].eq(rewind.psn), psn_loaded[q].eq(1)]
             # A reset of the QP (only while it is idle) wins over anything else.
             with m.If(self.qp_reset.valid & (self.qp_reset.qpn == q)):
-                m.d.sync += [psn_loaded[q].eq(0), local_error[q].eq(0)]
+                m.d.sync += [psn_loaded[q].eq(0), local_error[q].eq(0), recorded[q].eq(0)]
         m.d.sync += [
             self.qp_error.valid.eq(r1_to_j & (status == CompletionStatus.ERROR)),
             self.qp_error.qpn.eq(r1.qpn),
@@ -283,6 +346,10 @@ class WqeExecutor(wiring.Component):
         mtu_bytes = Signal(range(4096 + 1))
         m.d.comb += mtu_bytes.eq(Const(128, 13) << job.mtu)
         job_sent = job.cmp.status == CompletionStatus.SENT
+        m.d.comb += stop.eq(j_valid & job_stale & job_sent)
+        # Registered, so the rewind input stays off the item -> wqe.ready path.
+        m.d.sync += job_stale.eq(Mux(r1_to_j, 0, job_stale |
+                                     (self.rewind.valid & (rewind.qpn == job.cmp.qpn))))
         segmented = job.send | job.write
         fits = remaining <= mtu_bytes
         last = Signal()
@@ -354,8 +421,9 @@ class WqeExecutor(wiring.Component):
             item.desc.header_bytes.eq(header_bytes),
             item.desc.payload_bytes.eq(plen),
             item.has_packet.eq(job_sent),
+            item.resent.eq(job.resent),
             item.cmp.eq(job.cmp),
-            item.has_completion.eq(j_last),
+            item.has_completion.eq(j_last & ~job.resent),
         ]
         with m.If(dma):
             m.d.comb += [
@@ -382,13 +450,15 @@ class WqeExecutor(wiring.Component):
                     psn.eq(psn + 1),
                     first.eq(0),
                 ]
+        with m.If(stop):
+            m.d.sync += j_valid.eq(0)
         with m.If(r1_to_j):
             m.d.sync += j_valid.eq(1)
 
         # --- stage 3: payload reads ----------------------------------------------------------
         d_can_load = Signal()
         p, p_out = payload_read_stage(
-            m, layout=_ItemLayout(), item=item, item_valid=j_valid, item_taken=j_out,
+            m, layout=_ItemLayout(), item=item, item_valid=j_valid & ~stop, item_taken=j_out,
             can_pass=d_can_load, ar=self.ar, ar_id=PAYLOAD_ID,
             buffer_beats=self.payload_buffer_beats, freed=self.payload_freed)
 
@@ -421,6 +491,9 @@ class WqeExecutor(wiring.Component):
                 self.packets_sent.eq(self.packets_sent + 1),
                 self.payload_bytes_sent.eq(self.payload_bytes_sent + d.desc.payload_bytes),
             ]
+            with m.If(d.resent):
+                m.d.sync += self.packets_resent.eq(self.packets_resent + 1)
+        m.d.sync += self.wqes_squashed.eq(self.wqes_squashed + squash + stop)
         with m.If(recorded & (d.cmp.status == CompletionStatus.SENT)):
             m.d.sync += self.wqes_executed.eq(self.wqes_executed + 1)
         with m.If(recorded & (d.cmp.status == CompletionStatus.FLUSH)):
