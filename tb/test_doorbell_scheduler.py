@@ -20,16 +20,19 @@ that cycle's and the next cycle's arbitration.
 Random runs: doorbells (accepted, duplicate, stale, backwards, too far, random, bad QPN,
 QPs in RESET), a fetch consumer with random ``ready`` that answers each accepted request
 after a random delay with ``consumed`` in 0..blocks (0 included) and the request's epoch,
-retires of random sizes up to the furthest block fetched (so after a rewind ``done_ci``
-passes ``fetch_pi``, checked to happen), rewinds to a random block from ``done_ci`` on
+retires of random sizes up to the furthest block fetched (so after a rewind a retire can
+pass ``fetch_pi``: a skip, checked to happen; ``fetch_pi`` never lags ``done_ci``), rewinds
+to a random block from ``done_ci`` on (past the blocks a retire of the same cycle frees)
 (and to QP numbers the scheduler lacks), QPs moving RTS -> ERR -> RESET (with
 ``qp_reset``, when idle) -> RTS with a new random context, everything possibly in the
 same cycle for the same QP. Rewinds and stale fetch dones are checked to happen.
 Directed: the window limit, ``first_only`` and a window overrun by it, waiting after
 ``consumed == 0`` until an accepted doorbell or a retire, the 16-bit index wrap-around,
 the ERR state, all events in one cycle for one QP (``qp_reset`` wins), rewinds (stale
-fetch done, the wait, beside a fetch done, a grant and a reset, ``done_ci`` past
-``fetch_pi``, the epoch wrapping), parameter checks.
+fetch done, the wait, beside a fetch done, a grant and a reset, the epoch wrapping),
+skips (a retire past ``fetch_pi``: the ``skip`` strobe with the retire's PSN; none beside
+a rewind or a reset, none when a fetch done of the cycle covers the retire), parameter
+checks. The reference checks ``skip`` every cycle.
 """
 import random
 
@@ -66,9 +69,7 @@ class Qp:
 
     @property
     def outstanding(self):
-        # done_ci may pass fetch_pi after a rewind (retired before the refetch): 0 then.
-        ahead = (self.fp - self.dc) & MASK
-        return 0 if ahead >= 1 << 15 else ahead
+        return (self.fp - self.dc) & MASK
 
     @property
     def busy(self):
@@ -114,7 +115,7 @@ class Inputs:
                  ready=True):
         self.doorbell = doorbell        # (qpn, pi)
         self.fetch_done = fetch_done    # (qpn, consumed[, epoch]): the QP's epoch if not given
-        self.retire = retire            # (qpn, blocks)
+        self.retire = retire            # (qpn, blocks[, next_psn])
         self.reset = reset              # qpn
         self.rewind = rewind            # (qpn, wqe_index)
         self.ready = ready
@@ -132,6 +133,8 @@ class Reference:
         self.out = None                 # (qpn, wqe_index, blocks, first_only) offered on fetch
         self.out_epoch = None           # and its epoch
         self.stale_dones = 0            # fetch_done of an old epoch seen
+        self.skip = None                # (qpn, wqe_index, psn) on ``skip``
+        self.skips = 0
         self.counters = dict.fromkeys(COUNTER_NAMES, 0)
         self.passed = [0] * n           # grants to others while this QP stayed eligible
         self.grants = 0
@@ -197,12 +200,23 @@ class Reference:
             consumed_none = consumed == 0 and fresh
         if ins.retire is not None and ins.retire[0] < n:
             retire_hit = ins.retire[0]
+        # A retire past fetch_pi: the QP goes on from done_ci (unless rewound or reset).
+        skip = None
+        if retire_hit is not None and retire_hit not in (rewind_hit, ins.reset):
+            qp = qps[retire_hit]
+            done = (qp.dc + ins.retire[1]) & MASK
+            fetched = qp.fp
+            if fresh and done_hit == retire_hit:
+                fetched = (qp.fp + ins.fetch_done[1]) & MASK
+            if (fetched - done) & MASK >= 1 << 15:
+                skip = (retire_hit, done, ins.retire[2] if len(ins.retire) > 2 else 0)
+                self.skips += 1
 
         if db_hit is not None:
             qps[db_hit].db = ins.doorbell[1]
         if done_hit is not None:
             qp = qps[done_hit]
-            if fresh:
+            if fresh and (skip is None or skip[0] != done_hit):
                 qp.fp = (qp.fp + ins.fetch_done[1]) & MASK
             qp.in_flight = False
             if consumed_none:
@@ -212,6 +226,10 @@ class Reference:
             qp.fp = ins.rewind[1]
             qp.epoch = (qp.epoch + 1) & EPOCH_MASK
             qp.waiting = False
+        if skip is not None:
+            qp = qps[skip[0]]
+            qp.fp = skip[1]
+            qp.epoch = (qp.epoch + 1) & EPOCH_MASK
         if retire_hit is not None:
             qp = qps[retire_hit]
             qp.dc = (qp.dc + ins.retire[1]) & MASK
@@ -224,7 +242,9 @@ class Reference:
             self.last = grant
         if ins.reset is not None and ins.reset < n:
             qps[ins.reset].clear()
-        self.touched = {q for q in (ins.reset, grant, rewind_hit) if q is not None}
+        self.touched = {q for q in (ins.reset, grant, rewind_hit, skip and skip[0])
+                        if q is not None}
+        self.skip = skip
 
         if grant is not None:
             self.out = request
@@ -249,6 +269,7 @@ class Bench:
         self.done_epoch = dut.fetch_done.p.epoch
         self.rewind_qpn, self.rewind_index = dut.rewind.p.qpn, dut.rewind.p.wqe_index
         self.retire_qpn, self.retire_blocks = dut.retire.p.qpn, dut.retire.p.blocks
+        self.retire_psn = dut.retire.p.next_psn
 
     def _set(self, sig, value):
         # Keyed by the Value object, kept alive here: payload fields are fresh objects on
@@ -282,6 +303,12 @@ class Bench:
             assert ctx.get(p.epoch) == ref.out_epoch, (t, "fetch epoch")
         for q, qp in enumerate(ref.qps):
             assert ctx.get(dut.qp_epoch[q]) == qp.epoch, (t, "qp_epoch", q)
+        skip = ctx.get(dut.skip.valid)
+        assert skip == (ref.skip is not None), (t, "skip.valid", ref.skip)
+        if skip:
+            p = dut.skip.p
+            got = (ctx.get(p.qpn), ctx.get(p.wqe_index), ctx.get(p.psn))
+            assert got == ref.skip, (t, "skip", got, ref.skip)
         busy = ctx.get(dut.qp_busy)
         expected = sum(1 << q for q, qp in enumerate(ref.qps) if qp.busy)
         assert busy == expected, (t, "qp_busy", hex(busy), hex(expected))
@@ -313,6 +340,7 @@ class Bench:
         if ins.retire is not None:
             self._set(self.retire_qpn, ins.retire[0])
             self._set(self.retire_blocks, ins.retire[1])
+            self._set(self.retire_psn, ins.retire[2] if len(ins.retire) > 2 else 0)
         self._set(dut.qp_reset.valid, int(ins.reset is not None))
         if ins.reset is not None:
             self._set(dut.qp_reset.qpn, ins.reset)
@@ -373,7 +401,6 @@ class Traffic:
         # there, so it may retire up to it and rewind to any WQE from done_ci on.
         self.high = [0] * bench.n
         self.rewinds = 0
-        self.done_passed_fetch = 0      # cycles some QP had done_ci past fetch_pi
 
     def random_context(self, q):
         rng = self.rng
@@ -413,7 +440,7 @@ class Traffic:
             owing = [q for q in range(n) if owed[q]]
             if owing:
                 q = rng.choice(owing)
-                ins.retire = (q, rng.randint(1, min(16, owed[q])))
+                ins.retire = (q, rng.randint(1, min(16, owed[q])), rng.getrandbits(24))
 
         if rng.random() < self.rewind_rate:
             owing = [q for q in range(n) if owed[q]]
@@ -421,8 +448,11 @@ class Traffic:
                 ins.rewind = (rng.randrange(n, 256), rng.getrandbits(16))    # no such QP
             elif owing:
                 q = rng.choice(owing)
-                ins.rewind = (q, (ref.qps[q].dc + rng.randrange(owed[q])) & MASK)
-                self.rewinds += 1
+                # Not retired, even by a retire of this cycle.
+                low = ins.retire[1] if ins.retire is not None and ins.retire[0] == q else 0
+                if low < owed[q]:
+                    ins.rewind = (q, (ref.qps[q].dc + rng.randint(low, owed[q] - 1)) & MASK)
+                    self.rewinds += 1
 
         if rng.random() < self.state_rate:
             q = rng.randrange(n)
@@ -457,7 +487,7 @@ class Traffic:
                     self.high[q] = 0
                 elif 0 < (qp.fp - self.high[q]) & MASK < 1 << 15:
                     self.high[q] = qp.fp
-                self.done_passed_fetch += (qp.fp - qp.dc) & MASK >= 1 << 15
+                assert (qp.fp - qp.dc) & MASK < 1 << 15, (bench.t, q, "done_ci past fetch_pi")
 
 
 def counters_never_hit(ref):
@@ -483,7 +513,7 @@ def test_random(num_qps, seed, cycles):
         assert any(r[3] for r in traffic.requests) or num_qps == 1, "no first_only request"
         assert any(r[2] < 16 and not r[3] and r[2] < ref.qps[r[0]].max_out for r in traffic.requests)
         assert traffic.rewinds > cycles // 300 and ref.stale_dones > 0
-        assert traffic.done_passed_fetch > 0
+        assert ref.skips > 0
 
     simulate(num_qps, body)
 
@@ -737,23 +767,40 @@ def test_rewind():
         await bench.cycle(Inputs())
         assert ref.out is None
         assert await next_request(bench) == (0, 5, 16, 0) and ref.accepted_epoch == 5
-        # Retired past fetch_pi after a rewind (late acknowledgements): the window is empty.
-        await bench.cycle(Inputs(fetch_done=(0, 16), retire=(0, 12)))
+        # Retired past fetch_pi after a rewind (late acknowledgements): skip to done_ci.
+        await bench.cycle(Inputs(fetch_done=(0, 16)))
+        await bench.cycle(Inputs(retire=(0, 12)))
         await bench.cycle(Inputs(rewind=(0, 12)))
         assert await next_request(bench) == (0, 12, 16, 0)
-        await bench.cycle(Inputs(rewind=(0, 12), retire=(0, 9)))     # done_ci 21 > fetch_pi 12
         bench.configure(0, max_out=8)                                 # (while in flight)
+        await bench.cycle(Inputs(retire=(0, 9, 0x123456)))            # done_ci 21 > fetch_pi 12
+        assert (qp.fp, qp.epoch, ref.skip) == (21, 7, (0, 21, 0x123456))
         await bench.cycle(Inputs(fetch_done=(0, 16, 6)))              # stale
+        assert ref.skip is None and qp.fp == 21
         await bench.cycle(Inputs(doorbell=(0, 60)))
-        assert qp.outstanding == 0 and (qp.fp - qp.dc) & MASK > 1 << 15
-        assert await next_request(bench) == (0, 12, 16, 1)            # alone, as with none
+        assert await next_request(bench) == (0, 21, 16, 1) and ref.accepted_epoch == 7
         await bench.cycle(Inputs(fetch_done=(0, 16)))
-        assert await next_request(bench) == (0, 28, 1, 0)             # window 8 - 7
-        await bench.cycle(Inputs(fetch_done=(0, 1)))
+        assert await run_for(bench, 4) == []                          # window 8 full
+        await bench.cycle(Inputs(retire=(0, 10)))                     # done_ci 31 <= 37: no skip
+        assert ref.skip is None
+        assert await next_request(bench) == (0, 37, 2, 0)             # window 8 - 6
+        # A retire past fetch_pi beside a rewind (to a WQE at or past the new done_ci):
+        # the rewind wins, no skip; beside a reset: the reset wins.
+        await bench.cycle(Inputs(rewind=(0, 31)))
+        await bench.cycle(Inputs(fetch_done=(0, 2, 7)))               # stale
+        await bench.cycle(Inputs(retire=(0, 4), rewind=(0, 36)))      # done_ci 35 > 31
+        assert (qp.fp, qp.dc, ref.skip) == (36, 35, None)
+        await bench.cycle(Inputs(rewind=(0, 35)))
+        await bench.cycle(Inputs(retire=(0, 1)))                      # done_ci 36 > 35: skip
+        assert ref.skip == (0, 36, 0) and qp.fp == 36
+        assert await next_request(bench) == (0, 36, 16, 1) and ref.accepted_epoch == qp.epoch
+        await bench.cycle(Inputs(rewind=(0, 36)))
+        await bench.cycle(Inputs(retire=(0, 1), reset=0))
+        assert ref.skip is None and (qp.fp, qp.dc, qp.epoch) == (0, 0, 0)
         # Sixteen rewinds bring the epoch round; a reset clears it.
-        for _ in range(16):
-            await bench.cycle(Inputs(rewind=(0, 29)))
-        assert qp.epoch == 7                                            # 23 mod 16
+        for _ in range(20):
+            await bench.cycle(Inputs(rewind=(0, 0)))
+        assert qp.epoch == 4                                            # 20 mod 16
         await bench.cycle(Inputs(rewind=(1, 0)))
         assert ref.qps[1].epoch == 1
         await bench.cycle(Inputs(rewind=(1, 0), reset=1))             # the reset wins

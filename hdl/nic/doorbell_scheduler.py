@@ -43,11 +43,19 @@ class DoorbellScheduler(wiring.Component):
     is masked from that cycle's arbitration (a grant would fetch from the old index with
     the old epoch) and sits out the next one (its plan is from before the rewind, and a
     rewind may move ``fetch_pi`` forward, past blocks completed meanwhile). A request granted before and still offered on ``fetch`` keeps its
-    old epoch: it is stale and its descriptors are squashed by the executor. The
-    completion unit may retire the rewound WQE (a late acknowledgement) before it is
-    fetched again, so ``done_ci`` can pass ``fetch_pi``; ``outstanding`` then counts as 0
-    (the window is empty: the blocks being fetched again have completed) until
-    ``fetch_pi`` catches up.
+    old epoch: it is stale and its descriptors are squashed by the executor.
+
+    Skip: after a rewind the completion unit may still retire the rewound WQEs (late
+    acknowledgements of their first transmission) before they are fetched again. A
+    retire that moves ``done_ci`` past ``fetch_pi`` (with a ``fetch_done`` of the same
+    cycle counted) makes the QP go on from ``done_ci``
+    (the retired WQEs' ring slots may already hold new WQEs): ``fetch_pi := done_ci``,
+    ``epoch += 1``, as a rewind there, and in the next cycle a ``skip`` strobe ``(qpn,
+    done_ci, retire.next_psn)`` tells the executor where the QP's PSNs stand (together
+    with the new epoch on ``qp_epoch``). A rewind of the QP in the same cycle wins (it
+    goes back to a WQE not yet retired, at or past the new ``done_ci``); a grant of the
+    QP in that cycle goes out with the old epoch (stale). So ``fetch_pi`` never lags
+    ``done_ci``.
 
     Doorbells are checked in the documented order against the QP's indices at the start
     of the cycle (a retire of the same cycle does not yet count for ``doorbells_too_far``).
@@ -68,7 +76,7 @@ class DoorbellScheduler(wiring.Component):
     while the QP is in flight, when its plan is not eligible. So a request follows the
     documented rules on the QP's state of the cycle before its grant; it may be smaller
     than the newest state would allow, never larger. Only a grant, a reset or a rewind
-    makes a plan wrong, and the QP then sits out the next arbitration. Tracking an
+    (or skip) makes a plan wrong, and the QP then sits out the next arbitration. Tracking an
     eligible bit incrementally instead would need the same subtractions at every event
     port plus forwarding between same-cycle events, for no saving. A doorbell in cycle t
     can be granted in t + 2, offered on ``fetch`` from t + 3; a rewind in cycle t shows
@@ -93,6 +101,7 @@ class DoorbellScheduler(wiring.Component):
             "retire": In(stream.Signature(RetireLayout(), always_ready=True)),
             "rewind": In(stream.Signature(RewindLayout(), always_ready=True)),
             "qp_epoch": Out(EPOCH_BITS).array(num_qps),
+            "skip": Out(stream.Signature(RewindLayout(), always_ready=True)),
             "qp_busy": Out(num_qps),
         }
         for name, _ in COUNTERS["DoorbellScheduler"]:
@@ -172,13 +181,32 @@ class DoorbellScheduler(wiring.Component):
             new_done_ci.eq(Array(done_ci)[self.retire.p.qpn[:qp_bits]] + self.retire.p.blocks),
         ]
 
+        # Skip: the retire moves done_ci past fetch_pi (see the class description).
+        retire_qp = self.retire.p.qpn[:qp_bits]
+        fetched = Signal(INDEX_BITS)        # the QP's fetch_pi after this cycle's fetch_done
+        m.d.comb += fetched.eq(Mux(done_fresh & self.fetch_done.valid &
+                                   (self.fetch_done.p.qpn == self.retire.p.qpn),
+                                   new_fetch_pi, Array(fetch_pi)[retire_qp]))
+        lag = Signal(INDEX_BITS)            # fetch_pi - new done_ci
+        m.d.comb += lag.eq(fetched - new_done_ci)
+        skip = Signal()
+        m.d.comb += skip.eq(self.retire.valid & (self.retire.p.qpn < n) & lag[-1] &
+                            ~(self.rewind.valid & (self.rewind.p.qpn == self.retire.p.qpn)))
+        skip_hit = decode(skip, self.retire.p.qpn)
+        m.d.sync += [
+            self.skip.valid.eq(skip & ~(self.qp_reset.valid &
+                                        (self.qp_reset.qpn == self.retire.p.qpn))),
+            self.skip.p.qpn.eq(self.retire.p.qpn),
+            self.skip.p.wqe_index.eq(new_done_ci),
+            self.skip.p.psn.eq(self.retire.p.next_psn),
+        ]
+
         # --- per-QP plans, registered -------------------------------------------------------
         plan_layout = data.StructLayout({
             "eligible": 1, "blocks": range(MAX_WQE_BLOCKS + 1), "first_only": 1})
         plans = [Signal(plan_layout, name=f"plan{q}") for q in range(n)]
         for q in range(n):
             pending = Signal(INDEX_BITS, name=f"pending{q}")
-            ahead_of_done = Signal(INDEX_BITS, name=f"ahead_of_done{q}")
             outstanding = Signal(INDEX_BITS, name=f"outstanding{q}")
             want = Signal(range(MAX_WQE_BLOCKS + 1), name=f"want{q}")
             max_out = self.qp_max_outstanding[q]
@@ -186,9 +214,7 @@ class DoorbellScheduler(wiring.Component):
             room = Signal(signed(INDEX_BITS + 2), name=f"room{q}")
             m.d.comb += [
                 pending.eq(db_pi[q] - fetch_pi[q]),
-                ahead_of_done.eq(fetch_pi[q] - done_ci[q]),
-                # done_ci past fetch_pi (retired after a rewind, before the refetch): 0.
-                outstanding.eq(Mux(ahead_of_done[-1], 0, ahead_of_done)),
+                outstanding.eq(fetch_pi[q] - done_ci[q]),
                 want.eq(Mux(pending > MAX_WQE_BLOCKS, MAX_WQE_BLOCKS, pending)),
                 room.eq(max_out - outstanding),
             ]
@@ -266,6 +292,8 @@ class DoorbellScheduler(wiring.Component):
                     m.d.sync += db_pi[q].eq(db.pi)
                 with m.If(rewind_hit[q]):
                     m.d.sync += [fetch_pi[q].eq(self.rewind.p.wqe_index), epoch[q].eq(epoch[q] + 1)]
+                with m.Elif(skip_hit[q]):
+                    m.d.sync += [fetch_pi[q].eq(new_done_ci), epoch[q].eq(epoch[q] + 1)]
                 with m.Elif(fresh_hit[q]):
                     m.d.sync += fetch_pi[q].eq(new_fetch_pi)
                 with m.If(retire_hit[q]):
@@ -279,7 +307,7 @@ class DoorbellScheduler(wiring.Component):
             in_flight.eq((in_flight & ~done_hit | grant) & ~reset_hit),
             waiting.eq((waiting | consumed_none) & ~db_hit & ~retire_hit & ~reset_hit &
                        ~rewind_hit),
-            touched.eq(reset_hit | grant | rewind_hit),
+            touched.eq(reset_hit | grant | rewind_hit | skip_hit),
         ]
 
         # Rung but unfetched WQEs do not count: a move to RESET drops them without
