@@ -848,7 +848,9 @@ class RewindBench:
     WQEs in ring order tagged with the epoch into a short in-transit queue (so stale
     descriptors reach the executor after a rewind), acknowledges recorded WQEs at random
     and rewinds a QP to its oldest unacknowledged recorded WQE with that record's first
-    PSN, as the completion unit does.
+    PSN, as the completion unit does; when the acknowledgements pass the WQE the refetch
+    has reached, it skips the QP there now and then (``skip`` with the new epoch in the
+    same cycle), as the scheduler does on such a retire.
 
     Checks, per QP: every packet is one of the QP's packets ``S`` byte for byte (found by
     its PSN), and the packets come in runs of ``S``: each packet the successor of the
@@ -880,6 +882,7 @@ class RewindBench:
         self.accepted = 0
         self.last_sent = 0                  # executions that sent their WQE's last packet
         self.rewinds = 0
+        self.skips = 0
         self.tails = 0                      # packets that fit only as an old run's
         self.jumps = 0
         self.issued_beats = 0
@@ -965,6 +968,22 @@ class RewindBench:
             self._set(ctx, dut.rewind.p.wqe_index, record["wqe_index"])
             self._set(ctx, dut.rewind.p.psn, record["first_psn"])
         self._set(ctx, dut.rewind.valid, int(rewind is not None))
+        # The scheduler's skip: acknowledgements passed where the refetch stands. It comes
+        # with its new epoch in the same cycle (both registered in the scheduler).
+        skip = None
+        behind = [q for q in owing if self.fetch_pos[q] < self.acked[q]
+                  and (rewind is None or rewind[0] != q)]
+        if rewinding and behind and rng.random() < 0.3:
+            q = rng.choice(behind)
+            d = self.acked[q]
+            record = self.streams[q].records[d]
+            skip = (q, d)
+            self.epoch[q] = (self.epoch[q] + 1) % EPOCHS
+            self._set(ctx, dut.qp_epoch[q], self.epoch[q])
+            self._set(ctx, dut.skip.p.qpn, q)
+            self._set(ctx, dut.skip.p.wqe_index, record["wqe_index"])
+            self._set(ctx, dut.skip.p.psn, record["first_psn"])
+        self._set(ctx, dut.skip.valid, int(skip is not None))
 
         self._set(ctx, dut.packet.ready, int(rng.random() < self.p_packet))
         self._set(ctx, dut.completion.ready, int(rng.random() < self.p_completion))
@@ -998,9 +1017,12 @@ class RewindBench:
         if freed:
             self.issued_beats -= 1
 
-        if rewind is not None:
-            q, h = rewind
-            self.rewinds += 1
+        for event in (rewind, skip):
+            if event is None:
+                continue
+            q, h = event
+            self.rewinds += event is rewind
+            self.skips += event is skip
             first = self.streams[q].first[h]
             self.stories[q] = {(c, targets + (first,), 0) for c, targets, _ in self.stories[q]}
             self.fetch_pos[q] = h
@@ -1078,7 +1100,8 @@ def rewind_qps(rng, num_qps, phase):
             for q in range(num_qps)}
 
 
-@pytest.mark.parametrize("seed, p_rewind, transit", [(11, 0.02, 6), (12, 0.06, 2), (13, 0.03, 10)])
+@pytest.mark.parametrize("seed, p_rewind, transit", [
+    (11, 0.02, 6), (12, 0.06, 2), (13, 0.03, 10), (27, 0.03, 6)])
 def test_rewind_random(seed, p_rewind, transit):
     """Random WQEs on every QP, rewinds at random times, random backpressure everywhere;
     then every QP reset (recorded and the PSN start over) and a second run."""
@@ -1115,7 +1138,7 @@ def test_rewind_random(seed, p_rewind, transit):
     sim.add_clock(1e-9)
     sim.add_testbench(testbench)
     sim.run()
-    assert bench.rewinds > 10 and bench.jumps > 10
+    assert bench.rewinds > 10 and bench.jumps > 10 and bench.skips > 2
     assert bench.counts["wqes_squashed"] > 5 and bench.counts["packets_resent"] > 20
     assert bench.tails > 0
 

@@ -137,6 +137,10 @@ class WqeExecutor(wiring.Component):
       emit its record sets ``recorded`` back to its own ``wqe_index`` (it is always the
       newest WQE of its QP past stage 1, so that is exact); the stop happens the cycle
       after the rewind, long before a fetch of the new epoch can reach stage 1.
+    * ``skip`` (the scheduler's, with its epoch already changed in that cycle: a retire
+      moved the QP past WQEs it had not fetched again) acts as a rewind to
+      ``wqe_index`` (stage 1 squashes by the epoch alone); a rewind of the same QP in the
+      same cycle wins over it.
     * ``wqes_squashed`` counts WQEs squashed in stage 1 and SENT jobs stopped;
       ``wqes_executed`` counts SENT records, so a WQE sent again counts once.
     """
@@ -161,6 +165,7 @@ class WqeExecutor(wiring.Component):
             "qp_reset": In(EventSignature()),
             "qp_error": Out(EventSignature()),
             "rewind": In(stream.Signature(RewindLayout(), always_ready=True)),
+            "skip": In(stream.Signature(RewindLayout(), always_ready=True)),
             "qp_epoch": In(EPOCH_BITS).array(num_qps),
             "slid": In(16),
             "sl_to_vl": In(4).array(16),
@@ -191,6 +196,7 @@ class WqeExecutor(wiring.Component):
         recorded = Array(Signal(16, name=f"recorded{q}") for q in range(num_qps))
         qp_epochs = Array(self.qp_epoch)
         rewind = self.rewind.p
+        skip = self.skip.p
 
         # --- stage 1: the WQE and its contexts ------------------------------------------------
         r1_valid = Signal()
@@ -335,6 +341,8 @@ class WqeExecutor(wiring.Component):
                 m.d.sync += recorded[q].eq(job.cmp.wqe_index)
             with m.If(self.rewind.valid & (rewind.qpn == q)):
                 m.d.sync += [next_psn[q].eq(rewind.psn), psn_loaded[q].eq(1)]
+            with m.Elif(self.skip.valid & (skip.qpn == q)):
+                m.d.sync += [next_psn[q].eq(skip.psn), psn_loaded[q].eq(1)]
             # A reset of the QP (only while it is idle) wins over anything else.
             with m.If(self.qp_reset.valid & (self.qp_reset.qpn == q)):
                 m.d.sync += [psn_loaded[q].eq(0), local_error[q].eq(0), recorded[q].eq(0)]
@@ -349,7 +357,8 @@ class WqeExecutor(wiring.Component):
         m.d.comb += stop.eq(j_valid & job_stale & job_sent)
         # Registered, so the rewind input stays off the item -> wqe.ready path.
         m.d.sync += job_stale.eq(Mux(r1_to_j, 0, job_stale |
-                                     (self.rewind.valid & (rewind.qpn == job.cmp.qpn))))
+                                     (self.rewind.valid & (rewind.qpn == job.cmp.qpn)) |
+                                     (self.skip.valid & (skip.qpn == job.cmp.qpn))))
         segmented = job.send | job.write
         fits = remaining <= mtu_bytes
         last = Signal()
