@@ -9,7 +9,7 @@ from hdl.link.signatures import LinkState, WireSignature
 from .atomic_unit import AtomicUnit
 from .axi_read_arbiter import AxiReadArbiter
 from .axi_write_arbiter import AxiWriteArbiter
-from .completion_unit import CompletionUnit
+from .completion_unit import TIMER_TICK_CYCLES, CompletionUnit
 from .dma_writer import DmaWriter
 from .doorbell_scheduler import DoorbellScheduler
 from .nic_registers import AxiLite64Signature, NicRegisters
@@ -19,9 +19,10 @@ from .receive_queue import ReceiveQueue
 from .request_receiver import RequestReceiver
 from .responder_engine import ResponderEngine
 from .response_generator import ResponseGenerator
+from .response_writer import ResponseWriter
 from .signatures import (ATOMIC_ID, COUNTERS, CQE_ID, DMA_WRITE_ID, FETCH_ID, PAYLOAD_ID,
-                         RECV_ID, RESPONSE_ID, AxiReadSignature, AxiWriteSignature,
-                         PacketDescriptorLayout)
+                         READ_DATA_ID, RECV_ID, RESPONSE_ID, AxiReadSignature,
+                         AxiWriteSignature, PacketDescriptorLayout)
 from .wqe_executor import WqeExecutor
 from .wqe_fetcher import WqeFetcher
 
@@ -60,6 +61,12 @@ class Nic(wiring.Component):
         The responder's receive packet buffer (store and forward, ICRC checked), in beats.
     response_buffer_beats : int
         Payload buffer of the responder's packet assembler (READ response data in flight).
+    read_data_buffer_beats : int
+        The requester's buffer of received READ responses and atomic acknowledges, whose
+        payload is written to local memory once the completion unit takes them.
+    timer_tick : int
+        Cycles per tick of the retransmission timer (the local ACK timeout is
+        ``2**ack_timeout`` ticks; 1638 cycles is IBA's 4.096 us at 400 MHz).
 
     Ports
     -----
@@ -68,14 +75,16 @@ class Nic(wiring.Component):
     axi : Out(AXI4)
         DMA master: WQE fetches (ARID 0), payload reads (ARID 1), READ response payload
         (ARID 2), receive WQEs and doorbell records (ARID 3), atomics (ARID/AWID 4), CQE
-        writes (AWID 0), RDMA WRITE and SEND payload (AWID 1).
+        writes (AWID 0), RDMA WRITE and SEND payload (AWID 1), received READ data and
+        atomic results (AWID 2).
     wire_out, wire_in : the network link.
     link_state : Out(LinkState)
     """
     def __init__(self, *, num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2, mtu=4096,
                  addr_width=64, fetch_buffer_blocks=256, payload_buffer_beats=512,
                  packet_queue_depth=32, link_buffer_blocks=None, fc_period=1024, fc_min_interval=64,
-                 fc_batch_blocks=64, rx_buffer_beats=256, response_buffer_beats=512):
+                 fc_batch_blocks=64, rx_buffer_beats=256, response_buffer_beats=512,
+                 read_data_buffer_beats=256, timer_tick=TIMER_TICK_CYCLES):
         if not 12 <= addr_width <= 64:
             raise ValueError(f"AXI address width must be 12 to 64 bits, not {addr_width!r}")
         if not 2 <= packet_queue_depth <= 1024:
@@ -94,7 +103,9 @@ class Nic(wiring.Component):
                                     payload_buffer_beats=payload_buffer_beats)
         self.assembler = PacketAssembler(num_vls=num_vls, payload_buffer_beats=payload_buffer_beats)
         self.completions = CompletionUnit(num_qps=num_qps, num_cqs=num_cqs, num_vls=num_vls,
-                                          addr_width=addr_width)
+                                          addr_width=addr_width, timer_tick=timer_tick)
+        self.read_data = ResponseWriter(num_vls=num_vls, buffer_beats=read_data_buffer_beats,
+                                        addr_width=addr_width)
         self.receiver = RequestReceiver(num_vls=num_vls, buffer_beats=rx_buffer_beats)
         self.engine = ResponderEngine(num_qps=num_qps, num_mkeys=num_mkeys, num_vls=num_vls)
         self.dma = DmaWriter(buffer_beats=rx_buffer_beats, addr_width=addr_width)
@@ -107,8 +118,8 @@ class Nic(wiring.Component):
                                                   payload_buffer_beats=response_buffer_beats)
         self.muxes = [PacketMux(inputs=2) for _ in range(num_vls)]
         self.reads = AxiReadArbiter(readers=5, addr_width=addr_width, data_bytes=NIC_WIDTH)
-        self.writes = AxiWriteArbiter(ids=(CQE_ID, DMA_WRITE_ID, ATOMIC_ID), addr_width=addr_width,
-                                      data_bytes=NIC_WIDTH)
+        self.writes = AxiWriteArbiter(ids=(CQE_ID, DMA_WRITE_ID, READ_DATA_ID, ATOMIC_ID),
+                                      addr_width=addr_width, data_bytes=NIC_WIDTH)
         self.port = LinkPort(width=NIC_WIDTH, num_vls=num_vls, mtu=mtu,
                              buffer_blocks=link_buffer_blocks, fc_period=fc_period,
                              fc_min_interval=fc_min_interval, fc_batch_blocks=fc_batch_blocks)
@@ -130,6 +141,7 @@ class Nic(wiring.Component):
         exe = m.submodules.executor = self.executor
         asm = m.submodules.assembler = self.assembler
         comp = m.submodules.completions = self.completions
+        read_data = m.submodules.read_data = self.read_data
         recv = m.submodules.receiver = self.receiver
         engine = m.submodules.engine = self.engine
         dma = m.submodules.dma = self.dma
@@ -197,6 +209,20 @@ class Nic(wiring.Component):
         ]
         wiring.connect(m, exe.completion, comp.completion)
         wiring.connect(m, comp.retire, sched.retire)
+        # Go-back-N: the completion unit rewinds a QP's fetch and execution.
+        for block in (sched, exe):
+            m.d.comb += [block.rewind.valid.eq(comp.rewind.valid),
+                         block.rewind.payload.eq(comp.rewind.payload)]
+        # A late acknowledgement retired WQEs a rewind was about to fetch again: the
+        # scheduler skips them (their ring slots may hold new WQEs already).
+        wiring.connect(m, sched.skip, exe.skip)
+        for q in range(self.num_qps):
+            m.d.comb += exe.qp_epoch[q].eq(sched.qp_epoch[q])
+        # Received READ data and atomic results: stored by the ResponseWriter, written
+        # once the completion unit takes their packet.
+        wiring.connect(m, comp.verdict, read_data.verdict)
+        wiring.connect(m, comp.discard, read_data.discard)
+        m.d.comb += comp.landed.eq(read_data.landed)
         m.d.comb += exe.payload_freed.eq(asm.payload_freed)
 
         # Responder pipeline.
@@ -221,7 +247,7 @@ class Nic(wiring.Component):
         for rid, (ar, r) in readers.items():
             wiring.connect(m, ar, reads.requests[rid])
             wiring.connect(m, reads.responses[rid], r)
-        for index, writer in enumerate((comp.axi, dma.axi, atomics.axi)):
+        for index, writer in enumerate((comp.axi, dma.axi, read_data.axi, atomics.axi)):
             wiring.connect(m, writer, writes.writers[index])
         for bus, signature in ((reads.axi, AxiReadSignature(self.addr_width, NIC_WIDTH)),
                                (writes.axi, AxiWriteSignature(self.addr_width, NIC_WIDTH))):
@@ -237,7 +263,9 @@ class Nic(wiring.Component):
             wiring.connect(m, resp_asm.data_out[v], mux.inputs[1])
             wiring.connect(m, mux.output, port.data_in[v])
             wiring.connect(m, port.data_out[v], recv.rx[v])
-            wiring.connect(m, recv.responses[v], comp.rx[v])
+            wiring.connect(m, recv.responses[v], read_data.rx[v])
+            wiring.connect(m, read_data.out[v], comp.rx[v])
+            m.d.comb += comp.rx_seq[v].eq(read_data.out_seq[v])
             m.d.comb += port.vl_weight[v].eq(regs.vl_weight[v])
         wiring.connect(m, port.wire_out, wiring.flipped(self.wire_out))
         wiring.connect(m, wiring.flipped(self.wire_in), port.wire_in)
@@ -247,7 +275,7 @@ class Nic(wiring.Component):
         blocks = {"DoorbellScheduler": sched, "WqeFetcher": fetch, "WqeExecutor": exe,
                   "PacketAssembler": asm, "CompletionUnit": comp, "RequestReceiver": recv,
                   "ResponderEngine": engine, "DmaWriter": dma, "ReceiveQueue": rq,
-                  "AtomicUnit": atomics, "ResponseGenerator": resp}
+                  "AtomicUnit": atomics, "ResponseGenerator": resp, "ResponseWriter": read_data}
         for block_name, counters in COUNTERS.items():
             for name, _ in counters:
                 m.d.comb += regs.counters[index].eq(getattr(blocks[block_name], name))
