@@ -10,11 +10,19 @@ the same latency on both). Each cable is a delay line of ``wire_delay`` cycles e
 ``a_wire_in_monitor``/``b_wire_in_monitor`` what reaches them, and
 ``{side}_ar_fire``/``{side}_ar_id`` each read burst a NIC issues before the memory delay,
 so a latency can be split into NIC cycles, memory waits, wire and switch.
+
+Loss: each NIC's outgoing cable starts with a :class:`tb.gateware.wire_fault.WireFault`
+(``{side}_fault_rate``, ``{side}_fault_mode``, ``{side}_fault_seed`` in, ``{side}_faults``
+out; rate 0, the reset state of the inputs, passes everything untouched). The wire monitor
+shows the packets before it. ``{side}_rx_drop_{reason}`` are the drop counters of each NIC's
+own link receiver (docs/link.md, Drop reasons); with a switch, the packets a fault hit on
+the way in are counted by the switch's input port (its registers).
 """
 from amaranth import *
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
+from hdl.link.link_receiver import DROP_REASONS
 from hdl.link.signatures import LinkState, WireSignature
 from hdl.nic.nic import NIC_WIDTH, Nic
 from hdl.nic.nic_registers import AxiLite64Signature
@@ -22,6 +30,7 @@ from hdl.nic.signatures import AXI_ID_BITS
 from hdl.switch.switch import Switch
 from hdl.switch.switch_registers import AxiLiteSignature
 from tb.gateware.axi_read_delay import AxiReadDelay
+from tb.gateware.wire_fault import RATE_ONE, WireFault
 from tb.link_pair import delay_line
 from tb.nic_top import WIRE_FIELDS, attach_memory
 
@@ -46,6 +55,7 @@ class NicPairTop(wiring.Component):
         self.read_delays = {side: AxiReadDelay(addr_width=addr_width, depth=outstanding_reads,
                                                max_latency=max_memory_latency)
                             for side in NIC_SIDES}
+        self.faults = {side: WireFault(width=NIC_WIDTH) for side in NIC_SIDES}
         members = {"memory_latency": In(range(max_memory_latency + 1))}
         if self.switch is not None:
             members["switch_axil"] = In(AxiLiteSignature(16))
@@ -58,6 +68,11 @@ class NicPairTop(wiring.Component):
                 f"{side}_ar_id": Out(AXI_ID_BITS),
                 f"{side}_wire_monitor": Out(WireSignature(NIC_WIDTH)),
                 f"{side}_wire_in_monitor": Out(WireSignature(NIC_WIDTH)),
+                f"{side}_fault_rate": In(range(RATE_ONE + 1)),
+                f"{side}_fault_mode": In(1),
+                f"{side}_fault_seed": In(32),
+                f"{side}_faults": Out(32),
+                **{f"{side}_rx_drop_{reason}": Out(32) for reason in DROP_REASONS},
             })
         super().__init__(members)
 
@@ -67,9 +82,21 @@ class NicPairTop(wiring.Component):
         def flat(wire):
             return Cat(getattr(wire, name) for name in WIRE_FIELDS)
 
+        sent = {}                   # each NIC's wire_out after its fault injector, flattened
         for side in NIC_SIDES:
             nic = m.submodules[f"nic_{side}"] = self.nics[side]
             delay = m.submodules[f"read_delay_{side}"] = self.read_delays[side]
+            fault = m.submodules[f"fault_{side}"] = self.faults[side]
+            wiring.connect(m, nic.wire_out, fault.wire_in)
+            sent[side] = flat(fault.wire_out)
+            m.d.comb += [
+                fault.rate.eq(getattr(self, f"{side}_fault_rate")),
+                fault.mode.eq(getattr(self, f"{side}_fault_mode")),
+                fault.seed.eq(getattr(self, f"{side}_fault_seed")),
+                getattr(self, f"{side}_faults").eq(fault.faults),
+                *(getattr(self, f"{side}_rx_drop_{reason}").eq(
+                    getattr(nic.port.receiver.drops, reason)) for reason in DROP_REASONS),
+            ]
             wiring.connect(m, wiring.flipped(getattr(self, f"{side}_axil")), nic.axil)
             attach_memory(m, nic, getattr(self, f"{side}_axi"), delay, self.memory_latency)
             m.d.comb += [
@@ -82,16 +109,16 @@ class NicPairTop(wiring.Component):
         a, b = self.nics["a"], self.nics["b"]
         if self.switch is None:
             m.d.comb += [
-                flat(b.wire_in).eq(delay_line(m, "a_to_b", flat(a.wire_out), self.wire_delay)),
-                flat(a.wire_in).eq(delay_line(m, "b_to_a", flat(b.wire_out), self.wire_delay)),
+                flat(b.wire_in).eq(delay_line(m, "a_to_b", sent["a"], self.wire_delay)),
+                flat(a.wire_in).eq(delay_line(m, "b_to_a", sent["b"], self.wire_delay)),
             ]
             return m
         switch = m.submodules.switch = self.switch
         wiring.connect(m, wiring.flipped(self.switch_axil), switch.axi)
         for port, (side, nic) in enumerate(self.nics.items()):
             m.d.comb += [
-                flat(switch.wire_in[port]).eq(delay_line(m, f"{side}_to_switch",
-                                                         flat(nic.wire_out), self.wire_delay)),
+                flat(switch.wire_in[port]).eq(delay_line(m, f"{side}_to_switch", sent[side],
+                                                         self.wire_delay)),
                 flat(nic.wire_in).eq(delay_line(m, f"switch_to_{side}",
                                                 flat(switch.wire_out[port]), self.wire_delay)),
             ]
