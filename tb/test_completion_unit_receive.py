@@ -13,8 +13,8 @@ Directed: every opcode (immediates only in the ``*_IMM`` CQEs), error CQEs, a ri
 wraps twice (owner bits), a collapsed CQ, records that write nothing, ``cq_reset``,
 ``receive.ready`` low while the AXI write channels stall; random AW/W backpressure, B
 delays and SLVERRs throughout. Random: receive records on the same CQs as the random
-requester traffic of test_completion_unit (fatal NAKs, flushes, resets, junk), interleaved
-on each CQ. Fairness: both kinds offered every cycle, AXI always ready: each gets about
+requester traffic of test_completion_unit (rewinds, retries exhausted, fatal NAKs, flushes,
+resets, junk; READ CQEs waiting for ``landed``), interleaved on each CQ. Fairness: both kinds offered every cycle, AXI always ready: each gets about
 half the writer, together one CQE per cycle; receive records alone, one per cycle.
 """
 import random
@@ -115,14 +115,16 @@ def test_receive_directed():
 
 
 @pytest.mark.parametrize("seed,num_vls,records,num_qps,num_cqs,p_aw", [
-    (21, 2, 160, 6, 3, 0.7),
+    (23, 2, 160, 6, 3, 0.7),
     (22, 1, 140, 6, 2, 0.4),
 ])
 def test_receive_mixed(seed, num_vls, records, num_qps, num_cqs, p_aw):
-    """Receive records on the CQs of random requester traffic (with fatal NAKs, flushes,
-    resets and junk), AW/W/B backpressure: every CQE exactly once at its CQ's index."""
+    """Receive records on the CQs of random requester traffic (with rewinds, fatal NAKs,
+    flushes, resets and junk), AW/W/B backpressure: every CQE exactly once at its CQ's
+    index."""
     rng = random.Random(seed)
-    dut = CompletionUnit(num_qps=num_qps, num_cqs=num_cqs, num_vls=num_vls, addr_width=48)
+    dut = CompletionUnit(num_qps=num_qps, num_cqs=num_cqs, num_vls=num_vls, addr_width=48,
+                         timer_tick=8)
     qp_states = [QpState.RTS] * num_qps
     qp_states[2] = QpState.ERR
     qp_states[num_qps - 1] = QpState.RESET
