@@ -16,6 +16,11 @@ Scoreboards:
   completion of its QP (its WQE index, opcode, byte count or syndrome) with the right
   owner bit for its CQ's producer index. :meth:`NicTB.check_clean` finally asserts that
   every posted WQE completed exactly once and every predicted packet was seen.
+- **READ data and atomic results**: each READ response and ATOMIC ACKNOWLEDGE the
+  responder sends predicts one write into the NIC's memory (the payload at the WQE's
+  ``laddr`` plus its offset, the original value little-endian at ``laddr``); every other
+  write outside the CQs is an error, each predicted write must land exactly once, and a
+  READ's or atomic's CQE must come after its data.
 """
 import dataclasses
 import random
@@ -28,8 +33,9 @@ from cocotb.triggers import RisingEdge
 from hdl.link.signatures import LinkState
 from hdl.nic import register_map as rmap
 from models import mlx5
+from models.ib import Opcode
 from models.nic import (CompletionStatus, CqContext, Mkey, QpContext, RequesterModel,
-                        ResponderModel)
+                        ResponderModel, decode_packet, psn_diff, psn_le)
 from models.packet import parse_packet
 from models.pcap import LinkCapture
 from tb import runner
@@ -113,6 +119,11 @@ class NicTB(NicHost):
         self.expected_cqes = defaultdict(deque)       # qpn -> (wqe_index, checker)
         self.completed = defaultdict(list)            # qpn -> CQEs seen
         self.cq_pi = defaultdict(int)                 # cqn -> CQEs written so far
+        # READ data and atomic results to land: address -> (byte, WQE result), and the
+        # bytes still to land per WQE result (by id)
+        self.expected_bytes = {}
+        self.landing = defaultdict(int)
+        self.landing_cursor = 0                       # tb/test_nic.py's landing allocator
         self.errors = []
 
     # --- bring-up ---------------------------------------------------------------------
@@ -236,7 +247,14 @@ class NicTB(NicHost):
 
     def _memory_written(self, address, data):
         if not CQ_REGION <= address < CQ_REGION + CQ_STRIDE * max(len(self.cqs), 1):
-            self.errors.append(f"NIC wrote {len(data)} bytes at {address:#x}, outside every CQ")
+            for i, value in enumerate(data):
+                want = self.expected_bytes.pop(address + i, None)
+                if want is None or want[0] != value:
+                    self.errors.append(f"NIC wrote {len(data)} bytes at {address:#x}: byte "
+                                       f"{address + i:#x} is {value:#04x}, expected "
+                                       f"{'nothing' if want is None else hex(want[0])}")
+                    return
+                self.landing[id(want[1])] -= 1
             return
         cqn = (address - CQ_REGION) // CQ_STRIDE
         cq = self.cqs.get(cqn)
@@ -262,6 +280,8 @@ class NicTB(NicHost):
             self.errors.append(f"unexpected CQE {cqe}")
             return
         result = self.expected_cqes[qpn].popleft()
+        if self.landing.pop(id(result), 0):
+            self.errors.append(f"QP {qpn}: CQE {cqe} before its READ data or atomic result")
         want = result.cqe(owner=cqe.owner)
         if cqe != want:
             self.errors.append(f"QP {qpn}: CQE {cqe}, expected {want}")
@@ -286,7 +306,30 @@ class NicTB(NicHost):
         want, _ = queue.popleft()
         if packet != want:
             self.errors.append(f"QP {qpn}: packet\n  {packet.hex()}\nexpected\n  {want.hex()}")
-        return self.responder.receive(packet)
+        responses = self.responder.receive(packet)
+        for response in responses:
+            self._expect_landing(qpn, response)
+        return responses
+
+    def _expect_landing(self, qpn, response):
+        """The local write a READ response or ATOMIC ACKNOWLEDGE to QP ``qpn`` causes."""
+        pkt = decode_packet(response)
+        opcode, psn = pkt.bth.opcode, pkt.bth.psn
+        for r in self.expected_cqes[qpn]:
+            if r.status != CompletionStatus.SENT or not (psn_le(r.first_psn, psn)
+                                                          and psn_le(psn, r.last_psn)):
+                continue
+            if opcode == Opcode.ATOMIC_ACKNOWLEDGE:
+                address, data = r.laddr, pkt.ext[1].orig.to_bytes(8, "little")
+            elif Opcode.RDMA_READ_RESPONSE_FIRST <= opcode <= Opcode.RDMA_READ_RESPONSE_ONLY:
+                address = r.laddr + psn_diff(psn, r.first_psn) * r.mtu_bytes
+                data = bytes(pkt.payload)
+            else:
+                return
+            for i, value in enumerate(data):
+                self.expected_bytes[address + i] = (value, r)
+            self.landing[id(r)] += len(data)
+            return
 
     def on_response(self, packet):
         """A response packet (from the NIC's responder) reached the remote end."""
@@ -321,6 +364,8 @@ class NicTB(NicHost):
         packets, completions = self.outstanding()
         assert packets == 0, f"{packets} predicted packets never reached the wire"
         assert completions == 0, f"{completions} WQEs never completed"
+        assert not self.expected_bytes, \
+            f"{len(self.expected_bytes)} bytes of READ data or atomic results never landed"
         for v in range(self.num_vls):
             assert not self.sinks[v].errors, self.sinks[v].errors[:5]
             assert int(self.dut.remote_overflow.value) == 0

@@ -23,13 +23,27 @@ Op = mlx5.Opcode
 RTS, ERR, RESET = 3, 6, 0
 
 
+# READ data and atomic results land in the upper half of the data region, each WQE in a
+# range of its own (allocated in turn, wrapping), so that no payload source changes after
+# the model read it and no two landings overlap.
+SOURCE_BYTES = DATA_BYTES // 2
+LANDING_REGION = DATA_REGION + SOURCE_BYTES
+
+
 def random_wqe(tb, rng, *, small=False):
     """One random, valid WQE's fields (for :meth:`NicTB.builder`)."""
     kind = rng.choice(KINDS)
     limit = 600 if small else rng.choice([64, 600, 5000, 12000])
     length = rng.randrange(0, limit + 1)
-    return wqe_fields(kind, rng, length=length, lkey=tb.data_key,
-                      laddr=DATA_REGION + rng.randrange(0, DATA_BYTES - length - 8),
+    if kind in ("read", "fetch_add", "compare_swap"):
+        room = max(length, 8)
+        if tb.landing_cursor + room > SOURCE_BYTES:
+            tb.landing_cursor = 0
+        laddr = LANDING_REGION + tb.landing_cursor
+        tb.landing_cursor += (room + 63) // 64 * 64 + 64 * rng.randrange(0, 4)
+    else:
+        laddr = DATA_REGION + rng.randrange(0, SOURCE_BYTES - length - 8)
+    return wqe_fields(kind, rng, length=length, lkey=tb.data_key, laddr=laddr,
                       raddr=rng.randrange(0, MEMORY_BYTES - max(length, 8)),   # the responder's
                       rkey=rng.getrandbits(32))
 
