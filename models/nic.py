@@ -537,6 +537,7 @@ class _QpProgress:
     rnr_code: int = 0
     retries_used: int = 0
     rnr_used: int = 0
+    responded: set = field(default_factory=set)   # ids of READ/atomic WQEs with every response
 
 
 class CompletionModel:
@@ -554,20 +555,23 @@ class CompletionModel:
     is not flushing, and ``ack_psn < p <= sent_psn``; else it is dropped and counted
     (``rx_dropped_unexpected``, or ``rx_dropped_icrc``). Then:
 
-    - ACK: ``ack_psn = p``.
+    - ACK: ``ack_psn = p``; if p covers R's first PSN (R below: its responses went
+      missing), a rewind unless ``gap_seen``.
     - fatal NAK (codes 1..3): records ending before p complete, the one holding p gets the
       NAK's error, the rest and every later one are flushed, ``requester.set_qp_error``.
     - NAK PSN sequence error: ``ack_psn = p - 1``; a rewind unless one already happened
       since the last progress (``gap_seen``: this NAK answers packets sent before it).
     - RNR NAK: ``ack_psn = p - 1``; the QP waits (:meth:`rnr_wait_over`) and then rewinds.
     - NAK codes 4..: counted only.
-    - READ response / ATOMIC ACKNOWLEDGE: taken only if ``p == ack_psn + 1``, the oldest
-      incomplete WQE H is a SENT READ (atomic) holding p, the opcode is the one p's
-      position in H needs (:func:`read_response_opcode`) and the payload is the position's
-      length (MTU, or the rest; atomic: the AtomicAckETH). Taken: the payload goes to
-      ``write_memory`` at ``H.laddr + (p - H.first_psn) * MTU`` (atomic: the original
-      value, 8 bytes little-endian, at ``H.laddr``), ``ack_psn = p``, LAST/ONLY:
-      ``read_psn = p``, atomic: ``atomic_psn = p``. Not taken with ``ack_psn + 1 < p`` (a
+    - READ response / ATOMIC ACKNOWLEDGE: these refer to R, the QP's oldest outstanding
+      SENT READ or atomic WQE whose responses have not all been taken. Taken only if R is
+      a READ (atomic), p is ``ack_psn + 1`` inside R or R's first PSN (then it also
+      acknowledges everything before R), the opcode is the one p's position in R needs
+      (:func:`read_response_opcode`) and the payload is the position's length (MTU, or the
+      rest; atomic: the AtomicAckETH). Taken: the payload goes to ``write_memory`` at
+      ``R.laddr + (p - R.first_psn) * MTU`` (atomic: the original value, 8 bytes
+      little-endian, at ``R.laddr``), ``ack_psn = p``, LAST/ONLY: ``read_psn = p`` and R
+      has all its responses, atomic: ``atomic_psn = p``. Not taken with ``ack_psn + 1 < p`` (a
       response went missing): like a sequence NAK, without moving ``ack_psn``. Otherwise
       dropped (``rx_dropped_unexpected``). ``read_responses`` / ``atomic_acks`` count the
       taken ones and the gaps.
@@ -626,6 +630,16 @@ class CompletionModel:
         """The oldest WQE of the QP not yet completed (H), or None."""
         queue = self.outstanding[qpn]
         return queue[0] if queue else None
+
+    def responses_for(self, qpn: int) -> WqeResult | None:
+        """R: the oldest outstanding SENT READ or atomic WQE of the QP whose responses have
+        not all been taken, or None."""
+        st = self.progress[qpn]
+        for r in self.outstanding[qpn]:
+            if (r.status == CompletionStatus.SENT and id(r) not in st.responded
+                    and (r.opcode == MlxOpcode.RDMA_READ or r.opcode in _ATOMIC_MLX)):
+                return r
+        return None
 
     def timer_expired(self, qpn: int) -> list:
         """The local ACK timeout fired for the QP (its head is a SENT WQE that has waited
@@ -751,12 +765,16 @@ class CompletionModel:
         self.counters["rx_dropped_unexpected"] += 1
         return []
 
-    def _response_fits(self, head: WqeResult | None, opcode: int, psn: int, pkt: Packet) -> bool:
-        """Whether a READ response / ATOMIC ACKNOWLEDGE at ``psn`` is the one the head WQE
-        needs there (opcode for the position, payload length)."""
-        if head is None or head.status != CompletionStatus.SENT:
+    def _response_fits(self, st: _QpProgress, head: WqeResult | None, opcode: int, psn: int,
+                       pkt: Packet) -> bool:
+        """Whether a READ response / ATOMIC ACKNOWLEDGE at ``psn`` is the one R (``head``)
+        needs next (in order or at R's first PSN; opcode for the position, payload
+        length)."""
+        if head is None:
             return False
-        if not (psn_le(head.first_psn, psn) and psn_le(psn, head.last_psn)):
+        in_order = (psn == psn_add(st.ack_psn, 1) and psn_le(head.first_psn, psn)
+                    and psn_le(psn, head.last_psn))
+        if not (in_order or psn == head.first_psn):
             return False
         if opcode == Opcode.ATOMIC_ACKNOWLEDGE:
             return head.opcode in _ATOMIC_MLX and not pkt.payload
@@ -795,7 +813,11 @@ class CompletionModel:
         if opcode == Opcode.ACKNOWLEDGE:
             if kind == 0b000:
                 self.counters["acks_received"] += 1
+                seen = st.gap_seen
                 self._acknowledge(st, psn)
+                r = self.responses_for(qpn)
+                if r is not None and psn_le(r.first_psn, psn):
+                    st.rewind_pending |= not seen
             else:
                 self.counters["naks_received"] += 1
                 code = aeth & 0x1F
@@ -814,8 +836,8 @@ class CompletionModel:
                     st.rewind_pending |= not seen
         else:
             atomic = opcode == Opcode.ATOMIC_ACKNOWLEDGE
-            head = self.head(qpn)
-            if psn == psn_add(st.ack_psn, 1) and self._response_fits(head, opcode, psn, pkt):
+            head = self.responses_for(qpn)
+            if self._response_fits(st, head, opcode, psn, pkt):
                 self.counters["atomic_acks" if atomic else "read_responses"] += 1
                 if atomic:
                     data, addr = pkt.ext[1].orig.to_bytes(8, "little"), head.laddr
@@ -825,6 +847,8 @@ class CompletionModel:
                 if self.write_memory is not None and data:
                     self.write_memory(addr, data)
                 self._acknowledge(st, psn)
+                if psn == head.last_psn:
+                    st.responded.add(id(head))
                 if atomic:
                     st.atomic_psn = psn
                 elif opcode in (Opcode.RDMA_READ_RESPONSE_LAST, Opcode.RDMA_READ_RESPONSE_ONLY):

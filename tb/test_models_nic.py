@@ -655,44 +655,55 @@ def test_completion_rules():
     assert c.wqe_index == 3 and not comp.outstanding[0]
     assert comp.counters["acks_received"] == 3 and comp.counters["read_responses"] == 2
     assert comp.counters["atomic_acks"] == 1 and comp.counters["rx_dropped_unexpected"] == 4
-    # an atomic completes only on its own ATOMIC ACKNOWLEDGE: ACKs of its PSN and later
-    # ones leave it waiting; its acknowledge, behind ack_psn now, is dropped; the timeout
-    # rewinds to it (ack_psn back to its first PSN - 1) and the acknowledge sent again is
-    # taken
+    # an atomic completes only on its own ATOMIC ACKNOWLEDGE: an ACK covering it says its
+    # acknowledge went missing (a rewind to it, ack_psn back to its first PSN - 1); a
+    # later ACK is an echo (gap_seen) and moves ack_psn on; the acknowledge, behind
+    # ack_psn now, is dropped; the timeout rewinds again and the acknowledge sent again
+    # is taken
     at = run(req, local, 0, 4, op=m.Opcode.ATOMIC_CS, lkey=LKEY, laddr=LOCAL_BASE, raddr=REMOTE_BASE,
              rkey=9)                                                     # PSN 6
     s = run(req, local, 0, 5, op=m.Opcode.SEND, inline=b"z")           # PSN 7
     comp.post(at)
     comp.post(s)
     assert comp.receive(resp(Opcode.ACKNOWLEDGE, 6)) == []
+    assert comp.rewinds == [n.Rewind(0, 4, 6, "nak")] and comp.progress[0].ack_psn == 5
     assert comp.receive(resp(Opcode.ACKNOWLEDGE, 7)) == []
+    assert len(comp.rewinds) == 1 and comp.progress[0].ack_psn == 7
     atomic_ack = resp(Opcode.ATOMIC_ACKNOWLEDGE, 6, ext=[AETH(syndrome=0, msn=3),
                                                         AtomicAckETH(orig=0x1122334455667788)])
     assert comp.receive(atomic_ack) == [] and comp.counters["rx_dropped_unexpected"] == 5
     assert comp.timer_expired(0) == []
-    assert comp.rewinds == [n.Rewind(0, 4, 6, "timeout")] and comp.progress[0].ack_psn == 5
+    assert comp.rewinds[-1] == n.Rewind(0, 4, 6, "timeout") and comp.progress[0].ack_psn == 5
     assert [c.wqe_index for c in comp.receive(atomic_ack)] == [4]
     assert local[:8] == (0x1122334455667788).to_bytes(8, "little")
     assert [c.wqe_index for c in comp.receive(resp(Opcode.ACKNOWLEDGE, 7))] == [5]
     assert comp.progress[0].retries_used == 0 and comp.counters["retransmits_timeout"] == 1
-    # a READ response is taken only for the head WQE: an ACK past a READ without its data
-    # leaves the READ waiting, a later READ's response is dropped; the timeout rewinds
+    # READ responses refer to the oldest READ still waiting for them: a response at its
+    # first PSN acknowledges the WQEs before it (ACKs a responder coalesced); a later
+    # READ's response while it waits is a gap (rewind to the head)
     r1 = run(req, local, 0, 6, op=m.Opcode.RDMA_READ, byte_count=8, lkey=LKEY, laddr=LOCAL_BASE,
              raddr=REMOTE_BASE, rkey=9)                                  # PSN 8
     s = run(req, local, 0, 7, op=m.Opcode.SEND, inline=b"z")           # PSN 9
     r2 = run(req, local, 0, 8, op=m.Opcode.RDMA_READ, byte_count=8, lkey=LKEY, laddr=LOCAL_BASE,
              raddr=REMOTE_BASE, rkey=9)                                  # PSN 10
-    for r in (r1, s, r2):
+    s2 = run(req, local, 0, 9, op=m.Opcode.SEND, inline=b"z")          # PSN 11
+    for r in (r1, s, r2, s2):
         comp.post(r)
-    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 9)) == []
+    rewinds = len(comp.rewinds)
     assert comp.receive(resp(Opcode.RDMA_READ_RESPONSE_ONLY, 10, payload=bytes(8))) == []
-    assert comp.counters["rx_dropped_unexpected"] == 6
-    assert comp.timer_expired(0) == [] and comp.rewinds[-1] == n.Rewind(0, 6, 8, "timeout")
+    assert comp.rewinds[rewinds:] == [n.Rewind(0, 6, 8, "nak")]
     assert [c.wqe_index for c in comp.receive(resp(Opcode.RDMA_READ_RESPONSE_ONLY, 8,
                                                    payload=bytes(8)))] == [6]
-    assert [c.wqe_index for c in comp.receive(resp(Opcode.ACKNOWLEDGE, 9))] == [7]
     assert [c.wqe_index for c in comp.receive(resp(Opcode.RDMA_READ_RESPONSE_ONLY, 10,
-                                                   payload=bytes(8)))] == [8]
+                                                   payload=bytes(8)))] == [7, 8]
+    assert [c.wqe_index for c in comp.receive(resp(Opcode.ACKNOWLEDGE, 11))] == [9]
+    # malformed AETHs: a READ response with a NAK syndrome, a reserved NAK code
+    comp.post(run(req, local, 0, 10, op=m.Opcode.SEND, inline=b"z"))  # PSN 12
+    before = comp.counters["rx_dropped_unexpected"]
+    assert comp.receive(resp(Opcode.RDMA_READ_RESPONSE_ONLY, 12, ext=[AETH(syndrome=0x61)])) == []
+    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 12, ext=[AETH(syndrome=0x65)])) == []
+    assert comp.receive(resp(Opcode.ACKNOWLEDGE, 12, ext=[AETH(syndrome=0x40)])) == []
+    assert comp.counters["rx_dropped_unexpected"] == before + 3
     # malformed AETHs: a READ response with a NAK syndrome, a reserved NAK code
     comp.post(run(req, local, 0, 9, op=m.Opcode.SEND, inline=b"z"))  # PSN 11
     before = comp.counters["rx_dropped_unexpected"]

@@ -260,7 +260,8 @@ class CompletionUnit(wiring.Component):
       ``read_psn = p`` and R leaves the queue, atomic ``atomic_psn = p``, and a
       ``verdict`` writes its payload at ``R.laddr + (p - R.first_psn) * mtu``. Not taken
       with ``ack_psn + 1 < p`` (a response went missing): unless ``gap_seen``, a rewind
-      is pending.
+      is pending. ``read_responses``/``atomic_acks`` count those taken and those telling
+      of a loss; the others are ``rx_dropped_unexpected``.
 
     Every packet the ResponseWriter stored (READ responses, ATOMIC ACKNOWLEDGE, with the
     sequence number ``rx_seq`` gives beside its beats) gets exactly one decision: a
@@ -860,8 +861,10 @@ class CompletionUnit(wiring.Component):
         taken = take_read | take_atomic
         # A response past the next PSN that is not R's first: the ones before it went
         # missing. An ACK covering R: R's responses went missing.
-        response_gap = (((ev_read | ev_atomic) & ~taken & _psn_lt(next_psn, p))
-                        | (ev_ack & rd_valid & _psn_le(rd.first_psn, p)))
+        missing = (ev_read | ev_atomic) & ~taken & _psn_lt(next_psn, p)
+        response_gap = missing | (ev_ack & rd_valid & _psn_le(rd.first_psn, p))
+        # Neither taken nor telling of a loss: a response that does not fit.
+        misfit = (ev_read | ev_atomic) & ~taken & ~missing
 
         with m.If(ev_ack):
             m.d.comb += [x_new.ack_psn.eq(p), x_marks.eq(1)]
@@ -1179,13 +1182,13 @@ class CompletionUnit(wiring.Component):
             m.d.sync += counter.eq(counter + amount)
         count(self.acks_received, ev_ack)
         count(self.naks_received, ev_nak)
-        count(self.read_responses, ev_read)
-        count(self.atomic_acks, ev_atomic)
+        count(self.read_responses, ev_read & ~misfit)
+        count(self.atomic_acks, ev_atomic & ~misfit)
         count(self.cqes_written, o_done & o_job.write_cqe)
         count(self.error_cqes, o_done & o_job.write_cqe & o_job.error)
         count(self.recv_cqes, o_done & o_job.write_cqe & ~o_job.requester)
         count(self.rx_dropped_icrc, sum(icrc_drops))
-        count(self.rx_dropped_unexpected, sum(malformed_drops) + (x_ev & ~accept))
+        count(self.rx_dropped_unexpected, sum(malformed_drops) + (x_ev & ~accept) + misfit)
         count(self.cqe_write_errors, axi.bvalid & (axi.bresp != 0))
         count(self.retransmits_nak, rewinds & do_nak & ~x_killed)
         count(self.retransmits_timeout, rewinds & do_timeout & ~x_killed)
