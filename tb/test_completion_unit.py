@@ -44,7 +44,7 @@ after which the QP is reset once drained and starts again; junk: bad ICRC and en
 responses and ATOMIC ACKs) and future PSNs, GRH, wrong PktLen, reserved AETH syndromes, an
 ACK with an ATOMIC ACK's length. At most one beat per cycle over all VLs (as from one
 link), random gaps. AXI: random AWREADY/WREADY, B answers after random delays, some
-SLVERR. Checked: ``rx.ready`` always high; every retire (per QP order, blocks) against
+SLVERR. Checked: ``rx.ready`` always high; every retire (per QP order, blocks, next_psn) against
 the reference, and that the later of its CQE's AW and W was accepted in the retire's
 cycle (receive CQEs, tb/test_completion_unit_receive.py, may come between requester
 ones); every CQE's address (CQ base, producer index modulo the ring, entry 0 when
@@ -183,6 +183,7 @@ class Stored:
         # ("write", addr, bytes, offset)
         self.expect = expect
         self.seq = None
+        self.ended = None
         self.decided = None
         self.delay = 0
 
@@ -271,7 +272,6 @@ class Reference:
                     qp.ack = (psn - 1) % M24
                     due = "rnr"
         else:
-            c["atomic_acks" if opcode == Opcode.ATOMIC_ACKNOWLEDGE else "read_responses"] += 1
             r = qp.reads[0] if qp.reads else None
             nxt = (qp.ack + 1) % M24
             taken = False
@@ -297,9 +297,14 @@ class Reference:
             if taken and psn == r.last_psn:
                 qp.reads.popleft()
                 r.data = self.holder
+            missing = not taken and lt((qp.ack + 1) % M24, psn)
+            if taken or missing:
+                c["atomic_acks" if opcode == Opcode.ATOMIC_ACKNOWLEDGE else "read_responses"] += 1
+            else:
+                c["rx_dropped_unexpected"] += 1     # it does not fit
             if taken:
                 qp.ack = psn
-            elif lt((qp.ack + 1) % M24, psn) and not qp.gap_seen:
+            elif missing and not qp.gap_seen:
                 due = "nak"     # the responses before it went missing
         if lt(old_ack, qp.ack):
             qp.retries = qp.rnr_used = 0
@@ -622,6 +627,8 @@ class Bench:
                 self.rx_cur[v] = None
                 ended.append(qpn)
                 stored_ends |= holder is not None
+                if holder is not None:
+                    holder.ended = t
         for v in set(range(dut.num_vls)) - sent:
             self._set(ctx, dut.rx[v].valid, 0)
 
@@ -654,6 +661,10 @@ class Bench:
                 self.ref.counters["cqe_write_errors"] += 1
             self.b_cur = None
 
+        # every stored packet is decided on soon after its end
+        late = [h for h in self.stored[self.landed:] if h.decided is None and h.ended is not None
+                and t - h.ended > 200]
+        assert not late, (t, "no decision", late[0].seq, late[0].info)
         # ``landed``: the stored packets land in seq order, each a random delay after its
         # decision
         while (self.landed < len(self.stored) and self.stored[self.landed].decided is not None
@@ -710,6 +721,9 @@ class Bench:
             assert self.ref.completed[q], (t, "retire of a record the reference did not complete", q)
             retiring = self.ref.completed[q].popleft()
             assert blocks == retiring.wqe_blocks, (t, retiring, blocks)
+            # where the QP's PSNs stand after it: 0 for a WQE that sent nothing
+            next_psn = (retiring.last_psn + 1) % M24 if retiring.status == SENT else 0
+            assert ctx.get(dut.retire.payload.next_psn) == next_psn, (t, retiring)
             assert not retiring.nak_error or retiring.qp_error_seen, (t, "qp_error after retire", retiring)
             if (not retiring.error and retiring.status == SENT
                     and (retiring.opcode == READ or retiring.opcode in ATOMICS)):
