@@ -186,6 +186,7 @@ class Stored:
         self.ended = None
         self.decided = None
         self.delay = 0
+        self.info = None            # (qpn, opcode, psn, length), for messages
 
 
 class QpRef:
