@@ -557,7 +557,8 @@ class CompletionModel:
 
     - ACK: ``ack_psn = p``; if p covers R's first PSN (R below: its responses went
       missing), a rewind unless ``gap_seen``.
-    - fatal NAK (codes 1..3): records ending before p complete, the one holding p gets the
+    - fatal NAK (codes 1..3; at R's first PSN instead if R, below, begins before p: its
+      data never came): records ending before p complete, the one holding p gets the
       NAK's error, the rest and every later one are flushed, ``requester.set_qp_error``.
     - NAK PSN sequence error: ``ack_psn = p - 1``; a rewind unless one already happened
       since the last progress (``gap_seen``: this NAK answers packets sent before it).
@@ -826,6 +827,10 @@ class CompletionModel:
                     st.rnr_pending = True
                     st.rnr_code = code
                 elif code in NAK_CODE_SYNDROME:
+                    # past R, whose data never came: the error lands on R
+                    r = self.responses_for(qpn)
+                    if r is not None and psn_lt(r.first_psn, psn):
+                        psn = r.first_psn
                     self._acknowledge(st, psn_add(psn, -1))
                     st.nak = (psn, NAK_CODE_SYNDROME[code])
                 elif code == NakCode.PSN_SEQUENCE_ERROR:

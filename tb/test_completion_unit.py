@@ -263,6 +263,8 @@ class Reference:
             else:
                 c["naks_received"] += 1
                 if kind == 3 and code in NAK_SYNDROME:
+                    if qp.reads and lt(qp.reads[0].first_psn, psn):
+                        psn = qp.reads[0].first_psn     # R never got its data: it errors
                     qp.ack = (psn - 1) % M24
                     qp.nak = (psn, NAK_SYNDROME[code])
                 elif kind == 3 and code == 0:

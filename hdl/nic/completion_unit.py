@@ -242,7 +242,8 @@ class CompletionUnit(wiring.Component):
 
     - ACKNOWLEDGE, ACK: ``ack_psn = p``; if it covers R (below), R's responses went
       missing: unless ``gap_seen``, a rewind is pending;
-    - ACKNOWLEDGE, NAK code 1/2/3: ``ack_psn = p - 1``, fatal NAK pending at p;
+    - ACKNOWLEDGE, NAK code 1/2/3: ``ack_psn = p - 1``, fatal NAK pending at p, or at
+      R's first PSN if that is before p (R, below, never got its data);
     - ACKNOWLEDGE, NAK code 0 (PSN sequence error): ``ack_psn = p - 1``; unless
       ``gap_seen``, a rewind is pending (below);
     - ACKNOWLEDGE, RNR NAK: ``ack_psn = p - 1``; the RNR wait (the AETH timer code, IBA
@@ -876,11 +877,15 @@ class CompletionUnit(wiring.Component):
             m.d.comb += x_new.read_psn.eq(p)
         with m.If(take_atomic):
             m.d.comb += x_new.atomic_psn.eq(p)
+        # A fatal NAK past R: R's responses went missing and will not come again (the
+        # responder's QP is in error), so the error lands on R.
+        nak_at = Signal(PSN_BITS)
+        m.d.comb += nak_at.eq(Mux(rd_valid & _psn_lt(rd.first_psn, p), rd.first_psn, p))
         with m.If(ev_fatal):
             m.d.comb += [
-                x_new.ack_psn.eq(p - 1),
+                x_new.ack_psn.eq(nak_at - 1),
                 x_new.nak_pending.eq(1),
-                x_new.nak_psn.eq(p),
+                x_new.nak_psn.eq(nak_at),
                 x_marks.eq(1),
             ]
             with m.Switch(ev_code):
