@@ -867,10 +867,13 @@ class CompletionUnit(wiring.Component):
         # Neither taken nor telling of a loss: a response that does not fit.
         misfit = (ev_read | ev_atomic) & ~taken & ~missing
 
+        # The event's acknowledged PSN, apart from the row (progress compares it).
+        event_ack = Signal(PSN_BITS)
+        m.d.comb += event_ack.eq(st.ack_psn)
         with m.If(ev_ack):
-            m.d.comb += [x_new.ack_psn.eq(p), x_marks.eq(1)]
+            m.d.comb += [event_ack.eq(p), x_marks.eq(1)]
         with m.If(taken):
-            m.d.comb += [x_new.ack_psn.eq(p), x_new.data_seq.eq(x_event.seq), x_marks.eq(1)]
+            m.d.comb += [event_ack.eq(p), x_new.data_seq.eq(x_event.seq), x_marks.eq(1)]
             with m.If(at_last):
                 m.d.comb += x_new.rhead.eq(st.rhead + 1)
         with m.If(take_read & at_last):
@@ -883,7 +886,7 @@ class CompletionUnit(wiring.Component):
         m.d.comb += nak_at.eq(Mux(rd_valid & _psn_lt(rd.first_psn, p), rd.first_psn, p))
         with m.If(ev_fatal):
             m.d.comb += [
-                x_new.ack_psn.eq(nak_at - 1),
+                event_ack.eq(nak_at - 1),
                 x_new.nak_pending.eq(1),
                 x_new.nak_psn.eq(nak_at),
                 x_marks.eq(1),
@@ -893,11 +896,12 @@ class CompletionUnit(wiring.Component):
                     with m.Case(nak_code):
                         m.d.comb += x_new.nak_syndrome.eq(nak_syn)
         with m.If(ev_seq_nak | ev_rnr):
-            m.d.comb += [x_new.ack_psn.eq(p - 1), x_marks.eq(1)]
+            m.d.comb += [event_ack.eq(p - 1), x_marks.eq(1)]
         # After a rewind, NAKs and gaps caused by packets sent before it are stale.
         with m.If((ev_seq_nak | response_gap) & ~st.gap_seen):
             m.d.comb += [x_new.rewind_pending.eq(1), x_marks.eq(1)]
-        progress = x_ev & _psn_lt(st.ack_psn, x_new.ack_psn)
+        m.d.comb += x_new.ack_psn.eq(event_ack)
+        progress = x_ev & _psn_lt(st.ack_psn, event_ack)
         with m.If(progress):
             m.d.comb += [x_new.retries_used.eq(0), x_new.rnr_used.eq(0),
                          x_new.gap_seen.eq(0), x_new.armed.eq(0)]
