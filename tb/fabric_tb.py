@@ -1,0 +1,318 @@
+"""cocotb testbench for :class:`tb.fabric_top.FabricTop`: a leaf/spine fabric of NICs, each
+with its GPU and memory, RC connections between NICs across the fabric (docs/fabric.md).
+
+:class:`FabricTB` owns the clock (2.5 ns, 400 MHz) and reset, a register master per
+switch, and one :class:`FabricNic` per NIC. It acts as the subnet manager: it computes
+the forwarding tables from :class:`models.fabric.LeafSpine` and writes them, with the
+SL-to-VL map, through each switch's AXI4-Lite registers, then waits until every link is
+ACTIVE.
+
+A :class:`FabricNic` is a :class:`tb.nic_pair_tb.Side` (its :class:`tb.nic_host.NicHost`,
+GPU model, requester and responder models, CQE checks) whose QPs lead to different NICs:
+QP ``q`` of NIC ``n`` is connected to QP ``n`` of NIC ``q`` (so ``num_qps`` must be at least
+the number of NICs; QP ``n`` of NIC ``n`` is unused). Each QP's packets are handed to the
+responder model of the NIC it leads to.
+"""
+import logging
+import random
+
+import cocotb
+from cocotb.clock import Clock
+from cocotb.triggers import RisingEdge
+
+from hdl.link.signatures import LinkState
+from hdl.nic import register_map as rmap
+from hdl.switch import register_map as switch_map
+from models import mlx5
+from models.nic import CqContext, Mkey, QpContext, RequesterModel, ResponderModel, mkey_index
+from tb.beats import CycleLoop, WireMonitor
+from tb.fabric_top import fabric_of
+from tb import nic_pair_tb, runner
+from tb.gpu_model import GpuModel, GpuQp
+from tb.nic_pair_tb import (ALL_RIGHTS, CLOCK_NS, CQ_REGION, CQ_STRIDE, DBR_REGION,
+                            MEMORY_BYTES, PD, RQ_REGION, RQ_STRIDE, SOURCE_BYTES, SOURCE_REGION,
+                            SQ_REGION, SQ_STRIDE, Side)
+
+__all__ = ["FabricTB", "FabricNic", "CLOCK_NS"]
+
+# BTH opcodes of RC RDMA WRITE packets (FIRST .. ONLY with immediate).
+WRITE_OPCODES = range(0x06, 0x0C)
+
+
+class FabricNic(Side):
+    """NIC ``index`` of the fabric: a :class:`Side` whose peer depends on the QP."""
+
+    def __init__(self, tb, index):
+        name = f"nic{index}"
+        # Side takes its LID from nic_pair_tb's table of the two sides' LIDs (it has no LID
+        # argument): this NIC's is entered there first.
+        nic_pair_tb.LIDS[name] = tb.fabric.lid(index)
+        super().__init__(tb, name)
+        self.index = index
+        self.peers = {}                     # qpn -> the FabricNic that QP leads to
+
+    def builder(self, qpn, **wqe):
+        """:meth:`Side.builder`, with QP ``qpn``'s peer NIC as the peer: ``build`` runs
+        without a pause from start to end, so ``peer`` holds while it runs."""
+        build = super().builder(qpn, **wqe)
+
+        def build_for_qp(index):
+            self.peer = self.peers[qpn]
+            return build(index)
+        return build_for_qp
+
+    def target_from(self, other):
+        """The slice of this NIC's memory NIC ``other`` writes into (through QP ``other``)."""
+        return self.target(other if isinstance(other, int) else other.index)
+
+    def write_mirror(self, address, data):
+        self.mirror[address:address + len(data)] = data
+
+
+class FabricTB:
+    def __init__(self, dut, *, seed=1, memory_latency=200):
+        self.dut = dut
+        self.params = params = runner.tb_params()
+        self.fabric = fabric = fabric_of(params)
+        self.num_qps = params.get("num_qps", 8)
+        self.num_cqs = params.get("num_cqs", 8)
+        self.num_mkeys = params.get("num_mkeys", 8)
+        self.num_vls = params.get("num_vls", 2)
+        if self.num_qps < fabric.nics or self.num_cqs < fabric.nics:
+            raise ValueError(f"{fabric.nics} NICs need num_qps and num_cqs of at least "
+                             f"{fabric.nics} (QP q of each NIC leads to NIC q)")
+        self.max_qps = max(16, self.num_qps)        # target slices (Side.target)
+        self.rng = random.Random(seed)
+        self.errors = []
+        self.memory_latency = memory_latency
+        cocotb.start_soon(Clock(dut.clk, CLOCK_NS, "ns").start())
+        self.loop = CycleLoop(dut.clk)
+        dut.memory_latency.value = memory_latency
+        self.nics = [FabricNic(self, n) for n in range(fabric.nics)]
+        from cocotbext.axi import AxiLiteBus, AxiLiteMaster
+        self.switches = {name: AxiLiteMaster(AxiLiteBus.from_prefix(dut, f"{name}_axil",
+                                                                    bus_separator="__"),
+                                             dut.clk, dut.rst)
+                         for name in fabric.switches}
+        # A line per register access and per reset edge costs more than the access.
+        for master in [*self.switches.values(), *(nic.host.axil for nic in self.nics)]:
+            master.write_if.log.setLevel(logging.WARNING)
+            master.read_if.log.setLevel(logging.WARNING)
+        for nic in self.nics:
+            nic.host.memory.write_if.log.setLevel(logging.WARNING)
+            nic.host.memory.read_if.log.setLevel(logging.WARNING)
+        self.sl_to_vl = [sl % self.num_vls for sl in range(16)]
+        self._monitors = {}
+
+    # --- switch registers ----------------------------------------------------------------------
+
+    @staticmethod
+    def _offset(name):
+        return SWITCH_OFFSETS[name]
+
+    async def switch_write(self, switch, name, value):
+        resp = await self.switches[switch].write(self._offset(name), int(value).to_bytes(4, "little"))
+        assert int(resp.resp) == rmap.OKAY, f"{switch}: write of {name} = {value:#x} refused"
+
+    async def switch_read(self, switch, name):
+        resp = await self.switches[switch].read(self._offset(name), 4)
+        assert int(resp.resp) == rmap.OKAY, f"{switch}: read of {name} refused"
+        return int.from_bytes(resp.data, "little")
+
+    @staticmethod
+    def ft_word(lid, port, valid):
+        return sum(value << lo for (_, lo, _), value in zip(switch_map.FT_FIELDS, (lid, port, valid)))
+
+    async def program_switch(self, switch):
+        """What the subnet manager writes into one switch: the SL-to-VL map and every
+        forwarding-table entry (invalid ones too: reset does not clear the table)."""
+        for sl, vl in enumerate(self.sl_to_vl):
+            await self.switch_write(switch, f"sl_to_vl_{sl}", vl)
+        for lid, port, valid in self.fabric.ft_entries(switch):
+            await self.switch_write(switch, "ft_write", self.ft_word(lid, port, valid))
+
+    async def read_table(self, switch):
+        """``{lid: port}`` of the valid entries of ``switch``'s table, read back."""
+        table = {}
+        for lid in range(self.fabric.lids):
+            await self.switch_write(switch, "ft_read_lid", lid)
+            word = await self.switch_read(switch, "ft_read_data")
+            fields = {name: (word >> lo) & ((1 << width) - 1)
+                      for name, lo, width in switch_map.FT_FIELDS}
+            if fields["valid"]:
+                table[lid] = fields["port"]
+        return table
+
+    async def switch_counter(self, switch, port, vl, name):
+        return await self.switch_read(switch, f"port{port}_vl{vl}_{name}")
+
+    # --- start-up ------------------------------------------------------------------------------
+
+    async def reset(self):
+        dut = self.dut
+        dut.rst.value = 1
+        for _ in range(4):
+            await RisingEdge(dut.clk)
+        dut.rst.value = 0
+        await RisingEdge(dut.clk)
+        cocotb.start_soon(self.loop.run())
+        await self.all_of(*(self.program_switch(s) for s in self.switches),
+                          *(nic.host.write(rmap.register_offset("slid"), nic.lid)
+                            for nic in self.nics))
+        await self.links_up()
+
+    def link_states(self):
+        """``{(node, port): state}`` of every link end."""
+        states = {(nic.name, 0): int(getattr(self.dut, f"{nic.name}_link_state").value)
+                  for nic in self.nics}
+        for switch, ports in self.fabric.switches.items():
+            for port in range(ports):
+                states[(switch, port)] = int(getattr(self.dut,
+                                                     f"{switch}_link_state__{port}").value)
+        return states
+
+    async def links_up(self, limit=20000):
+        active = LinkState.ACTIVE.value
+        for _ in range(limit):
+            if all(s == active for s in self.link_states().values()):
+                return
+            await RisingEdge(self.dut.clk)
+        down = [end for end, s in self.link_states().items() if s != active]
+        raise AssertionError(f"links not ACTIVE after {limit} cycles: {down}")
+
+    @staticmethod
+    async def all_of(*coroutines):
+        tasks = [cocotb.start_soon(c) for c in coroutines]
+        for task in tasks:
+            await task
+
+    async def setup(self, log_sq_size=6, log_rq_size=4, mtu=5):
+        """Connect every pair of NICs (QP q of NIC n with QP n of NIC q, path MTU ``mtu``),
+        one CQ per QP for its send and receive completions, a memory key over each whole
+        memory with every right, source regions filled with random bytes. The NICs are
+        programmed at the same time."""
+        fabric = self.fabric
+        psns = {(n, q): self.rng.randrange(1 << 24)
+                for n in range(fabric.nics) for q in range(fabric.nics)}
+        key = mlx5.make_key(1, 0x5A)
+        for nic in self.nics:
+            nic.data_key = key
+            nic.peers = {q: self.nics[q] for q in range(fabric.nics) if q != nic.index}
+            nic.memory.write(SOURCE_REGION, self.rng.randbytes(1 << 16) * (SOURCE_BYTES >> 16))
+
+        async def program(nic):
+            mkey = Mkey(key=key, base=0, length=MEMORY_BYTES, access=ALL_RIGHTS, pd=PD, valid=1)
+            nic.mkeys = {mkey_index(mkey.key, self.num_mkeys): mkey}
+            await nic.host.program_mkey(mkey)
+            for q in range(fabric.nics):   # CQ n unused too: Side takes the CQs as 0..len - 1
+                cq = CqContext(cqn=q, base=CQ_REGION + q * CQ_STRIDE, log_size=10, collapsed=False)
+                nic.cqs[q] = cq
+                await nic.host.program_cq(cq)
+            for q, peer in nic.peers.items():
+                qp = QpContext(qpn=q, sq_base=SQ_REGION + q * SQ_STRIDE, log_sq_size=log_sq_size,
+                               mtu=mtu, sl=0, max_outstanding=64, dest_qpn=nic.index,
+                               dlid=peer.lid, pd=PD, pkey=0xFFFF, sq_psn=psns[(nic.index, q)],
+                               cqn=q, access=ALL_RIGHTS, rq_psn=psns[(q, nic.index)],
+                               min_rnr_timer=1, rq_base=RQ_REGION + q * RQ_STRIDE,
+                               log_rq_size=log_rq_size, rq_dbr=DBR_REGION + 0x8000 + 64 * q,
+                               rcqn=q)
+                nic.qps[q] = qp
+                await nic.host.program_qp(qp)
+
+        await self.all_of(*(program(nic) for nic in self.nics))
+        for nic in self.nics:
+            nic.requester = RequesterModel(slid=nic.lid, sl_to_vl=self.sl_to_vl, qps=nic.qps,
+                                           cqs=nic.cqs, mkeys={k.key: k for k in nic.mkeys.values()},
+                                           num_mkeys=self.num_mkeys, num_vls=self.num_vls)
+            nic.responder = ResponderModel(lid=nic.lid, memory=nic.mirror, contexts=nic.qps,
+                                           num_qps=self.num_qps, mkeys=nic.mkeys,
+                                           num_mkeys=self.num_mkeys, sl_to_vl=self.sl_to_vl)
+            if hasattr(nic, "completion"):      # a Side that predicts CQEs with the model
+                from models.nic import CompletionModel
+                nic.completion = CompletionModel(nic.requester, write_memory=nic.write_mirror)
+            nic.gpu = GpuModel(nic, [GpuQp(qpn=q, sq_base=nic.qps[q].sq_base,
+                                           log_sq_size=log_sq_size, dbr_address=DBR_REGION + 64 * q)
+                                     for q in nic.peers])
+
+    # --- monitors ------------------------------------------------------------------------------
+
+    def switch_monitor(self, switch, port, direction):
+        """A :class:`WireMonitor` on the wire into (``"in"``) or out of (``"out"``) ``port`` of
+        ``switch``, at the switch's pins; created on first use, recording from then on."""
+        key = (switch, port, direction)
+        if key not in self._monitors:
+            self._monitors[key] = self.loop.add(WireMonitor(
+                self.dut, f"{switch}_{direction}__{port}", 64, clock_ns=CLOCK_NS))
+        return self._monitors[key]
+
+    # --- work ----------------------------------------------------------------------------------
+
+    def inline_write(self, src, dst, data, offset=0):
+        """The fields of an 8-byte-or-less inline RDMA WRITE from NIC ``src`` into its slice of
+        NIC ``dst``'s memory at ``offset``; returns (qpn, fields, remote address)."""
+        source, target = self.nics[src], self.nics[dst]
+        base, _ = target.target_from(src)
+        raddr = base + offset
+        return dst, dict(opcode=mlx5.Opcode.RDMA_WRITE, inline=data, raddr=raddr,
+                         rkey=target.data_key, fm_ce_se=mlx5.CTRL_CQ_UPDATE), raddr
+
+    async def post(self, src, qpn, fields, last=True):
+        nic = self.nics[src]
+        await nic.gpu.post(qpn, 1, nic.builder(qpn, **fields), last=last)
+
+    # --- end of test ---------------------------------------------------------------------------
+
+    def outstanding(self):
+        return sum(nic.outstanding() for nic in self.nics)
+
+    async def cycles(self, n):
+        for _ in range(n):
+            await RisingEdge(self.dut.clk)
+
+    async def drain(self, limit=50000):
+        for _ in range(limit):
+            if self.errors or self.outstanding() == 0:
+                break
+            await RisingEdge(self.dut.clk)
+        else:
+            raise AssertionError(f"not drained after {limit} cycles: {self.outstanding()} "
+                                 "completions outstanding")
+        assert not self.errors, "\n".join(self.errors[:10])
+
+    async def check_clean(self):
+        """Every completion came; each NIC's memory equals its mirror outside the CQs; no
+        switch port overflowed."""
+        assert not self.errors, "\n".join(self.errors[:10])
+        assert self.outstanding() == 0
+        await self.cycles(64)           # the last payload writes land after their ACKs
+        for nic in self.nics:
+            cq_end = CQ_REGION + CQ_STRIDE * len(nic.cqs)
+            actual = nic.host.memory.read(0, MEMORY_BYTES)
+            for lo, hi in ((0, CQ_REGION), (cq_end, MEMORY_BYTES)):
+                if actual[lo:hi] != nic.mirror[lo:hi]:
+                    first = next(i for i in range(lo, hi) if actual[i] != nic.mirror[i])
+                    raise AssertionError(
+                        f"{nic.name}: memory differs from the model from {first:#x}: "
+                        f"{actual[first:first + 16].hex()} != {nic.mirror[first:first + 16].hex()}")
+        for switch, ports in self.fabric.switches.items():
+            for port in range(ports):
+                assert not int(getattr(self.dut, f"{switch}_overflow__{port}").value), \
+                    f"{switch} port {port} overflowed"
+
+    async def drops(self):
+        """``{(switch, port, vl, reason): count}`` of every non-zero drop counter."""
+        found = {}
+        for switch, ports in self.fabric.switches.items():
+            for port in range(ports):
+                for vl in range(self.num_vls):
+                    for name in DROP_COUNTERS:
+                        value = await self.switch_counter(switch, port, vl, name)
+                        if value:
+                            found[(switch, port, vl, name)] = value
+        return found
+
+
+# Register offsets do not depend on the switch's size: the largest map has them all.
+SWITCH_OFFSETS = {r.name: r.offset for r in switch_map.register_map(
+    ports=switch_map.MAX_PORTS, num_vls=switch_map.MAX_VLS)}
+DROP_COUNTERS = tuple(name for name in switch_map.COUNTER_NAMES if name.startswith("drop_"))

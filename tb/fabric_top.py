@@ -1,0 +1,279 @@
+"""Simulation top of a leaf/spine fabric (:class:`models.fabric.LeafSpine`): every NIC
+with its own memory port and registers, every leaf and spine switch with its registers,
+each link a cable of its own wire delay (docs/fabric.md).
+
+Build time decides the structure. The NIC and the switch are emitted once each as
+Verilog modules of their own (``tf_fabric_nic``, ``tf_fabric_switch_<P>p``, one per switch
+size; :func:`emit_modules`, files named by a digest of hdl/ and the module's parameters)
+and the top instantiates them through :class:`hdl.fabric.blackbox.BlackBox`.
+:func:`run_fabric` hands them to Verilator as hierarchical blocks (``--hierarchical`` and
+a ``hier_block`` control file), so each is verilated and compiled once, as a library all
+its instances share. ``separate_modules=False`` builds the same top from the real
+components, flattened, for comparison; ``run_fabric(hierarchical=False)`` keeps the
+modules but lets Verilator compile them as one design (far bigger C++: docs/fabric.md).
+
+Ports of the top (prefix ``nic<n>_`` for NIC ``n``, ``<switch>_`` for ``leaf<l>`` and
+``spine<s>``):
+
+- ``nic<n>_axil__*``: the NIC's 64-bit AXI4-Lite slave (registers, UAR page);
+  ``nic<n>_axi__*``: its AXI4 master for an ``AxiRam``, read requests held
+  ``memory_latency`` cycles (one port for all NICs) by
+  :class:`tb.gateware.axi_read_delay.AxiReadDelay`; ``nic<n>_ar_fire``/``nic<n>_ar_id``:
+  each read burst before that delay; ``nic<n>_link_state``; ``nic<n>_wire_monitor`` and
+  ``nic<n>_wire_in_monitor``: the NIC's own wire out and in at its pins (the names
+  :class:`tb.nic_host.NicHost` and :class:`tb.nic_tb.BusMonitor` expect).
+- ``<switch>_axil__*``: the switch's 32-bit AXI4-Lite slave (docs/switch-registers.md);
+  ``<switch>_link_state__<p>``, ``<switch>_overflow__<p>``; ``<switch>_in__<p>__*`` and
+  ``<switch>_out__<p>__*``: the wire into and out of each port at the switch's pins, for
+  hop latencies.
+
+Every cable is a :func:`tb.link_pair.delay_line` of its link's delay, each way.
+"""
+import hashlib
+import json
+import os
+import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+from amaranth import *
+from amaranth.hdl import UnusedElaboratable
+from amaranth.lib import wiring
+from amaranth.lib.wiring import In, Out
+
+from hdl.fabric.blackbox import BlackBox
+from hdl.link.signatures import LinkState, WireSignature
+from hdl.nic.nic_registers import AxiLite64Signature
+from hdl.nic.signatures import AXI_ID_BITS
+from hdl.switch.switch_registers import AxiLiteSignature
+from models.fabric import LeafSpine
+
+__all__ = ["FabricTop", "FABRIC_DEFAULTS", "fabric_of", "module_specs", "emit_modules",
+           "fabric_top", "run_fabric"]
+
+# A black box's component is built for its signature only; its own sub-components would
+# each be reported as never used when the interpreter exits.
+warnings.filterwarnings("ignore", category=UnusedElaboratable)
+
+NIC_WIDTH = 64
+SWITCH_ADDR_WIDTH = 16
+
+# Parameters of the top. NICs are kept small (8 QPs) to keep the build short.
+FABRIC_DEFAULTS = dict(nics_per_leaf=2, leaves=4, spines=2, wire_delay=8, link_delays=None,
+                       num_qps=8, num_cqs=8, num_mkeys=8, num_vls=2, mtu=4096, addr_width=64,
+                       max_memory_latency=1023, outstanding_reads=64, separate_modules=True)
+
+
+def fabric_of(params):
+    """The :class:`LeafSpine` a parameter dict describes."""
+    p = {**FABRIC_DEFAULTS, **params}
+    return LeafSpine(p["nics_per_leaf"], p["leaves"], p["spines"], wire_delay=p["wire_delay"],
+                     link_delays=p["link_delays"])
+
+
+def module_specs(params):
+    """``{module name: (kind, constructor kwargs)}`` of the Verilog modules the top uses."""
+    p = {**FABRIC_DEFAULTS, **params}
+    fabric = fabric_of(p)
+    specs = {"tf_fabric_nic": ("nic", dict(num_qps=p["num_qps"], num_cqs=p["num_cqs"],
+                                           num_mkeys=p["num_mkeys"], num_vls=p["num_vls"],
+                                           mtu=p["mtu"], addr_width=p["addr_width"]))}
+    for ports in sorted(set(fabric.switches.values())):
+        specs[f"tf_fabric_switch_{ports}p"] = ("switch", dict(
+            ports=ports, num_vls=p["num_vls"], mtu=p["mtu"], lids=fabric.lids,
+            addr_width=SWITCH_ADDR_WIDTH))
+    return specs
+
+
+def _component(kind, kwargs):
+    if kind == "nic":
+        from hdl.nic.nic import Nic
+        return Nic(**kwargs)
+    from hdl.switch.switch import Switch
+    return Switch(**kwargs)
+
+
+def _signature(kind, kwargs):
+    component = _component(kind, kwargs)
+    component._MustUse__silence = True      # only its signature is used
+    return component.signature
+
+
+def _flat(wire):
+    return Cat(getattr(wire, name) for name in WireSignature(8).members)
+
+
+class FabricTop(wiring.Component):
+    def __init__(self, **params):
+        unknown = set(params) - set(FABRIC_DEFAULTS)
+        if unknown:
+            raise ValueError(f"Unknown fabric parameters: {', '.join(sorted(unknown))}")
+        p = self.params = {**FABRIC_DEFAULTS, **params}
+        self.fabric = fabric = fabric_of(p)
+        if not 1 <= p["max_memory_latency"] < 1 << 16:
+            raise ValueError(f"max_memory_latency must be 1 to 65535, not {p['max_memory_latency']!r}")
+        specs = module_specs(p)
+        if p["separate_modules"]:
+            signatures = {name: _signature(*spec) for name, spec in specs.items()}
+            self.nics = [BlackBox(signatures["tf_fabric_nic"], "tf_fabric_nic")
+                         for _ in range(fabric.nics)]
+            self.switches = {name: BlackBox(signatures[f"tf_fabric_switch_{ports}p"],
+                                            f"tf_fabric_switch_{ports}p")
+                             for name, ports in fabric.switches.items()}
+        else:
+            self.nics = [_component(*specs["tf_fabric_nic"]) for _ in range(fabric.nics)]
+            self.switches = {name: _component(*specs[f"tf_fabric_switch_{ports}p"])
+                             for name, ports in fabric.switches.items()}
+        from tb.gateware.axi_read_delay import AxiReadDelay
+        self.read_delays = [AxiReadDelay(addr_width=p["addr_width"], depth=p["outstanding_reads"],
+                                         max_latency=p["max_memory_latency"])
+                            for _ in range(fabric.nics)]
+        axi = self.nics[0].signature.members["axi"].signature
+        members = {"memory_latency": In(range(p["max_memory_latency"] + 1))}
+        for n in range(fabric.nics):
+            members.update({
+                f"nic{n}_axil": In(AxiLite64Signature(16)),
+                f"nic{n}_axi": Out(axi),
+                f"nic{n}_link_state": Out(LinkState),
+                f"nic{n}_ar_fire": Out(1),
+                f"nic{n}_ar_id": Out(AXI_ID_BITS),
+                f"nic{n}_wire_monitor": Out(WireSignature(NIC_WIDTH)),
+                f"nic{n}_wire_in_monitor": Out(WireSignature(NIC_WIDTH)),
+            })
+        for name, ports in fabric.switches.items():
+            members.update({
+                f"{name}_axil": In(AxiLiteSignature(SWITCH_ADDR_WIDTH)),
+                f"{name}_link_state": Out(LinkState).array(ports),
+                f"{name}_overflow": Out(1).array(ports),
+                f"{name}_in": Out(WireSignature(NIC_WIDTH)).array(ports),
+                f"{name}_out": Out(WireSignature(NIC_WIDTH)).array(ports),
+            })
+        super().__init__(members)
+
+    def elaborate(self, platform):
+        from tb.link_pair import delay_line
+        from tb.nic_top import attach_memory
+
+        m = Module()
+        fabric = self.fabric
+        ends = {}       # (node, port) -> (wire_out, wire_in) at that end's pins
+        for n, nic in enumerate(self.nics):
+            m.submodules[f"nic{n}"] = nic
+            delay = m.submodules[f"read_delay{n}"] = self.read_delays[n]
+            wiring.connect(m, wiring.flipped(getattr(self, f"nic{n}_axil")), nic.axil)
+            attach_memory(m, nic, getattr(self, f"nic{n}_axi"), delay, self.memory_latency)
+            m.d.comb += [
+                getattr(self, f"nic{n}_link_state").eq(nic.link_state),
+                getattr(self, f"nic{n}_ar_fire").eq(nic.axi.arvalid & delay.up_arready),
+                getattr(self, f"nic{n}_ar_id").eq(nic.axi.arid),
+                _flat(getattr(self, f"nic{n}_wire_monitor")).eq(_flat(nic.wire_out)),
+                _flat(getattr(self, f"nic{n}_wire_in_monitor")).eq(_flat(nic.wire_in)),
+            ]
+            ends[(fabric.nic_name(n), 0)] = (nic.wire_out, nic.wire_in)
+        for name, switch in self.switches.items():
+            m.submodules[name] = switch
+            wiring.connect(m, wiring.flipped(getattr(self, f"{name}_axil")), switch.axi)
+            for port in range(fabric.switches[name]):
+                m.d.comb += [
+                    getattr(self, f"{name}_link_state")[port].eq(switch.link_state[port]),
+                    getattr(self, f"{name}_overflow")[port].eq(switch.overflow[port]),
+                    _flat(getattr(self, f"{name}_in")[port]).eq(_flat(switch.wire_in[port])),
+                    _flat(getattr(self, f"{name}_out")[port]).eq(_flat(switch.wire_out[port])),
+                ]
+                ends[(name, port)] = (switch.wire_out[port], switch.wire_in[port])
+        for link in fabric.links:
+            (a_out, a_in), (b_out, b_in) = ends[link.a], ends[link.b]
+            m.d.comb += [
+                _flat(b_in).eq(delay_line(m, f"{link.name}_down", _flat(a_out), link.delay)),
+                _flat(a_in).eq(delay_line(m, f"{link.name}_up", _flat(b_out), link.delay)),
+            ]
+        return m
+
+
+def fabric_top(**params):
+    """The runner's factory (tb/runner.py)."""
+    return FabricTop(**params)
+
+
+# --- separate modules ------------------------------------------------------------------------
+
+def _hdl_digest():
+    """Digest of the RTL sources (hdl/): the modules are re-emitted when it changes."""
+    from tb.runner import REPO
+    digest = hashlib.sha1()
+    for path in sorted((REPO / "hdl").rglob("*.py")):
+        digest.update(str(path.relative_to(REPO)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _emit_one(name, kind, kwargs, path):
+    from tb.runner import emit_verilog
+    t0 = time.monotonic()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    emit_verilog(_component(kind, kwargs), name, tmp)
+    tmp.replace(path)
+    return time.monotonic() - t0
+
+
+def module_paths(params, out_dir):
+    """``{module name: path}``: each file is named by a digest of hdl/ and the module's
+    parameters, so configurations share a module and a changed RTL makes a new file."""
+    digest = _hdl_digest()
+    paths = {}
+    for name, (kind, kwargs) in module_specs(params).items():
+        key = hashlib.sha1(json.dumps([digest, kind, kwargs], sort_keys=True).encode())
+        paths[name] = Path(out_dir) / f"{name}_{key.hexdigest()[:12]}.v"
+    return paths
+
+
+def emit_modules(params, out_dir, jobs=2, log=print):
+    """Emit the Verilog modules the top instantiates into ``out_dir`` (those not there yet
+    for this hdl/ and these parameters), ``jobs`` at a time. Returns their paths."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    specs = module_specs(params)
+    paths = module_paths(params, out_dir)
+    todo = [(name, *specs[name], path) for name, path in paths.items() if not path.exists()]
+    if todo:
+        t0 = time.monotonic()
+        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)),
+                                 mp_context=get_context("spawn")) as pool:
+            futures = [(item, pool.submit(_emit_one, *item)) for item in todo]
+            for (name, _, _, path), future in futures:
+                seconds = future.result()
+                log(f"emitted {name} ({path.stat().st_size:,} bytes) in {seconds:.1f} s")
+        log(f"modules emitted in {time.monotonic() - t0:.1f} s")
+    return list(paths.values())
+
+
+BUILD_ARGS = ["-Wno-UNOPTFLAT"]
+
+
+def hier_config(names, path):
+    """A Verilator control file making each module in ``names`` a hierarchical block:
+    verilated and compiled once, as a library its instances share."""
+    text = "`verilator_config\n" + "".join(f'hier_block -module "{name}"\n' for name in names)
+    path = Path(path)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return path
+
+
+def run_fabric(*, module, params, hierarchical=True, **kwargs):
+    """Emit the modules, then build and run ``module``'s cocotb tests on the fabric top
+    (:func:`tb.runner.run`; the module files go to Verilator as extra sources, with
+    ``hierarchical`` each as a hierarchical block)."""
+    from tb import runner
+    p = {**FABRIC_DEFAULTS, **params}
+    extra = []
+    if p["separate_modules"]:
+        out_dir = runner.BUILD / "fabric_top" / "modules"
+        extra = [str(path) for path in emit_modules(p, out_dir)]
+        if hierarchical:
+            names = sorted(module_specs(p))
+            extra = ["--hierarchical", "--build", "-j", "2",
+                     str(hier_config(names, out_dir / f"hier_{'_'.join(names)}.vlt")), *extra]
+    return runner.run(module=module, toplevel="fabric_top", factory=fabric_top, params=params,
+                      build_args=[*BUILD_ARGS, *kwargs.pop("build_args", ()), *extra], **kwargs)

@@ -1,0 +1,191 @@
+"""A leaf/spine fabric of real NICs and switches under Verilator (tb/fabric_top.py,
+tb/fabric_tb.py, docs/fabric.md): links up and forwarding tables programmed by the
+testbench as a subnet manager, 8-byte inline RDMA WRITEs from every NIC to a NIC on
+another leaf and to its leaf neighbour, and the zero-load latency of 1-hop and 3-hop
+paths, split into NIC, memory, wire and per-switch cycles.
+"""
+import json
+import os
+import statistics
+
+import cocotb
+import pytest
+
+from tb.fabric_tb import CLOCK_NS, WRITE_OPCODES, FabricTB
+
+SWITCH_HOP_BUDGET = 8           # cycles, docs/switch.md
+
+
+def far_nic(fabric, n):
+    """A NIC on another leaf: same position, half the leaves on (at least the next leaf)."""
+    return (n + fabric.nics_per_leaf * max(1, fabric.leaves // 2)) % fabric.nics
+
+
+@cocotb.test()
+async def links_up_and_tables_programmed(dut):
+    """After start-up every link end is ACTIVE and every switch holds the table the model
+    computes (read back through ft_read_lid/ft_read_data) and the SL-to-VL map."""
+    tb = FabricTB(dut)
+    await tb.reset()
+    states = tb.link_states()
+    assert len(states) == 2 * len(tb.fabric.links)
+    tables = tb.fabric.forwarding_tables()
+    for switch in tb.switches:
+        assert await tb.read_table(switch) == tables[switch], switch
+        for sl, vl in enumerate(tb.sl_to_vl):
+            assert await tb.switch_read(switch, f"sl_to_vl_{sl}") == vl
+    dut._log.info(f"{len(states)} link ends ACTIVE at cycle {tb.loop.cycle}; "
+                  f"{len(tables)} forwarding tables of {tb.fabric.lids} entries programmed")
+
+
+@cocotb.test()
+async def inline_writes_land(dut):
+    """Every NIC writes 8 bytes inline to a NIC on another leaf and 8 to its leaf neighbour,
+    all at once: every byte lands where the models say, every completion comes, nothing is
+    dropped, and each switch forwarded what the routes predict."""
+    tb = FabricTB(dut, memory_latency=100)
+    await tb.reset()
+    await tb.setup()
+    fabric = tb.fabric
+    landed = []
+
+    async def send(src, dst, offset):
+        data = tb.rng.randbytes(8)
+        qpn, fields, raddr = tb.inline_write(src, dst, data, offset)
+        await tb.post(src, qpn, fields)
+        landed.append((dst, raddr, data))
+
+    jobs = []
+    for n in range(fabric.nics):
+        jobs.append(send(n, far_nic(fabric, n), 0))
+        if fabric.neighbour(n) != n:
+            jobs.append(send(n, fabric.neighbour(n), 64))
+    await tb.all_of(*jobs)
+    await tb.drain()
+    await tb.check_clean()
+    for dst, raddr, data in landed:
+        assert tb.nics[dst].host.memory.read(raddr, 8) == data
+    assert await tb.drops() == {}
+    # packets out of each switch port: the WRITEs and their ACKs along the routes
+    expected = {}
+    for src in range(fabric.nics):
+        for dst in {far_nic(fabric, src), fabric.neighbour(src)} - {src}:
+            for a, b in ((src, dst), (dst, src)):           # WRITE, then its ACK
+                for hop in fabric.route(a, b):
+                    key = (hop.switch, hop.out_port)
+                    expected[key] = expected.get(key, 0) + 1
+    for (switch, port), count in sorted(expected.items()):
+        sent = sum([await tb.switch_counter(switch, port, vl, "packets_out")
+                    for vl in range(tb.num_vls)])
+        assert sent == count, f"{switch} port {port}: {sent} packets out, routes say {count}"
+    dut._log.info(f"{len(landed)} WRITEs landed, {sum(expected.values())} packets forwarded "
+                  f"as routed, no drops")
+
+
+async def measure(tb, src, dst, trials):
+    """Zero-load latency of ``trials`` 8-byte inline WRITEs from ``src`` to ``dst``, one at a
+    time: medians of the split (cycles)."""
+    a, b = tb.nics[src], tb.nics[dst]
+    route = tb.fabric.route(src, dst)
+    monitors = [(tb.switch_monitor(h.switch, h.in_port, "in"),
+                 tb.switch_monitor(h.switch, h.out_port, "out")) for h in route]
+    wire = tb.fabric.path_wire_delay(src, dst)
+
+    def first_write(packets, mark):
+        return next(cycle for packet, _, cycle in packets[mark:] if packet[8] in WRITE_OPCODES)
+
+    rows = []
+    for trial in range(trials):
+        data = tb.rng.randbytes(8)
+        qpn, fields, raddr = tb.inline_write(src, dst, data, 128 + 64 * trial)
+        marks = (len(a.bus.doorbells), len(a.bus.ar[0]), len(a.bus.r[0]),
+                 len(a.wire.data_packets), len(b.wire_in.data_packets), len(b.writes),
+                 [(len(i.data_packets), len(o.data_packets)) for i, o in monitors])
+        await tb.post(src, qpn, fields)
+        await tb.drain()
+        t_db, t_ar, t_r = a.bus.doorbells[marks[0]], a.bus.ar[0][marks[1]], a.bus.r[0][marks[2]]
+        t_out = first_write(a.wire.data_packets, marks[3])
+        t_in = first_write(b.wire_in.data_packets, marks[4])
+        t_landed = next(c for c, address, n in b.writes[marks[5]:]
+                        if address <= raddr + 7 < address + n)
+        hops = [first_write(o.data_packets, mo) - first_write(i.data_packets, mi)
+                for (i, o), (mi, mo) in zip(monitors, marks[6])]
+        assert t_in - t_out == wire + sum(hops), \
+            f"wire out to wire in {t_in - t_out} cycles, expected {wire} on cables + {hops}"
+        rows.append({"total": t_landed - t_db, "nic_a_to_fetch": t_ar - t_db,
+                     "memory": t_r - t_ar, "nic_a_to_wire": t_out - t_r, "wire": wire,
+                     "switches": sum(hops), "hops": hops, "nic_b": t_landed - t_in})
+    result = {key: statistics.median(r[key] for r in rows)
+              for key in rows[0] if key != "hops"}
+    result["hops"] = [statistics.median(r["hops"][k] for r in rows) for k in range(len(route))]
+    result["route"] = [f"{h.switch} {h.in_port}->{h.out_port}" for h in route]
+    result["trials"] = trials
+    return result
+
+
+@cocotb.test()
+async def zero_load_latency(dut):
+    """Doorbell at NIC 0 to the last byte in the remote memory for an 8-byte inline WRITE
+    to its leaf neighbour (1 switch) and to a NIC on another leaf (3 switches), and each
+    switch's hop (start beat in to start beat out). Prints the split."""
+    tb = FabricTB(dut, memory_latency=200)
+    await tb.reset()
+    await tb.setup()
+    fabric = tb.fabric
+    src = 0
+    results = {1: await measure(tb, src, fabric.neighbour(src), trials=3),
+               3: await measure(tb, src, fabric.nics - 1, trials=3)}
+    await tb.check_clean()
+    lines = [f"zero-load latency, 8-byte inline RDMA WRITE, memory latency "
+             f"{tb.memory_latency} cycles, {CLOCK_NS} ns/cycle, fabric {fabric!r}",
+             f"{'path':>6} {'total':>6} {'ns':>7} {'nicA':>5} {'mem':>5} {'nicA>w':>6} "
+             f"{'wire':>5} {'sw':>4} {'nicB':>5}  hops (cycles, switch in -> out)"]
+    for hops, r in results.items():
+        lines.append(f"{hops}-hop  {r['total']:>6} {r['total'] * CLOCK_NS:>7.1f} "
+                     f"{r['nic_a_to_fetch']:>5} {r['memory']:>5} {r['nic_a_to_wire']:>6} "
+                     f"{r['wire']:>5} {r['switches']:>4} {r['nic_b']:>5}  "
+                     + ", ".join(f"{name}: {c}" for name, c in zip(r["route"], r["hops"])))
+    dut._log.info("\n" + "\n".join(lines))
+    print("\n".join(lines), flush=True)
+    with open("fabric_latency.json", "w") as out:
+        json.dump({"clock_ns": CLOCK_NS, "memory_latency": tb.memory_latency,
+                   "fabric": repr(fabric), "paths": results}, out, indent=1)
+    every_hop = [c for r in results.values() for c in r["hops"]]
+    assert len(results[1]["hops"]) == 1 and len(results[3]["hops"]) == 3
+    assert max(every_hop) <= SWITCH_HOP_BUDGET, every_hop
+    assert len(set(every_hop)) == 1, f"hops differ between switches: {every_hop}"
+    # The NIC parts are the same on both paths: the difference is two switches and two cables.
+    one, three = results[1], results[3]
+    assert three["total"] - one["total"] == (three["switches"] - one["switches"]) + \
+        (three["wire"] - one["wire"]), (one, three)
+    if os.environ.get("BENCH_RECORDS"):
+        from tb.runner import bench_record
+        for hops, r in results.items():
+            bench_record(f"fabric.hop{hops}_latency_ns", r["total"] * CLOCK_NS, "ns",
+                         {"fabric": repr(fabric), "memory_latency": tb.memory_latency,
+                          "clock_ns": CLOCK_NS, "operation": "RDMA_WRITE inline 8 B",
+                          **{k: v for k, v in r.items()}})
+
+
+# --- pytest launchers ------------------------------------------------------------------------
+# Both are marked full: a first build (emit the NIC and switch modules, verilate and compile
+# them as hierarchical blocks) takes 6 to 7 minutes on 2 cores, a re-run 38 s
+# (docs/fabric.md, Build).
+
+DEFAULT = dict(nics_per_leaf=2, leaves=4, spines=2)    # 8 NICs, 4 leaves, 2 spines of 4 ports
+SMALL = dict(nics_per_leaf=2, leaves=2, spines=1)      # 4 NICs, 2 leaves of 3 ports, 1 spine
+
+
+def run(params):
+    from tb.fabric_top import run_fabric
+    run_fabric(module="tb.test_fabric", params=params)
+
+
+@pytest.mark.full
+def test_fabric():
+    run(DEFAULT)
+
+
+@pytest.mark.full
+def test_fabric_small():
+    run(SMALL)
