@@ -9,15 +9,26 @@ has a :class:`tb.nic_host.NicHost` (registers, ``AxiRam`` memory), a GPU
   packets at the moment it is posted (posting order is ring order);
 - the *other* side's ``responder`` (:class:`models.nic.ResponderModel` in hardware mode,
   the reference of the NIC's responder) takes those packets in order per QP and applies
-  them to a mirror of that side's memory, recording its receive completions.
+  them to a mirror of that side's memory, recording its receive completions;
+- ``completion`` (:class:`models.nic.CompletionModel`) takes the WQE and the responder's
+  answers and gives the requester CQEs; it writes READ data and atomic results into this
+  side's mirror, as the NIC's ResponseWriter does.
+
+The models see each request once, in order, as if nothing were lost. Loss on the cables
+(``NicPairTop``'s fault injectors, :meth:`NicPairTB.set_faults`) must not change any of the
+outcomes: the responder executes each request once whatever the retransmissions, so the
+checks are outcome based, and hold with or without loss.
 
 Memory: every byte the GPU writes goes to both the ``AxiRam`` and the mirror
 (:class:`MirroredMemory`); the NIC's writes land only in the ``AxiRam``. CQ writes are
 decoded as they land and must be the next expected completion of their QP (requester CQEs
-from the requester model, receive CQEs from the responder model), with the right owner
+from the completion model, receive CQEs from the responder model), with the right owner
 bit. :meth:`NicPairTB.check_clean` compares each whole memory outside the CQs with its
-mirror byte for byte and checks that every completion came exactly once.
+mirror byte for byte and checks that every completion came exactly once;
+:meth:`NicPairTB.check_loss` checks the link drop counters against the injected faults and
+the retransmission counters against what was lost.
 """
+import dataclasses
 import random
 from collections import defaultdict, deque
 
@@ -25,17 +36,20 @@ import cocotb
 from cocotb.clock import Clock
 from cocotb.triggers import RisingEdge
 
+from hdl.link.link_receiver import DROP_REASONS
 from hdl.link.signatures import LinkState
 from hdl.nic import register_map as rmap
 from models import mlx5
-from models.nic import CqContext, Mkey, QpContext, RequesterModel, ResponderModel, mkey_index
+from models.nic import (CompletionModel, CqContext, Mkey, QpContext, RequesterModel,
+                        ResponderModel, mkey_index)
 from tb import runner
 from tb.beats import CycleLoop, WireMonitor
 from tb.gpu_model import GpuModel, GpuQp
 from tb.nic_host import NicHost
 from tb.nic_tb import BusMonitor
 
-__all__ = ["NicPairTB", "Side", "MirroredMemory", "CLOCK_NS", "MEMORY_BYTES", "PD"]
+__all__ = ["NicPairTB", "Side", "MirroredMemory", "CLOCK_NS", "MEMORY_BYTES", "PD", "CORRUPT",
+           "DROP", "RATE_ONE"]
 
 CLOCK_NS = 2.5
 MEMORY_BYTES = 1 << 24
@@ -51,10 +65,16 @@ SQ_REGION = 0x200000            # QP q's send ring at SQ_REGION + q * SQ_STRIDE
 SQ_STRIDE = 0x010000
 RQ_REGION = 0x600000            # QP q's receive ring at RQ_REGION + q * RQ_STRIDE
 RQ_STRIDE = 0x001000            # 256 receive WQEs
-SOURCE_REGION = 0x800000        # local payload sources and READ targets: only this side writes
-SOURCE_BYTES = 0x400000
+SOURCE_REGION = 0x800000        # local payload sources and READ sources: written once at setup
+SOURCE_BYTES = 0x200000
+RESULT_REGION = 0xA00000        # READ targets and atomic results of this side: a slice per QP
+RESULT_BYTES = 0x200000
 TARGET_REGION = 0xC00000        # written by the other side: a slice per QP
 TARGET_BYTES = 0x400000
+# Fault injector modes (tb/gateware/wire_fault.py).
+CORRUPT, DROP = 0, 1
+RATE_ONE = 1 << 16
+RESPONSE_OPCODES = range(0x0D, 0x13)    # READ responses, ACKNOWLEDGE, ATOMIC ACKNOWLEDGE
 
 
 class MirroredMemory:
@@ -71,6 +91,18 @@ class MirroredMemory:
 
     def read(self, address, length):
         return bytes(self.mirror[address:address + length])
+
+    def write_mirror(self, address, data):
+        """What the NIC writes by itself (READ data, atomic results): the mirror only."""
+        self.mirror[address:address + len(data)] = data
+
+
+@dataclasses.dataclass
+class _Expected:
+    """A requester completion the testbench expects without the completion model."""
+    wqe_index: int
+    wqe_blocks: int
+    cqe: object
 
 
 class Side:
@@ -96,9 +128,12 @@ class Side:
         self.mkeys = {}
         self.requester = None
         self.responder = None
+        self.completion = None
         self.gpu = None
-        self.expected = defaultdict(deque)     # (qpn, "send" | "recv") -> completions to come
+        # (qpn, "send") -> models.nic.Completion, (qpn, "recv") -> RecvCompletion, to come
+        self.expected = defaultdict(deque)
         self.cq_pi = defaultdict(int)
+        self.opcodes = {}                      # (qpn, wqe_index) -> mlx5 opcode
 
     async def ring_doorbell(self, data8):
         await self.host.ring_doorbell(data8)
@@ -110,6 +145,7 @@ class Side:
         if not CQ_REGION <= address < CQ_REGION + CQ_STRIDE * len(self.cqs):
             return          # payload: compared with the mirror at the end
         errors = self.tb.errors
+        cycle = self.tb.loop.cycle
         cqn = (address - CQ_REGION) // CQ_STRIDE
         cq = self.cqs[cqn]
         if len(data) != 64:
@@ -127,50 +163,91 @@ class Side:
         kind = "send" if cqe.opcode in (mlx5.CqeOpcode.REQ, mlx5.CqeOpcode.REQ_ERR) else "recv"
         queue = self.expected[(cqe.qpn, kind)]
         if kind == "send":
-            while queue and not (queue[0].signaled or queue[0].status != "SENT"):
+            while queue and queue[0].cqe is None:
                 queue.popleft()         # unsignaled WQEs complete silently
         if not queue:
-            errors.append(f"{self.name}: unexpected {kind} CQE {cqe}")
+            errors.append(f"cycle {cycle}: {self.name}: unexpected {kind} CQE {cqe}")
             return
         expected = queue.popleft()
-        want = expected.cqe(owner=cqe.owner)
+        # The completion model numbers only requester CQEs; the owner bit is checked above.
+        want = dataclasses.replace(expected.cqe, owner=cqe.owner) if kind == "send" else \
+            expected.cqe(owner=cqe.owner)
         if cqe != want:
-            errors.append(f"{self.name}: QP {cqe.qpn} {kind} CQE {cqe}, expected {want}")
+            errors.append(f"cycle {cycle}: {self.name}: QP {cqe.qpn} {kind} CQE {cqe}, "
+                          f"expected {want}")
         if kind == "send":
             self.gpu.completed(cqe.qpn, cqe.wqe_counter, expected.wqe_blocks)
 
     def outstanding(self):
-        return sum(1 for (_, kind), queue in self.expected.items() for r in queue
-                   if kind == "recv" or r.signaled or r.status != "SENT")
+        return sum(1 for (_, kind), queue in self.expected.items() for c in queue
+                   if kind == "recv" or c.cqe is not None)
+
+    def expect_retry_error(self, qpn, syndrome):
+        """QP ``qpn`` gives up (retries exhausted): its oldest WQE not yet completed gets an
+        error CQE with ``syndrome``, every later one (posted or still to come) a flush. The
+        models are told: the QP is in ERR, nothing it had in flight reached the peer (so the
+        caller posts the lost WQEs with ``deliver=False``)."""
+        queue = self.expected[(qpn, "send")]
+        waiting = list(queue) + list(self.completion.outstanding[qpn])
+        queue.clear()
+        self.completion.reset_qp(qpn)
+        self.requester.set_qp_error(qpn)
+        for k, item in enumerate(waiting):
+            cqe = mlx5.error_cqe(qpn, item.wqe_index, item.opcode if hasattr(item, "opcode")
+                                 else self.opcodes[(qpn, item.wqe_index)],
+                                 syndrome if k == 0 else mlx5.Syndrome.WR_FLUSH_ERR)
+            queue.append(_Expected(item.wqe_index, item.wqe_blocks, cqe))
+        self.completion.progress[qpn].flushing = True
 
     # --- posting ---------------------------------------------------------------------------
 
-    def builder(self, qpn, **wqe):
+    def builder(self, qpn, deliver=True, **wqe):
         """A ``build(index)`` for the GPU model: the WQE's bytes at ring index ``index``.
         Its packets are predicted there and then and handed, in order, to the peer's
-        responder model, whose receive completions are expected on the peer."""
+        responder model, whose receive completions are expected on the peer, and whose
+        answers go to this side's completion model (which writes READ data and atomic
+        results into the mirror and predicts the CQEs). ``deliver=False``: the packets
+        never reach the peer (a test that loses every one of them)."""
         def build(index):
             made = mlx5.build_wqe(wqe["opcode"], index, qpn,
                                   **{k: v for k, v in wqe.items() if k != "opcode"})
             result = self.requester.execute(qpn, index, made.data, self.memory.read)
-            self.expected[(qpn, "send")].append(result)
+            self.opcodes[(qpn, result.wqe_index)] = result.opcode
+            done = self.completion.post(result)
             peer = self.peer
-            for packet in result.packets:
+            for packet in result.packets if deliver else ():
                 decision = peer.responder.process(packet)
                 for completion in decision.completions:
                     peer.expected[(completion.qpn, "recv")].append(completion)
+                for answer in decision.packets:
+                    done += self.completion.receive(answer)
+            for completion in done:
+                self.expected[(completion.qpn, "send")].append(completion)
             return made.data
         return build
 
-    def post_receive(self, qpn, length, addr):
+    def post_receive(self, qpn, length, addr, deliver=True):
         """Post a receive WQE of ``length`` bytes at ``addr`` (the model writes it and the
-        doorbell record into the mirror; the same bytes go to the NIC's memory)."""
+        doorbell record into the mirror; the same bytes go to the NIC's memory). With
+        ``deliver=False`` only the model has it: returns a function that gives the NIC its
+        WQE and doorbell record later (a receive the responder's model had in time and the
+        NIC not: RNR)."""
         ctx = self.qps[qpn]
         pi = self.responder.post_recv(qpn, length, self.data_key, addr)
         slot = ctx.rq_base + mlx5.RECV_WQE_BYTES * (pi % (1 << ctx.log_rq_size))
-        self.host.memory.write(slot, bytes(self.mirror[slot:slot + mlx5.RECV_WQE_BYTES]))
-        self.host.memory.write(ctx.rq_dbr, bytes(self.mirror[ctx.rq_dbr:ctx.rq_dbr + 4]))
+
+        def give():
+            self.host.memory.write(slot, bytes(self.mirror[slot:slot + mlx5.RECV_WQE_BYTES]))
+            self.host.memory.write(ctx.rq_dbr, bytes(self.mirror[ctx.rq_dbr:ctx.rq_dbr + 4]))
+        if not deliver:
+            return give
+        give()
         return pi
+
+    def results(self, qpn):
+        """The slice of this side's memory QP ``qpn``'s READs and atomics write into."""
+        size = RESULT_BYTES // self.tb.max_qps
+        return RESULT_REGION + qpn * size, size
 
     def target(self, qpn):
         """The slice of this side's memory QP ``qpn``'s peer writes into."""
@@ -231,11 +308,15 @@ class NicPairTB:
                 assert int(resp.resp) == rmap.OKAY, "forwarding-table write refused"
 
     async def setup(self, qps=8, log_sq_size=8, log_rq_size=8, mtu=None, ring_every=1,
-                    shared_recv_cq=True):
+                    shared_recv_cq=True, ack_timeout=2, retry_cnt=7, rnr_retry=7,
+                    min_rnr_timer=1):
         """Connect QP q of A with QP q of B for q < ``qps`` (path MTU ``mtu``, random per
         pair if None), one send CQ per QP, receive completions on the same CQ
         (``shared_recv_cq``) or a CQ of their own; a memory key over each whole memory
-        with every right; source regions filled with random bytes."""
+        with every right; source regions filled with random bytes. Reliability: local ACK
+        timeout code ``ack_timeout`` (4.096 us * 2**n; 2: 6,552 cycles), ``retry_cnt``,
+        ``rnr_retry`` (7: without limit), and the RNR timer code each responder sends,
+        ``min_rnr_timer`` (1: 10 us)."""
         if qps > self.max_qps:
             raise ValueError(f"at most {self.max_qps} QPs")
         cqs = qps if shared_recv_cq else 2 * qps
@@ -258,7 +339,9 @@ class NicPairTB:
                                mtu=mtus[q], sl=q % 16, max_outstanding=64, dest_qpn=q,
                                dlid=LIDS[peer], pd=PD, pkey=0xFFFF,
                                sq_psn=psns[(side.name, q)], cqn=q,
-                               access=ALL_RIGHTS, rq_psn=psns[(peer, q)], min_rnr_timer=1,
+                               access=ALL_RIGHTS, rq_psn=psns[(peer, q)],
+                               min_rnr_timer=min_rnr_timer, retry_cnt=retry_cnt,
+                               rnr_retry=rnr_retry, ack_timeout=ack_timeout,
                                rq_base=RQ_REGION + q * RQ_STRIDE, log_rq_size=log_rq_size,
                                rq_dbr=DBR_REGION + 0x8000 + 64 * q,
                                rcqn=q if shared_recv_cq else qps + q)
@@ -273,11 +356,113 @@ class NicPairTB:
             side.responder = ResponderModel(lid=side.lid, memory=side.mirror, contexts=side.qps,
                                             num_qps=self.num_qps, mkeys=side.mkeys,
                                             num_mkeys=self.num_mkeys, sl_to_vl=self.sl_to_vl)
+            side.completion = CompletionModel(side.requester, write_memory=side.memory.write_mirror)
             side.gpu = GpuModel(side, [GpuQp(qpn=q, sq_base=side.qps[q].sq_base,
                                              log_sq_size=log_sq_size,
                                              dbr_address=DBR_REGION + 64 * q)
                                        for q in range(qps)], ring_every=ring_every)
         return list(range(qps))
+
+    # --- loss -----------------------------------------------------------------------------
+
+    def set_faults(self, side, rate, mode=CORRUPT, seed=1):
+        """Hit each data packet leaving NIC ``side`` ("a" or "b") with probability
+        ``rate / 2**16`` (0: none), corrupting it (``CORRUPT``: the next link receiver drops
+        it for its VCRC) or dropping it from the wire (``DROP``). ``seed``: the injector's
+        random source (taken at its first packet after reset)."""
+        getattr(self.dut, f"{side}_fault_rate").value = rate
+        getattr(self.dut, f"{side}_fault_mode").value = mode
+        getattr(self.dut, f"{side}_fault_seed").value = seed
+
+    def faults(self, side):
+        return int(getattr(self.dut, f"{side}_faults").value)
+
+    def rx_drops(self, side):
+        """NIC ``side``'s link receiver's drop counters."""
+        return {reason: int(getattr(self.dut, f"{side}_rx_drop_{reason}").value)
+                for reason in DROP_REASONS}
+
+    async def switch_drops(self, port):
+        """The switch input ``port``'s drop counters, summed over VLs."""
+        from hdl.switch import register_map as switch_map
+        totals = dict.fromkeys(DROP_REASONS, 0)
+        for vl in range(self.num_vls):
+            base = (switch_map.COUNTER_BASE + switch_map.COUNTER_PORT_STRIDE * port
+                    + switch_map.COUNTER_VL_STRIDE * vl)
+            for k, name in enumerate(switch_map.COUNTER_NAMES):
+                if name.startswith("drop_") and name[5:] in totals:
+                    resp = await self.switch.read(base + 4 * k, 4)
+                    totals[name[5:]] += int.from_bytes(resp.data, "little")
+        return totals
+
+    def lost_packets(self, side):
+        """The data packets NIC ``side`` sent that did not reach the other end intact:
+        what left its pins against what arrived at the peer's, in order (one sender per
+        cable and per switch output). A corrupted packet may arrive (one byte changed) or
+        not (dropped on the wire, or by the switch); one marked end-bad counts as lost. The
+        LRH's VL (a switch may map it anew) and the VCRC are left out of the comparison."""
+        def key(packet):
+            return bytes([packet[0] & 0x0F]) + packet[1:-2]
+        arrived = [key(p) for p, end_bad, _ in self.sides[side].peer.wire_in.data_packets
+                   if not end_bad]
+        lost, j = [], 0
+        for packet, _, _ in self.sides[side].wire.data_packets:
+            sent = key(packet)
+            if j < len(arrived) and arrived[j] == sent:
+                j += 1
+                continue
+            lost.append(packet)
+            if (j < len(arrived) and len(arrived[j]) == len(sent)
+                    and sum(x != y for x, y in zip(arrived[j], sent)) <= 2):
+                j += 1                  # its corrupted copy arrived
+        assert j == len(arrived), f"{side}: {len(arrived) - j} packets arrived never sent"
+        return lost
+
+    async def check_loss(self):
+        """After a drained run: every injected fault is one lost packet, counted where the
+        cable ends (the peer's link receiver, or the switch's input, as a ``vcrc`` drop
+        when corrupted, not at all when dropped); no other drop anywhere (but for the
+        corrupted packets a cut-through switch forwarded marked end-bad, which the peer
+        counts as ``end_bad`` drops); the retransmission
+        counters are zero without loss and, when a request, a READ response or an atomic
+        acknowledge was lost, nonzero on the side that had to send again. Returns
+        ``{side: (faults, CompletionUnit counters)}``."""
+        report = {}
+        counters = {name: await side.host.counters() for name, side in self.sides.items()}
+        for name, side in self.sides.items():
+            faults = self.faults(name)
+            mode = int(getattr(self.dut, f"{name}_fault_mode").value)
+            lost = self.lost_packets(name)
+            assert len(lost) == faults, f"{name}: {faults} faults injected, {len(lost)} lost"
+            if self.switch is None:
+                drops = self.rx_drops(side.peer.name)
+            else:
+                drops = await self.switch_drops(0 if name == "a" else 1)
+                after = self.rx_drops(side.peer.name)
+                end_bad = after.pop("end_bad")
+                assert not any(after.values()) and end_bad <= drops["vcrc"], \
+                    f"{side.peer.name}: link drops {after}, end_bad {end_bad}"
+            want = dict.fromkeys(DROP_REASONS, 0)
+            want["vcrc"] = faults if mode == CORRUPT else 0
+            assert drops == want, f"{name} -> {side.peer.name}: drops {drops}, expected {want}"
+            # Who must send again: the requester of a lost request (this side), or of a
+            # lost READ response / atomic acknowledge (the peer). A lost plain ACK may be
+            # covered by a later one.
+            for packet in lost:
+                opcode = packet[8]
+                requester = side.peer if opcode in RESPONSE_OPCODES else side
+                if opcode != 0x11:
+                    report.setdefault(requester.name + "_must_retry", True)
+            report[name] = (faults, {k: v for k, v in counters[name].items()
+                                     if k.startswith("retr")})
+        total_faults = sum(report[n][0] for n in self.sides)
+        for name in self.sides:
+            resent = sum(v for k, v in counters[name].items() if k.startswith("retransmits_"))
+            if total_faults == 0:
+                assert resent == 0, f"{name}: retransmissions without loss: {report[name][1]}"
+            if report.get(name + "_must_retry"):
+                assert resent > 0, f"{name}: lost packets but no retransmission"
+        return {n: report[n] for n in self.sides}
 
     # --- end of test ----------------------------------------------------------------------
 

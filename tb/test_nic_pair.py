@@ -1,8 +1,20 @@
 """Two NICs back to back under Verilator: each GPU posts RC work to the other's memory
 (tb/nic_pair_tb.py). Every test ends with :meth:`tb.nic_pair_tb.NicPairTB.check_clean`:
 every WQE and receive completed exactly once with the CQE the models predict, and each
-whole memory (outside its CQs) equals the models' byte for byte.
+whole memory (outside its CQs, READ data and atomic results included) equals the models'
+byte for byte.
+
+Loss (docs/nic-reliability.md): the cables' fault injectors corrupt or drop data packets
+at random; the outcome must be the same as without loss, and
+:meth:`tb.nic_pair_tb.NicPairTB.check_loss` ties the link drop counters to the injected
+faults and the retransmission counters to what was lost. ``lossy_mix`` runs the cases in
+``LOSS_CASES`` (JSON ``[[rate, mode, seed, per_qp], ...]``; a few by default, more under
+the ``full`` marker, and through a switch). Directed: an RNR NAK retried until the
+receive WQE comes, RNR retries exhausted, transport retries exhausted (every packet of one
+direction lost), and the atomics hammer under loss.
 """
+import json
+import os
 import random
 
 import cocotb
@@ -10,16 +22,19 @@ import pytest
 
 from models import mlx5
 from tb import runner
-from tb.nic_pair_tb import SOURCE_BYTES, SOURCE_REGION, NicPairTB
+from tb.nic_pair_tb import CORRUPT, DROP, RATE_ONE, SOURCE_BYTES, SOURCE_REGION, NicPairTB
 from tb.wqe_mix import KINDS, RECEIVING_KINDS, wqe_fields
 
 Op = mlx5.Opcode
 ATOMIC_AREA = 0x1000            # bytes at the start of each target slice for atomic words
 
 
-def random_wqe(side, qpn, rng, kinds, limit, cursor):
+def random_wqe(side, qpn, rng, kinds, limit, cursor, result_cursor):
     """One random, valid WQE's fields from ``side``'s QP ``qpn`` into its peer's target
-    slice (``cursor``: the next free offset there, per QP). Returns (kind, fields)."""
+    slice (``cursor``: the next free offset there, per QP). READs and atomics land in the
+    QP's own result slice (``result_cursor``, per QP), never in the payload sources:
+    a source changing under a WRITE would make its bytes depend on timing. Returns (kind,
+    fields)."""
     kind = rng.choice(kinds)
     base, size = side.peer.target(qpn)
     length = rng.randrange(0, limit + 1)
@@ -27,9 +42,15 @@ def random_wqe(side, qpn, rng, kinds, limit, cursor):
         cursor[qpn] = ATOMIC_AREA
     raddr = base + cursor[qpn] + rng.randrange(64)
     cursor[qpn] += length + 64
+    laddr = SOURCE_REGION + rng.randrange(0, SOURCE_BYTES - length - 8)
+    if kind in ("read", "fetch_add", "compare_swap"):
+        rbase, rsize = side.results(qpn)
+        if result_cursor[qpn] + length + 72 > rsize:
+            result_cursor[qpn] = 0
+        laddr = rbase + result_cursor[qpn] + 8 * rng.randrange(8)
+        result_cursor[qpn] += length + 72
     return kind, wqe_fields(
-        kind, rng, length=length, lkey=side.data_key,
-        laddr=SOURCE_REGION + rng.randrange(0, SOURCE_BYTES - length - 8), raddr=raddr,
+        kind, rng, length=length, lkey=side.data_key, laddr=laddr, raddr=raddr,
         rkey=side.peer.data_key,
         read_raddr=SOURCE_REGION + rng.randrange(0, SOURCE_BYTES - length),
         atomic_raddr=base + 8 * rng.randrange(ATOMIC_AREA // 8))
@@ -50,11 +71,12 @@ def plan(tb, rng, qps, per_qp, kinds, limit, receive_bytes):
     work = {}
     for side in tb.sides.values():
         cursor = dict.fromkeys(qps, 0x1000)
+        result_cursor = dict.fromkeys(qps, 0)
         lists = []
         for q in qps:
             items = []
             for _ in range(per_qp):
-                kind, fields = random_wqe(side, q, rng, kinds, limit, cursor)
+                kind, fields = random_wqe(side, q, rng, kinds, limit, cursor, result_cursor)
                 if kind in RECEIVING_KINDS:
                     base, size = side.peer.target(q)
                     buffer = base + size - receive_bytes * (1 + rng.randrange(4))
@@ -80,6 +102,7 @@ async def random_both_directions(dut, seed):
     await run_both(tb, work)
     await tb.drain()
     await tb.check_clean()
+    await tb.check_loss()
     for side in tb.sides.values():
         counters = await side.host.counters()
         for name in ("requests_executed", "duplicate_requests", "seq_naks", "rnr_naks",
@@ -88,30 +111,193 @@ async def random_both_directions(dut, seed):
             assert counters[name] == side.responder.counters[name], (side.name, name)
 
 
-@cocotb.test()
-async def atomics_hammer_one_word(dut):
-    """Two QPs on each side fetch-and-add the same word of the peer's memory: no update is
-    lost (the word ends at its start plus every addend)."""
-    rng = random.Random(7)
-    tb = NicPairTB(dut, seed=7, memory_latency=150)
-    await tb.reset()
+async def hammer(tb, rng, per_qp=40):
+    """Two QPs on each side fetch-and-add the same word of the peer's memory, each atomic's
+    original value to a slot of its own. No update is lost or applied twice: the returned
+    values chain, each QP's in its own order, from the word's start to its end (start plus
+    every addend). The models execute the QPs one after the other, the NICs interleave
+    them, so the original values the mirror got are replaced by the ones checked here."""
     qps = await tb.setup(qps=2, mtu=5)
-    work = {}
+    work, slots = {}, {}
     for side in tb.sides.values():
         word, _ = side.peer.target(0)
         lists = []
         for q in qps:
             items = []
-            for _ in range(40):
-                fields = dict(opcode=Op.ATOMIC_FA, lkey=side.data_key, laddr=SOURCE_REGION,
-                              raddr=word, rkey=side.peer.data_key,
-                              swap_add=rng.getrandbits(40), fm_ce_se=mlx5.CTRL_CQ_UPDATE)
+            base, _ = side.results(q)
+            for n in range(per_qp):
+                addend = rng.getrandbits(40)
+                slots[(side.name, q, n)] = (base + 8 * n, addend)
+                fields = dict(opcode=Op.ATOMIC_FA, lkey=side.data_key, laddr=base + 8 * n,
+                              raddr=word, rkey=side.peer.data_key, swap_add=addend,
+                              fm_ce_se=mlx5.CTRL_CQ_UPDATE)
                 items.append((q, 1, side.builder(q, **fields), "fa"))
             lists.append(items)
         work[side] = lists
+    start = {side.name: int.from_bytes(side.peer.memory.read(side.peer.target(0)[0], 8), "little")
+             for side in tb.sides.values()}
     await run_both(tb, work)
+    await tb.drain(limit=2_000_000)
+    for side in tb.sides.values():
+        value = start[side.name]
+        taken = {q: 0 for q in qps}          # each QP's atomics run in its order
+        memory = side.host.memory
+        origs = {(q, n): int.from_bytes(memory.read(slots[(side.name, q, n)][0], 8), "little")
+                 for q in qps for n in range(per_qp)}
+        for _ in range(len(qps) * per_qp):
+            q = next((q for q in qps if taken[q] < per_qp and origs[(q, taken[q])] == value),
+                     None)
+            assert q is not None, f"{side.name}: no atomic saw the word at {value:#x}"
+            value = (value + slots[(side.name, q, taken[q])][1]) % (1 << 64)
+            taken[q] += 1
+        word = side.peer.target(0)[0]
+        assert int.from_bytes(side.peer.host.memory.read(word, 8), "little") == value
+        for (q, n), orig in origs.items():      # the interleaving the NICs chose
+            side.memory.write_mirror(slots[(side.name, q, n)][0], orig.to_bytes(8, "little"))
+    await tb.check_clean()
+
+
+@cocotb.test()
+async def atomics_hammer_one_word(dut):
+    """Two QPs on each side fetch-and-add one word of the peer's memory (:func:`hammer`)."""
+    tb = NicPairTB(dut, seed=7, memory_latency=150)
+    await tb.reset()
+    await hammer(tb, random.Random(7))
+    await tb.check_loss()
+
+
+@cocotb.test()
+async def atomics_hammer_under_loss(dut):
+    """The hammer with 1 in 50 packets corrupted both ways: lost requests and lost
+    acknowledgements are sent again, duplicates replayed, nothing added twice."""
+    tb = NicPairTB(dut, seed=8, memory_latency=150)
+    await tb.reset()
+    tb.set_faults("a", 1311, CORRUPT, seed=81)
+    tb.set_faults("b", 1311, CORRUPT, seed=82)
+    await hammer(tb, random.Random(8))
+    report = await tb.check_loss()
+    dut._log.info(f"hammer under loss: {report}")
+
+
+def loss_cases():
+    default = [[65, CORRUPT, 1, 24], [1311, CORRUPT, 2, 24], [1311, DROP, 3, 24]]
+    return [tuple(c) for c in json.loads(os.environ.get("LOSS_CASES", "null")) or default]
+
+
+@cocotb.test()
+@cocotb.parametrize(case=loss_cases())
+async def lossy_mix(dut, case):
+    """Random mixes of every operation on 8 QP pairs both ways, with data packets
+    corrupted or dropped at random on both cables (``LOSS_CASES``: rate / 2**16, mode,
+    seed, WQEs per QP)."""
+    rate, mode, seed, per_qp = case
+    rng = random.Random(seed)
+    tb = NicPairTB(dut, seed=seed, memory_latency=100)
+    await tb.reset()
+    tb.set_faults("a", rate, mode, seed=2 * seed + 1)
+    tb.set_faults("b", rate, mode, seed=2 * seed + 2)
+    qps = await tb.setup(qps=8, ack_timeout=rng.randint(1, 3))
+    work = plan(tb, rng, qps, per_qp=per_qp, kinds=KINDS, limit=3000, receive_bytes=4096)
+    await run_both(tb, work)
+    await tb.drain(limit=3_000_000)
+    await tb.check_clean()
+    report = await tb.check_loss()
+    for side in tb.sides.values():
+        counters = await side.host.counters()
+        # Duplicates, sequence NAKs and replays depend on what was lost; what executes
+        # does not.
+        for name in ("requests_executed", "access_naks", "invalid_naks", "op_naks",
+                     "rx_dropped_qp", "rx_dropped_pkey", "rx_request_icrc_drops",
+                     "rx_request_malformed"):
+            assert counters[name] == side.responder.counters[name], (side.name, name)
+    dut._log.info(f"rate {rate}/65536 mode {mode} seed {seed}: {report}, "
+                  f"{tb.loop.cycle} cycles")
+
+
+@cocotb.test()
+async def rnr_send_before_receive(dut):
+    """A SEND whose receive WQE the responder does not have yet is RNR NAKed, and sent
+    again after each RNR wait (rnr_retry 7: without limit; RNR timer code 1, 10 us); once
+    the receive WQE is posted, it completes, and everything behind it."""
+    tb = NicPairTB(dut, seed=11, memory_latency=100)
+    await tb.reset()
+    await tb.setup(qps=1, mtu=3, min_rnr_timer=1, rnr_retry=7)
+    a, b = tb.a, tb.b
+    base, size = b.target(0)
+    give = b.post_receive(0, 1000, base + size - 1024, deliver=False)
+    await a.gpu.post(0, 1, a.builder(0, opcode=Op.SEND, byte_count=700, lkey=a.data_key,
+                                     laddr=SOURCE_REGION + 64, fm_ce_se=mlx5.CTRL_CQ_UPDATE))
+    await a.gpu.post(0, 1, a.builder(0, opcode=Op.RDMA_WRITE, byte_count=300, lkey=a.data_key,
+                                     laddr=SOURCE_REGION + 4096, raddr=base + 0x2000,
+                                     rkey=b.data_key, fm_ce_se=mlx5.CTRL_CQ_UPDATE), last=True)
+    await tb.cycles(40000)                   # about ten RNR waits
+    assert tb.outstanding() == 3, "completed before its receive WQE was there"
+    counters = await a.host.counters()
+    assert counters["retransmits_rnr"] >= 3, counters["retransmits_rnr"]
+    assert counters["retries_exhausted"] == 0
+    give()
     await tb.drain()
     await tb.check_clean()
+    assert (await b.host.counters())["rnr_naks"] >= 3
+
+
+@cocotb.test()
+async def rnr_retries_exhausted(dut):
+    """rnr_retry 1 and a receive WQE that never comes: the SEND completes with
+    RNR_RETRY_EXC_ERR, the QP goes to ERR, the WQE behind it and a later one are flushed;
+    the other QP is unaffected."""
+    tb = NicPairTB(dut, seed=12, memory_latency=100)
+    await tb.reset()
+    await tb.setup(qps=2, mtu=3, min_rnr_timer=1, rnr_retry=1)
+    a, b = tb.a, tb.b
+    base, _ = b.target(0)
+    await a.gpu.post(0, 1, a.builder(0, opcode=Op.SEND, byte_count=100, lkey=a.data_key,
+                                     laddr=SOURCE_REGION, fm_ce_se=mlx5.CTRL_CQ_UPDATE))
+    # Behind the SEND, out of sequence at the responder until it gives up: never executed.
+    await a.gpu.post(0, 1, a.builder(0, deliver=False, opcode=Op.RDMA_WRITE, byte_count=64,
+                                     lkey=a.data_key, laddr=SOURCE_REGION, raddr=base + 0x2000,
+                                     rkey=b.data_key, fm_ce_se=0), last=True)
+    a.expect_retry_error(0, mlx5.Syndrome.RNR_RETRY_EXC_ERR)
+    other, _ = b.target(1)
+    await a.gpu.post(1, 1, a.builder(1, opcode=Op.RDMA_WRITE, byte_count=64, lkey=a.data_key,
+                                     laddr=SOURCE_REGION, raddr=other + 0x2000, rkey=b.data_key,
+                                     fm_ce_se=mlx5.CTRL_CQ_UPDATE), last=True)
+    await tb.drain(limit=200000)
+    await a.gpu.post(0, 1, a.builder(0, opcode=Op.SEND, inline=b"late",
+                                     fm_ce_se=mlx5.CTRL_CQ_UPDATE), last=True)
+    await tb.drain()
+    await tb.check_clean()
+    counters = await a.host.counters()
+    assert counters["retries_exhausted"] == 1 and counters["retransmits_rnr"] == 1
+
+
+@cocotb.test()
+async def transport_retries_exhausted(dut):
+    """Every data packet from A lost (rate 2**16), retry_cnt 2, ack_timeout 1: after two
+    timeouts and rewinds A's first WQE completes with TRANSPORT_RETRY_EXC_ERR, the rest
+    and a later one are flushed."""
+    tb = NicPairTB(dut, seed=13, memory_latency=100)
+    await tb.reset()
+    await tb.setup(qps=1, mtu=3, retry_cnt=2, ack_timeout=1)
+    tb.set_faults("a", RATE_ONE, CORRUPT, seed=5)
+    a, b = tb.a, tb.b
+    base, _ = b.target(0)
+    for n in range(3):
+        await a.gpu.post(0, 1, a.builder(0, deliver=False, opcode=Op.RDMA_WRITE,
+                                         byte_count=600, lkey=a.data_key,
+                                         laddr=SOURCE_REGION + 1024 * n, raddr=base + 0x2000,
+                                         rkey=b.data_key, fm_ce_se=mlx5.CTRL_CQ_UPDATE),
+                         last=n == 2)
+    a.expect_retry_error(0, mlx5.Syndrome.TRANSPORT_RETRY_EXC_ERR)
+    await tb.drain(limit=200000)
+    await a.gpu.post(0, 1, a.builder(0, deliver=False, opcode=Op.SEND, inline=b"late",
+                                     fm_ce_se=mlx5.CTRL_CQ_UPDATE), last=True)
+    await tb.drain()
+    await tb.check_clean()
+    counters = await a.host.counters()
+    assert counters["retransmits_timeout"] == 2 and counters["retries_exhausted"] == 1
+    assert tb.faults("a") == len(tb.lost_packets("a")) > 0
+    assert tb.rx_drops("b")["vcrc"] == tb.faults("a")
 
 
 PAIR = dict(num_qps=8, num_cqs=16, num_mkeys=8, num_vls=2, mtu=4096, wire_delay=8)
@@ -126,3 +312,24 @@ def nic_pair_top(**params):
 def test_nic_pair():
     runner.run(module="tb.test_nic_pair", toplevel="nic_pair_top", factory=nic_pair_top,
                params=PAIR, build_args=BUILD_ARGS)
+
+
+# Longer and more lossy runs: 1/1000, 1/50 and 1/10, corrupted and dropped, more seeds.
+LONG_CASES = [[rate, mode, seed, 48] for seed, (rate, mode) in enumerate(
+    [(65, CORRUPT), (65, DROP), (1311, CORRUPT), (1311, DROP), (6554, CORRUPT),
+     (6554, DROP)], start=20)]
+
+
+@pytest.mark.full
+def test_nic_pair_lossy_long():
+    runner.run(module="tb.test_nic_pair", toplevel="nic_pair_top", factory=nic_pair_top,
+               params=PAIR, build_args=BUILD_ARGS, test_filter="lossy_mix", expect_tests=len(LONG_CASES),
+               extra_env={"LOSS_CASES": json.dumps(LONG_CASES)})
+
+
+@pytest.mark.full
+def test_nic_pair_through_switch_lossy():
+    """A second Verilator build (the pair through a switch): the loss cases once."""
+    runner.run(module="tb.test_nic_pair", toplevel="nic_pair_top", factory=nic_pair_top,
+               params={**PAIR, "through_switch": True}, build_args=BUILD_ARGS,
+               test_filter="lossy_mix", expect_tests=len(loss_cases()))
