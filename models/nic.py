@@ -922,6 +922,7 @@ _SEND_ONLYS = {Opcode.SEND_ONLY, Opcode.SEND_ONLY_WITH_IMMEDIATE}
 _WRITE_LASTS = {Opcode.RDMA_WRITE_LAST, Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE}
 _WRITE_ONLYS = {Opcode.RDMA_WRITE_ONLY, Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE}
 ACK_SYNDROME = 0x1F      # ACK, credit field "invalid" (no end-to-end credits)
+SAVED_ATOMICS = 4        # executed atomics a responder QP keeps for duplicates
 
 
 class _Nak(Exception):
@@ -1002,9 +1003,8 @@ class _ResponderState:
     recv_length: int = 0               # counter, and the bytes received so far
     recv_counter: int = 0
     recv_offset: int = 0
-    atomic_valid: bool = False         # the last executed atomic: its PSN and result
-    atomic_psn: int = 0
-    atomic_orig: int = 0
+    # the newest SAVED_ATOMICS executed atomics, newest first: (PSN, original value)
+    saved_atomics: list = field(default_factory=list)
     rq_ci: int = 0                     # receive queue consumer index (16 bits)
     rq_pi: int = 0                     # the ReceiveQueue's cached producer index
 
@@ -1513,9 +1513,10 @@ class ResponderModel:
                 self.counters["duplicates_dropped"] += 1
                 return
             d.commands.append(self._read_command(ctx, psn, reth, st.msn))
-        elif st.atomic_valid and psn == st.atomic_psn:
+        elif any(saved == psn for saved, _ in st.saved_atomics):
             self.counters["atomic_replays"] += 1
-            d.commands.append(self._atomic_command(ctx, psn, st.msn, st.atomic_orig))
+            orig = next(o for saved, o in st.saved_atomics if saved == psn)
+            d.commands.append(self._atomic_command(ctx, psn, st.msn, orig))
         else:
             self.counters["duplicates_dropped"] += 1
 
@@ -1675,7 +1676,7 @@ class ResponderModel:
         d.writes.append((atomic.va, data))
         st.msn = (st.msn + 1) % PSN_MOD
         st.epsn = psn_add(psn, 1)
-        st.atomic_valid, st.atomic_psn, st.atomic_orig = True, psn, orig
+        st.saved_atomics = [(psn, orig)] + st.saved_atomics[:SAVED_ATOMICS - 1]
         d.atomic = dict(addr=atomic.va, fetch_add=int(op == Opcode.FETCH_ADD),
                         swap_add=atomic.swap_add, compare=atomic.compare, orig=orig)
         d.commands.append(self._atomic_command(ctx, psn, st.msn, orig))

@@ -60,6 +60,7 @@ class Qp:
     def clear(self):
         self.db = self.fp = self.dc = 0
         self.epoch = 0
+        self.granted = False        # a fetch went out with the current epoch
         self.in_flight = False
         self.waiting = False
 
@@ -221,15 +222,20 @@ class Reference:
             qp.in_flight = False
             if consumed_none:
                 qp.waiting = True
+        # A new epoch only if the current one went out with a fetch (this cycle's too).
         if rewind_hit is not None:
             qp = qps[rewind_hit]
             qp.fp = ins.rewind[1]
-            qp.epoch = (qp.epoch + 1) & EPOCH_MASK
+            if qp.granted or grant == rewind_hit:
+                qp.epoch = (qp.epoch + 1) & EPOCH_MASK
+            qp.granted = False
             qp.waiting = False
         if skip is not None:
             qp = qps[skip[0]]
             qp.fp = skip[1]
-            qp.epoch = (qp.epoch + 1) & EPOCH_MASK
+            if qp.granted or grant == skip[0]:
+                qp.epoch = (qp.epoch + 1) & EPOCH_MASK
+            qp.granted = False
         if retire_hit is not None:
             qp = qps[retire_hit]
             qp.dc = (qp.dc + ins.retire[1]) & MASK
@@ -239,6 +245,7 @@ class Reference:
                 qps[q].waiting = False
         if grant is not None:
             qps[grant].in_flight = True
+            qps[grant].granted = grant not in (rewind_hit, skip and skip[0])
             self.last = grant
         if ins.reset is not None and ins.reset < n:
             qps[ins.reset].clear()
@@ -766,7 +773,8 @@ def test_rewind():
         assert ref.out is None and 0 in ref.touched
         await bench.cycle(Inputs())
         assert ref.out is None
-        assert await next_request(bench) == (0, 5, 16, 0) and ref.accepted_epoch == 5
+        # (no fetch went out with epoch 4: this rewind keeps it)
+        assert await next_request(bench) == (0, 5, 16, 0) and ref.accepted_epoch == 4
         # Retired past fetch_pi after a rewind (late acknowledgements): skip to done_ci.
         await bench.cycle(Inputs(fetch_done=(0, 16)))
         await bench.cycle(Inputs(retire=(0, 12)))
@@ -774,11 +782,11 @@ def test_rewind():
         assert await next_request(bench) == (0, 12, 16, 0)
         bench.configure(0, max_out=8)                                 # (while in flight)
         await bench.cycle(Inputs(retire=(0, 9, 0x123456)))            # done_ci 21 > fetch_pi 12
-        assert (qp.fp, qp.epoch, ref.skip) == (21, 7, (0, 21, 0x123456))
-        await bench.cycle(Inputs(fetch_done=(0, 16, 6)))              # stale
+        assert (qp.fp, qp.epoch, ref.skip) == (21, 6, (0, 21, 0x123456))
+        await bench.cycle(Inputs(fetch_done=(0, 16, 5)))              # stale
         assert ref.skip is None and qp.fp == 21
         await bench.cycle(Inputs(doorbell=(0, 60)))
-        assert await next_request(bench) == (0, 21, 16, 1) and ref.accepted_epoch == 7
+        assert await next_request(bench) == (0, 21, 16, 1) and ref.accepted_epoch == 6
         await bench.cycle(Inputs(fetch_done=(0, 16)))
         assert await run_for(bench, 4) == []                          # window 8 full
         await bench.cycle(Inputs(retire=(0, 10)))                     # done_ci 31 <= 37: no skip
@@ -787,7 +795,7 @@ def test_rewind():
         # A retire past fetch_pi beside a rewind (to a WQE at or past the new done_ci):
         # the rewind wins, no skip; beside a reset: the reset wins.
         await bench.cycle(Inputs(rewind=(0, 31)))
-        await bench.cycle(Inputs(fetch_done=(0, 2, 7)))               # stale
+        await bench.cycle(Inputs(fetch_done=(0, 2, 6)))               # stale
         await bench.cycle(Inputs(retire=(0, 4), rewind=(0, 36)))      # done_ci 35 > 31
         assert (qp.fp, qp.dc, ref.skip) == (36, 35, None)
         await bench.cycle(Inputs(rewind=(0, 35)))
@@ -797,12 +805,14 @@ def test_rewind():
         await bench.cycle(Inputs(rewind=(0, 36)))
         await bench.cycle(Inputs(retire=(0, 1), reset=0))
         assert ref.skip is None and (qp.fp, qp.dc, qp.epoch) == (0, 0, 0)
-        # Sixteen rewinds bring the epoch round; a reset clears it.
+        # Rewinds with no fetch between them keep the epoch (nothing carries the current
+        # one), so a run of them cannot wrap it onto a fetch still in flight; a reset
+        # clears it.
         for _ in range(20):
             await bench.cycle(Inputs(rewind=(0, 0)))
-        assert qp.epoch == 4                                            # 20 mod 16
+        assert qp.epoch == 0
         await bench.cycle(Inputs(rewind=(1, 0)))
-        assert ref.qps[1].epoch == 1
+        assert ref.qps[1].epoch == 0
         await bench.cycle(Inputs(rewind=(1, 0), reset=1))             # the reset wins
         assert (ref.qps[1].epoch, ref.qps[1].fp) == (0, 0)
         await run_for(bench, 3)

@@ -31,13 +31,13 @@ import gc
 import random
 import warnings
 from collections import Counter, deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import pytest
 from amaranth.hdl import UnusedElaboratable
 from amaranth.sim import Simulator
 
-from hdl.nic.responder_engine import ResponderEngine
+from hdl.nic.responder_engine import SAVED_ATOMICS, ResponderEngine
 from hdl.nic.signatures import (
     AtomicResultLayout, MkeyLayout, QpConfigLayout, QpState, RecvResultLayout,
     RequestDescriptorLayout,
@@ -141,7 +141,7 @@ class Row:
     wqe: int = 0
     seq_nak: bool = False
     err: bool = False
-    atom: tuple | None = None       # (psn, orig)
+    atoms: list = field(default_factory=list)   # saved (psn, orig), newest first
 
 
 class Ref:
@@ -239,8 +239,9 @@ class Ref:
                     return "dup_drop"
                 self._respond(d, KIND_READ, d.psn, ACK_SYN, row.msn, va=d.va, length=d.dmalen)
                 return "dup_read"
-            if op in (CMP_SWAP, FETCH_ADD) and row.atom is not None and row.atom[0] == d.psn:
-                self._respond(d, KIND_ATOMIC, d.psn, ACK_SYN, row.msn, orig=row.atom[1])
+            saved = [orig for psn, orig in row.atoms if psn == d.psn]
+            if op in (CMP_SWAP, FETCH_ADD) and saved:
+                self._respond(d, KIND_ATOMIC, d.psn, ACK_SYN, row.msn, orig=saved[0])
                 return "atomic_replays"
             return "dup_drop"
 
@@ -315,7 +316,7 @@ class Ref:
             self.atomic[-1] = (self.atomic[-1][0], (orig, 0))
             row.msn += 1
             row.epsn = (d.psn + 1) % M24
-            row.atom = (d.psn, orig)
+            row.atoms = [(d.psn, orig)] + row.atoms[:SAVED_ATOMICS - 1]
             self._respond(d, KIND_ATOMIC, d.psn, ACK_SYN, row.msn, orig=orig)
             return "requests_executed"
         if first:
@@ -714,7 +715,13 @@ def directed_items(b):
     yield e(0, CMP_SWAP, "requests_executed", va=0x10008, rkey=KEY, compare=5, swap_add=9)
     yield e(0, CMP_SWAP, "requests_executed", va=0x10008, rkey=KEY, compare=5, swap_add=11)
     yield e(0, CMP_SWAP, "atomic_replays", off=-1, va=0x10008, rkey=KEY, compare=5, swap_add=11)
-    yield e(0, FETCH_ADD, "dup_drop", off=-2, va=0x10008, rkey=KEY, swap_add=5)
+    yield e(0, FETCH_ADD, "atomic_replays", off=-2, va=0x10008, rkey=KEY, swap_add=5)
+    yield e(0, FETCH_ADD, "atomic_replays", off=-3, va=0x10008, rkey=KEY, swap_add=5)
+    yield e(0, FETCH_ADD, "dup_drop", off=-4, va=0x10008, rkey=KEY, swap_add=5)  # a READ's
+    for _ in range(SAVED_ATOMICS):
+        yield e(0, FETCH_ADD, "requests_executed", va=0x10008, rkey=KEY, swap_add=1)
+    yield e(0, FETCH_ADD, "atomic_replays", off=-SAVED_ATOMICS, va=0x10008, rkey=KEY, swap_add=1)
+    yield e(0, CMP_SWAP, "dup_drop", off=-SAVED_ATOMICS - 1, va=0x10008, rkey=KEY)  # no longer kept
     yield e(0, 0x15, "dup_drop", off=-1)
     yield write(0, ackreq=0)
     yield e(0, WRITE_FIRST, "requests_executed", payload_bytes=MTU, va=0x10010, rkey=KEY,

@@ -31,7 +31,11 @@ class DoorbellScheduler(wiring.Component):
     not yet answered by ``fetch_done``; offered and not yet accepted counts) and
     ``waiting`` (its last fetch consumed nothing; cleared by an accepted doorbell or a
     retire). Indices compare modulo 2^16. ``epoch`` (``qp_epoch``) counts the QP's rewinds
-    modulo 2^EPOCH_BITS; every fetch request carries it.
+    modulo 2^EPOCH_BITS; every fetch request carries it. A rewind or skip moves it on only
+    if a fetch was granted with the current epoch (in that cycle too); otherwise nothing
+    carries the current epoch and keeping it is safe. So a run of skips or rewinds with
+    no fetch between them (late acknowledgements retiring rewound WQEs one by one) cannot
+    wrap the epoch back onto a fetch still in flight. Below, "``epoch += 1``" means that.
 
     ``rewind`` (go-back-N, from the completion unit): ``fetch_pi := wqe_index``, ``epoch +=
     1``, ``waiting`` clears; a fetch in flight stays in flight (its ``fetch_done`` still
@@ -119,6 +123,7 @@ class DoorbellScheduler(wiring.Component):
         epoch = [Signal(EPOCH_BITS, name=f"epoch{q}") for q in range(n)]
         in_flight = Signal(n)
         waiting = Signal(n)
+        granted = Signal(n)                 # a fetch went out with the current epoch
         m.d.comb += [self.qp_epoch[q].eq(epoch[q]) for q in range(n)]
 
         def decode(valid, qpn):
@@ -290,10 +295,19 @@ class DoorbellScheduler(wiring.Component):
             with m.Else():
                 with m.If(db_hit[q]):
                     m.d.sync += db_pi[q].eq(db.pi)
+                # A new epoch only when the current one was handed out (a fetch granted
+                # since the last change, this cycle's included): otherwise nothing carries
+                # it yet. So a run of skips (late acknowledgements retiring the rewound
+                # WQEs one by one) cannot wrap the epoch back to that of a fetch in flight.
+                bump = granted[q] | grant[q]
                 with m.If(rewind_hit[q]):
-                    m.d.sync += [fetch_pi[q].eq(self.rewind.p.wqe_index), epoch[q].eq(epoch[q] + 1)]
+                    m.d.sync += fetch_pi[q].eq(self.rewind.p.wqe_index)
+                    with m.If(bump):
+                        m.d.sync += epoch[q].eq(epoch[q] + 1)
                 with m.Elif(skip_hit[q]):
-                    m.d.sync += [fetch_pi[q].eq(new_done_ci), epoch[q].eq(epoch[q] + 1)]
+                    m.d.sync += fetch_pi[q].eq(new_done_ci)
+                    with m.If(bump):
+                        m.d.sync += epoch[q].eq(epoch[q] + 1)
                 with m.Elif(fresh_hit[q]):
                     m.d.sync += fetch_pi[q].eq(new_fetch_pi)
                 with m.If(retire_hit[q]):
@@ -308,6 +322,7 @@ class DoorbellScheduler(wiring.Component):
             waiting.eq((waiting | consumed_none) & ~db_hit & ~retire_hit & ~reset_hit &
                        ~rewind_hit),
             touched.eq(reset_hit | grant | rewind_hit | skip_hit),
+            granted.eq((granted | grant) & ~(rewind_hit | skip_hit | reset_hit)),
         ]
 
         # Rung but unfetched WQEs do not count: a move to RESET drops them without

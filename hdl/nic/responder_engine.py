@@ -1,3 +1,6 @@
+import operator
+from functools import reduce
+
 from amaranth import *
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
@@ -22,6 +25,10 @@ NAK_PSN_SEQUENCE = 0
 NAK_INVALID_REQUEST = 1
 NAK_REMOTE_ACCESS = 2
 NAK_REMOTE_OPERATIONAL = 3
+# Executed atomics whose results a QP keeps for duplicates (IBA: as many as the requester
+# may have outstanding; a requester that keeps more in flight, and loses an acknowledge,
+# cannot get the older ones answered and runs out of retries).
+SAVED_ATOMICS = 4
 
 # BTH opcodes of RC requests (IBA table 38).
 SEND_FIRST, SEND_MIDDLE, SEND_LAST, SEND_LAST_IMM, SEND_ONLY, SEND_ONLY_IMM = range(0x00, 0x06)
@@ -53,9 +60,10 @@ class _RowLayout(data.StructLayout):
             "wqe": 16,              # SEND: wqe_counter of the receive WQE taken
             "seq_nak": 1,           # PSN sequence NAK sent since the last in-sequence packet
             "err": 1,               # this engine sent qp_error (the QP state follows later)
-            "atom_valid": 1,
-            "atom_psn": PSN_BITS,
-            "atom_orig": 64,
+            # The newest SAVED_ATOMICS executed atomics, newest first.
+            "atom_valid": data.ArrayLayout(1, SAVED_ATOMICS),
+            "atom_psn": data.ArrayLayout(PSN_BITS, SAVED_ATOMICS),
+            "atom_orig": data.ArrayLayout(64, SAVED_ATOMICS),
         })
 
 
@@ -247,6 +255,16 @@ class ResponderEngine(wiring.Component):
 
         row = Signal(row_layout)            # the row as read, for the decision
         new_row = Signal(row_layout)        # the row to write back
+        # A duplicate atomic is answered from its saved result, if it is still kept.
+        saved_hit = Signal(SAVED_ATOMICS)
+        saved_orig = Signal(64)
+        m.d.comb += [
+            saved_hit.eq(Cat(row.atom_valid[i] & (row.atom_psn[i] == d.psn)
+                             for i in range(SAVED_ATOMICS))),
+            # PSNs are distinct, so at most one hits.
+            saved_orig.eq(reduce(operator.or_, (Mux(saved_hit[i], row.atom_orig[i], 0)
+                                                for i in range(SAVED_ATOMICS)))),
+        ]
         f_qp_ok = Signal()
         f_pkey_ok = Signal()
         f_equal = Signal()
@@ -394,10 +412,10 @@ class ResponderEngine(wiring.Component):
                         m.d.sync += respond(ResponseKind.READ, d.psn, ACK_SYNDROME, row.msn)
                         m.d.sync += read_response
                         m.next = "WAIT_IDLE"
-                    with m.Elif(is_atomic & row.atom_valid & (row.atom_psn == d.psn)):
+                    with m.Elif(is_atomic & saved_hit.any()):
                         m.d.comb += count["atomic_replays"].eq(1)
                         m.d.sync += respond(ResponseKind.ATOMIC, d.psn, ACK_SYNDROME, row.msn)
-                        m.d.sync += resp.orig.eq(row.atom_orig)
+                        m.d.sync += resp.orig.eq(saved_orig)
                 with m.Else():
                     m.d.comb += count["requests_executed"].eq(1)
                     m.d.sync += [new_row.seq_nak.eq(0), row_pending.eq(1)]
@@ -478,9 +496,9 @@ class ResponderEngine(wiring.Component):
                             resp.orig.eq(result.orig),
                             new_row.epsn.eq(d.psn + 1),
                             new_row.msn.eq(row.msn + 1),
-                            new_row.atom_valid.eq(1),
-                            new_row.atom_psn.eq(d.psn),
-                            new_row.atom_orig.eq(result.orig),
+                            new_row.atom_valid.eq(Cat(1, row.atom_valid.as_value()[:-1])),
+                            new_row.atom_psn.eq(Cat(d.psn, row.atom_psn.as_value()[:-PSN_BITS])),
+                            new_row.atom_orig.eq(Cat(result.orig, row.atom_orig.as_value()[:-64])),
                         ]
 
             with m.State("ISSUE"):
