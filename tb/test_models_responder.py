@@ -313,17 +313,21 @@ def test_psn_rules_and_duplicates():
     d = resp.process(read_req(EPSN + 2, 0x1100, 300, rkey=RKEY + 1))
     assert d.fate == "duplicate_requests" and d.packets == [] and resp.counters["duplicates_dropped"] == 1
     assert resp.qp_state(QPN) == n.QpState.RTS
-    # atomics: the duplicate of the last one replays its result, an older one is dropped
+    # atomics: a duplicate of one of the newest SAVED_ATOMICS replays its result, an older
+    # one is dropped
     mem[0x2000:0x2008] = (10).to_bytes(8, "little")
-    resp.process(fetch_add(EPSN + 4, 0x2000, 1))
-    resp.process(fetch_add(EPSN + 5, 0x2000, 1))
-    d = resp.process(fetch_add(EPSN + 5, 0x2000, 1))
-    assert d.fate == "duplicate_requests" and parse_packet(d.packets[0]).ext[1].orig == 11
-    assert parse_packet(d.packets[0]).ext[0].msn == 5 and resp.counters["atomic_replays"] == 1
-    assert int.from_bytes(mem[0x2000:0x2008], "little") == 12
-    d = resp.process(fetch_add(EPSN + 4, 0x2000, 1))
+    for k in range(n.SAVED_ATOMICS + 1):
+        resp.process(fetch_add(EPSN + 4 + k, 0x2000, 1))
+    last = EPSN + 4 + n.SAVED_ATOMICS
+    d = resp.process(fetch_add(last, 0x2000, 1))
+    assert d.fate == "duplicate_requests" and parse_packet(d.packets[0]).ext[1].orig == 14
+    assert parse_packet(d.packets[0]).ext[0].msn == 3 + n.SAVED_ATOMICS + 1
+    d = resp.process(fetch_add(EPSN + 5, 0x2000, 1))          # the oldest still kept
+    assert parse_packet(d.packets[0]).ext[1].orig == 11 and resp.counters["atomic_replays"] == 2
+    assert int.from_bytes(mem[0x2000:0x2008], "little") == 15
+    d = resp.process(fetch_add(EPSN + 4, 0x2000, 1))          # no longer kept
     assert d.packets == [] and resp.counters["duplicates_dropped"] == 2
-    assert int.from_bytes(mem[0x2000:0x2008], "little") == 12
+    assert int.from_bytes(mem[0x2000:0x2008], "little") == 15
     check_partition(resp.counters)
 
 
@@ -786,8 +790,8 @@ def test_fuzz():
     def valid_packets(q):
         st = resp.responder_state(q)
         psn = (st.epsn + rng.choice([0, 0, 0, -1, -2, 1, 5])) % (1 << 24)
-        if st.atomic_valid and rng.random() < 0.1:
-            psn = st.atomic_psn
+        if st.saved_atomics and rng.random() < 0.1:
+            psn = rng.choice(st.saved_atomics)[0]
         va = rng.choice([RREGION[0] + 8 * rng.randrange(64), RREGION[0] - 8, rng.getrandbits(64) & ~7,
                          RREGION[0] + RREGION[1] - 8])
         rkey = rng.choice([RKEY, RKEY, LKEY, rng.getrandbits(32)])
