@@ -297,7 +297,7 @@ def nic_pair_benchmarks():
     from tb.test_nic_pair import BUILD_ARGS, PAIR, nic_pair_top
     records = []
     runs = [(PAIR, "e2e_write_latency"), (PAIR, "write_bandwidth"), (PAIR, "read_bandwidth"),
-            ({**PAIR, "through_switch": True}, "e2e_write_latency")]
+            (PAIR, "goodput_under_loss"), ({**PAIR, "through_switch": True}, "e2e_write_latency")]
     for params, testcase in runs:
         path = OUT / "records" / f"nic_pair_{testcase}_{runner.param_tag(params)}.json"
         path.parent.mkdir(parents=True, exist_ok=True)

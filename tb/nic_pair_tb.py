@@ -308,15 +308,19 @@ class NicPairTB:
                 assert int(resp.resp) == rmap.OKAY, "forwarding-table write refused"
 
     async def setup(self, qps=8, log_sq_size=8, log_rq_size=8, mtu=None, ring_every=1,
-                    shared_recv_cq=True, ack_timeout=2, retry_cnt=7, rnr_retry=7,
-                    min_rnr_timer=1):
+                    shared_recv_cq=True, ack_timeout=5, retry_cnt=7, rnr_retry=7,
+                    min_rnr_timer=1, max_outstanding=64):
         """Connect QP q of A with QP q of B for q < ``qps`` (path MTU ``mtu``, random per
         pair if None), one send CQ per QP, receive completions on the same CQ
         (``shared_recv_cq``) or a CQ of their own; a memory key over each whole memory
         with every right; source regions filled with random bytes. Reliability: local ACK
-        timeout code ``ack_timeout`` (4.096 us * 2**n; 2: 6,552 cycles), ``retry_cnt``,
+        timeout code ``ack_timeout`` (4.096 us * 2**n; 5: 52,416 cycles; it must exceed
+        the time a QP's oldest WQE can wait behind the traffic of every QP on the link,
+        or the timer fires without loss), ``retry_cnt``,
         ``rnr_retry`` (7: without limit), and the RNR timer code each responder sends,
-        ``min_rnr_timer`` (1: 10 us)."""
+        ``min_rnr_timer`` (1: 10 us); ``max_outstanding`` WQE basic blocks in flight per
+        QP (at most ``SAVED_ATOMICS`` keeps the atomics a QP has outstanding within what
+        the responder can replay if an acknowledge is lost)."""
         if qps > self.max_qps:
             raise ValueError(f"at most {self.max_qps} QPs")
         cqs = qps if shared_recv_cq else 2 * qps
@@ -336,7 +340,8 @@ class NicPairTB:
             peer = "b" if side.name == "a" else "a"
             for q in range(qps):
                 qp = QpContext(qpn=q, sq_base=SQ_REGION + q * SQ_STRIDE, log_sq_size=log_sq_size,
-                               mtu=mtus[q], sl=q % 16, max_outstanding=64, dest_qpn=q,
+                               mtu=mtus[q], sl=q % 16, max_outstanding=max_outstanding,
+                               dest_qpn=q,
                                dlid=LIDS[peer], pd=PD, pkey=0xFFFF,
                                sq_psn=psns[(side.name, q)], cqn=q,
                                access=ALL_RIGHTS, rq_psn=psns[(peer, q)],

@@ -21,6 +21,7 @@ import cocotb
 import pytest
 
 from models import mlx5
+from hdl.nic.responder_engine import SAVED_ATOMICS
 from tb import runner
 from tb.nic_pair_tb import CORRUPT, DROP, RATE_ONE, SOURCE_BYTES, SOURCE_REGION, NicPairTB
 from tb.wqe_mix import KINDS, RECEIVING_KINDS, wqe_fields
@@ -111,13 +112,13 @@ async def random_both_directions(dut, seed):
             assert counters[name] == side.responder.counters[name], (side.name, name)
 
 
-async def hammer(tb, rng, per_qp=40):
+async def hammer(tb, rng, per_qp=40, max_outstanding=64):
     """Two QPs on each side fetch-and-add the same word of the peer's memory, each atomic's
     original value to a slot of its own. No update is lost or applied twice: the returned
     values chain, each QP's in its own order, from the word's start to its end (start plus
     every addend). The models execute the QPs one after the other, the NICs interleave
     them, so the original values the mirror got are replaced by the ones checked here."""
-    qps = await tb.setup(qps=2, mtu=5)
+    qps = await tb.setup(qps=2, mtu=5, max_outstanding=max_outstanding)
     work, slots = {}, {}
     for side in tb.sides.values():
         word, _ = side.peer.target(0)
@@ -174,7 +175,9 @@ async def atomics_hammer_under_loss(dut):
     await tb.reset()
     tb.set_faults("a", 1311, CORRUPT, seed=81)
     tb.set_faults("b", 1311, CORRUPT, seed=82)
-    await hammer(tb, random.Random(8))
+    # At most SAVED_ATOMICS atomics in flight per QP: the responder can replay any of them
+    # whose acknowledge is lost (docs/nic-responder.md, limits).
+    await hammer(tb, random.Random(8), max_outstanding=SAVED_ATOMICS)
     report = await tb.check_loss()
     dut._log.info(f"hammer under loss: {report}")
 
@@ -196,7 +199,10 @@ async def lossy_mix(dut, case):
     await tb.reset()
     tb.set_faults("a", rate, mode, seed=2 * seed + 1)
     tb.set_faults("b", rate, mode, seed=2 * seed + 2)
-    qps = await tb.setup(qps=8, ack_timeout=rng.randint(1, 3))
+    # A short timeout (4: 26,208 cycles) so that lost tails recover quickly, but longer
+    # than a WQE waits behind the others' traffic here; at most SAVED_ATOMICS atomics in
+    # flight per QP, so that the responder can replay any whose acknowledge is lost.
+    qps = await tb.setup(qps=8, ack_timeout=4, max_outstanding=SAVED_ATOMICS)
     work = plan(tb, rng, qps, per_qp=per_qp, kinds=KINDS, limit=3000, receive_bytes=4096)
     await run_both(tb, work)
     await tb.drain(limit=3_000_000)
