@@ -50,7 +50,9 @@ class DoorbellScheduler(wiring.Component):
     old epoch: it is stale and its descriptors are squashed by the executor.
 
     Skip: after a rewind the completion unit may still retire the rewound WQEs (late
-    acknowledgements of their first transmission) before they are fetched again. A
+    acknowledgements of their first transmission) before they are fetched again. While
+    the QP is *replaying* (from a rewind until ``fetch_pi`` reaches the ``db_pi`` the
+    rewind found: everything before it may have been fetched before the rewind), a
     retire that moves ``done_ci`` past ``fetch_pi`` (with a ``fetch_done`` of the same
     cycle counted) makes the QP go on from ``done_ci``
     (the retired WQEs' ring slots may already hold new WQEs): ``fetch_pi := done_ci``,
@@ -58,8 +60,9 @@ class DoorbellScheduler(wiring.Component):
     done_ci, retire.next_psn)`` tells the executor where the QP's PSNs stand (together
     with the new epoch on ``qp_epoch``). A rewind of the QP in the same cycle wins (it
     goes back to a WQE not yet retired, at or past the new ``done_ci``); a grant of the
-    QP in that cycle goes out with the old epoch (stale). So ``fetch_pi`` never lags
-    ``done_ci``.
+    QP in that cycle goes out with the old epoch (stale). So a rewound QP never fetches a
+    WQE that already retired. Outside replays a retire may pass ``fetch_pi`` too (a WQE of
+    a fetch completes before the fetch's ``fetch_done``), which is harmless and no skip.
 
     Doorbells are checked in the documented order against the QP's indices at the start
     of the cycle (a retire of the same cycle does not yet count for ``doorbells_too_far``).
@@ -124,6 +127,8 @@ class DoorbellScheduler(wiring.Component):
         in_flight = Signal(n)
         waiting = Signal(n)
         granted = Signal(n)                 # a fetch went out with the current epoch
+        replaying = Signal(n)               # rewound, fetching again what it fetched before
+        replay_end = [Signal(INDEX_BITS, name=f"replay_end{q}") for q in range(n)]
         m.d.comb += [self.qp_epoch[q].eq(epoch[q]) for q in range(n)]
 
         def decode(valid, qpn):
@@ -194,8 +199,11 @@ class DoorbellScheduler(wiring.Component):
                                    new_fetch_pi, Array(fetch_pi)[retire_qp]))
         lag = Signal(INDEX_BITS)            # fetch_pi - new done_ci
         m.d.comb += lag.eq(fetched - new_done_ci)
+        # Only while a rewound QP fetches again what it had fetched before: in any fetch a
+        # WQE may complete and retire before the fetch's own fetch_done moves fetch_pi.
         skip = Signal()
         m.d.comb += skip.eq(self.retire.valid & (self.retire.p.qpn < n) & lag[-1] &
+                            replaying.bit_select(retire_qp, 1) &
                             ~(self.rewind.valid & (self.rewind.p.qpn == self.retire.p.qpn)))
         skip_hit = decode(skip, self.retire.p.qpn)
         m.d.sync += [
@@ -290,9 +298,18 @@ class DoorbellScheduler(wiring.Component):
 
         # --- per-QP state updates -----------------------------------------------------------
         for q in range(n):
+            # Replaying: from a rewind until fetch_pi reaches the doorbell index the rewind
+            # found (everything before it may have been fetched before the rewind).
+            caught_up = Signal(INDEX_BITS, name=f"caught_up{q}")
+            m.d.comb += caught_up.eq(fetch_pi[q] - replay_end[q])
             with m.If(reset_hit[q]):
-                m.d.sync += [db_pi[q].eq(0), fetch_pi[q].eq(0), done_ci[q].eq(0), epoch[q].eq(0)]
+                m.d.sync += [db_pi[q].eq(0), fetch_pi[q].eq(0), done_ci[q].eq(0), epoch[q].eq(0),
+                             replaying[q].eq(0)]
             with m.Else():
+                with m.If(rewind_hit[q]):
+                    m.d.sync += [replaying[q].eq(1), replay_end[q].eq(db_pi[q])]
+                with m.Elif(~caught_up[-1]):
+                    m.d.sync += replaying[q].eq(0)
                 with m.If(db_hit[q]):
                     m.d.sync += db_pi[q].eq(db.pi)
                 # A new epoch only when the current one was handed out (a fetch granted
