@@ -1,11 +1,12 @@
-"""``make sim`` (until the fabric scenario lands): two link ports under traffic.
+"""The link demo: two link ports under traffic (``make sim`` runs the fabric scenario,
+tb/sim.py; this is the smaller first look at one link).
 
 Ports A and B, joined by a cable of ``--wire-delay`` cycles, exchange random
 packets on every VL in both directions while B's consumer on VL 1 stalls at
 random. The run prints a progress line, then a summary: throughput per
 direction, credit stalls, flow-control packets, drops (must be 0) and the
 scoreboard's verdict (every packet delivered once, intact, in order). It
-writes build/sim/report.{json,md} and a pcapng capture of the A->B wire that
+writes build/link_demo/report.{json,md} and a pcapng capture of the A->B wire that
 Wireshark/tshark decode; ``--waves`` (or WAVES=1) also writes an FST waveform.
 
     python -m tb.link_demo --help
@@ -25,7 +26,7 @@ from cocotb.clock import Clock
 
 from tb import runner
 
-OUT = runner.REPO / "build" / "sim"
+OUT = runner.REPO / "build" / "link_demo"
 MAX_WIRE_DELAY = 256
 CLOCK_NS = 2.5
 BUILD = dict(width=64, num_vls=2, mtu=4096, buffer_blocks=192, cut_through=True, fc_period=1024,
