@@ -63,6 +63,10 @@ class Qp:
         self.granted = False        # a fetch went out with the current epoch
         self.in_flight = False
         self.waiting = False
+        # A doorbell or retire the request in flight was not planned with (from the cycle
+        # before its grant on), and whether one came in the last cycle.
+        self.unseen = False
+        self.recent = False
 
     @property
     def pending(self):
@@ -198,7 +202,7 @@ class Reference:
             # An older epoch's answer, or one beside a rewind: fetch_pi stays.
             fresh = epoch == qps[done_hit].epoch and done_hit != rewind_hit
             self.stale_dones += epoch != qps[done_hit].epoch
-            consumed_none = consumed == 0 and fresh
+            consumed_none = consumed == 0 and fresh and not qps[done_hit].unseen
         if ins.retire is not None and ins.retire[0] < n:
             retire_hit = ins.retire[0]
         # A retire past fetch_pi: the QP goes on from done_ci (unless rewound or reset).
@@ -213,6 +217,11 @@ class Reference:
                 skip = (retire_hit, done, ins.retire[2] if len(ins.retire) > 2 else 0)
                 self.skips += 1
 
+        events = {q for q in (db_hit, retire_hit) if q is not None}
+        for q, qp in enumerate(qps):
+            qp.unseen = ((qp.unseen and grant != q) or (grant == q and qp.recent)
+                         or (q in events and (qp.in_flight or grant == q)))
+            qp.recent = q in events
         if db_hit is not None:
             qps[db_hit].db = ins.doorbell[1]
         if done_hit is not None:
@@ -633,6 +642,40 @@ def test_waiting_after_nothing_consumed():
         assert await next_request(bench) == (0, 3, 5, 0)
         await bench.cycle(Inputs(fetch_done=(0, 5)))
         assert await run_for(bench, 5) == []
+
+    simulate(1, body)
+
+
+def test_nothing_consumed_after_a_retire_it_did_not_see():
+    """A fetch sized by a window that a retire widened while it was in flight (a 1-block
+    request for a 2-block WQE) consumes nothing: the QP must not wait for another retire
+    (none may come: every WQE before it has retired). Same for a retire in the cycle
+    before the grant, which the request's plan does not include yet."""
+    async def body(bench):
+        await start(bench, 0, max_out=4)
+        await bench.cycle(Inputs(doorbell=(0, 3)))
+        assert await next_request(bench) == (0, 0, 3, 0)
+        await bench.cycle(Inputs(fetch_done=(0, 3)))            # 3 blocks outstanding
+        await bench.cycle(Inputs(doorbell=(0, 5)))              # a 2-block WQE behind them
+        assert await next_request(bench) == (0, 3, 1, 0)        # room for 1 block only
+        await bench.cycle(Inputs(retire=(0, 3)))                # in flight: all retired
+        await bench.cycle(Inputs(fetch_done=(0, 0)))
+        assert not bench.ref.qps[0].waiting
+        assert await next_request(bench) == (0, 3, 2, 0)
+        await bench.cycle(Inputs(fetch_done=(0, 2)))
+        await bench.cycle(Inputs(retire=(0, 2)))
+        # The retire in the cycle before the grant: 3 outstanding again, then a retire of
+        # 1 block right before a 1-block request is granted.
+        await bench.cycle(Inputs(doorbell=(0, 8)))
+        assert await next_request(bench) == (0, 5, 3, 0)
+        await bench.cycle(Inputs(fetch_done=(0, 3)))
+        await bench.cycle(Inputs(doorbell=(0, 10)))
+        await bench.cycle(Inputs(retire=(0, 1)))
+        request = await next_request(bench)
+        assert request[:2] == (0, 8), request
+        await bench.cycle(Inputs(fetch_done=(0, 0)))
+        assert await next_request(bench) is not None
+        assert not bench.ref.qps[0].waiting
 
     simulate(1, body)
 

@@ -29,7 +29,8 @@ class DoorbellScheduler(wiring.Component):
     Per QP: ``db_pi`` (newest accepted doorbell), ``fetch_pi`` (next basic block to fetch),
     ``done_ci`` (next basic block to complete), ``in_flight`` (a fetch request granted and
     not yet answered by ``fetch_done``; offered and not yet accepted counts) and
-    ``waiting`` (its last fetch consumed nothing; cleared by an accepted doorbell or a
+    ``waiting`` (its last fetch consumed nothing although no doorbell or retire came
+    after the state its request was planned on; cleared by an accepted doorbell or a
     retire). Indices compare modulo 2^16. ``epoch`` (``qp_epoch``) counts the QP's rewinds
     modulo 2^EPOCH_BITS; every fetch request carries it. A rewind or skip moves it on only
     if a fetch was granted with the current epoch (in that cycle too); otherwise nothing
@@ -330,10 +331,24 @@ class DoorbellScheduler(wiring.Component):
                 with m.If(retire_hit[q]):
                     m.d.sync += done_ci[q].eq(new_done_ci)
 
-        # A doorbell or retire in the cycle of a consumed == 0 answer brings what the fetch
-        # did not see, so it cancels the wait rather than waiting for the next one.
+        # A consumed == 0 answer means "wait for more" only if nothing came that the
+        # fetch's request was not sized with. The request is planned on the state of the
+        # cycle before its grant, so a doorbell or retire from that cycle until the answer
+        # (``unseen``) brings blocks or window room it did not have: without this, a retire
+        # that freed the window while a too-small fetch was in flight left the QP waiting
+        # for a retire that would never come. One in the answer's own cycle cancels the
+        # wait below.
+        event = Signal(n)
+        recent = Signal(n)                  # a doorbell or retire last cycle
+        unseen = Signal(n)
+        m.d.comb += event.eq(db_hit | retire_hit)
+        m.d.sync += [
+            recent.eq(event),
+            unseen.eq(((unseen & ~grant) | (grant & recent) | (event & (in_flight | grant))) &
+                      ~reset_hit),
+        ]
         consumed_none = Signal(n)
-        m.d.comb += consumed_none.eq(Mux(self.fetch_done.p.consumed == 0, fresh_hit, 0))
+        m.d.comb += consumed_none.eq(Mux(self.fetch_done.p.consumed == 0, fresh_hit & ~unseen, 0))
         m.d.sync += [
             in_flight.eq((in_flight & ~done_hit | grant) & ~reset_hit),
             waiting.eq((waiting | consumed_none) & ~db_hit & ~retire_hit & ~reset_hit &
