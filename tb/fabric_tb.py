@@ -15,6 +15,7 @@ responder model of the NIC it leads to.
 """
 import logging
 import random
+import statistics
 
 import cocotb
 from cocotb.clock import Clock
@@ -50,6 +51,40 @@ class FabricNic(Side):
         super().__init__(tb, name)
         self.index = index
         self.peers = {}                     # qpn -> the FabricNic that QP leads to
+        self.rung = []                      # (qpn, producer index) of every doorbell, in order
+        self.arrivals = {}                  # end address -> callback(cycle) of awaited writes
+        self.cqe_counts = {"send": 0, "recv": 0, "errors": 0}
+
+    async def ring_doorbell(self, data8):
+        """:meth:`Side.ring_doorbell`, noting which QP and producer index it rang: the
+        register master keeps the order, so the ``k``-th entry of :attr:`rung` is the
+        ``k``-th UAR write :attr:`bus` stamps (:meth:`doorbell_cycles`)."""
+        self.rung.append(mlx5.parse_doorbell(data8))
+        await super().ring_doorbell(data8)
+
+    def doorbell_cycles(self):
+        """``{qpn: [(cycle, producer index)]}`` of the doorbells rung so far."""
+        out = {}
+        for (qpn, pi), cycle in zip(self.rung, self.bus.doorbells):
+            out.setdefault(qpn, []).append((cycle, pi))
+        return out
+
+    def await_write(self, end_address, callback):
+        """Call ``callback(cycle)`` when an AXI write of the NIC ends at ``end_address`` (the
+        last byte of a message landing)."""
+        self.arrivals[end_address] = callback
+
+    def _nic_wrote(self, address, data):
+        super()._nic_wrote(address, data)
+        callback = self.arrivals.pop(address + len(data), None)
+        if callback is not None:
+            callback(self.tb.loop.cycle)
+        if CQ_REGION <= address < CQ_REGION + CQ_STRIDE * len(self.cqs) and len(data) == 64:
+            opcode = mlx5.parse_cqe(data).opcode
+            self.cqe_counts["send" if opcode in (mlx5.CqeOpcode.REQ, mlx5.CqeOpcode.REQ_ERR)
+                            else "recv"] += 1
+            self.cqe_counts["errors"] += opcode in (mlx5.CqeOpcode.REQ_ERR,
+                                                    mlx5.CqeOpcode.RESP_ERR)
 
     def builder(self, qpn, **wqe):
         """:meth:`Side.builder`, with QP ``qpn``'s peer NIC as the peer: ``build`` runs
@@ -260,6 +295,93 @@ class FabricTB:
         nic = self.nics[src]
         await nic.gpu.post(qpn, 1, nic.builder(qpn, **fields), last=last)
 
+    async def measure_latency(self, src, dst, trials):
+        """Zero-load latency of ``trials`` 8-byte inline WRITEs from ``src`` to ``dst``, one at
+        a time, each into the first 4 KiB of ``src``'s slice of ``dst``'s memory: medians of
+        the split (cycles). ``total``: the doorbell's AXI4-Lite write at ``src`` (the later
+        of AW and W) to the AXI write of the last byte in ``dst``'s memory, split into
+        ``nic_a_to_fetch`` (doorbell to the WQE read), ``memory`` (its first data beat),
+        ``nic_a_to_wire`` (to the WRITE's start beat on ``src``'s wire), ``wire`` (the
+        cables), ``switches`` (each hop: start beat into the switch to start beat out,
+        ``hops``) and ``nic_b`` (start beat at ``dst``'s pins to the last byte written)."""
+        a, b = self.nics[src], self.nics[dst]
+        route = self.fabric.route(src, dst)
+        monitors = [(self.switch_monitor(h.switch, h.in_port, "in"),
+                     self.switch_monitor(h.switch, h.out_port, "out")) for h in route]
+        wire = self.fabric.path_wire_delay(src, dst)
+
+        def first_write(packets, mark):
+            return next(cycle for packet, _, cycle in packets[mark:] if packet[8] in WRITE_OPCODES)
+
+        rows = []
+        for trial in range(trials):
+            data = self.rng.randbytes(8)
+            qpn, fields, raddr = self.inline_write(src, dst, data, LATENCY_PROBE_OFFSET + 64 * trial)
+            marks = (len(a.bus.doorbells), len(a.bus.ar[0]), len(a.bus.r[0]),
+                     len(a.wire.data_packets), len(b.wire_in.data_packets), len(b.writes),
+                     [(len(i.data_packets), len(o.data_packets)) for i, o in monitors])
+            await self.post(src, qpn, fields)
+            await self.drain()
+            t_db, t_ar, t_r = a.bus.doorbells[marks[0]], a.bus.ar[0][marks[1]], a.bus.r[0][marks[2]]
+            t_out = first_write(a.wire.data_packets, marks[3])
+            t_in = first_write(b.wire_in.data_packets, marks[4])
+            t_landed = next(c for c, address, n in b.writes[marks[5]:]
+                            if address <= raddr + 7 < address + n)
+            hops = [first_write(o.data_packets, mo) - first_write(i.data_packets, mi)
+                    for (i, o), (mi, mo) in zip(monitors, marks[6])]
+            assert t_in - t_out == wire + sum(hops), \
+                f"wire out to wire in {t_in - t_out} cycles, expected {wire} on cables + {hops}"
+            rows.append({"total": t_landed - t_db, "nic_a_to_fetch": t_ar - t_db,
+                         "memory": t_r - t_ar, "nic_a_to_wire": t_out - t_r, "wire": wire,
+                         "switches": sum(hops), "hops": hops, "nic_b": t_landed - t_in})
+        result = {key: statistics.median(r[key] for r in rows)
+                  for key in rows[0] if key != "hops"}
+        result["hops"] = [statistics.median(r["hops"][k] for r in rows) for k in range(len(route))]
+        result["route"] = [f"{h.switch} {h.in_port}->{h.out_port}" for h in route]
+        result["trials"] = trials
+        return result
+
+    # --- counters ------------------------------------------------------------------------------
+
+    def busy_beats(self):
+        """``{(node, port): data beats sent}`` of every link end since reset (FabricTop's
+        ``*_busy_beats`` counters; they wrap at 2**32)."""
+        out = {(nic.name, 0): int(getattr(self.dut, f"{nic.name}_busy_beats").value)
+               for nic in self.nics}
+        for switch, ports in self.fabric.switches.items():
+            for port in range(ports):
+                out[(switch, port)] = int(getattr(self.dut, f"{switch}_busy_beats__{port}").value)
+        return out
+
+    async def switch_counters(self):
+        """``{(switch, port, vl): {counter: value}}`` of every switch counter, the switches
+        read at the same time."""
+        out = {}
+
+        async def read(switch, ports):
+            for port in range(ports):
+                for vl in range(self.num_vls):
+                    out[(switch, port, vl)] = {
+                        name: await self.switch_counter(switch, port, vl, name)
+                        for name in switch_map.COUNTER_NAMES}
+        await self.all_of(*(read(s, p) for s, p in self.fabric.switches.items()))
+        return out
+
+    async def nic_counters(self):
+        """``{nic name: {counter: value}}``, the NICs read at the same time."""
+        out = {}
+
+        async def read(nic):
+            out[nic.name] = await nic.host.counters()
+        await self.all_of(*(read(nic) for nic in self.nics))
+        return out
+
+    def overflows(self):
+        """Switch ports whose receive buffer overflowed."""
+        return [(switch, port) for switch, ports in self.fabric.switches.items()
+                for port in range(ports)
+                if int(getattr(self.dut, f"{switch}_overflow__{port}").value)]
+
     # --- end of test ---------------------------------------------------------------------------
 
     def outstanding(self):
@@ -312,6 +434,10 @@ class FabricTB:
         return found
 
 
+# The first 4 KiB of each slice of the target region are the latency probe's
+# (measure_latency); the scenarios' buffers start after them.
+LATENCY_PROBE_OFFSET = 128
+LATENCY_PROBE_BYTES = 0x1000
 # Register offsets do not depend on the switch's size: the largest map has them all.
 SWITCH_OFFSETS = {r.name: r.offset for r in switch_map.register_map(
     ports=switch_map.MAX_PORTS, num_vls=switch_map.MAX_VLS)}

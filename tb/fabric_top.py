@@ -105,6 +105,16 @@ def _flat(wire):
     return Cat(getattr(wire, name) for name in WireSignature(8).members)
 
 
+# Data beats each link end has sent since reset (wraps): the scenario reads them once per
+# sample window for per-link utilisation (reading every wire every cycle from Python would
+# cost about half the simulation speed).
+BUSY_COUNTER_BITS = 32
+
+
+def _count_busy_beats(m, wire, counter):
+    m.d.sync += counter.eq(counter + (wire.valid & ~wire.link))
+
+
 class FabricTop(wiring.Component):
     def __init__(self, **params):
         unknown = set(params) - set(FABRIC_DEFAULTS)
@@ -141,6 +151,7 @@ class FabricTop(wiring.Component):
                 f"nic{n}_ar_id": Out(AXI_ID_BITS),
                 f"nic{n}_wire_monitor": Out(WireSignature(NIC_WIDTH)),
                 f"nic{n}_wire_in_monitor": Out(WireSignature(NIC_WIDTH)),
+                f"nic{n}_busy_beats": Out(BUSY_COUNTER_BITS),
             })
         for name, ports in fabric.switches.items():
             members.update({
@@ -149,6 +160,7 @@ class FabricTop(wiring.Component):
                 f"{name}_overflow": Out(1).array(ports),
                 f"{name}_in": Out(WireSignature(NIC_WIDTH)).array(ports),
                 f"{name}_out": Out(WireSignature(NIC_WIDTH)).array(ports),
+                f"{name}_busy_beats": Out(BUSY_COUNTER_BITS).array(ports),
             })
         super().__init__(members)
 
@@ -172,6 +184,7 @@ class FabricTop(wiring.Component):
                 _flat(getattr(self, f"nic{n}_wire_in_monitor")).eq(_flat(nic.wire_in)),
             ]
             ends[(fabric.nic_name(n), 0)] = (nic.wire_out, nic.wire_in)
+            _count_busy_beats(m, nic.wire_out, getattr(self, f"nic{n}_busy_beats"))
         for name, switch in self.switches.items():
             m.submodules[name] = switch
             wiring.connect(m, wiring.flipped(getattr(self, f"{name}_axil")), switch.axi)
@@ -183,6 +196,7 @@ class FabricTop(wiring.Component):
                     _flat(getattr(self, f"{name}_out")[port]).eq(_flat(switch.wire_out[port])),
                 ]
                 ends[(name, port)] = (switch.wire_out[port], switch.wire_in[port])
+                _count_busy_beats(m, switch.wire_out[port], getattr(self, f"{name}_busy_beats")[port])
         for link in fabric.links:
             (a_out, a_in), (b_out, b_in) = ends[link.a], ends[link.b]
             m.d.comb += [

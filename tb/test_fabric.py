@@ -6,12 +6,11 @@ paths, split into NIC, memory, wire and per-switch cycles.
 """
 import json
 import os
-import statistics
 
 import cocotb
 import pytest
 
-from tb.fabric_tb import CLOCK_NS, WRITE_OPCODES, FabricTB
+from tb.fabric_tb import CLOCK_NS, FabricTB
 
 SWITCH_HOP_BUDGET = 8           # cycles, docs/switch.md
 
@@ -82,47 +81,6 @@ async def inline_writes_land(dut):
                   f"as routed, no drops")
 
 
-async def measure(tb, src, dst, trials):
-    """Zero-load latency of ``trials`` 8-byte inline WRITEs from ``src`` to ``dst``, one at a
-    time: medians of the split (cycles)."""
-    a, b = tb.nics[src], tb.nics[dst]
-    route = tb.fabric.route(src, dst)
-    monitors = [(tb.switch_monitor(h.switch, h.in_port, "in"),
-                 tb.switch_monitor(h.switch, h.out_port, "out")) for h in route]
-    wire = tb.fabric.path_wire_delay(src, dst)
-
-    def first_write(packets, mark):
-        return next(cycle for packet, _, cycle in packets[mark:] if packet[8] in WRITE_OPCODES)
-
-    rows = []
-    for trial in range(trials):
-        data = tb.rng.randbytes(8)
-        qpn, fields, raddr = tb.inline_write(src, dst, data, 128 + 64 * trial)
-        marks = (len(a.bus.doorbells), len(a.bus.ar[0]), len(a.bus.r[0]),
-                 len(a.wire.data_packets), len(b.wire_in.data_packets), len(b.writes),
-                 [(len(i.data_packets), len(o.data_packets)) for i, o in monitors])
-        await tb.post(src, qpn, fields)
-        await tb.drain()
-        t_db, t_ar, t_r = a.bus.doorbells[marks[0]], a.bus.ar[0][marks[1]], a.bus.r[0][marks[2]]
-        t_out = first_write(a.wire.data_packets, marks[3])
-        t_in = first_write(b.wire_in.data_packets, marks[4])
-        t_landed = next(c for c, address, n in b.writes[marks[5]:]
-                        if address <= raddr + 7 < address + n)
-        hops = [first_write(o.data_packets, mo) - first_write(i.data_packets, mi)
-                for (i, o), (mi, mo) in zip(monitors, marks[6])]
-        assert t_in - t_out == wire + sum(hops), \
-            f"wire out to wire in {t_in - t_out} cycles, expected {wire} on cables + {hops}"
-        rows.append({"total": t_landed - t_db, "nic_a_to_fetch": t_ar - t_db,
-                     "memory": t_r - t_ar, "nic_a_to_wire": t_out - t_r, "wire": wire,
-                     "switches": sum(hops), "hops": hops, "nic_b": t_landed - t_in})
-    result = {key: statistics.median(r[key] for r in rows)
-              for key in rows[0] if key != "hops"}
-    result["hops"] = [statistics.median(r["hops"][k] for r in rows) for k in range(len(route))]
-    result["route"] = [f"{h.switch} {h.in_port}->{h.out_port}" for h in route]
-    result["trials"] = trials
-    return result
-
-
 @cocotb.test()
 async def zero_load_latency(dut):
     """Doorbell at NIC 0 to the last byte in the remote memory for an 8-byte inline WRITE
@@ -133,8 +91,8 @@ async def zero_load_latency(dut):
     await tb.setup()
     fabric = tb.fabric
     src = 0
-    results = {1: await measure(tb, src, fabric.neighbour(src), trials=3),
-               3: await measure(tb, src, fabric.nics - 1, trials=3)}
+    results = {1: await tb.measure_latency(src, fabric.neighbour(src), trials=3),
+               3: await tb.measure_latency(src, fabric.nics - 1, trials=3)}
     await tb.check_clean()
     lines = [f"zero-load latency, 8-byte inline RDMA WRITE, memory latency "
              f"{tb.memory_latency} cycles, {CLOCK_NS} ns/cycle, fabric {fabric!r}",
