@@ -1,6 +1,8 @@
 """Simulation top: two :class:`hdl.nic.nic.Nic`, A and B, joined by a cable, or with
 ``through_switch`` by a :class:`hdl.switch.switch.Switch` (A on port 0, B on port 1, its
-registers as ``switch_axil__*``, 32-bit AXI4-Lite), each link a cable.
+registers as ``switch_axil__*``, 32-bit AXI4-Lite), each link a cable. The NICs and the
+switch are separately built modules (:mod:`tb.hier_build`, Verilator hierarchical blocks):
+the NIC is compiled once for both, and shared with the other tops of the same NIC.
 
 Each NIC has its own registers (``a_axil__*``, ``b_axil__*``, for cocotbext-axi's
 ``AxiLiteMaster``) and its own memory (``a_axi__*``, ``b_axi__*``, for ``AxiRam``), read
@@ -24,13 +26,13 @@ from amaranth.lib.wiring import In, Out
 
 from hdl.link.link_receiver import DROP_REASONS
 from hdl.link.signatures import LinkState, WireSignature
-from hdl.nic.nic import NIC_WIDTH, Nic
+from hdl.nic.nic import NIC_WIDTH
 from hdl.nic.nic_registers import AxiLite64Signature
 from hdl.nic.signatures import AXI_ID_BITS
-from hdl.switch.switch import Switch
 from hdl.switch.switch_registers import AxiLiteSignature
 from tb.gateware.axi_read_delay import AxiReadDelay
 from tb.gateware.wire_fault import RATE_ONE, WireFault
+from tb.hier_build import SeparateModules
 from tb.link_pair import delay_line
 from tb.nic_top import WIRE_FIELDS, attach_memory
 
@@ -47,10 +49,13 @@ class NicPairTop(wiring.Component):
         if not 1 <= wire_delay <= 4096:
             raise ValueError(f"Wire delay must be 1 to 4096 cycles, not {wire_delay!r}")
         self.wire_delay = wire_delay
-        self.switch = (Switch(ports=2, num_vls=num_vls, mtu=mtu, lids=SWITCH_LIDS)
+        self.hier_blocks = SeparateModules()
+        self.switch = (self.hier_blocks.black_box("switch", ports=2, num_vls=num_vls, mtu=mtu,
+                                                  lids=SWITCH_LIDS)
                        if through_switch else None)
-        self.nics = {side: Nic(num_qps=num_qps, num_cqs=num_cqs, num_mkeys=num_mkeys,
-                               num_vls=num_vls, mtu=mtu, addr_width=addr_width)
+        self.nics = {side: self.hier_blocks.black_box("nic", num_qps=num_qps, num_cqs=num_cqs,
+                                                      num_mkeys=num_mkeys, num_vls=num_vls,
+                                                      mtu=mtu, addr_width=addr_width)
                      for side in NIC_SIDES}
         self.read_delays = {side: AxiReadDelay(addr_width=addr_width, depth=outstanding_reads,
                                                max_latency=max_memory_latency)
@@ -94,8 +99,8 @@ class NicPairTop(wiring.Component):
                 fault.mode.eq(getattr(self, f"{side}_fault_mode")),
                 fault.seed.eq(getattr(self, f"{side}_fault_seed")),
                 getattr(self, f"{side}_faults").eq(fault.faults),
-                *(getattr(self, f"{side}_rx_drop_{reason}").eq(
-                    getattr(nic.port.receiver.drops, reason)) for reason in DROP_REASONS),
+                *(getattr(self, f"{side}_rx_drop_{reason}").eq(getattr(nic.link_drops, reason))
+                  for reason in DROP_REASONS),
             ]
             wiring.connect(m, wiring.flipped(getattr(self, f"{side}_axil")), nic.axil)
             attach_memory(m, nic, getattr(self, f"{side}_axi"), delay, self.memory_latency)

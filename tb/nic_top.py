@@ -1,5 +1,8 @@
 """Simulation top: one :class:`hdl.nic.nic.Nic`, its memory port, and the far end of its cable.
 
+The NIC is a separately built module (:mod:`tb.hier_build`, a Verilator hierarchical block),
+shared with every other top that uses a NIC of the same parameters.
+
 - ``axil__*``: the NIC's 64-bit AXI4-Lite slave (registers, UAR page), for cocotbext-axi's
   ``AxiLiteMaster`` (the GPU's MMIO writes).
 - ``axi__*``: the NIC's AXI4 master, for cocotbext-axi's ``AxiRam`` (GPU memory). Read
@@ -19,10 +22,11 @@ from amaranth.lib.wiring import In, Out
 
 from hdl.link.link_port import LinkPort
 from hdl.link.signatures import LinkState, WireSignature
-from hdl.nic.nic import NIC_WIDTH, Nic
+from hdl.nic.nic import NIC_WIDTH
 from hdl.nic.nic_registers import AxiLite64Signature
 from hdl.nic.signatures import AXI_ID_BITS
 from tb.gateware.axi_read_delay import AR_MEMBERS, AxiReadDelay
+from tb.hier_build import SeparateModules
 from tb.link_pair import delay_line, expose_port, port_members
 
 __all__ = ["NicTop", "attach_memory"]
@@ -58,9 +62,11 @@ class NicTop(wiring.Component):
             raise ValueError(f"Wire delay must be 0 to 4096 cycles, not {wire_delay!r}")
         self.num_vls = num_vls
         self.wire_delay = wire_delay
-        self.nic = Nic(num_qps=num_qps, num_cqs=num_cqs, num_mkeys=num_mkeys, num_vls=num_vls,
-                       mtu=mtu, addr_width=addr_width, fetch_buffer_blocks=fetch_buffer_blocks,
-                       payload_buffer_beats=payload_buffer_beats)
+        self.hier_blocks = SeparateModules()
+        self.nic = self.hier_blocks.black_box(
+            "nic", num_qps=num_qps, num_cqs=num_cqs, num_mkeys=num_mkeys, num_vls=num_vls,
+            mtu=mtu, addr_width=addr_width, fetch_buffer_blocks=fetch_buffer_blocks,
+            payload_buffer_beats=payload_buffer_beats)
         self.remote = LinkPort(width=NIC_WIDTH, num_vls=num_vls, mtu=mtu)
         self.read_delay = AxiReadDelay(addr_width=addr_width, depth=outstanding_reads,
                                        max_latency=max_memory_latency)

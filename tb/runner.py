@@ -5,6 +5,9 @@ Every pytest launcher in tb/ calls :func:`run`: one build directory per
 together, and one run directory per test filter and environment. The
 parameter dict reaches both the hardware (the component factory) and the
 testbench (the ``TB_PARAMS`` environment variable, read by :func:`tb_params`).
+A top may instantiate large components as separately built modules (Verilator
+hierarchical blocks, :mod:`tb.hier_build`): its own ``hier_blocks``, or those given
+as ``modules``.
 """
 import fcntl
 import hashlib
@@ -69,7 +72,8 @@ def source_digest():
 
 
 def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
-        expect_tests=None, extra_env=None, build_args=(), waves=None, log_to_file=True):
+        expect_tests=None, extra_env=None, build_args=(), waves=None, log_to_file=True,
+        modules=None, hierarchical=True):
     """Elaborate ``factory(**params)``, build it with Verilator, run ``module``'s cocotb tests.
 
     Returns the run's directory (its log, results and whatever the tests wrote there).
@@ -78,16 +82,23 @@ def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
     the run fails unless exactly that many tests ran (all of them when None).
     The simulation's output goes to ``test.log`` in the run directory, or to
     the terminal with ``log_to_file=False``.
+
+    The top's separately built modules are those it declares (``hier_blocks``,
+    :func:`tb.hier_build.modules_of`) and ``modules`` (``{name: (kind, kwargs)}``), each
+    a hierarchical block unless ``hierarchical`` is False (:func:`tb.hier_build.build_inputs`).
     """
     from cocotb_tools.check_results import get_results
     from cocotb_tools.runner import get_runner
+
+    from tb import hier_build
 
     setup_verilator_env()
     waves = bool(int(os.environ.get("WAVES", "0"))) if waves is None else waves
     # Tracing needs zlib and lz4 headers (liblz4-dev, zlib1g-dev): only waveform runs build with it.
     # One build per design and parameter set, shared by every module that tests it.
     design = f"{factory.__module__}.{factory.__qualname__}"
-    build_dir = BUILD / toplevel / (param_tag(params, design) + ("_waves" if waves else ""))
+    build_dir = BUILD / toplevel / (param_tag(params, design) + ("_waves" if waves else "")
+                                    + ("" if hierarchical else "_flat"))
     build_dir.mkdir(parents=True, exist_ok=True)
     source = build_dir / f"{toplevel}.v"
 
@@ -99,19 +110,27 @@ def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
         # Elaborating a large top (a switch) takes a minute: do it only when the Python it
         # comes from changed since the Verilog was written.
         stamp = build_dir / ".source_digest"
+        declared = build_dir / ".hier_blocks.json"     # the top's own separate modules
         digest = source_digest()
-        if not (source.exists() and stamp.exists() and stamp.read_text() == digest):
-            emit_verilog(factory(**params), toplevel, source)
+        if not (source.exists() and declared.exists() and stamp.exists()
+                and stamp.read_text() == digest):
+            top = factory(**params)
+            declared.write_text(json.dumps(hier_build.modules_of(top), sort_keys=True))
+            emit_verilog(top, toplevel, source)
             stamp.write_text(digest)
-        runner.build(
-            sources=[source],
-            hdl_toplevel=toplevel,
-            build_dir=build_dir,
-            build_args=[*VERILATOR_WARNINGS, *(["--trace-fst", "--trace-structs"] if waves else []),
-                        *build_args],
-            waves=waves,
-            log_file=build_dir / "build.log",
-        )
+        specs = {**json.loads(declared.read_text()), **(modules or {})}
+        module_sources, module_args = hier_build.build_inputs(specs, build_dir, hierarchical)
+        with hier_build.build_lock(specs):
+            runner.build(
+                sources=[source, *module_sources],
+                hdl_toplevel=toplevel,
+                build_dir=build_dir,
+                build_args=[*VERILATOR_WARNINGS,
+                            *(["--trace-fst", "--trace-structs"] if waves else []),
+                            *module_args, *build_args],
+                waves=waves,
+                log_file=build_dir / "build.log",
+            )
     env = {"TB_PARAMS": json.dumps(params)}
     env.update(extra_env or {})
     # Each distinct run (module, test filter, environment) gets its own directory for logs

@@ -16,6 +16,7 @@ import pytest
 from hdl.nic import register_map as rmap
 from models import mlx5
 from tb import runner
+from tb.hier_build import TEST_NIC
 from tb.nic_tb import DATA_BYTES, DATA_REGION, MEMORY_BYTES, PD, NicTB, remote_qpn
 from tb.wqe_mix import KINDS, wqe_fields
 
@@ -317,8 +318,9 @@ async def qp_states(dut):
     await tb.set_qp_state(1, ERR, expect_error=True)
 
 
-# 16 QPs keep the build small (the message-rate benchmark builds the default 64).
-NIC = dict(num_qps=16, num_cqs=16, num_mkeys=16, num_vls=2, mtu=4096, wire_delay=2)
+# The tests' NIC (16 QPs, the one every test top builds: compiled once, tb/hier_build.py);
+# the message-rate benchmark builds the default 64.
+NIC = dict(**TEST_NIC, wire_delay=2)
 # Verilator sees word-level loops (UNOPTFLAT) where the link transmitter's credit check
 # reads the start beat whose ready it drives; Amaranth checks the netlist bit by bit and
 # finds none.

@@ -6,7 +6,9 @@ the interface of the real component (same signature, so ``wiring.connect`` and a
 access work unchanged) but elaborates to a single ``Instance`` of a module emitted once
 on its own (``amaranth.back.verilog.convert(component, name=module)``); built as a
 Verilator hierarchical block, that module is compiled once whatever the number of
-instances (tb/fabric_top.py, docs/fabric.md).
+instances, and its objects are shared by every top built with it (tb/hier_build.py
+makes the black boxes of the simulation tops and emits their modules; docs/verilog.md,
+Simulation builds).
 
 The Verilog port names are Amaranth's for a top: the signature path joined by ``__``
 (``wire_in__2__valid``), plus ``clk`` and ``rst`` of the ``sync`` domain.

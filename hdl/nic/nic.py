@@ -4,6 +4,7 @@ from amaranth.lib.fifo import SyncFIFOBuffered
 from amaranth.lib.wiring import In, Out
 
 from hdl.link.link_port import LinkPort
+from hdl.link.link_receiver import DROP_REASONS
 from hdl.link.signatures import LinkState, WireSignature
 
 from .atomic_unit import AtomicUnit
@@ -79,6 +80,10 @@ class Nic(wiring.Component):
         atomic results (AWID 2).
     wire_out, wire_in : the network link.
     link_state : Out(LinkState)
+    link_drops : Out(Signature({reason: Out(32)}))
+        The link port's receiver drop counters, one per reason of
+        :data:`hdl.link.link_receiver.DROP_REASONS` (docs/link.md, Drop reasons): packets
+        lost on the wire in (a bad VCRC, truncated, ...) before the NIC's own receivers.
     """
     def __init__(self, *, num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2, mtu=4096,
                  addr_width=64, fetch_buffer_blocks=256, payload_buffer_beats=512,
@@ -131,6 +136,7 @@ class Nic(wiring.Component):
             "wire_out": Out(WireSignature(NIC_WIDTH)),
             "wire_in": In(WireSignature(NIC_WIDTH)),
             "link_state": Out(LinkState),
+            "link_drops": Out(wiring.Signature({reason: Out(32) for reason in DROP_REASONS})),
         })
 
     def elaborate(self, platform):
@@ -189,6 +195,8 @@ class Nic(wiring.Component):
             regs.link_state.eq(port.state),
             regs.link_inits.eq(port.link_inits),
             self.link_state.eq(port.state),
+            *(getattr(self.link_drops, reason).eq(getattr(port.receiver.drops, reason))
+              for reason in DROP_REASONS),
         ]
         for sl in range(16):
             m.d.comb += [exe.sl_to_vl[sl].eq(regs.sl_to_vl[sl]),

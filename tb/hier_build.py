@@ -1,0 +1,208 @@
+"""Simulation tops built from separately compiled modules (Verilator hierarchical blocks).
+
+A NIC flattened into every top that uses it is verilated and compiled again for each of
+them, and two NICs flattened into one top are compiled twice (76 MB of C++ for the NIC
+pair). Instead, a top instantiates its large components through
+:class:`hdl.fabric.blackbox.BlackBox`, as a Verilog module emitted on its own:
+
+- :class:`SeparateModules` makes the black boxes of one top and records what each one is
+  (kind and constructor arguments); the top keeps it as its ``hier_blocks`` attribute.
+- The module is named after the component's kind and *all* its constructor arguments,
+  defaults included (:func:`module_name`), so every top that asks for the same hardware
+  gets the same module name and the same Verilog text.
+- :func:`emit_modules` writes each module once into ``build/tb/modules/``, in a file named
+  by a digest of hdl/ and the arguments: a module is emitted again only when the RTL or
+  its arguments change, and the tops share the file.
+- :func:`build_inputs` gives :func:`tb.runner.run` the files and Verilator arguments: with
+  ``hierarchical`` (the default) ``--hierarchical`` and a control file making each module
+  a ``hier_block``, so Verilator verilates and compiles it once per build as a library all
+  its instances share, and ccache finds the objects of an identical module compiled by
+  another top's build (docs/verilog.md, Simulation builds). Builds of tops that share a
+  module take turns (:func:`build_lock`): run at once (pytest-xdist), both would compile it.
+
+The tests use one NIC configuration, :data:`TEST_NIC`, in every top (NicTop, NicPairTop,
+FabricTop), so a cold ``make test`` compiles the NIC once.
+"""
+import contextlib
+import fcntl
+import functools
+import hashlib
+import inspect
+import json
+import os
+import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+from amaranth.hdl import UnusedElaboratable
+
+from hdl.fabric.blackbox import BlackBox
+
+__all__ = ["TEST_NIC", "KINDS", "SeparateModules", "component", "module_name", "modules_of",
+           "emit_modules", "hier_config", "build_inputs", "build_lock"]
+
+# A black box's component is built for its signature only; its own sub-components would
+# each be reported as never used when the interpreter exits.
+warnings.filterwarnings("ignore", category=UnusedElaboratable)
+
+# The NIC of every test top: enough QPs for the 8-NIC fabric (one per peer) and the pair
+# tests (up to 16), small enough to keep the NIC's C++ about 28 MB.
+TEST_NIC = dict(num_qps=16, num_cqs=16, num_mkeys=16, num_vls=2, mtu=4096, addr_width=64)
+
+# kind -> (module, class) of the components a top may build separately.
+KINDS = {"nic": ("hdl.nic.nic", "Nic"), "switch": ("hdl.switch.switch", "Switch")}
+
+
+def _component_class(kind):
+    if kind not in KINDS:
+        raise ValueError(f"Unknown module kind {kind!r}: one of {', '.join(sorted(KINDS))}")
+    module, name = KINDS[kind]
+    return getattr(__import__(module, fromlist=[name]), name)
+
+
+def _canonical(kind, kwargs):
+    """``kwargs`` with every constructor default filled in: the same hardware, the same dict."""
+    parameters = inspect.signature(_component_class(kind)).parameters
+    unknown = set(kwargs) - set(parameters)
+    if unknown:
+        raise ValueError(f"{kind}: unknown parameters {', '.join(sorted(unknown))}")
+    full = {name: p.default for name, p in parameters.items() if p.default is not p.empty}
+    full.update(kwargs)
+    return full
+
+
+def _key(*parts):
+    return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def module_name(kind, kwargs):
+    """The Verilog module name of component ``kind`` built with ``kwargs``: one name per
+    distinct hardware, whichever top asks for it."""
+    return f"tf_{kind}_{_key(kind, _canonical(kind, kwargs))[:10]}"
+
+
+def component(kind, kwargs):
+    """The real component."""
+    return _component_class(kind)(**kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(kind, kwargs_json):
+    built = component(kind, json.loads(kwargs_json))
+    built._MustUse__silence = True          # only its signature is used
+    return built.signature
+
+
+class SeparateModules:
+    """The separately built modules of one top: ``{module name: (kind, kwargs)}`` in
+    ``specs``, filled by :meth:`black_box`. A top keeps it as ``self.hier_blocks`` so that
+    :func:`tb.runner.run` finds its modules (:func:`modules_of`)."""
+
+    def __init__(self):
+        self.specs = {}
+
+    def black_box(self, kind, **kwargs):
+        """A :class:`BlackBox` standing for ``component(kind, kwargs)``, instantiating the
+        module :func:`module_name` names."""
+        kwargs = _canonical(kind, kwargs)
+        name = module_name(kind, kwargs)
+        self.specs[name] = (kind, kwargs)
+        return BlackBox(_signature(kind, json.dumps(kwargs, sort_keys=True)), name)
+
+
+def modules_of(top):
+    """``{module name: (kind, kwargs)}`` of the separately built modules ``top`` declares
+    (its ``hier_blocks``), empty for a top without."""
+    blocks = getattr(top, "hier_blocks", None)
+    return dict(blocks.specs) if blocks is not None else {}
+
+
+def _hdl_digest():
+    """Digest of the RTL sources (hdl/): the modules are emitted again when it changes."""
+    from tb.runner import REPO
+    digest = hashlib.sha1()
+    for path in sorted((REPO / "hdl").rglob("*.py")):
+        digest.update(str(path.relative_to(REPO)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _emit_one(name, kind, kwargs, path):
+    from tb.runner import emit_verilog
+    t0 = time.monotonic()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    emit_verilog(component(kind, kwargs), name, tmp)
+    tmp.replace(path)
+    return time.monotonic() - t0
+
+
+def module_paths(specs, out_dir):
+    """``{module name: path}``: each file is named by a digest of hdl/ and the module's
+    kind and parameters."""
+    digest = _hdl_digest()
+    return {name: Path(out_dir) / f"{name}_{_key(digest, kind, kwargs)[:12]}.v"
+            for name, (kind, kwargs) in specs.items()}
+
+
+def emit_modules(specs, out_dir=None, jobs=2, log=print):
+    """Emit the modules of ``specs`` (``{name: (kind, kwargs)}``) not yet in ``out_dir``
+    (default ``build/tb/modules``) for this hdl/, ``jobs`` at a time. Returns their paths.
+    Builds running at once (pytest-xdist) take turns: one emits, the others find the files."""
+    from tb.runner import BUILD
+    out_dir = Path(out_dir or BUILD / "modules")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = module_paths(specs, out_dir)
+    with open(out_dir / ".emit.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        todo = [(name, *specs[name], path) for name, path in paths.items() if not path.exists()]
+        if todo:
+            t0 = time.monotonic()
+            with ProcessPoolExecutor(max_workers=min(jobs, len(todo)),
+                                     mp_context=get_context("spawn")) as pool:
+                futures = [(item, pool.submit(_emit_one, *item)) for item in todo]
+                for (name, _, _, path), future in futures:
+                    seconds = future.result()
+                    log(f"emitted {name} ({path.stat().st_size:,} bytes) in {seconds:.1f} s")
+            log(f"modules emitted in {time.monotonic() - t0:.1f} s")
+    return list(paths.values())
+
+
+def hier_config(names, path):
+    """A Verilator control file making each module in ``names`` a hierarchical block."""
+    text = "`verilator_config\n" + "".join(f'hier_block -module "{name}"\n'
+                                           for name in sorted(names))
+    path = Path(path)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return path
+
+
+def build_inputs(specs, build_dir, hierarchical=True):
+    """``(sources, verilator arguments)`` for a top whose separately built modules are
+    ``specs``: the module files, and with ``hierarchical`` each as a hierarchical block
+    (its control file written into ``build_dir``). Without, Verilator compiles the
+    modules as one design with the top (far bigger C++: docs/verilog.md)."""
+    if not specs:
+        return [], []
+    sources = [str(path) for path in emit_modules(specs)]
+    if not hierarchical:
+        return sources, []
+    config = hier_config(specs, Path(build_dir) / "hier_blocks.vlt")
+    return sources, ["--hierarchical", "--build", "-j", "2", str(config)]
+
+
+@contextlib.contextmanager
+def build_lock(specs):
+    """Held around a top's Verilator build: one build at a time per separately built
+    module, so that the second top to build a module finds its objects in ccache instead of
+    compiling them alongside the first."""
+    from tb.runner import BUILD
+    out_dir = BUILD / "modules"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        for name in sorted(specs):          # one order for every top: no deadlock
+            lock = stack.enter_context(open(out_dir / f".{name}.build.lock", "w"))
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
