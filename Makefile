@@ -29,8 +29,16 @@ $(STAMP): pyproject.toml
 	@$(VPY) -m pip install -q -e .
 	@touch $@
 
+# make sim SCENARIO=kv RANKS=8 TOKENS=4 TOPK=2 WIRE_DELAY=8 MEMORY_LATENCY=200 SEED=1 WAVES=1:
+# each variable given becomes its option of `python -m tb.sim` (--help); SIM_ARGS the others.
+sim_option = $(if $($(1)),$(2) $($(1)))
+SIM_OPTIONS = $(strip $(call sim_option,SCENARIO,--scenario) $(call sim_option,RANKS,--ranks) \
+	$(call sim_option,TOKENS,--tokens) $(call sim_option,TOPK,--topk) \
+	$(call sim_option,WIRE_DELAY,--wire-delay) $(call sim_option,MEMORY_LATENCY,--memory-latency) \
+	$(call sim_option,SEED,--seed) $(if $(filter-out 0,$(WAVES)),--waves))
+
 sim: $(STAMP)
-	$(VPY) -m tb.link_demo $(if $(WAVES),--waves) $(SIM_ARGS)
+	$(VPY) -m tb.sim $(SIM_OPTIONS) $(SIM_ARGS)
 
 test: $(STAMP)
 	$(VPY) -m pytest -n $(JOBS) -m "not full" $(PYTEST_ARGS)
