@@ -280,6 +280,13 @@ class FabricTB:
                 self.dut, f"{switch}_{direction}__{port}", 64, clock_ns=CLOCK_NS))
         return self._monitors[key]
 
+    def stop_wire_monitors(self, keep=()):
+        """Stop every :class:`WireMonitor` but those in ``keep`` (each NIC's own wire out
+        and in, the switch monitors): a monitor turns every beat on its wire into bytes in
+        Python, which under load costs more simulation speed than the fabric itself."""
+        self.loop.models = [m for m in self.loop.models
+                            if not isinstance(m, WireMonitor) or any(m is k for k in keep)]
+
     # --- work ----------------------------------------------------------------------------------
 
     def inline_write(self, src, dst, data, offset=0):
