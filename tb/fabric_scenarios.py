@@ -91,6 +91,7 @@ class Scenario:
         monitor = tb.nics[int(node[3:])].wire if node.startswith("nic") else \
             tb.switch_monitor(node, port, "out")
         monitor.capture = self.capture
+        self.pcap_monitor = monitor
         self.phase = "start-up"
         self.messages = []
         self.failures = []              # what went wrong, for the results and the assertion
@@ -326,6 +327,7 @@ class Scenario:
         await tb.setup()
         self.phase = "latency"
         latency = await self.latency()
+        tb.stop_wire_monitors(keep=[self.pcap_monitor])
         beats_before = tb.busy_beats()
         sampler = cocotb.start_soon(self.sample())
         workload_start = tb.loop.cycle
