@@ -218,11 +218,14 @@ def test_kv_scenario_without_phase_times():
     r = results(config__scenario="kv")
     for row in r["ranks"]:
         for key in ("dispatch_start", "dispatch_end", "combine_start", "combine_end"):
-            del row[key]
+            row[key] = None     # as the scenario writes them for kv
     r["phases"] = [{"name": "kv", "start": 1000, "end": 4000}]
+    r["messages"] = [m for m in r["messages"] if m["src"] != 3]
     text = sim_report.summary(r, sim_report.derive(r))
     assert "KV-cache transfer: rank 0 -> rank 3, 16 blocks of 65,536 B" in text
     assert "dispatch (us)" not in text
+    # Rank 3 sent nothing: no bandwidth.
+    assert "| 3 | leaf1 | 3.9 | 2.0 | - | - | 0% |" in text
 
 
 # --- files -----------------------------------------------------------------------------------
