@@ -6,12 +6,13 @@ script gathers. Names are documented in docs/performance.md. The credit-loop
 sweep also writes build/bench/link_buffer_sweep.{json,png}; the switch's load
 sweep build/bench/switch_latency_vs_load.{json,png}.
 
-``--only link`` / ``--only switch`` / ``--only nic`` runs one group (``make bench BENCH_ARGS="--only
-switch"``); with ``--only``, the records of the other groups already in the output
-file are kept.
+``--only link`` / ``--only switch`` / ``--only nic`` / ``--only fabric`` runs one group
+(``make bench BENCH_ARGS="--only switch"``); with ``--only``, the records of the other
+groups already in the output file are kept.
 """
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -309,7 +310,37 @@ def nic_pair_benchmarks():
     return records
 
 
-GROUPS = {"link": "link_benchmarks", "switch": "switch_benchmarks", "nic": "nic_benchmarks"}
+# --- fabric (tb/test_fabric.py's zero-load probe, the scenario behind `make sim`) ------------
+
+def fabric_benchmarks():
+    """On the default fabric (8 NICs, 4 leaves, 2 spines): the zero-load 1-hop and 3-hop
+    NIC-to-NIC latencies (tb/test_fabric.py zero_load_latency: fabric.hop1_latency_ns,
+    fabric.hop3_latency_ns) and the default MoE step of `make sim` (tb/fabric_scenarios.py:
+    fabric.moe_dispatch_us, fabric.moe_combine_us, fabric.drops). Both share one build."""
+    from tb import fabric_scenarios
+    from tb.fabric_top import run_fabric
+    from tb.test_fabric import DEFAULT
+    records = []
+    path = OUT / "records" / "fabric_zero_load_latency.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    run_fabric(module="tb.test_fabric", params=DEFAULT, testcase="zero_load_latency",
+               expect_tests=1, extra_env={"BENCH_RECORDS": str(path)})
+    records += json.loads(path.read_text())
+    path = OUT / "records" / "fabric_moe.json"
+    path.unlink(missing_ok=True)
+    # launch() passes the environment on to the simulation.
+    os.environ["BENCH_RECORDS"] = str(path)
+    try:
+        fabric_scenarios.launch({})
+    finally:
+        del os.environ["BENCH_RECORDS"]
+    records += json.loads(path.read_text())
+    return records
+
+
+GROUPS = {"link": "link_benchmarks", "switch": "switch_benchmarks", "nic": "nic_benchmarks",
+          "fabric": "fabric_benchmarks"}
 
 
 def main(argv=None):
