@@ -402,25 +402,41 @@ class NicPairTB:
 
     def lost_packets(self, side):
         """The data packets NIC ``side`` sent that did not reach the other end intact:
-        what left its pins against what arrived at the peer's, in order (one sender per
-        cable and per switch output). A corrupted packet may arrive (one byte changed) or
-        not (dropped on the wire, or by the switch); one marked end-bad counts as lost. The
-        LRH's VL (a switch may map it anew) and the VCRC are left out of the comparison."""
+        what left its pins against what arrived at the peer's, in order per service level
+        (a cable keeps the order; a switch keeps it per VL, and a VL is a function of the
+        SL, but may interleave VLs differently from the sender). A corrupted packet may
+        arrive (one byte changed) or not (dropped on the wire, or by the switch); one
+        marked end-bad counts as lost. The LRH's VL (a switch may map it anew) and the
+        VCRC are left out of the comparison; a packet whose SL nibble was corrupted is
+        looked for under the SL it was sent with first, then under every other."""
         def key(packet):
             return bytes([packet[0] & 0x0F]) + packet[1:-2]
-        arrived = [key(p) for p, end_bad, _ in self.sides[side].peer.wire_in.data_packets
-                   if not end_bad]
-        lost, j = [], 0
+
+        def sl(packet):
+            return packet[1] >> 4
+        arrived = defaultdict(list)
+        for packet, end_bad, _ in self.sides[side].peer.wire_in.data_packets:
+            if not end_bad:
+                arrived[sl(packet)].append(key(packet))
+        taken = defaultdict(int)
+        lost = []
         for packet, _, _ in self.sides[side].wire.data_packets:
-            sent = key(packet)
-            if j < len(arrived) and arrived[j] == sent:
-                j += 1
+            sent, level = key(packet), sl(packet)
+            queue = arrived[level]
+            if taken[level] < len(queue) and queue[taken[level]] == sent:
+                taken[level] += 1
                 continue
             lost.append(packet)
-            if (j < len(arrived) and len(arrived[j]) == len(sent)
-                    and sum(x != y for x, y in zip(arrived[j], sent)) <= 2):
-                j += 1                  # its corrupted copy arrived
-        assert j == len(arrived), f"{side}: {len(arrived) - j} packets arrived never sent"
+            # Its corrupted copy may have arrived, under its own SL or, if the fault hit
+            # the SL nibble, under another one.
+            for other in [level, *(o for o in arrived if o != level)]:
+                queue = arrived[other]
+                if (taken[other] < len(queue) and len(queue[taken[other]]) == len(sent)
+                        and sum(x != y for x, y in zip(queue[taken[other]], sent)) <= 2):
+                    taken[other] += 1
+                    break
+        extra = sum(len(queue) - taken[level] for level, queue in arrived.items())
+        assert extra == 0, f"{side}: {extra} packets arrived never sent"
         return lost
 
     async def check_loss(self):

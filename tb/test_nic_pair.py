@@ -68,7 +68,10 @@ async def run_both(tb, work):
 
 def plan(tb, rng, qps, per_qp, kinds, limit, receive_bytes):
     """Per side, per QP, ``per_qp`` random WQEs, and on the peer one receive WQE for each
-    that consumes one (posted before any of them runs). Returns the warps' work lists."""
+    that consumes one (posted before any of them runs). Each QP's last WQE is signaled,
+    as the one a quiet waits for: completions come in order, so its CQE tells that the
+    unsignaled WQEs before it are done (an unsignaled last READ could otherwise still be
+    in flight when the test checks memory). Returns the warps' work lists."""
     work = {}
     for side in tb.sides.values():
         cursor = dict.fromkeys(qps, 0x1000)
@@ -76,8 +79,10 @@ def plan(tb, rng, qps, per_qp, kinds, limit, receive_bytes):
         lists = []
         for q in qps:
             items = []
-            for _ in range(per_qp):
+            for n in range(per_qp):
                 kind, fields = random_wqe(side, q, rng, kinds, limit, cursor, result_cursor)
+                if n == per_qp - 1:
+                    fields["fm_ce_se"] |= mlx5.CTRL_CQ_UPDATE
                 if kind in RECEIVING_KINDS:
                     base, size = side.peer.target(q)
                     buffer = base + size - receive_bytes * (1 + rng.randrange(4))
