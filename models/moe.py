@@ -58,11 +58,10 @@ DEFAULT_REGIONS = {"send": (0x800000, 0x200000), "receive": (0xC00000, 0x400000)
                    "result": (0xA00000, 0x200000)}
 
 # Options of a scenario run (`make sim`), with their defaults. Derived keys (fabric shape,
-# message sizes, clock) are added by scenario_config. The default MoE step (8 tokens per
-# rank, top-4 of 16 experts) takes about 25,000 cycles, start-up and probe included: about
-# 2 minutes of simulation at 240 cycles/s (docs/fabric.md, Figures).
-DEFAULTS = dict(scenario="moe", ranks=8, tokens=8, topk=4, experts_per_rank=2, hidden=7168,
-                kv_block_bytes=65536, kv_blocks=16, kv_src=0, kv_dst=7, background_bytes=4096,
+# message sizes, clock) are added by scenario_config. Small, for a short `make sim`: the
+# fabric simulates about 50 cycles/s under this traffic (docs/fabric.md, Figures).
+DEFAULTS = dict(scenario="moe", ranks=8, tokens=4, topk=2, experts_per_rank=2, hidden=7168,
+                kv_block_bytes=65536, kv_blocks=8, kv_src=0, kv_dst=7, background_bytes=4096,
                 background_messages=4, wire_delay=8, memory_latency=200, seed=1,
                 pcap_link="nic0.p0", sample_cycles=500)
 SCENARIOS = ("moe", "kv")
