@@ -4,6 +4,7 @@ code), the files it writes, and the exit status when a check failed."""
 import copy
 import io
 import json
+import os
 import subprocess
 import sys
 import types
@@ -348,8 +349,12 @@ def test_progress_line(tmp_path):
      "--ranks 4 --tokens 2 --wire-delay 3 --memory-latency 0 --seed 4"),
 ])
 def test_make_variables(variables, options):
+    # Make reads its variables from the environment too: none of them may leak in from it.
+    names = ("SCENARIO", "RANKS", "TOKENS", "TOPK", "WIRE_DELAY", "MEMORY_LATENCY", "SEED",
+             "WAVES", "SIM_ARGS", "MAKEFLAGS", "MFLAGS")
+    env = {k: v for k, v in os.environ.items() if k not in names}
     done = subprocess.run(["make", "-n", "--no-print-directory", "sim", *variables],
-                          cwd=runner.REPO, capture_output=True, text=True, timeout=60)
+                          cwd=runner.REPO, capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1].split() == \
         [".venv/bin/python", "-m", "tb.sim", *options.split()]
