@@ -123,15 +123,15 @@ def _stream(*key):
 @dataclass(frozen=True)
 class Write:
     """One RDMA WRITE: ``payload`` from ``laddr`` in ``src``'s memory to ``raddr`` in
-    ``dst``'s. ``owner``/``token``: the token it carries (MoE), else None; ``index``: the
-    message's number in its stream (KV block, background message)."""
+    ``dst``'s. ``token``: the token it carries (MoE: of ``src`` in the dispatch, of ``dst``
+    in the combine), else None; ``index``: the message's number in its stream (KV block,
+    background message)."""
     kind: str
     src: int
     dst: int
     laddr: int
     raddr: int
     payload: bytes
-    owner: int | None = None
     token: int | None = None
     index: int | None = None
 
@@ -274,7 +274,7 @@ class MoePlan:
                 if d != rank:
                     out[d].append(Write("dispatch", rank, d, self.dispatch_send(t),
                                         self.dispatch_slot(rank, t),
-                                        self.dispatch_payload(rank, t), owner=rank, token=t))
+                                        self.dispatch_payload(rank, t), token=t))
         return out
 
     def local_dispatch(self, rank):
@@ -313,7 +313,7 @@ class MoePlan:
             if s != rank:
                 out[s].append(Write("combine", rank, s, self.combine_send(s, t),
                                     self.combine_slot(t, self.slot_of(s, t, rank)),
-                                    self.combine_payload(rank, s, t), owner=s, token=t))
+                                    self.combine_payload(rank, s, t), token=t))
         return out
 
     def local_combine(self, rank):
