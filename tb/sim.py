@@ -197,7 +197,8 @@ def finish(run_dir, out, *, waves, failure=None):
         shutil.copyfile(Path(run_dir) / results["pcap"], pcap)
         files["pcap"] = str(pcap)
     if waves:
-        files["waveform"] = str(Path(run_dir) / "dump.fst")
+        fst = Path(run_dir) / "dump.fst"
+        files["waveform"] = str(fst) if fst.exists() else f"none written (expected {fst})"
     saved = out / "scenario_results.json"
     shutil.copyfile(results_path, saved)
     files["scenario results"] = str(saved)
