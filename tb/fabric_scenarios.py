@@ -361,7 +361,7 @@ class Scenario:
             self.failures.append(f"memories: {error}")
         payload_errors, signal_errors = self.check_contents(plan) if plan else (["no plan"], [])
         self.capture.__exit__(None, None, None)
-        results = self.results(plan, latency, switch, nics, overflows, beats_before, beats,
+        results = self.results(latency, switch, nics, overflows, beats_before, beats,
                                workload_start, workload_end)
         results["checks"] = checks = {
             "tokens_intact": not payload_errors and not self.order_errors and plan is not None,
@@ -390,8 +390,8 @@ class Scenario:
         failed = [name for name, ok in checks.items() if not ok]
         assert not failed, f"checks failed: {', '.join(failed)}\n" + "\n".join(self.failures[:20])
 
-    def results(self, plan, latency, switch, nics, overflows, beats_before, beats,
-                workload_start, workload_end):
+    def results(self, latency, switch, nics, overflows, beats_before, beats, workload_start,
+                workload_end):
         c, fabric = self.config, self.tb.fabric
         network = self.messages
         for r in self.ranks:
