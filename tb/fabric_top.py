@@ -2,15 +2,14 @@
 with its own memory port and registers, every leaf and spine switch with its registers,
 each link a cable of its own wire delay (docs/fabric.md).
 
-Build time decides the structure. The NIC and the switch are emitted once each as
-Verilog modules of their own (``tf_fabric_nic``, ``tf_fabric_switch_<P>p``, one per switch
-size; :func:`emit_modules`, files named by a digest of hdl/ and the module's parameters)
-and the top instantiates them through :class:`hdl.fabric.blackbox.BlackBox`.
-:func:`run_fabric` hands them to Verilator as hierarchical blocks (``--hierarchical`` and
-a ``hier_block`` control file), so each is verilated and compiled once, as a library all
-its instances share. ``separate_modules=False`` builds the same top from the real
-components, flattened, for comparison; ``run_fabric(hierarchical=False)`` keeps the
-modules but lets Verilator compile them as one design (far bigger C++: docs/fabric.md).
+Build time decides the structure. The NIC and the switch (one per switch size;
+:func:`module_specs`) are separately built modules (:mod:`tb.hier_build`): emitted once each
+as Verilog modules of their own, instantiated through :class:`hdl.fabric.blackbox.BlackBox`,
+built by Verilator as hierarchical blocks, so each is verilated and compiled once, as a
+library all its instances share; the NIC is the same module as the other test tops'.
+``separate_modules=False`` builds the same top from the real components, flattened, for
+comparison; ``run_fabric(hierarchical=False)`` keeps the modules but lets Verilator compile
+them as one design (far bigger C++: docs/fabric.md).
 
 Ports of the top (prefix ``nic<n>_`` for NIC ``n``, ``<switch>_`` for ``leaf<l>`` and
 ``spine<s>``):
@@ -21,49 +20,38 @@ Ports of the top (prefix ``nic<n>_`` for NIC ``n``, ``<switch>_`` for ``leaf<l>`
   :class:`tb.gateware.axi_read_delay.AxiReadDelay`; ``nic<n>_ar_fire``/``nic<n>_ar_id``:
   each read burst before that delay; ``nic<n>_link_state``; ``nic<n>_wire_monitor`` and
   ``nic<n>_wire_in_monitor``: the NIC's own wire out and in at its pins (the names
-  :class:`tb.nic_host.NicHost` and :class:`tb.nic_tb.BusMonitor` expect).
+  :class:`tb.nic_host.NicHost` and :class:`tb.nic_tb.BusMonitor` expect);
+  ``nic<n>_busy_beats``: data beats the NIC has sent since reset (32 bits, wrapping).
 - ``<switch>_axil__*``: the switch's 32-bit AXI4-Lite slave (docs/switch-registers.md);
   ``<switch>_link_state__<p>``, ``<switch>_overflow__<p>``; ``<switch>_in__<p>__*`` and
   ``<switch>_out__<p>__*``: the wire into and out of each port at the switch's pins, for
-  hop latencies.
+  hop latencies; ``<switch>_busy_beats__<p>``: data beats each port has sent since reset
+  (for per-link utilisation, read once per sample window).
 
 Every cable is a :func:`tb.link_pair.delay_line` of its link's delay, each way.
 """
-import hashlib
-import json
-import os
-import time
-import warnings
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
-from pathlib import Path
-
 from amaranth import *
-from amaranth.hdl import UnusedElaboratable
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
-from hdl.fabric.blackbox import BlackBox
 from hdl.link.signatures import LinkState, WireSignature
 from hdl.nic.nic_registers import AxiLite64Signature
 from hdl.nic.signatures import AXI_ID_BITS
 from hdl.switch.switch_registers import AxiLiteSignature
 from models.fabric import LeafSpine
+from tb import hier_build
 
-__all__ = ["FabricTop", "FABRIC_DEFAULTS", "fabric_of", "module_specs", "emit_modules",
-           "fabric_top", "run_fabric"]
-
-# A black box's component is built for its signature only; its own sub-components would
-# each be reported as never used when the interpreter exits.
-warnings.filterwarnings("ignore", category=UnusedElaboratable)
+__all__ = ["FabricTop", "FABRIC_DEFAULTS", "fabric_of", "module_specs", "fabric_top",
+           "run_fabric"]
 
 NIC_WIDTH = 64
 SWITCH_ADDR_WIDTH = 16
 
-# Parameters of the top. NICs are kept small (8 QPs) to keep the build short.
+# Parameters of the top. The NIC is the tests' (hier_build.TEST_NIC: 16 QPs), the one the
+# other test tops build, so that its compiled objects are shared (ccache).
 FABRIC_DEFAULTS = dict(nics_per_leaf=2, leaves=4, spines=2, wire_delay=8, link_delays=None,
-                       num_qps=8, num_cqs=8, num_mkeys=8, num_vls=2, mtu=4096, addr_width=64,
-                       max_memory_latency=1023, outstanding_reads=64, separate_modules=True)
+                       **hier_build.TEST_NIC, max_memory_latency=1023, outstanding_reads=64,
+                       separate_modules=True)
 
 
 def fabric_of(params):
@@ -74,31 +62,18 @@ def fabric_of(params):
 
 
 def module_specs(params):
-    """``{module name: (kind, constructor kwargs)}`` of the Verilog modules the top uses."""
+    """``{role: (kind, constructor kwargs)}`` of the components the top instantiates:
+    ``"nic"``, and ``"switch_<P>p"`` for each switch size."""
     p = {**FABRIC_DEFAULTS, **params}
     fabric = fabric_of(p)
-    specs = {"tf_fabric_nic": ("nic", dict(num_qps=p["num_qps"], num_cqs=p["num_cqs"],
-                                           num_mkeys=p["num_mkeys"], num_vls=p["num_vls"],
-                                           mtu=p["mtu"], addr_width=p["addr_width"]))}
+    specs = {"nic": ("nic", dict(num_qps=p["num_qps"], num_cqs=p["num_cqs"],
+                                 num_mkeys=p["num_mkeys"], num_vls=p["num_vls"], mtu=p["mtu"],
+                                 addr_width=p["addr_width"]))}
     for ports in sorted(set(fabric.switches.values())):
-        specs[f"tf_fabric_switch_{ports}p"] = ("switch", dict(
+        specs[f"switch_{ports}p"] = ("switch", dict(
             ports=ports, num_vls=p["num_vls"], mtu=p["mtu"], lids=fabric.lids,
             addr_width=SWITCH_ADDR_WIDTH))
     return specs
-
-
-def _component(kind, kwargs):
-    if kind == "nic":
-        from hdl.nic.nic import Nic
-        return Nic(**kwargs)
-    from hdl.switch.switch import Switch
-    return Switch(**kwargs)
-
-
-def _signature(kind, kwargs):
-    component = _component(kind, kwargs)
-    component._MustUse__silence = True      # only its signature is used
-    return component.signature
 
 
 def _flat(wire):
@@ -126,16 +101,16 @@ class FabricTop(wiring.Component):
             raise ValueError(f"max_memory_latency must be 1 to 65535, not {p['max_memory_latency']!r}")
         specs = module_specs(p)
         if p["separate_modules"]:
-            signatures = {name: _signature(*spec) for name, spec in specs.items()}
-            self.nics = [BlackBox(signatures["tf_fabric_nic"], "tf_fabric_nic")
-                         for _ in range(fabric.nics)]
-            self.switches = {name: BlackBox(signatures[f"tf_fabric_switch_{ports}p"],
-                                            f"tf_fabric_switch_{ports}p")
-                             for name, ports in fabric.switches.items()}
+            self.hier_blocks = hier_build.SeparateModules()
+
+            def make(role):
+                kind, kwargs = specs[role]
+                return self.hier_blocks.black_box(kind, **kwargs)
         else:
-            self.nics = [_component(*specs["tf_fabric_nic"]) for _ in range(fabric.nics)]
-            self.switches = {name: _component(*specs[f"tf_fabric_switch_{ports}p"])
-                             for name, ports in fabric.switches.items()}
+            def make(role):
+                return hier_build.component(*specs[role])
+        self.nics = [make("nic") for _ in range(fabric.nics)]
+        self.switches = {name: make(f"switch_{ports}p") for name, ports in fabric.switches.items()}
         from tb.gateware.axi_read_delay import AxiReadDelay
         self.read_delays = [AxiReadDelay(addr_width=p["addr_width"], depth=p["outstanding_reads"],
                                          max_latency=p["max_memory_latency"])
@@ -211,83 +186,14 @@ def fabric_top(**params):
     return FabricTop(**params)
 
 
-# --- separate modules ------------------------------------------------------------------------
-
-def _hdl_digest():
-    """Digest of the RTL sources (hdl/): the modules are re-emitted when it changes."""
-    from tb.runner import REPO
-    digest = hashlib.sha1()
-    for path in sorted((REPO / "hdl").rglob("*.py")):
-        digest.update(str(path.relative_to(REPO)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def _emit_one(name, kind, kwargs, path):
-    from tb.runner import emit_verilog
-    t0 = time.monotonic()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    emit_verilog(_component(kind, kwargs), name, tmp)
-    tmp.replace(path)
-    return time.monotonic() - t0
-
-
-def module_paths(params, out_dir):
-    """``{module name: path}``: each file is named by a digest of hdl/ and the module's
-    parameters, so configurations share a module and a changed RTL makes a new file."""
-    digest = _hdl_digest()
-    paths = {}
-    for name, (kind, kwargs) in module_specs(params).items():
-        key = hashlib.sha1(json.dumps([digest, kind, kwargs], sort_keys=True).encode())
-        paths[name] = Path(out_dir) / f"{name}_{key.hexdigest()[:12]}.v"
-    return paths
-
-
-def emit_modules(params, out_dir, jobs=2, log=print):
-    """Emit the Verilog modules the top instantiates into ``out_dir`` (those not there yet
-    for this hdl/ and these parameters), ``jobs`` at a time. Returns their paths."""
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    specs = module_specs(params)
-    paths = module_paths(params, out_dir)
-    todo = [(name, *specs[name], path) for name, path in paths.items() if not path.exists()]
-    if todo:
-        t0 = time.monotonic()
-        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)),
-                                 mp_context=get_context("spawn")) as pool:
-            futures = [(item, pool.submit(_emit_one, *item)) for item in todo]
-            for (name, _, _, path), future in futures:
-                seconds = future.result()
-                log(f"emitted {name} ({path.stat().st_size:,} bytes) in {seconds:.1f} s")
-        log(f"modules emitted in {time.monotonic() - t0:.1f} s")
-    return list(paths.values())
-
-
 BUILD_ARGS = ["-Wno-UNOPTFLAT"]
 
 
-def hier_config(names, path):
-    """A Verilator control file making each module in ``names`` a hierarchical block:
-    verilated and compiled once, as a library its instances share."""
-    text = "`verilator_config\n" + "".join(f'hier_block -module "{name}"\n' for name in names)
-    path = Path(path)
-    if not path.exists() or path.read_text() != text:
-        path.write_text(text)
-    return path
-
-
 def run_fabric(*, module, params, hierarchical=True, **kwargs):
-    """Emit the modules, then build and run ``module``'s cocotb tests on the fabric top
-    (:func:`tb.runner.run`; the module files go to Verilator as extra sources, with
-    ``hierarchical`` each as a hierarchical block)."""
+    """Build and run ``module``'s cocotb tests on the fabric top (:func:`tb.runner.run`),
+    its separately built modules each a hierarchical block unless ``hierarchical`` is
+    False."""
     from tb import runner
-    p = {**FABRIC_DEFAULTS, **params}
-    extra = []
-    if p["separate_modules"]:
-        out_dir = runner.BUILD / "fabric_top" / "modules"
-        extra = [str(path) for path in emit_modules(p, out_dir)]
-        if hierarchical:
-            names = sorted(module_specs(p))
-            extra = ["--hierarchical", "--build", "-j", "2",
-                     str(hier_config(names, out_dir / f"hier_{'_'.join(names)}.vlt")), *extra]
     return runner.run(module=module, toplevel="fabric_top", factory=fabric_top, params=params,
-                      build_args=[*BUILD_ARGS, *kwargs.pop("build_args", ()), *extra], **kwargs)
+                      hierarchical=hierarchical,
+                      build_args=[*BUILD_ARGS, *kwargs.pop("build_args", ())], **kwargs)

@@ -194,15 +194,16 @@ def build_inputs(specs, build_dir, hierarchical=True):
 
 
 @contextlib.contextmanager
-def build_lock(specs):
+def build_lock(specs, flavour=""):
     """Held around a top's Verilator build: one build at a time per separately built
     module, so that the second top to build a module finds its objects in ccache instead of
-    compiling them alongside the first."""
+    compiling them alongside the first. Builds of another ``flavour`` (with waveform
+    tracing, say) compile other objects and take their own turns."""
     from tb.runner import BUILD
     out_dir = BUILD / "modules"
     out_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         for name in sorted(specs):          # one order for every top: no deadlock
-            lock = stack.enter_context(open(out_dir / f".{name}.build.lock", "w"))
+            lock = stack.enter_context(open(out_dir / f".{name}{flavour}.build.lock", "w"))
             fcntl.flock(lock, fcntl.LOCK_EX)
         yield

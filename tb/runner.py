@@ -6,8 +6,7 @@ together, and one run directory per test filter and environment. The
 parameter dict reaches both the hardware (the component factory) and the
 testbench (the ``TB_PARAMS`` environment variable, read by :func:`tb_params`).
 A top may instantiate large components as separately built modules (Verilator
-hierarchical blocks, :mod:`tb.hier_build`): its own ``hier_blocks``, or those given
-as ``modules``.
+hierarchical blocks, :mod:`tb.hier_build`), declared as its ``hier_blocks``.
 """
 import fcntl
 import hashlib
@@ -73,7 +72,7 @@ def source_digest():
 
 def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
         expect_tests=None, extra_env=None, build_args=(), waves=None, log_to_file=True,
-        modules=None, hierarchical=True):
+        hierarchical=True):
     """Elaborate ``factory(**params)``, build it with Verilator, run ``module``'s cocotb tests.
 
     Returns the run's directory (its log, results and whatever the tests wrote there).
@@ -83,9 +82,9 @@ def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
     The simulation's output goes to ``test.log`` in the run directory, or to
     the terminal with ``log_to_file=False``.
 
-    The top's separately built modules are those it declares (``hier_blocks``,
-    :func:`tb.hier_build.modules_of`) and ``modules`` (``{name: (kind, kwargs)}``), each
-    a hierarchical block unless ``hierarchical`` is False (:func:`tb.hier_build.build_inputs`).
+    The top's separately built modules (its ``hier_blocks``, :func:`tb.hier_build.modules_of`)
+    are each a hierarchical block unless ``hierarchical`` is False
+    (:func:`tb.hier_build.build_inputs`).
     """
     from cocotb_tools.check_results import get_results
     from cocotb_tools.runner import get_runner
@@ -97,8 +96,8 @@ def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
     # Tracing needs zlib and lz4 headers (liblz4-dev, zlib1g-dev): only waveform runs build with it.
     # One build per design and parameter set, shared by every module that tests it.
     design = f"{factory.__module__}.{factory.__qualname__}"
-    build_dir = BUILD / toplevel / (param_tag(params, design) + ("_waves" if waves else "")
-                                    + ("" if hierarchical else "_flat"))
+    flavour = ("_waves" if waves else "") + ("" if hierarchical else "_flat")
+    build_dir = BUILD / toplevel / (param_tag(params, design) + flavour)
     build_dir.mkdir(parents=True, exist_ok=True)
     source = build_dir / f"{toplevel}.v"
 
@@ -118,9 +117,9 @@ def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
             declared.write_text(json.dumps(hier_build.modules_of(top), sort_keys=True))
             emit_verilog(top, toplevel, source)
             stamp.write_text(digest)
-        specs = {**json.loads(declared.read_text()), **(modules or {})}
+        specs = json.loads(declared.read_text())
         module_sources, module_args = hier_build.build_inputs(specs, build_dir, hierarchical)
-        with hier_build.build_lock(specs):
+        with hier_build.build_lock(specs, flavour):
             runner.build(
                 sources=[source, *module_sources],
                 hdl_toplevel=toplevel,
