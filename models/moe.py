@@ -33,7 +33,7 @@ is known: :meth:`MoePlan.expected` lists the receive buffers' final contents.
 import random
 from dataclasses import dataclass
 
-from models.fabric import LeafSpine
+from models.fabric import LeafSpine, _check_int
 
 __all__ = ["MoePlan", "KvPlan", "Write", "Signal", "dispatch_bytes", "combine_bytes",
            "dispatch_header", "parse_dispatch_header", "scenario_config", "DEFAULTS",
@@ -69,14 +69,6 @@ SCENARIOS = ("moe", "kv")
 
 def _round_up(n, align=SLOT_ALIGN):
     return -(-n // align) * align
-
-
-def _check_int(name, value, low, high=None):
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, not {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f"{low} to {high}" if high is not None else f"at least {low}"
-        raise ValueError(f"{name} must be {bound}, not {value!r}")
 
 
 def _check_hidden(hidden):
