@@ -40,6 +40,7 @@ from hdl.link.link_receiver import DROP_REASONS
 from hdl.link.signatures import LinkState
 from hdl.nic import register_map as rmap
 from models import mlx5
+from models.crc import vcrc_bytes
 from models.nic import (CompletionModel, CqContext, Mkey, QpContext, RequesterModel,
                         ResponderModel, mkey_index)
 from tb import runner
@@ -402,13 +403,13 @@ class NicPairTB:
 
     def lost_packets(self, side):
         """The data packets NIC ``side`` sent that did not reach the other end intact:
-        what left its pins against what arrived at the peer's, in order per service level
-        (a cable keeps the order; a switch keeps it per VL, and a VL is a function of the
-        SL, but may interleave VLs differently from the sender). A corrupted packet may
-        arrive (one byte changed) or not (dropped on the wire, or by the switch); one
-        marked end-bad counts as lost. The LRH's VL (a switch may map it anew) and the
-        VCRC are left out of the comparison; a packet whose SL nibble was corrupted is
-        looked for under the SL it was sent with first, then under every other."""
+        what left its pins against what arrived intact at the peer's, in order per service
+        level (a cable keeps the order; a switch keeps it per VL, and a VL is a function of
+        the SL, but may interleave VLs differently from the sender). A corrupted packet that
+        arrives anyway (its VCRC fails, or a cut-through switch marked it end-bad) is not
+        intact, so a lost packet is simply one missing from its SL's sequence: no
+        look-alike can be taken for it. The LRH's VL (a switch may map it anew) and the
+        VCRC (recomputed with it) are left out of the comparison."""
         def key(packet):
             return bytes([packet[0] & 0x0F]) + packet[1:-2]
 
@@ -416,7 +417,7 @@ class NicPairTB:
             return packet[1] >> 4
         arrived = defaultdict(list)
         for packet, end_bad, _ in self.sides[side].peer.wire_in.data_packets:
-            if not end_bad:
+            if not end_bad and vcrc_bytes(packet[:-2]) == packet[-2:]:
                 arrived[sl(packet)].append(key(packet))
         taken = defaultdict(int)
         lost = []
@@ -425,16 +426,8 @@ class NicPairTB:
             queue = arrived[level]
             if taken[level] < len(queue) and queue[taken[level]] == sent:
                 taken[level] += 1
-                continue
-            lost.append(packet)
-            # Its corrupted copy may have arrived, under its own SL or, if the fault hit
-            # the SL nibble, under another one.
-            for other in [level, *(o for o in arrived if o != level)]:
-                queue = arrived[other]
-                if (taken[other] < len(queue) and len(queue[taken[other]]) == len(sent)
-                        and sum(x != y for x, y in zip(queue[taken[other]], sent)) <= 2):
-                    taken[other] += 1
-                    break
+            else:
+                lost.append(packet)
         extra = sum(len(queue) - taken[level] for level, queue in arrived.items())
         assert extra == 0, f"{side}: {extra} packets arrived never sent"
         return lost
