@@ -60,11 +60,16 @@ DEFAULT_REGIONS = {"send": (0x800000, 0x200000), "receive": (0xC00000, 0x400000)
 # Options of a scenario run (`make sim`), with their defaults. Derived keys (fabric shape,
 # message sizes, clock) are added by scenario_config. Small, for a short `make sim`: the
 # fabric simulates about 50 cycles/s under this traffic (docs/fabric.md, Figures).
-DEFAULTS = dict(scenario="moe", ranks=8, tokens=4, topk=2, experts_per_rank=2, hidden=7168,
+DEFAULTS = dict(scenario="moe", ranks=8, spines=2, tokens=4, topk=2, experts_per_rank=2, hidden=7168,
                 kv_block_bytes=65536, kv_blocks=8, kv_src=0, kv_dst=7, background_bytes=4096,
                 background_messages=4, wire_delay=8, memory_latency=200, seed=1,
                 pcap_link="nic0.p0", sample_cycles=500)
 SCENARIOS = ("moe", "kv")
+# The fabric of a run: NICS_PER_LEAF ranks on each leaf (so ranks / 2 leaves and both path
+# lengths, 1 and 3 switches), ``spines`` spines; a leaf has NICS_PER_LEAF + spines of the
+# switch's at most 16 ports.
+NICS_PER_LEAF = 2
+MAX_SPINES = 14
 
 
 def _round_up(n, align=SLOT_ALIGN):
@@ -435,10 +440,12 @@ def scenario_config(config, *, max_ranks):
     _check_int("ranks", c["ranks"], 4, max_ranks)
     if c["ranks"] % 2:
         raise ValueError(f"ranks must be even (2 NICs per leaf), not {c['ranks']}")
+    _check_int("spines", c["spines"], 1, MAX_SPINES)
     _check_int("memory_latency", c["memory_latency"], 1, 1023)
     _check_int("sample_cycles", c["sample_cycles"], 1)
-    fabric = LeafSpine(2, c["ranks"] // 2, 2, wire_delay=c["wire_delay"])
-    c.update(nics_per_leaf=2, leaves=c["ranks"] // 2, spines=2)
+    fabric = LeafSpine(NICS_PER_LEAF, c["ranks"] // NICS_PER_LEAF, c["spines"],
+                       wire_delay=c["wire_delay"])
+    c.update(nics_per_leaf=NICS_PER_LEAF, leaves=fabric.leaves)
     link_names(fabric, c["pcap_link"])
     if c["scenario"] == "moe":
         MoePlan(c["ranks"], c["tokens"], c["topk"], c["experts_per_rank"], c["hidden"], c["seed"])

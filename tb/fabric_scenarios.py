@@ -92,6 +92,7 @@ class Scenario:
             tb.switch_monitor(node, port, "out")
         monitor.capture = self.capture
         self.pcap_monitor = monitor
+        self.timing = []                # where the wall time goes: each phase's start
         self.phase = "start-up"
         self.messages = []
         self.failures = []              # what went wrong, for the results and the assertion
@@ -106,6 +107,19 @@ class Scenario:
         self.warps = []
         self.total_messages = 0         # network messages of the workload, once planned
         self.kv_seen = None             # the cycle kv_dst saw the KV flag
+
+    @property
+    def phase(self):
+        return self._phase
+
+    @phase.setter
+    def phase(self, name):
+        """Enter phase ``name`` (shown by the progress line): its first cycle and the wall
+        seconds since the scenario began go into the results' ``timing``."""
+        if getattr(self, "_phase", None) != name:
+            self.timing.append({"phase": name, "cycle": self.tb.loop.cycle,
+                                "seconds": round(time.monotonic() - self.started, 2)})
+        self._phase = name
 
     # --- posting ------------------------------------------------------------------------
 
@@ -377,6 +391,8 @@ class Scenario:
         self.failures += payload_errors[:10] + signal_errors[:10] + self.order_errors[:10] \
             + self.signal_errors[:10] + tb.errors[:10]
         results["failures"] = self.failures
+        self.phase = "results"
+        results["timing"] = self.timing
         results["wall_seconds"] = round(time.monotonic() - self.started, 1)
         Path("scenario_results.json").write_text(json.dumps(results, indent=1))
         self.phase = "done"

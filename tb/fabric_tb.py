@@ -361,27 +361,27 @@ class FabricTB:
         return out
 
     async def switch_counters(self):
-        """``{(switch, port, vl): {counter: value}}`` of every switch counter, the switches
-        read at the same time."""
-        out = {}
+        """``{(switch, port, vl): {counter: value}}`` of every switch counter. Every read is
+        issued at once: each register master pipelines its reads (one after the other, they
+        took about 600 cycles of the 8-NIC fabric's run)."""
+        out = {(switch, port, vl): {} for switch, ports in self.fabric.switches.items()
+               for port in range(ports) for vl in range(self.num_vls)}
 
-        async def read(switch, ports):
-            for port in range(ports):
-                for vl in range(self.num_vls):
-                    out[(switch, port, vl)] = {
-                        name: await self.switch_counter(switch, port, vl, name)
-                        for name in switch_map.COUNTER_NAMES}
-        await self.all_of(*(read(s, p) for s, p in self.fabric.switches.items()))
-        return out
+        async def read(switch, port, vl, name):
+            out[(switch, port, vl)][name] = await self.switch_counter(switch, port, vl, name)
+        await self.all_of(*(read(*key, name) for key in out for name in switch_map.COUNTER_NAMES))
+        return {key: {name: values[name] for name in switch_map.COUNTER_NAMES}
+                for key, values in out.items()}
 
     async def nic_counters(self):
-        """``{nic name: {counter: value}}``, the NICs read at the same time."""
-        out = {}
+        """``{nic name: {counter: value}}``, every read issued at once (as the switches')."""
+        out = {nic.name: {} for nic in self.nics}
+        names = [name for name, _, _ in rmap.counter_words()]
 
-        async def read(nic):
-            out[nic.name] = await nic.host.counters()
-        await self.all_of(*(read(nic) for nic in self.nics))
-        return out
+        async def read(nic, name):
+            out[nic.name][name] = await nic.host.counter(name)
+        await self.all_of(*(read(nic, name) for nic in self.nics for name in names))
+        return {nic: {name: values[name] for name in names} for nic, values in out.items()}
 
     def overflows(self):
         """Switch ports whose receive buffer overflowed."""

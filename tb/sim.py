@@ -35,7 +35,8 @@ POLL_SECONDS = 0.5
 HELP = {
     "scenario": "moe: dispatch + combine of one MoE step; kv: a KV-cache push under background "
                 "all-to-all",
-    "ranks": "GPUs, one NIC each, 2 per leaf switch, 2 spines",
+    "ranks": "GPUs, one NIC each, 2 per leaf switch (so ranks / 2 leaves)",
+    "spines": "spine switches, each linked to every leaf (a leaf has 2 + spines ports)",
     "tokens": "tokens per rank (moe)",
     "topk": "experts each token goes to (moe)",
     "experts_per_rank": "experts each rank owns (moe)",

@@ -212,6 +212,24 @@ def _phase_figures(phase, clock_ns):
     return {**phase, "cycles": cycles, "us": cycles * clock_ns / 1000 if done else None}
 
 
+# The scenario's phases (results["timing"]) grouped into the parts of a run's wall time.
+WALL_PARTS = {"start-up": "start-up", "latency": "latency probe", "dispatch": "workload",
+              "combine": "workload", "kv": "workload", "drain": "workload",
+              "counters": "counters"}
+
+
+def wall_split(timing):
+    """``{part: wall seconds}`` of a run from its phase starts (``results["timing"]``):
+    start-up (reset, tables, links, QPs), latency probe, workload (to the last completion),
+    counters (the switches' and NICs' read at the end); the results' own writing is not in
+    it."""
+    split = {}
+    for this, following in zip(timing, timing[1:]):
+        part = WALL_PARTS[this["phase"]]
+        split[part] = split.get(part, 0) + following["seconds"] - this["seconds"]
+    return split
+
+
 def derive(results):
     """Every figure the report shows, from a ``scenario_results.json`` dict."""
     config = results["config"]
@@ -250,7 +268,8 @@ def derive(results):
         "simulation": {"cycles": results["cycles"], "us": results["cycles"] * clock_ns / 1000,
                        "wall_seconds": results.get("wall_seconds"),
                        "cycles_per_second": (results["cycles"] / results["wall_seconds"]
-                                             if results.get("wall_seconds") else None)},
+                                             if results.get("wall_seconds") else None),
+                       "wall_split": wall_split(results.get("timing", []))},
     }
     figures["failures"] = _failures(results, figures)
     return figures
@@ -285,8 +304,9 @@ def summary(results, figures):
     config = results["config"]
     clock_ns = figures["clock_ns"]
     sim = figures["simulation"]
-    speed = (f" in {sim['wall_seconds']:,.0f} s wall ({sim['cycles_per_second']:,.0f} cycles/s)"
-             if sim["wall_seconds"] else "")
+    split = "".join(f", {part} {seconds:,.0f} s" for part, seconds in sim["wall_split"].items())
+    speed = (f" in {sim['wall_seconds']:,.0f} s wall ({sim['cycles_per_second']:,.0f} cycles/s"
+             f"{split})" if sim["wall_seconds"] else "")
     lines = [
         _headline(config),
         f"wire delay {config['wire_delay']} cycles ({config['wire_delay'] * clock_ns:.1f} ns) per "

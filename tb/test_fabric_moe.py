@@ -1,11 +1,16 @@
-"""pytest launchers of the fabric scenarios (tb/fabric_scenarios.py) on the default fabric
-(8 NICs, 4 leaves, 2 spines: the build `make sim` and tb/test_fabric.py share): a reduced
-MoE step and a small KV-cache push. Each fails unless every check of the scenario passed
-(tokens intact at the right rank and offset, signals counted, memories equal to the models,
-no drop, no overflow, no retransmission, every CQE as predicted).
+"""pytest launchers of the fabric scenarios (tb/fabric_scenarios.py). Each fails unless every
+check of the scenario passed (tokens intact at the right rank and offset, signals counted,
+memories equal to the models, no drop, no overflow, no retransmission, every CQE as
+predicted, every message landed).
 
-Marked full: a first build of the fabric takes 6 to 7 minutes on 2 cores (docs/fabric.md);
-whether the reduced MoE joins `make test` is decided with the CI time budget.
+- ``test_moe_reduced`` (in ``make test``): an MoE step of 2 tokens per rank, top-2, on a
+  fabric whose switches are all one module: 6 NICs on 3 leaves, 1 spine, every switch
+  3 ports (1-hop and 3-hop paths; ``make sim RANKS=6 SIM_ARGS="--spines 1"``'s build). Its
+  NIC is hier_build.TEST_NIC, which ``make test`` compiles for NicTop anyway; what it adds
+  is one switch module, the top and the simulation, the cheapest shape measured
+  (docs/fabric.md, Scenarios: Figures).
+- ``test_moe_8_ranks``, ``test_kv_small``: the default 8-NIC fabric (the build ``make sim``
+  and tb/test_fabric.py share), marked full: a first build of it takes 6 to 7 minutes.
 """
 import json
 
@@ -13,25 +18,44 @@ import pytest
 
 from tb.fabric_scenarios import launch
 
-REDUCED_MOE = dict(scenario="moe", tokens=2, topk=2, experts_per_rank=2)
+REDUCED_MOE = dict(scenario="moe", ranks=6, spines=1, tokens=2, topk=2, experts_per_rank=2)
+MOE_8_RANKS = dict(scenario="moe", ranks=8, tokens=2, topk=2, experts_per_rank=2)
 SMALL_KV = dict(scenario="kv", kv_blocks=4, kv_block_bytes=16384, background_messages=2,
                 background_bytes=2048)
+# What the scenario checks (fabric_scenarios.Scenario.run): a check that went missing would
+# pass silently.
+CHECKS = {"tokens_intact", "signals_counted", "memories_match_model", "no_drops", "no_overflow",
+          "no_retransmissions", "cqes_complete", "messages_landed"}
 
 
 def run(config):
     run_dir = launch(config)
     results = json.loads((run_dir / "scenario_results.json").read_text())
-    assert all(results["checks"].values()), results["checks"]
-    print(f"{config['scenario']}: {results['cycles']} cycles, "
-          f"{results['wall_seconds']} s of simulation")
+    assert set(results["checks"]) == CHECKS, sorted(results["checks"])
+    assert all(results["checks"].values()), (results["checks"], results["failures"])
+    assert results["drops"]["total"] == 0 and results["retransmissions"]["total"] == 0
+    assert results["overflows"] == 0
+    assert results["cqes"]["send_cqes"] == results["cqes"]["posted_wqes"] > 0
+    print(f"{config['scenario']}, {results['config']['ranks']} ranks: {results['cycles']} "
+          f"cycles, {results['wall_seconds']} s of simulation")
     return results
 
 
-@pytest.mark.full
-def test_moe_reduced():
-    results = run(REDUCED_MOE)
+def check_moe(results):
     assert {p["name"] for p in results["phases"]} == {"dispatch", "combine"}
-    assert results["drops"]["total"] == 0 and results["retransmissions"]["total"] == 0
+    assert all(p["end"] > p["start"] for p in results["phases"])
+    # both path lengths crossed: the latency probe's and the workload's own messages
+    assert results["latency"]["hop1"]["hops"] == 1 and results["latency"]["hop3"]["hops"] == 3
+    assert {m["hops"] for m in results["messages"]} == {1, 3}
+
+
+def test_moe_reduced():
+    check_moe(run(REDUCED_MOE))
+
+
+@pytest.mark.full
+def test_moe_8_ranks():
+    check_moe(run(MOE_8_RANKS))
 
 
 @pytest.mark.full

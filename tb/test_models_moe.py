@@ -172,11 +172,16 @@ def test_scenario_config():
     assert (config["leaves"], config["nics_per_leaf"], config["spines"]) == (4, 2, 2)
     assert config["dispatch_bytes"] == 7408 and config["combine_bytes"] == 14336
     assert scenario_config({"ranks": 4, "scenario": "kv", "kv_dst": 3}, max_ranks=8)["leaves"] == 2
+    small = scenario_config({"ranks": 6, "spines": 1}, max_ranks=8)
+    assert (small["leaves"], small["nics_per_leaf"], small["spines"]) == (3, 2, 1)
     for bad, option in (({"ranks": 6, "tokens": 0}, "tokens"), ({"ranks": 5}, "even"),
                         ({"ranks": 16}, "ranks"), ({"scenario": "x"}, "scenario"),
                         ({"tokns": 3}, "tokns"), ({"pcap_link": "leaf9.p0"}, "pcap_link"),
                         ({"memory_latency": 0}, "memory_latency"),
-                        ({"wire_delay": 0}, "wire_delay"), ({"topk": 20}, "topk")):
+                        ({"wire_delay": 0}, "wire_delay"), ({"topk": 20}, "topk"),
+                        ({"spines": 0}, "spines"), ({"spines": 15}, "spines"),
+                        ({"spines": 1.5}, "spines"), ({"ranks": 4, "pcap_link": "leaf0.p3",
+                                                       "spines": 1}, "pcap_link")):
         with pytest.raises(ValueError, match=option):
             scenario_config(bad, max_ranks=8)
 

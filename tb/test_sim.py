@@ -79,6 +79,13 @@ RESULTS = {
     "failures": [],
     "workload_start": 1000, "workload_end": 4000,
     "cycles": 5000, "wall_seconds": 20.0,
+    "timing": [{"phase": "start-up", "cycle": 0, "seconds": 0.4},
+               {"phase": "latency", "cycle": 600, "seconds": 3.0},
+               {"phase": "dispatch", "cycle": 1000, "seconds": 5.0},
+               {"phase": "combine", "cycle": 2000, "seconds": 10.0},
+               {"phase": "drain", "cycle": 3900, "seconds": 17.0},
+               {"phase": "counters", "cycle": 4000, "seconds": 17.4},
+               {"phase": "results", "cycle": 5000, "seconds": 19.8}],
     "pcap": "link.pcap",
     "a_key_the_report_does_not_know": {"anything": [1, 2]},
 }
@@ -211,8 +218,20 @@ def test_summary_table():
     assert "| dispatch | 3 | 4 | 200 (0.50) | 500 (1.25) | 500 (1.25) |" in text
     assert "| leaf0.p2 (leaf0-spine0) | 4 | 0.03 | 120 | 25% / 25% | 25% / 50% |" in text
     assert "| CQEs | 10 send for 10 posted WQEs, 0 receive, 0 errors | ok |" in text
-    assert "simulated 5,000 cycles (12.5 us) in 20 s wall (250 cycles/s)" in text
+    assert ("simulated 5,000 cycles (12.5 us) in 20 s wall (250 cycles/s, start-up 3 s, "
+            "latency probe 2 s, workload 12 s, counters 2 s)") in text
     assert text.endswith("PASSED: every check held")
+
+
+def test_wall_split():
+    split = sim_report.derive(results())["simulation"]["wall_split"]
+    assert split == pytest.approx({"start-up": 2.6, "latency probe": 2.0, "workload": 12.4,
+                                   "counters": 2.4})
+    # a results file from before the scenario recorded its phases' times
+    r = results()
+    del r["timing"]
+    text = sim_report.summary(r, sim_report.derive(r))
+    assert "simulated 5,000 cycles (12.5 us) in 20 s wall (250 cycles/s)\n" in text
 
 
 def test_kv_scenario_without_phase_times():
@@ -253,6 +272,7 @@ def test_report_files(tmp_path):
     (["--ranks", "eight"], "error: argument --ranks: invalid int value: 'eight' (see --help)"),
     (["--bogus"], "error: unrecognized arguments: --bogus (see --help)"),
     (["--ranks", "7"], "error: --ranks must be even (2 NICs per leaf), not 7"),
+    (["--spines", "15"], "error: --spines must be 1 to 14, not 15"),
     (["--ranks", "4", "--experts-per-rank", "1", "--topk", "5"],
      "error: --topk 5 exceeds --ranks x --experts-per-rank (4)"),
     (["--tokens", "0"], "error: --tokens must be 1 to 65536, not 0"),
