@@ -281,6 +281,10 @@ class NicPairTB:
         self.a, self.b = self.sides["a"], self.sides["b"]
         self.a.peer, self.b.peer = self.b, self.a
         self.sl_to_vl = [sl % self.num_vls for sl in range(16)]
+        # The injectors' inputs are the testbench's: an earlier test in the same
+        # simulation may have left them losing packets.
+        for side in self.sides:
+            self.set_faults(side, 0)
 
     async def reset(self):
         self.dut.rst.value = 1
