@@ -27,7 +27,7 @@ from models import moe
 from tb import runner, sim_report
 
 OUT = runner.REPO / "build" / "sim"
-BUILD_NOTE = "building the fabric with Verilator: the first build takes about 7 minutes"
+BUILD_NOTE = "building the fabric with Verilator: the first build takes about 5 minutes"
 QUIET_PROGRESS_SECONDS = 10     # a progress line this often when stdout is not a terminal
 POLL_SECONDS = 0.5
 

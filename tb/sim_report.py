@@ -304,7 +304,8 @@ def summary(results, figures):
     config = results["config"]
     clock_ns = figures["clock_ns"]
     sim = figures["simulation"]
-    split = "".join(f", {part} {seconds:,.0f} s" for part, seconds in sim["wall_split"].items())
+    split = "".join(f", {part} {seconds:.1f} s" if seconds < 10 else f", {part} {seconds:,.0f} s"
+                    for part, seconds in sim["wall_split"].items())
     speed = (f" in {sim['wall_seconds']:,.0f} s wall ({sim['cycles_per_second']:,.0f} cycles/s"
              f"{split})" if sim["wall_seconds"] else "")
     lines = [

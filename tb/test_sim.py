@@ -218,8 +218,8 @@ def test_summary_table():
     assert "| dispatch | 3 | 4 | 200 (0.50) | 500 (1.25) | 500 (1.25) |" in text
     assert "| leaf0.p2 (leaf0-spine0) | 4 | 0.03 | 120 | 25% / 25% | 25% / 50% |" in text
     assert "| CQEs | 10 send for 10 posted WQEs, 0 receive, 0 errors | ok |" in text
-    assert ("simulated 5,000 cycles (12.5 us) in 20 s wall (250 cycles/s, start-up 3 s, "
-            "latency probe 2 s, workload 12 s, counters 2 s)") in text
+    assert ("simulated 5,000 cycles (12.5 us) in 20 s wall (250 cycles/s, start-up 2.6 s, "
+            "latency probe 2.0 s, workload 12 s, counters 2.4 s)") in text
     assert text.endswith("PASSED: every check held")
 
 
