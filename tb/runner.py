@@ -119,7 +119,9 @@ def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
             stamp.write_text(digest)
         specs = json.loads(declared.read_text())
         module_sources, module_args = hier_build.build_inputs(specs, build_dir, hierarchical)
-        with hier_build.build_lock(specs, flavour):
+        # Private blocks (FabricTop) compile other objects than public ones: own turns.
+        private = "_private" if "--no-public-flat-rw" in build_args else ""
+        with hier_build.build_lock(specs, flavour + private):
             runner.build(
                 sources=[source, *module_sources],
                 hdl_toplevel=toplevel,
