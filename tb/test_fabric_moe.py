@@ -6,8 +6,8 @@ predicted, every message landed).
 - ``test_moe_reduced`` (in ``make test``): an MoE step of 2 tokens per rank, top-2, on a
   fabric whose switches are all one module: 6 NICs on 3 leaves, 1 spine, every switch
   3 ports (1-hop and 3-hop paths; ``make sim RANKS=6 SIM_ARGS="--spines 1"``'s build). Its
-  NIC is hier_build.TEST_NIC, which ``make test`` compiles for NicTop anyway; what it adds
-  is one switch module, the top and the simulation, the cheapest shape measured
+  NIC is hier_build.TEST_NIC, built private (tb/fabric_top.py), so compiled apart from
+  NicTop's public one; with one switch module, the cheapest shape measured
   (docs/fabric.md, Scenarios: Figures).
 - ``test_moe_8_ranks``, ``test_kv_small``: the default 8-NIC fabric (the build ``make sim``
   and tb/test_fabric.py share), marked full: a first build of it takes 6 to 7 minutes.
