@@ -537,7 +537,6 @@ class _QpProgress:
     rnr_code: int = 0
     retries_used: int = 0
     rnr_used: int = 0
-    responded: set = field(default_factory=set)   # ids of READ/atomic WQEs with every response
 
 
 class CompletionModel:
@@ -595,6 +594,9 @@ class CompletionModel:
         self.write_memory = write_memory
         self.cq_pi = defaultdict(int)
         self.outstanding = defaultdict(deque)
+        # Per QP, in WQE order, the SENT READ and atomic WQEs whose responses have not all
+        # been taken: R is the first (the engine's second queue, ``reads``).
+        self.awaiting_responses = defaultdict(deque)
         self.progress = defaultdict(_QpProgress)
         self.rewinds = []
         self.counters = dict.fromkeys(
@@ -605,6 +607,8 @@ class CompletionModel:
     def post(self, result: WqeResult) -> list:
         self.outstanding[result.qpn].append(result)
         if result.status == CompletionStatus.SENT:
+            if result.opcode == MlxOpcode.RDMA_READ or result.opcode in _ATOMIC_MLX:
+                self.awaiting_responses[result.qpn].append(result)
             st = self.progress[result.qpn]
             if not st.has_sent:
                 st.has_sent = True
@@ -626,6 +630,7 @@ class CompletionModel:
         """RESET: the QP's outstanding table and PSN state are cleared, no completions."""
         self.progress[qpn] = _QpProgress()
         self.outstanding[qpn].clear()
+        self.awaiting_responses[qpn].clear()
 
     def head(self, qpn: int) -> WqeResult | None:
         """The oldest WQE of the QP not yet completed (H), or None."""
@@ -635,12 +640,8 @@ class CompletionModel:
     def responses_for(self, qpn: int) -> WqeResult | None:
         """R: the oldest outstanding SENT READ or atomic WQE of the QP whose responses have
         not all been taken, or None."""
-        st = self.progress[qpn]
-        for r in self.outstanding[qpn]:
-            if (r.status == CompletionStatus.SENT and id(r) not in st.responded
-                    and (r.opcode == MlxOpcode.RDMA_READ or r.opcode in _ATOMIC_MLX)):
-                return r
-        return None
+        waiting = self.awaiting_responses[qpn]
+        return waiting[0] if waiting else None
 
     def timer_expired(self, qpn: int) -> list:
         """The local ACK timeout fired for the QP (its head is a SENT WQE that has waited
@@ -667,6 +668,11 @@ class CompletionModel:
         return out
 
     def _complete(self, result: WqeResult, out: list, syndrome: int = 0):
+        # Completion is in WQE order, so a READ or atomic that completes (by a flush or an
+        # error) before its responses came is R.
+        waiting = self.awaiting_responses[result.qpn]
+        if waiting and waiting[0] is result:
+            waiting.popleft()
         cqe = None
         address = None
         if syndrome:
@@ -853,7 +859,7 @@ class CompletionModel:
                     self.write_memory(addr, data)
                 self._acknowledge(st, psn)
                 if psn == head.last_psn:
-                    st.responded.add(id(head))
+                    self.awaiting_responses[qpn].popleft()
                 if atomic:
                     st.atomic_psn = psn
                 elif opcode in (Opcode.RDMA_READ_RESPONSE_LAST, Opcode.RDMA_READ_RESPONSE_ONLY):

@@ -61,6 +61,11 @@ DATA_REGION = 0x800000          # payload sources, the rest of memory
 DATA_BYTES = MEMORY_BYTES - DATA_REGION
 
 
+def _key(result):
+    """A WQE result's key in ``NicTB.landing``."""
+    return result.qpn, result.wqe_index
+
+
 def remote_qpn(qpn):
     """The responder-side QP number paired with our QP ``qpn`` (unique, so BTH.DestQP names
     the QP a packet came from)."""
@@ -120,7 +125,8 @@ class NicTB(NicHost):
         self.completed = defaultdict(list)            # qpn -> CQEs seen
         self.cq_pi = defaultdict(int)                 # cqn -> CQEs written so far
         # READ data and atomic results to land: address -> (byte, WQE result), and the
-        # bytes still to land per WQE result (by id)
+        # bytes still to land per WQE (by QP and ring index, unique while it is outstanding:
+        # an id() could be a completed WQE's, reused)
         self.expected_bytes = {}
         self.landing = defaultdict(int)
         self.landing_cursor = 0                       # tb/test_nic.py's landing allocator
@@ -254,7 +260,7 @@ class NicTB(NicHost):
                                        f"{address + i:#x} is {value:#04x}, expected "
                                        f"{'nothing' if want is None else hex(want[0])}")
                     return
-                self.landing[id(want[1])] -= 1
+                self.landing[_key(want[1])] -= 1
             return
         cqn = (address - CQ_REGION) // CQ_STRIDE
         cq = self.cqs.get(cqn)
@@ -273,14 +279,17 @@ class NicTB(NicHost):
         if not self.expected_cqes.get(qpn):
             self.errors.append(f"unexpected CQE {cqe} (QP {qpn} has nothing outstanding)")
             return
-        # Unsignaled WQEs before this one completed silently.
+        # Unsignaled WQEs before this one completed silently, their data landed first.
         while self.expected_cqes[qpn] and not self._signals(self.expected_cqes[qpn][0]):
-            self.expected_cqes[qpn].popleft()
+            silent = self.expected_cqes[qpn].popleft()
+            if self.landing.pop(_key(silent), 0):
+                self.errors.append(f"QP {qpn}: CQE {cqe} before the READ data or atomic "
+                                   f"result of unsignaled WQE {silent.wqe_index}")
         if not self.expected_cqes[qpn]:
             self.errors.append(f"unexpected CQE {cqe}")
             return
         result = self.expected_cqes[qpn].popleft()
-        if self.landing.pop(id(result), 0):
+        if self.landing.pop(_key(result), 0):
             self.errors.append(f"QP {qpn}: CQE {cqe} before its READ data or atomic result")
         want = result.cqe(owner=cqe.owner)
         if cqe != want:
@@ -328,7 +337,7 @@ class NicTB(NicHost):
                 return
             for i, value in enumerate(data):
                 self.expected_bytes[address + i] = (value, r)
-            self.landing[id(r)] += len(data)
+            self.landing[_key(r)] += len(data)
             return
 
     def on_response(self, packet):

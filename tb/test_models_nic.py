@@ -915,6 +915,30 @@ def test_completion_psn_marks_follow_completions():
         assert comp.post(far) == []
 
 
+def test_reads_one_after_another_each_take_their_responses():
+    """Each READ, posted after the one before it completed and was let go, takes its own
+    response and lands its data. (R was once found by the ``id()`` of the WQEs already
+    answered; a new WQE result allocated where a completed one had been inherited its id
+    and was taken as answered: its response was dropped and its completion never came.)"""
+    req, local = world(mtu=1)
+    comp = n.CompletionModel(req, write_memory=writer(local))
+    for index in range(64):
+        result = run(req, local, 0, index, op=m.Opcode.RDMA_READ, byte_count=16, lkey=LKEY,
+                     laddr=LOCAL_BASE + 0x100, raddr=REMOTE_BASE, rkey=9, fm_ce_se=8)
+        assert comp.post(result) == []
+        payload = bytes([index]) * 16
+        response = n.make_packet(vl=0, sl=0, dlid=0x11, slid=0x55,
+                                 opcode=Opcode.RDMA_READ_RESPONSE_ONLY, destqp=0,
+                                 psn=result.first_psn, ext=[AETH(syndrome=0x1F, msn=index)],
+                                 payload=payload)
+        del result
+        (done,) = comp.receive(response)
+        assert done.wqe_index == index and done.cqe is not None
+        assert local[0x100:0x110] == payload
+    assert not comp.outstanding[0] and comp.responses_for(0) is None
+    assert comp.counters["read_responses"] == 64 and comp.counters["rx_dropped_unexpected"] == 0
+
+
 def test_rewinds_and_giving_up():
     """Sequence NAK and response gap rewind to the head once per loss (echoes ignored until
     progress); progress restores the retries; retry_cnt and rnr_retry exhausted: the head
