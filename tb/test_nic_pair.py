@@ -22,7 +22,7 @@ import pytest
 
 from models import mlx5
 from hdl.nic.responder_engine import SAVED_ATOMICS
-from tb import runner
+from tb import hier_build, runner
 from tb.nic_pair_tb import CORRUPT, DROP, RATE_ONE, SOURCE_BYTES, SOURCE_REGION, NicPairTB
 from tb.wqe_mix import KINDS, RECEIVING_KINDS, wqe_fields
 
@@ -313,10 +313,7 @@ async def transport_retries_exhausted(dut):
     assert tb.rx_drops("b")["vcrc"] == tb.faults("a")
 
 
-# Not hier_build.TEST_NIC (16 QPs), though that would save a NIC compile: on the 16-QP
-# build random_both_directions failed once in four runs (READ data where the model has
-# none), a failure not understood yet (docs/nic-reliability.md, Verification).
-PAIR = dict(num_qps=8, num_cqs=16, num_mkeys=8, num_vls=2, mtu=4096, wire_delay=8)
+PAIR = dict(hier_build.TEST_NIC, wire_delay=8)
 BUILD_ARGS = ["-Wno-UNOPTFLAT"]
 
 
