@@ -235,6 +235,21 @@ class Bench:
         assert ctx.get(self.dut.dma_write_errors) == self.slave.errors
 
 
+def lengths_up_to(max_bytes):
+    """A ``lengths`` for :class:`Bench`: 1 .. ``max_bytes`` bytes from source offset 0 .. 63."""
+    def lengths(rng):
+        return rng.randint(1, max_bytes), rng.randrange(64)
+    return lengths
+
+
+def run_commands(bench, commands):
+    """Simulate ``bench`` until ``commands`` commands are accepted and done (:meth:`Bench.run`)."""
+    async def testbench(ctx):
+        await bench.run(ctx, commands)
+
+    simulate(bench.dut, testbench)
+
+
 @pytest.mark.parametrize("seed,buffer_beats,addr_width,awid", [
     (1, 128, 64, DMA_WRITE_ID), (2, 128, 64, DMA_WRITE_ID), (3, 256, 64, DMA_WRITE_ID),
     (4, 128, 32, DMA_WRITE_ID), (9, 128, 64, READ_DATA_ID),
@@ -242,25 +257,14 @@ class Bench:
 def test_random(seed, buffer_beats, addr_width, awid):
     """The last case is the ResponseWriter's instance: every AW carries its ``awid``."""
     dut = DmaWriter(buffer_beats=buffer_beats, addr_width=addr_width, awid=awid)
-    bench = Bench(dut, random.Random(seed))
-
-    async def testbench(ctx):
-        await bench.run(ctx, 60)
-
-    simulate(dut, testbench)
+    run_commands(Bench(dut, random.Random(seed)), 60)
 
 
 def test_short_commands():
     """Many small writes: every alignment, AW/W/B all slow, commands back to back."""
-    def small(rng):
-        return rng.randint(1, 130), rng.randrange(64)
-    dut = DmaWriter(buffer_beats=64)
-    bench = Bench(dut, random.Random(7), p_cmd=1.0, p_aw=0.5, p_w=0.5, lengths=small)
-
-    async def testbench(ctx):
-        await bench.run(ctx, 150)
-
-    simulate(dut, testbench)
+    bench = Bench(DmaWriter(buffer_beats=64), random.Random(7), p_cmd=1.0, p_aw=0.5, p_w=0.5,
+                  lengths=lengths_up_to(130))
+    run_commands(bench, 150)
 
 
 def test_stray_b():
@@ -285,25 +289,17 @@ def test_stray_b():
 
 def test_slow_aw():
     """AW taken rarely, W always: W beats of a burst start only once its AW is presented."""
-    def small(rng):
-        return rng.randint(1, 300), rng.randrange(64)
-    dut = DmaWriter(buffer_beats=64)
-    bench = Bench(dut, random.Random(8), p_cmd=1.0, p_aw=0.1, p_w=1.0, lengths=small)
-
-    async def testbench(ctx):
-        await bench.run(ctx, 60)
-
-    simulate(dut, testbench)
+    bench = Bench(DmaWriter(buffer_beats=64), random.Random(8), p_cmd=1.0, p_aw=0.1, p_w=1.0,
+                  lengths=lengths_up_to(300))
+    run_commands(bench, 60)
 
 
 def test_no_b_until_end():
     """Write responses withheld: releases still come (the buffer is not held for B),
     ``idle`` stays low, and AW stays at most ``AW_AHEAD`` bursts ahead of W."""
-    def medium(rng):
-        return rng.randint(1, 700), rng.randrange(64)
     dut = DmaWriter(buffer_beats=128)
     bench = Bench(dut, random.Random(11), p_cmd=1.0, p_aw=1.0, p_w=1.0, hold_b=True,
-                  lengths=medium)
+                  lengths=lengths_up_to(700))
 
     async def testbench(ctx):
         for _ in range(400):
@@ -322,11 +318,8 @@ def test_throughput(aligned, max_bytes):
     """An always-ready slave, commands back to back: one W beat per cycle; with different
     source and destination alignment a command may need one source beat more than it has
     W beats, and the single read port then bounds it."""
-    def lengths(rng):
-        return rng.randint(1, max_bytes), rng.randrange(64)
-    dut = DmaWriter(buffer_beats=256)
-    bench = Bench(dut, random.Random(5), p_cmd=1.0, p_aw=1.0, p_w=1.0, b_delay=1, p_slverr=0,
-                  lengths=lengths)
+    bench = Bench(DmaWriter(buffer_beats=256), random.Random(5), p_cmd=1.0, p_aw=1.0, p_w=1.0,
+                  b_delay=1, p_slverr=0, lengths=lengths_up_to(max_bytes))
     if aligned:
         # Same byte offset in source and destination beats: as many reads as W beats.
         make = bench.make_command
@@ -347,10 +340,7 @@ def test_throughput(aligned, max_bytes):
         accept(cmd, payload)
     bench.accept = record
 
-    async def testbench(ctx):
-        await bench.run(ctx, 30)
-
-    simulate(dut, testbench)
+    run_commands(bench, 30)
     beats = len(bench.w_cycles)
     span = bench.w_cycles[-1] - bench.w_cycles[0] + 1
     cost = sum(max(ceil_beats(c["src_offset"] + c["bytes"]), ceil_beats((c["addr"] & 63) + c["bytes"]))
