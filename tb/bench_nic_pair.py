@@ -79,28 +79,37 @@ async def e2e_write_latency(dut):
                   note="B's memory write counts when the testbench memory takes its W beat"))
 
 
-async def bulk(tb, kind, size=64 * 1024, qps=4, per_qp=4):
-    """``per_qp`` messages of ``size`` bytes on each of ``qps`` QPs from A to B; returns the
-    payload fraction of the wire that carried the payload (A's for WRITE, B's for READ)."""
-    await tb.reset()
-    await tb.setup(qps=qps, mtu=5)
+def bulk_work(tb, kind, size, qps, per_qp):
+    """A's GPU work (a warp per QP, for ``GpuModel.start_warps``): ``per_qp`` signaled
+    ``kind`` ("write" or "read") messages of ``size`` bytes on each of ``qps`` QPs. Message
+    ``n`` of QP ``q`` uses A's source region at ``(q * per_qp + n) * size``: a WRITE from
+    there into the ``n``-th ``size`` of B's target slice for ``q``, a READ into there from
+    the same place in B's source region."""
     a, b = tb.a, tb.b
     work = []
     for q in range(qps):
         target, _ = b.target(q)
         items = []
         for n in range(per_qp):
+            local = SOURCE_REGION + (q * per_qp + n) * size
             if kind == "write":
-                fields = dict(opcode=Op.RDMA_WRITE, byte_count=size, lkey=a.data_key,
-                              laddr=SOURCE_REGION + (q * per_qp + n) * size,
-                              raddr=target + n * size, rkey=b.data_key)
+                fields = dict(opcode=Op.RDMA_WRITE, raddr=target + n * size)
             else:
-                fields = dict(opcode=Op.RDMA_READ, byte_count=size, lkey=a.data_key,
-                              laddr=SOURCE_REGION + (q * per_qp + n) * size,
-                              raddr=SOURCE_REGION + (q * per_qp + n) * size, rkey=b.data_key)
-            fields["fm_ce_se"] = mlx5.CTRL_CQ_UPDATE
-            items.append((q, 1, a.builder(q, **fields), n))
+                fields = dict(opcode=Op.RDMA_READ, raddr=local)
+            items.append((q, 1, a.builder(q, **fields, byte_count=size, lkey=a.data_key,
+                                          laddr=local, rkey=b.data_key,
+                                          fm_ce_se=mlx5.CTRL_CQ_UPDATE), n))
         work.append(items)
+    return work
+
+
+async def bulk(tb, kind, size=64 * 1024, qps=4, per_qp=4):
+    """``per_qp`` messages of ``size`` bytes on each of ``qps`` QPs from A to B; returns the
+    payload fraction of the wire that carried the payload (A's for WRITE, B's for READ)."""
+    await tb.reset()
+    await tb.setup(qps=qps, mtu=5)
+    a, b = tb.a, tb.b
+    work = bulk_work(tb, kind, size, qps, per_qp)
     wire = a.wire if kind == "write" else b.wire
     first = len(wire.data_packets)
     for task in a.gpu.start_warps(work):
@@ -116,45 +125,35 @@ async def bulk(tb, kind, size=64 * 1024, qps=4, per_qp=4):
     return payload / ((end - start) * 64), len(packets), end - start
 
 
+async def record_bandwidth(dut, kind, name, operation):
+    """Record :func:`bulk`'s figure for ``kind`` as ``name``."""
+    tb = NicPairTB(dut, memory_latency=200)
+    value, packets, span = await bulk(tb, kind)
+    record(name, round(value, 4), "fraction of wire",
+           config(tb, operation=operation, messages=16, mtu=4096,
+                  topology="two NICs back to back", packets=packets, span_cycles=span))
+
+
 @cocotb.test()
 async def write_bandwidth(dut):
-    tb = NicPairTB(dut, memory_latency=200)
-    value, packets, span = await bulk(tb, "write")
-    record("nic.write_bandwidth.64KiB.nic_to_nic", round(value, 4), "fraction of wire",
-           config(tb, operation="RDMA_WRITE 64 KiB, DMA at both ends", messages=16, mtu=4096,
-                  topology="two NICs back to back",
-                  packets=packets, span_cycles=span))
+    await record_bandwidth(dut, "write", "nic.write_bandwidth.64KiB.nic_to_nic",
+                           "RDMA_WRITE 64 KiB, DMA at both ends")
 
 
 @cocotb.test()
 async def read_bandwidth(dut):
-    tb = NicPairTB(dut, memory_latency=200)
-    value, packets, span = await bulk(tb, "read")
-    record("nic.read_bandwidth.64KiB", round(value, 4), "fraction of wire",
-           config(tb, operation="RDMA_READ 64 KiB", messages=16, mtu=4096,
-                  topology="two NICs back to back",
-                  packets=packets, span_cycles=span))
+    await record_bandwidth(dut, "read", "nic.read_bandwidth.64KiB", "RDMA_READ 64 KiB")
 
 
 async def goodput_phase(tb, rounds=4, qps=4, per_qp=4, size=64 * 1024):
     """``rounds`` x ``per_qp`` signaled 64 KiB WRITEs on each QP from A to B, on QPs set up
     already; returns (message bytes per cycle, cycles) from A's first request packet of the
     phase to its last CQE."""
-    a, b = tb.a, tb.b
+    a = tb.a
     first_packet = len(a.wire.data_packets)
     total = 0
     for _ in range(rounds):
-        work = []
-        for q in range(qps):
-            target, _ = b.target(q)
-            items = []
-            for n in range(per_qp):
-                fields = dict(opcode=Op.RDMA_WRITE, byte_count=size, lkey=a.data_key,
-                              laddr=SOURCE_REGION + (q * per_qp + n) * size,
-                              raddr=target + n * size, rkey=b.data_key,
-                              fm_ce_se=mlx5.CTRL_CQ_UPDATE)
-                items.append((q, 1, a.builder(q, **fields), n))
-            work.append(items)
+        work = bulk_work(tb, "write", size, qps, per_qp)
         for task in a.gpu.start_warps(work):
             await task
         total += size * qps * per_qp

@@ -14,11 +14,9 @@ the number of NICs; QP ``n`` of NIC ``n`` is unused). Each QP's packets are hand
 responder model of the NIC it leads to.
 """
 import logging
-import random
 import statistics
 
 import cocotb
-from cocotb.clock import Clock
 from cocotb.triggers import RisingEdge
 
 from hdl.link.signatures import LinkState
@@ -26,13 +24,14 @@ from hdl.nic import register_map as rmap
 from hdl.switch import register_map as switch_map
 from models import mlx5
 from models.nic import CqContext, Mkey, QpContext, RequesterModel, ResponderModel, mkey_index
-from tb.beats import CycleLoop, WireMonitor
+from tb.beats import WireMonitor
 from tb.fabric_top import fabric_of
 from tb import nic_pair_tb, runner
 from tb.gpu_model import GpuModel, GpuQp
 from tb.nic_pair_tb import (ALL_RIGHTS, CLOCK_NS, CQ_REGION, CQ_STRIDE, DBR_REGION,
                             MEMORY_BYTES, PD, RQ_REGION, RQ_STRIDE, SOURCE_BYTES, SOURCE_REGION,
                             SQ_REGION, SQ_STRIDE, Side)
+from tb.rc_tb import RcTB
 
 __all__ = ["FabricTB", "FabricNic", "CLOCK_NS"]
 
@@ -104,9 +103,10 @@ class FabricNic(Side):
         self.mirror[address:address + len(data)] = data
 
 
-class FabricTB:
+class FabricTB(RcTB):
+    drain_limit = 50000
+
     def __init__(self, dut, *, seed=1, memory_latency=200):
-        self.dut = dut
         self.params = params = runner.tb_params()
         self.fabric = fabric = fabric_of(params)
         self.num_qps = params.get("num_qps", 8)
@@ -117,12 +117,7 @@ class FabricTB:
             raise ValueError(f"{fabric.nics} NICs need num_qps and num_cqs of at least "
                              f"{fabric.nics} (QP q of each NIC leads to NIC q)")
         self.max_qps = max(16, self.num_qps)        # target slices (Side.target)
-        self.rng = random.Random(seed)
-        self.errors = []
-        self.memory_latency = memory_latency
-        cocotb.start_soon(Clock(dut.clk, CLOCK_NS, "ns").start())
-        self.loop = CycleLoop(dut.clk)
-        dut.memory_latency.value = memory_latency
+        super().__init__(dut, seed=seed, memory_latency=memory_latency)
         self.nics = [FabricNic(self, n) for n in range(fabric.nics)]
         from cocotbext.axi import AxiLiteBus, AxiLiteMaster
         self.switches = {name: AxiLiteMaster(AxiLiteBus.from_prefix(dut, f"{name}_axil",
@@ -183,14 +178,12 @@ class FabricTB:
 
     # --- start-up ------------------------------------------------------------------------------
 
+    @property
+    def nodes(self):
+        return self.nics
+
     async def reset(self):
-        dut = self.dut
-        dut.rst.value = 1
-        for _ in range(4):
-            await RisingEdge(dut.clk)
-        dut.rst.value = 0
-        await RisingEdge(dut.clk)
-        cocotb.start_soon(self.loop.run())
+        await super().reset()
         await self.all_of(*(self.program_switch(s) for s in self.switches),
                           *(nic.host.write(rmap.register_offset("slid"), nic.lid)
                             for nic in self.nics))
@@ -391,42 +384,11 @@ class FabricTB:
 
     # --- end of test ---------------------------------------------------------------------------
 
-    def outstanding(self):
-        return sum(nic.outstanding() for nic in self.nics)
-
-    async def cycles(self, n):
-        for _ in range(n):
-            await RisingEdge(self.dut.clk)
-
-    async def drain(self, limit=50000):
-        for _ in range(limit):
-            if self.errors or self.outstanding() == 0:
-                break
-            await RisingEdge(self.dut.clk)
-        else:
-            raise AssertionError(f"not drained after {limit} cycles: {self.outstanding()} "
-                                 "completions outstanding")
-        assert not self.errors, "\n".join(self.errors[:10])
-
     async def check_clean(self):
-        """Every completion came; each NIC's memory equals its mirror outside the CQs; no
-        switch port overflowed."""
-        assert not self.errors, "\n".join(self.errors[:10])
-        assert self.outstanding() == 0
-        await self.cycles(64)           # the last payload writes land after their ACKs
-        for nic in self.nics:
-            cq_end = CQ_REGION + CQ_STRIDE * len(nic.cqs)
-            actual = nic.host.memory.read(0, MEMORY_BYTES)
-            for lo, hi in ((0, CQ_REGION), (cq_end, MEMORY_BYTES)):
-                if actual[lo:hi] != nic.mirror[lo:hi]:
-                    first = next(i for i in range(lo, hi) if actual[i] != nic.mirror[i])
-                    raise AssertionError(
-                        f"{nic.name}: memory differs from the model from {first:#x}: "
-                        f"{actual[first:first + 16].hex()} != {nic.mirror[first:first + 16].hex()}")
-        for switch, ports in self.fabric.switches.items():
-            for port in range(ports):
-                assert not int(getattr(self.dut, f"{switch}_overflow__{port}").value), \
-                    f"{switch} port {port} overflowed"
+        """:meth:`RcTB.check_clean`, and no switch port overflowed."""
+        await super().check_clean()
+        overflowed = self.overflows()
+        assert not overflowed, f"switch ports overflowed: {overflowed}"
 
     async def drops(self):
         """``{(switch, port, vl, reason): count}`` of every non-zero drop counter."""

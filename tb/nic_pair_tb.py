@@ -29,11 +29,8 @@ mirror byte for byte and checks that every completion came exactly once;
 the retransmission counters against what was lost.
 """
 import dataclasses
-import random
 from collections import defaultdict, deque
 
-import cocotb
-from cocotb.clock import Clock
 from cocotb.triggers import RisingEdge
 
 from hdl.link.link_receiver import DROP_REASONS
@@ -44,15 +41,15 @@ from models.crc import vcrc_bytes
 from models.nic import (CompletionModel, CqContext, Mkey, QpContext, RequesterModel,
                         ResponderModel, mkey_index)
 from tb import runner
-from tb.beats import CycleLoop, WireMonitor
+from tb.beats import WireMonitor
 from tb.gpu_model import GpuModel, GpuQp
 from tb.nic_host import NicHost
 from tb.nic_tb import BusMonitor
+from tb.rc_tb import CLOCK_NS, RcTB
 
 __all__ = ["NicPairTB", "Side", "MirroredMemory", "CLOCK_NS", "MEMORY_BYTES", "PD", "CORRUPT",
            "DROP", "RATE_ONE"]
 
-CLOCK_NS = 2.5
 MEMORY_BYTES = 1 << 24
 PD = 0x1234
 LIDS = {"a": 0x21, "b": 0x42}
@@ -183,6 +180,17 @@ class Side:
         return sum(1 for (_, kind), queue in self.expected.items() for c in queue
                    if kind == "recv" or c.cqe is not None)
 
+    def check_memory(self):
+        """The NIC's memory equals the mirror outside the CQs (CQEs are checked as they land)."""
+        cq_end = CQ_REGION + CQ_STRIDE * len(self.cqs)
+        actual = self.host.memory.read(0, MEMORY_BYTES)
+        for lo, hi in ((0, CQ_REGION), (cq_end, MEMORY_BYTES)):
+            if actual[lo:hi] != self.mirror[lo:hi]:
+                first = next(i for i in range(lo, hi) if actual[i] != self.mirror[i])
+                raise AssertionError(
+                    f"{self.name}: memory differs from the model from {first:#x}: "
+                    f"{actual[first:first + 16].hex()} != {self.mirror[first:first + 16].hex()}")
+
     def expect_retry_error(self, qpn, syndrome):
         """QP ``qpn`` gives up (retries exhausted): its oldest WQE not yet completed gets an
         error CQE with ``syndrome``, every later one (posted or still to come) a flush. The
@@ -256,21 +264,17 @@ class Side:
         return TARGET_REGION + qpn * size, size
 
 
-class NicPairTB:
+class NicPairTB(RcTB):
+    drain_limit = 300000
+
     def __init__(self, dut, *, seed=1, memory_latency=200):
-        self.dut = dut
         params = runner.tb_params()
         self.num_qps = params.get("num_qps", 64)
         self.num_cqs = params.get("num_cqs", 16)
         self.num_mkeys = params.get("num_mkeys", 64)
         self.num_vls = params.get("num_vls", 2)
         self.max_qps = 16           # QPs a test may set up (target slices)
-        self.rng = random.Random(seed)
-        self.errors = []
-        self.memory_latency = memory_latency
-        cocotb.start_soon(Clock(dut.clk, CLOCK_NS, "ns").start())
-        self.loop = CycleLoop(dut.clk)
-        dut.memory_latency.value = memory_latency
+        super().__init__(dut, seed=seed, memory_latency=memory_latency)
         self.sides = {name: Side(self, name) for name in ("a", "b")}
         self.switch = None      # with a switch between the NICs: its register master
         if hasattr(dut, "switch_axil__awvalid"):
@@ -286,13 +290,12 @@ class NicPairTB:
         for side in self.sides:
             self.set_faults(side, 0)
 
+    @property
+    def nodes(self):
+        return list(self.sides.values())
+
     async def reset(self):
-        self.dut.rst.value = 1
-        for _ in range(4):
-            await RisingEdge(self.dut.clk)
-        self.dut.rst.value = 0
-        await RisingEdge(self.dut.clk)
-        cocotb.start_soon(self.loop.run())
+        await super().reset()
         for side in self.sides.values():
             await side.host.write(rmap.register_offset("slid"), side.lid)
         active = LinkState.ACTIVE.value
@@ -481,37 +484,3 @@ class NicPairTB:
             if report.get(name + "_must_retry"):
                 assert resent > 0, f"{name}: lost packets but no retransmission"
         return {n: report[n] for n in self.sides}
-
-    # --- end of test ----------------------------------------------------------------------
-
-    def outstanding(self):
-        return sum(side.outstanding() for side in self.sides.values())
-
-    async def cycles(self, n):
-        for _ in range(n):
-            await RisingEdge(self.dut.clk)
-
-    async def drain(self, limit=300000):
-        for _ in range(limit):
-            if self.errors or self.outstanding() == 0:
-                break
-            await RisingEdge(self.dut.clk)
-        else:
-            raise AssertionError(f"not drained after {limit} cycles: {self.outstanding()} "
-                                 "completions outstanding")
-        assert not self.errors, "\n".join(self.errors[:10])
-
-    async def check_clean(self):
-        """Every completion came; each memory equals its mirror outside the CQs."""
-        assert not self.errors, "\n".join(self.errors[:10])
-        assert self.outstanding() == 0
-        await self.cycles(64)           # the last payload writes land after their ACKs
-        for side in self.sides.values():
-            cq_end = CQ_REGION + CQ_STRIDE * len(side.cqs)
-            actual = side.host.memory.read(0, MEMORY_BYTES)
-            for lo, hi in ((0, CQ_REGION), (cq_end, MEMORY_BYTES)):
-                if actual[lo:hi] != side.mirror[lo:hi]:
-                    first = next(i for i in range(lo, hi) if actual[i] != side.mirror[i])
-                    raise AssertionError(
-                        f"{side.name}: memory differs from the model from {first:#x}: "
-                        f"{actual[first:first + 16].hex()} != {side.mirror[first:first + 16].hex()}")

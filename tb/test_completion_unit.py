@@ -536,6 +536,11 @@ class Bench:
         self.rewind_log = []
         self.timeouts = timeouts
 
+    def drive_qp_states(self, ctx):
+        """The QP states the bench was made with, on the unit's ``qp_state`` inputs."""
+        for q, state in enumerate(self.qp_states):
+            ctx.set(self.dut.qp_state[q], state)
+
     def _set(self, ctx, sig, value):
         key = id(sig)
         if self._cache.get(key) != value:
@@ -1135,6 +1140,17 @@ class Traffic:
         ref.counters["rx_dropped_unexpected"] += 1
 
 
+def random_unit(rng, num_qps, num_cqs, num_vls):
+    """The random tests' unit (a short timer tick: RNR waits of a few dozen cycles), its QP
+    states (all RTS but QP 2 in ERR and the last in RESET) and random CQs."""
+    dut = CompletionUnit(num_qps=num_qps, num_cqs=num_cqs, num_vls=num_vls, addr_width=48,
+                         timer_tick=8)
+    qp_states = [QpState.RTS] * num_qps
+    qp_states[2] = QpState.ERR
+    qp_states[num_qps - 1] = QpState.RESET
+    return dut, qp_states, random_cqs(rng, num_cqs)
+
+
 def random_cqs(rng, num_cqs):
     cqs = []
     for c in range(num_cqs):
@@ -1242,23 +1258,16 @@ async def flood(ctx, bench, traffic):
 ])
 def test_random(seed, num_vls, records, wire, num_qps, num_cqs):
     rng = random.Random(seed)
-    # a short timer tick: RNR waits of a few dozen cycles
-    dut = CompletionUnit(num_qps=num_qps, num_cqs=num_cqs, num_vls=num_vls, addr_width=48,
-                         timer_tick=8)
-    qp_states = [QpState.RTS] * num_qps
-    qp_states[2] = QpState.ERR
-    qp_states[num_qps - 1] = QpState.RESET
+    dut, qp_states, cqs = random_unit(rng, num_qps, num_cqs, num_vls)
     # a few QPs, the highest numbers among them
     live = sorted({0, 1, 2, 4} | set(range(num_qps - 4, num_qps - 1)))
-    cqs = random_cqs(rng, num_cqs)
     stats = {}
 
     def factory():
         return Bench(dut, rng, qp_states=qp_states, cqs=cqs, wire=wire, p_beat=0.7 if wire else 0.3)
 
     async def body(ctx, bench):
-        for q in range(num_qps):
-            ctx.set(dut.qp_state[q], qp_states[q])
+        bench.drive_qp_states(ctx)
         traffic = Traffic(bench, rng, live, p_fatal=0.02)
         stats["reset"] = await random_body(ctx, bench, rng, traffic, records=records)
         stats["fatal"] = traffic.fatal
@@ -1351,8 +1360,7 @@ def test_directed():
 
     async def body(ctx, bench):
         ref = bench.ref
-        for q in range(4):
-            ctx.set(dut.qp_state[q], qp_states[q])
+        bench.drive_qp_states(ctx)
 
         # QP 0: 64 records fill its queue; the 65th waits on ready until an ACK frees room.
         base = M24 - 30
@@ -1464,8 +1472,7 @@ def test_engine_hazards():
 
     async def body(ctx, bench):
         ref = bench.ref
-        for q in range(4):
-            ctx.set(dut.qp_state[q], qp_states[q])
+        bench.drive_qp_states(ctx)
         for q, delay in ((0, 0), (1, 1)):
             # A record that would wait for its ACK, then a reset in the same cycle as
             # it is taken (delay 0: the reset goes out with the offer) or in the next.
@@ -1500,6 +1507,19 @@ def test_engine_hazards():
     run(dut, factory, body)
 
 
+def full_speed_factory(dut, rng, **options):
+    """A :class:`Bench` factory for the throughput measurements: every QP in RTS, two CQs,
+    a record and a beat offered every cycle, the AXI slave always ready and never in error;
+    ``options``: more Bench arguments."""
+    qp_states = [QpState.RTS] * dut.num_qps
+    cqs = [(0x10000, 4, 0), (0x20000, 0, 1)]
+
+    def factory():
+        return Bench(dut, rng, qp_states=qp_states, cqs=cqs, p_rec=1.0, p_beat=1.0, p_aw=1.0,
+                     p_w=1.0, p_slverr=0, **options)
+    return factory
+
+
 def measure_rates(unit, qps, records, ack_every):
     """Records for ``qps`` in turn, offered every cycle, AXI always ready; each QP's records
     acknowledged by a coalesced ACK every ``ack_every`` of them taken, or (``None``) the
@@ -1508,17 +1528,10 @@ def measure_rates(unit, qps, records, ack_every):
     retired)."""
     rng = random.Random(5)
     dut = unit(num_qps=8, num_cqs=2, num_vls=1, addr_width=40)
-    qp_states = [QpState.RTS] * 8
-    cqs = [(0x10000, 4, 0), (0x20000, 0, 1)]
     result = {}
 
-    def factory():
-        return Bench(dut, rng, qp_states=qp_states, cqs=cqs, p_rec=1.0, p_beat=1.0,
-                     p_aw=1.0, p_w=1.0, p_slverr=0)
-
     async def body(ctx, bench):
-        for q in range(8):
-            ctx.set(dut.qp_state[q], qp_states[q])
+        bench.drive_qp_states(ctx)
         if ack_every is None:
             bench.flushes.extend(qps)
             for _ in range(len(qps) + 3):
@@ -1548,7 +1561,7 @@ def measure_rates(unit, qps, records, ack_every):
         await bench.check_counters(ctx)
         result["rates"] = (records / offered, records / (retires[-1] - start + 1))
 
-    run(dut, factory, body)
+    run(dut, full_speed_factory(dut, rng), body)
     return result["rates"]
 
 
@@ -1615,8 +1628,7 @@ def test_rewind_nak():
 
     async def body(ctx, bench):
         ref = bench.ref
-        for q in range(4):
-            ctx.set(dut.qp_state[q], qp_states[q])
+        bench.drive_qp_states(ctx)
 
         # QP 0: READ 10..11, WRITE 12; the READ's first response, then a NAK at 12.
         a, b = make_rec(0, READ, 10, 2, index=5, blocks=2), make_rec(0, WRITE, 12, index=7)
@@ -1714,8 +1726,7 @@ def test_timer():
 
     async def body(ctx, bench):
         ref = bench.ref
-        for q in range(4):
-            ctx.set(dut.qp_state[q], qp_states[q])
+        bench.drive_qp_states(ctx)
         psn = 100
         for n in (1, 2, 3):
             lo, hi = timer_window(4, 1 << n)
@@ -1787,8 +1798,7 @@ def test_rnr():
 
     async def body(ctx, bench):
         ref = bench.ref
-        for q in range(2):
-            ctx.set(dut.qp_state[q], qp_states[q])
+        bench.drive_qp_states(ctx)
         recs = [make_rec(0, WRITE, 10 + k, index=k, rnr_retry=2) for k in range(3)]
         await offer(ctx, bench, *recs)
         send(bench, 0, Opcode.ACKNOWLEDGE, 10)

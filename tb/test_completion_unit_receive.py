@@ -25,7 +25,7 @@ from hdl.nic.completion_unit import CompletionUnit
 from hdl.nic.signatures import QpState
 from tb.test_completion_unit import (
     RECV_OPCODES, RESP_ERR, RESP_SEND, RESP_SEND_IMM, RESP_WR_IMM, WRITE, Bench, RecvRec,
-    Traffic, make_rec, random_body, random_cqs, run,
+    Traffic, full_speed_factory, make_rec, random_body, random_unit, run,
 )
 
 
@@ -123,13 +123,8 @@ def test_receive_mixed(seed, num_vls, records, num_qps, num_cqs, p_aw):
     flushes, resets and junk), AW/W/B backpressure: every CQE exactly once at its CQ's
     index."""
     rng = random.Random(seed)
-    dut = CompletionUnit(num_qps=num_qps, num_cqs=num_cqs, num_vls=num_vls, addr_width=48,
-                         timer_tick=8)
-    qp_states = [QpState.RTS] * num_qps
-    qp_states[2] = QpState.ERR
-    qp_states[num_qps - 1] = QpState.RESET
+    dut, qp_states, cqs = random_unit(rng, num_qps, num_cqs, num_vls)
     live = [0, 1, 2, 3, 4]
-    cqs = random_cqs(rng, num_cqs)
 
     def factory():
         bench = Bench(dut, rng, qp_states=qp_states, cqs=cqs, p_aw=p_aw, p_w=p_aw, p_recv=0.08)
@@ -137,8 +132,7 @@ def test_receive_mixed(seed, num_vls, records, num_qps, num_cqs, p_aw):
         return bench
 
     async def body(ctx, bench):
-        for q in range(num_qps):
-            ctx.set(dut.qp_state[q], qp_states[q])
+        bench.drive_qp_states(ctx)
         traffic = Traffic(bench, rng, live, p_fatal=0.02)
         await random_body(ctx, bench, rng, traffic, records=records)
 
@@ -159,17 +153,10 @@ def writer_shares(requester, receive, n=200):
     kinds are offered, or from the start to the last CQE when one kind is."""
     rng = random.Random(9)
     dut = CompletionUnit(num_qps=4, num_cqs=2, num_vls=1, addr_width=40)
-    qp_states = [QpState.RTS] * 4
-    cqs = [(0x10000, 4, 0), (0x20000, 0, 1)]
     result = {}
 
-    def factory():
-        return Bench(dut, rng, qp_states=qp_states, cqs=cqs, p_rec=1.0, p_beat=1.0,
-                     p_aw=1.0, p_w=1.0, p_slverr=0, p_recv=1.0)
-
     async def body(ctx, bench):
-        for q in range(4):
-            ctx.set(dut.qp_state[q], qp_states[q])
+        bench.drive_qp_states(ctx)
         bench.flushes.extend(range(4))
         await cycles(ctx, bench, 8)
         if requester:
@@ -197,7 +184,7 @@ def writer_shares(requester, receive, n=200):
             share = len(times) / (times[-1] - start + 1)
             result["shares"] = (share, 0.0) if requester else (0.0, share)
 
-    run(dut, factory, body)
+    run(dut, full_speed_factory(dut, rng, p_recv=1.0), body)
     return result["shares"]
 
 

@@ -21,17 +21,15 @@ with nothing outstanding (ignored but counted if not OKAY); one W per cycle with
 always-ready slave and commands back to back, bounded only by the source reads when the
 alignments differ; parameter checks.
 """
-import gc
 import random
-import warnings
 from collections import deque
 
 import pytest
-from amaranth.hdl import UnusedElaboratable
-from amaranth.sim import Simulator
 
 from hdl.nic.dma_writer import AW_AHEAD, DmaWriter
 from hdl.nic.signatures import DMA_WRITE_ID, READ_DATA_ID
+from tb.amaranth_sim import assert_lint_clean, assert_rejected, simulate
+from tb.axi_write_slave import AxiWriteSlave
 
 MEM_WINDOW = 1 << 20                 # memory at the top of the address space, below the wrap
 MEM_SIZE = 16 << 10
@@ -73,29 +71,26 @@ class Bench:
     def __init__(self, dut, rng, *, p_cmd=0.7, p_aw=0.7, p_w=0.8, b_delay=20, p_slverr=0.05,
                  hold_b=False, lengths="mixed"):
         self.dut, self.rng = dut, rng
-        self.p_cmd, self.p_aw, self.p_w = p_cmd, p_aw, p_w
-        self.b_delay, self.p_slverr, self.hold_b = b_delay, p_slverr, hold_b
+        self.p_cmd = p_cmd
         self.lengths = lengths
         nb = dut.buffer_beats
         self.buf = bytearray(rng.randbytes(nb * BEAT))
         self.alloc = 0                      # next buffer beat to hand out
         self.free = nb
         self.base = mem_base(dut)
-        self.mem = bytearray(rng.randbytes(MEM_SIZE))
-        self.ref_mem = bytearray(self.mem)
+        self.slave = AxiWriteSlave(dut.axi, rng, base=self.base, size=MEM_SIZE, bid=dut.awid,
+                                   p_aw=p_aw, p_w=p_w, b_delay=b_delay, p_slverr=p_slverr,
+                                   hold_b=hold_b)
+        self.ref_mem = bytearray(self.slave.mem)
         self.offer = None                   # command on the port
         self.unreleased = deque()           # release counts of accepted commands
         self.bursts_expected = 0            # AW bursts of accepted commands
         self.aw_expected = deque()
         self.w_expected = deque()
-        self.aw_taken = deque()             # [addr, len, beats applied] accepted by the slave
         self.aw_count = 0
-        self.w_pending = deque()            # (data, strobe, last) waiting for their AW
         self.w_bursts_started = 0
         self.w_in_burst = False
-        self.b_due = deque()                # (due cycle, resp)
         self.b_done = 0
-        self.errors = 0
         self.bytes = 0
         self.read_data = 0
         self.not_busy_for = 0
@@ -162,21 +157,14 @@ class Bench:
 
     # --- one cycle ----------------------------------------------------------------------
     async def cycle(self, ctx, more=True):
-        dut, rng, t = self.dut, self.rng, self.t
+        dut, rng, t, slave = self.dut, self.rng, self.t, self.slave
         if self.offer is None and more and rng.random() < self.p_cmd:
             self.offer = self.make_command()
         ctx.set(dut.command.valid, self.offer is not None)
         if self.offer is not None:
             ctx.set(dut.command.payload, self.offer[0])
         ctx.set(dut.source.data, self.read_data)
-        awready = rng.random() < self.p_aw
-        wready = rng.random() < self.p_w
-        ctx.set(dut.axi.awready, awready)
-        ctx.set(dut.axi.wready, wready)
-        b = self.b_due[0] if self.b_due and self.b_due[0][0] <= t and not self.hold_b else None
-        ctx.set(dut.axi.bvalid, b is not None)
-        ctx.set(dut.axi.bid, dut.awid)
-        ctx.set(dut.axi.bresp, b[1] if b else 0)
+        slave.drive(ctx, t)
 
         busy = bool(self.unreleased) or self.b_done < self.bursts_expected
         idle = ctx.get(dut.idle)
@@ -196,52 +184,32 @@ class Bench:
             assert count == self.unreleased.popleft(), (t, "release out of order")
             self.free += count
 
-        awvalid = ctx.get(dut.axi.awvalid)
-        if awvalid and awready:
-            burst = (ctx.get(dut.axi.awaddr), ctx.get(dut.axi.awlen))
+        burst = slave.aw_burst(ctx)
+        if burst is not None:
             assert (ctx.get(dut.axi.awid), ctx.get(dut.axi.awsize), ctx.get(dut.axi.awburst)) \
                 == (dut.awid, 6, 1), t
             assert self.aw_expected, (t, "AW burst the reference does not have", burst)
             assert burst == self.aw_expected.popleft(), (t, burst)
             a, n = burst
             assert a % 64 == 0 and n < 64 and (a & 4095) + (n + 1) * 64 <= 4096, (t, burst)
-            self.aw_taken.append([a, n, 0])
+            slave.accept_aw(a, n)
             self.aw_count += 1
-        if ctx.get(dut.axi.wvalid) and wready:
+        beat = slave.take_w(ctx)
+        if beat is not None:
             if not self.w_in_burst:
-                presented = self.aw_count + (1 if awvalid and not awready else 0)
+                shown = ctx.get(dut.axi.awvalid) and not slave.awready
+                presented = self.aw_count + (1 if shown else 0)
                 assert self.w_bursts_started < presented, (t, "W before its AW")
                 self.w_bursts_started += 1
-            data = ctx.get(dut.axi.wdata)
-            strobe, last = ctx.get(dut.axi.wstrb), ctx.get(dut.axi.wlast)
+            raw, strobe, last = beat
             self.w_in_burst = not last
             assert self.w_expected, (t, "W beat the reference does not have")
             e_strobe, lanes, e_last = self.w_expected.popleft()
             assert (strobe, last) == (e_strobe, e_last), (t, hex(strobe), hex(e_strobe), last)
-            raw = data.to_bytes(BEAT, "little")
             assert all(raw[j] == v for j, v in lanes.items()), (t, "W data")
-            self.w_pending.append((raw, strobe, last))
             self.w_cycles.append(t)
-        # The slave: W beats meet their AW in order.
-        while self.w_pending and self.aw_taken:
-            raw, strobe, last = self.w_pending.popleft()
-            burst = self.aw_taken[0]
-            a = burst[0] + burst[2] * BEAT - self.base
-            assert 0 <= a < MEM_SIZE, (t, "write outside the memory")
-            for j in range(BEAT):
-                if strobe >> j & 1:
-                    self.mem[a + j] = raw[j]
-            assert last == (burst[2] == burst[1]), (t, "wlast")
-            burst[2] += 1
-            if last:
-                self.aw_taken.popleft()
-                resp = 2 if rng.random() < self.p_slverr else 0
-                self.b_due.append((t + rng.randint(1, self.b_delay), resp))
-        if b is not None:
-            assert ctx.get(dut.axi.bready)
-            self.b_due.popleft()
+        if slave.respond(ctx, t) is not None:
             self.b_done += 1
-            self.errors += b[1] != 0
 
         if self.offer is not None and ctx.get(dut.command.ready):
             self.accept(*self.offer)
@@ -254,24 +222,32 @@ class Bench:
             await self.cycle(ctx)
             assert self.t < limit, "commands not accepted"
         start = self.t
-        while (self.unreleased or self.b_done < self.bursts_expected or self.b_due
+        while (self.unreleased or self.b_done < self.bursts_expected or self.slave.b_due
                or self.w_expected):
             await self.cycle(ctx, more=False)
             assert self.t - start < limit, "no progress"
         for _ in range(4):
             await self.cycle(ctx, more=False)
         assert ctx.get(self.dut.idle)
-        assert not self.aw_expected and not self.w_pending and not self.aw_taken
-        assert self.mem == self.ref_mem
+        assert not self.aw_expected and not self.slave.w_pending and not self.slave.bursts
+        assert self.slave.mem == self.ref_mem
         assert ctx.get(self.dut.dma_bytes_written) == self.bytes
-        assert ctx.get(self.dut.dma_write_errors) == self.errors
+        assert ctx.get(self.dut.dma_write_errors) == self.slave.errors
 
 
-def simulate(dut, testbench):
-    sim = Simulator(dut)
-    sim.add_clock(1e-6)
-    sim.add_testbench(testbench)
-    sim.run()
+def lengths_up_to(max_bytes):
+    """A ``lengths`` for :class:`Bench`: 1 .. ``max_bytes`` bytes from source offset 0 .. 63."""
+    def lengths(rng):
+        return rng.randint(1, max_bytes), rng.randrange(64)
+    return lengths
+
+
+def run_commands(bench, commands):
+    """Simulate ``bench`` until ``commands`` commands are accepted and done (:meth:`Bench.run`)."""
+    async def testbench(ctx):
+        await bench.run(ctx, commands)
+
+    simulate(bench.dut, testbench)
 
 
 @pytest.mark.parametrize("seed,buffer_beats,addr_width,awid", [
@@ -281,25 +257,14 @@ def simulate(dut, testbench):
 def test_random(seed, buffer_beats, addr_width, awid):
     """The last case is the ResponseWriter's instance: every AW carries its ``awid``."""
     dut = DmaWriter(buffer_beats=buffer_beats, addr_width=addr_width, awid=awid)
-    bench = Bench(dut, random.Random(seed))
-
-    async def testbench(ctx):
-        await bench.run(ctx, 60)
-
-    simulate(dut, testbench)
+    run_commands(Bench(dut, random.Random(seed)), 60)
 
 
 def test_short_commands():
     """Many small writes: every alignment, AW/W/B all slow, commands back to back."""
-    def small(rng):
-        return rng.randint(1, 130), rng.randrange(64)
-    dut = DmaWriter(buffer_beats=64)
-    bench = Bench(dut, random.Random(7), p_cmd=1.0, p_aw=0.5, p_w=0.5, lengths=small)
-
-    async def testbench(ctx):
-        await bench.run(ctx, 150)
-
-    simulate(dut, testbench)
+    bench = Bench(DmaWriter(buffer_beats=64), random.Random(7), p_cmd=1.0, p_aw=0.5, p_w=0.5,
+                  lengths=lengths_up_to(130))
+    run_commands(bench, 150)
 
 
 def test_stray_b():
@@ -316,7 +281,7 @@ def test_stray_b():
             await ctx.tick()
             assert ctx.get(dut.idle)
         ctx.set(dut.axi.bvalid, 0)
-        bench.errors = 2
+        bench.slave.errors = 2          # the two stray responses that were not OKAY
         await bench.run(ctx, 20)
 
     simulate(dut, testbench)
@@ -324,33 +289,25 @@ def test_stray_b():
 
 def test_slow_aw():
     """AW taken rarely, W always: W beats of a burst start only once its AW is presented."""
-    def small(rng):
-        return rng.randint(1, 300), rng.randrange(64)
-    dut = DmaWriter(buffer_beats=64)
-    bench = Bench(dut, random.Random(8), p_cmd=1.0, p_aw=0.1, p_w=1.0, lengths=small)
-
-    async def testbench(ctx):
-        await bench.run(ctx, 60)
-
-    simulate(dut, testbench)
+    bench = Bench(DmaWriter(buffer_beats=64), random.Random(8), p_cmd=1.0, p_aw=0.1, p_w=1.0,
+                  lengths=lengths_up_to(300))
+    run_commands(bench, 60)
 
 
 def test_no_b_until_end():
     """Write responses withheld: releases still come (the buffer is not held for B),
     ``idle`` stays low, and AW stays at most ``AW_AHEAD`` bursts ahead of W."""
-    def medium(rng):
-        return rng.randint(1, 700), rng.randrange(64)
     dut = DmaWriter(buffer_beats=128)
     bench = Bench(dut, random.Random(11), p_cmd=1.0, p_aw=1.0, p_w=1.0, hold_b=True,
-                  lengths=medium)
+                  lengths=lengths_up_to(700))
 
     async def testbench(ctx):
         for _ in range(400):
             await bench.cycle(ctx)
             assert bench.aw_count - bench.w_bursts_started <= AW_AHEAD + 1
         assert bench.accepted > 20 and len(bench.unreleased) <= 5
-        assert bench.b_done == 0 and len(bench.b_due) >= bench.accepted - 12
-        bench.hold_b = False
+        assert bench.b_done == 0 and len(bench.slave.b_due) >= bench.accepted - 12
+        bench.slave.hold_b = False
         await bench.run(ctx, bench.accepted)
 
     simulate(dut, testbench)
@@ -361,11 +318,8 @@ def test_throughput(aligned, max_bytes):
     """An always-ready slave, commands back to back: one W beat per cycle; with different
     source and destination alignment a command may need one source beat more than it has
     W beats, and the single read port then bounds it."""
-    def lengths(rng):
-        return rng.randint(1, max_bytes), rng.randrange(64)
-    dut = DmaWriter(buffer_beats=256)
-    bench = Bench(dut, random.Random(5), p_cmd=1.0, p_aw=1.0, p_w=1.0, b_delay=1, p_slverr=0,
-                  lengths=lengths)
+    bench = Bench(DmaWriter(buffer_beats=256), random.Random(5), p_cmd=1.0, p_aw=1.0, p_w=1.0,
+                  b_delay=1, p_slverr=0, lengths=lengths_up_to(max_bytes))
     if aligned:
         # Same byte offset in source and destination beats: as many reads as W beats.
         make = bench.make_command
@@ -386,10 +340,7 @@ def test_throughput(aligned, max_bytes):
         accept(cmd, payload)
     bench.accept = record
 
-    async def testbench(ctx):
-        await bench.run(ctx, 30)
-
-    simulate(dut, testbench)
+    run_commands(bench, 30)
     beats = len(bench.w_cycles)
     span = bench.w_cycles[-1] - bench.w_cycles[0] + 1
     cost = sum(max(ceil_beats(c["src_offset"] + c["bytes"]), ceil_beats((c["addr"] & 63) + c["bytes"]))
@@ -404,28 +355,10 @@ def test_throughput(aligned, max_bytes):
     {"addr_width": 65}, {"awid": 8}, {"awid": -1}, {"awid": "2"},
 ])
 def test_parameters(args):
-    # The half-built component would warn, when collected, that it was never elaborated.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnusedElaboratable)
-        try:
-            with pytest.raises(ValueError):
-                DmaWriter(**args)
-        finally:
-            gc.collect()
+    assert_rejected(DmaWriter, args)
 
 
 def test_lint(tmp_path):
     """Verilator lints the Verilog clean (ports listed by hand: the always-ready
     ``release.ready`` is a constant, not a port)."""
-    from amaranth.back import verilog
-    from amaranth.hdl import Const, Value
-    from hdl.lint import lint_file
-    from tb.runner import setup_verilator_env
-    setup_verilator_env()
-    dut = DmaWriter(buffer_beats=64, addr_width=40)
-    ports = [Value.cast(port) for _, _, port in dut.signature.flatten(dut)
-             if not isinstance(port, Const)]
-    path = tmp_path / "dma_writer.v"
-    path.write_text(verilog.convert(dut, name="dma_writer", ports=ports, emit_src=False))
-    ok, _, output = lint_file(path)
-    assert ok, output[:3000]
+    assert_lint_clean(DmaWriter(buffer_beats=64, addr_width=40), "dma_writer", tmp_path)

@@ -27,18 +27,16 @@ B and discard to ``landed``), verdicts that must be ignored and a discard beside
 verdict, a shown start beat keeping its grant, a packet longer than MAX_PACKET_BEATS,
 parameter checks, lint.
 """
-import gc
 import random
-import warnings
 from collections import deque
 
 import pytest
 from amaranth import Value
-from amaranth.hdl import UnusedElaboratable
-from amaranth.sim import Simulator
 
 from hdl.nic.response_writer import ResponseWriter
 from hdl.nic.signatures import MAX_PACKET_BEATS, READ_DATA_ID
+from tb.amaranth_sim import assert_lint_clean, assert_rejected, simulate
+from tb.axi_write_slave import AxiWriteSlave
 from tb.beats import BeatCodec, packet_beats
 
 WIDTH = 64
@@ -105,7 +103,6 @@ class Bench:
                  mix=(("ack", 3), ("read", 5), ("atomic", 2), ("other", 1))):
         self.dut, self.rng = dut, rng
         self.p_valid, self.p_gap, self.p_out = p_valid, p_gap, p_out
-        self.p_aw, self.p_w, self.b_delay, self.p_slverr = p_aw, p_w, b_delay, p_slverr
         self.delay, self.p_bogus = delay, p_bogus
         nv = dut.num_vls
         kinds = [k for k, n in mix for _ in range(n)]
@@ -136,18 +133,16 @@ class Bench:
         self.writes = {}                     # seq -> (addr offset, bytes) written
         self.next_cmd = 0                    # the next seq the AW checker looks at
         self.aw_expected = deque()
-        self.aw_taken = deque()              # [addr, len, beats applied, seq]
-        self.w_pending = deque()
-        self.b_due = deque()                 # (due cycle, resp, seq)
         self.bursts_left = {}                # seq -> B responses still due
         self.b_done = set()
         self.landed = 0                      # unwrapped
-        self.errors = 0
         self.bytes = 0
         self.discarded = 0
         self.base = (1 << dut.addr_width) - MEM_WINDOW
-        self.mem = bytearray(rng.randbytes(MEM_SIZE))
-        self.ref_mem = bytearray(self.mem)
+        self.slave = AxiWriteSlave(dut.axi, rng, base=self.base, size=MEM_SIZE,
+                                   bid=READ_DATA_ID, p_aw=p_aw, p_w=p_w, b_delay=b_delay,
+                                   p_slverr=p_slverr)
+        self.ref_mem = bytearray(self.slave.mem)
         self.ring_full = 0
         self.slots_full = 0
         self.t = 0
@@ -229,7 +224,7 @@ class Bench:
 
     # --- one cycle ------------------------------------------------------------------------
     async def cycle(self, ctx):
-        dut, rng, t = self.dut, self.rng, self.t
+        dut, rng, t, slave = self.dut, self.rng, self.t, self.slave
         nv = dut.num_vls
         for v in range(nv):
             if self.offered[v] is None and self.queues[v] and rng.random() < self.p_valid:
@@ -241,14 +236,7 @@ class Bench:
                 ctx.set(Value.cast(dut.rx[v].payload), self.offered[v])
             ctx.set(dut.out[v].ready, rng.random() < self.p_out)
         self.drive_verdicts(ctx)
-        awready = rng.random() < self.p_aw
-        wready = rng.random() < self.p_w
-        ctx.set(dut.axi.awready, awready)
-        ctx.set(dut.axi.wready, wready)
-        b = self.b_due[0] if self.b_due and self.b_due[0][0] <= t else None
-        ctx.set(dut.axi.bvalid, b is not None)
-        ctx.set(dut.axi.bid, READ_DATA_ID)
-        ctx.set(dut.axi.bresp, b[1] if b else 0)
+        slave.drive(ctx, t)
 
         # landed: forward only, never past a packet without its verdict or its B.
         landed = ctx.get(dut.landed)
@@ -300,9 +288,9 @@ class Bench:
                     self.decide(entry)
                     self.seq += 1
 
-        # AXI slave.
-        awvalid = ctx.get(dut.axi.awvalid)
-        if awvalid and awready:
+        # AXI slave: each AW must be the next burst of the next write in seq order.
+        burst = slave.aw_burst(ctx)
+        if burst is not None:
             assert ctx.get(dut.axi.awid) == READ_DATA_ID, t
             while not self.aw_expected:
                 s = self.next_cmd
@@ -314,30 +302,12 @@ class Bench:
                     self.bursts_left[s] = len(bursts)
                     self.aw_expected.extend((a, n, s) for a, n in bursts)
             a, n, s = self.aw_expected.popleft()
-            assert (ctx.get(dut.axi.awaddr), ctx.get(dut.axi.awlen)) == (a, n), (t, s)
-            self.aw_taken.append([a, n, 0, s])
-        if ctx.get(dut.axi.wvalid) and wready:
-            raw = ctx.get(dut.axi.wdata).to_bytes(WIDTH, "little")
-            self.w_pending.append((raw, ctx.get(dut.axi.wstrb), ctx.get(dut.axi.wlast)))
-        while self.w_pending and self.aw_taken:
-            raw, strobe, last = self.w_pending.popleft()
-            burst = self.aw_taken[0]
-            a = burst[0] + burst[2] * WIDTH - self.base
-            assert 0 <= a < MEM_SIZE, (t, "write outside the memory")
-            for j in range(WIDTH):
-                if strobe >> j & 1:
-                    self.mem[a + j] = raw[j]
-            assert last == (burst[2] == burst[1]), (t, "wlast")
-            burst[2] += 1
-            if last:
-                self.aw_taken.popleft()
-                resp = 2 if rng.random() < self.p_slverr else 0
-                self.b_due.append((t + rng.randint(1, self.b_delay), resp, burst[3]))
+            assert burst == (a, n), (t, s)
+            slave.accept_aw(a, n, tag=s)
+        slave.take_w(ctx)
+        b = slave.respond(ctx, t)
         if b is not None:
-            assert ctx.get(dut.axi.bready)
-            self.b_due.popleft()
-            self.errors += b[1] != 0
-            s = b[2]
+            _, s = b
             self.bursts_left[s] -= 1
             if not self.bursts_left[s]:
                 self.b_done.add(s)
@@ -345,7 +315,7 @@ class Bench:
         self.t += 1
 
     def busy(self):
-        return (any(self.queues) or self.pending or self.b_due or self.aw_taken
+        return (any(self.queues) or self.pending or self.slave.b_due or self.slave.bursts
                 or self.landed < self.seq)
 
     async def run(self, ctx, limit=200000):
@@ -359,21 +329,14 @@ class Bench:
     def finish(self, ctx):
         dut = self.dut
         assert self.seq == self.total_stored and self.landed == self.seq
-        assert not self.aw_expected and not self.w_pending
+        assert not self.aw_expected and not self.slave.w_pending
         for s in sorted(self.writes):
             off, payload = self.writes[s]
             self.ref_mem[off:off + len(payload)] = payload
-        assert self.mem == self.ref_mem
+        assert self.slave.mem == self.ref_mem
         assert ctx.get(dut.response_bytes_written) == self.bytes
-        assert ctx.get(dut.response_write_errors) == self.errors
+        assert ctx.get(dut.response_write_errors) == self.slave.errors
         assert ctx.get(dut.responses_discarded) == self.discarded
-
-
-def simulate(dut, testbench):
-    sim = Simulator(dut)
-    sim.add_clock(1e-6)
-    sim.add_testbench(testbench)
-    sim.run()
 
 
 @pytest.mark.parametrize("seed,num_vls,buffer_beats,slots,addr_width,options,full", [
@@ -619,28 +582,11 @@ def test_too_long():
     {"addr_width": 65},
 ])
 def test_parameters(args):
-    # The half-built component would warn, when collected, that it was never elaborated.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnusedElaboratable)
-        try:
-            with pytest.raises(ValueError):
-                ResponseWriter(**args)
-        finally:
-            gc.collect()
+    assert_rejected(ResponseWriter, args)
 
 
 def test_lint(tmp_path):
     """Verilator lints the Verilog clean (always-ready ``ready`` members are constants,
     not ports)."""
-    from amaranth.back import verilog
-    from amaranth.hdl import Const
-    from hdl.lint import lint_file
-    from tb.runner import setup_verilator_env
-    setup_verilator_env()
     dut = ResponseWriter(num_vls=2, buffer_beats=128, slots=4, addr_width=40)
-    ports = [Value.cast(port) for _, _, port in dut.signature.flatten(dut)
-             if not isinstance(port, Const)]
-    path = tmp_path / "response_writer.v"
-    path.write_text(verilog.convert(dut, name="response_writer", ports=ports, emit_src=False))
-    ok, _, output = lint_file(path)
-    assert ok, output[:3000]
+    assert_lint_clean(dut, "response_writer", tmp_path)
