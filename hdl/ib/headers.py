@@ -20,11 +20,11 @@ flow-control packet's LPCRC is the one little-endian field: like every IBA
 CRC it goes on the wire least-significant byte first, which the layout
 records so that the helpers keep its bytes in order.
 """
-from amaranth.hdl import Cat, Value
+from amaranth.hdl import Cat, Signal, Value
 from amaranth.lib import data, enum
 
 __all__ = [
-    "HeaderLayout", "from_wire", "to_wire",
+    "HeaderLayout", "from_wire", "to_wire", "iba_local_headers",
     "LRH", "GRH", "BTH", "RETH", "AETH", "ATOMIC_ETH", "ATOMIC_ACK_ETH", "IMMDT",
     "FLOW_CONTROL", "FlowControlOp",
     "LNH_RAW", "LNH_IP_NON_IBA", "LNH_IBA_LOCAL", "LNH_IBA_GLOBAL",
@@ -148,3 +148,23 @@ LPCRC_BYTES = 2
 VL15 = 15                 # subnet management VL: no flow control, never credited
 CREDIT_BLOCK_BYTES = 64   # one flow-control credit
 PKTLEN_WORD_BYTES = 4     # LRH.PktLen counts these from the LRH through the ICRC
+
+
+def iba_local_headers(m, *, vl, sl, dlid, slid, opcode, pkey, destqp, psn, header_bytes,
+                      payload_bytes, se=0, ackreq=0):
+    """The wire bytes of the LRH and BTH of an IBA-local packet (LNH = BTH, no GRH), driven
+    combinationally in ``m``: ``header_bytes`` from the LRH through the extension headers,
+    ``payload_bytes`` padded to 4 bytes (BTH.PadCnt), LRH.PktLen counting through the
+    ICRC."""
+    lrh = Signal(LRH)
+    bth = Signal(BTH)
+    pad = Signal(2)
+    m.d.comb += [
+        pad.eq(-payload_bytes),
+        lrh.vl.eq(vl), lrh.sl.eq(sl), lrh.lnh.eq(LNH_IBA_LOCAL),
+        lrh.dlid.eq(dlid), lrh.slid.eq(slid),
+        lrh.pktlen.eq((header_bytes + payload_bytes + pad + ICRC_BYTES) // PKTLEN_WORD_BYTES),
+        bth.opcode.eq(opcode), bth.se.eq(se), bth.padcnt.eq(pad), bth.pkey.eq(pkey),
+        bth.destqp.eq(destqp), bth.ackreq.eq(ackreq), bth.psn.eq(psn),
+    ]
+    return Cat(to_wire(LRH, lrh), to_wire(BTH, bth))

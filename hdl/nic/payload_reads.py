@@ -6,8 +6,10 @@ from amaranth import C, Cat, Mux, Signal
 from amaranth.lib import data
 
 from hdl.nic.packet_assembler import MAX_DMA_BEATS
+from hdl.nic.signatures import PayloadSource
 
-__all__ = ["PayloadBurstsLayout", "payload_bursts", "payload_reservation", "payload_read_stage"]
+__all__ = ["PayloadBurstsLayout", "payload_bursts", "dma_payload", "payload_reservation",
+           "payload_read_stage"]
 
 BEAT_BYTES = 64
 PAGE_BYTES = 4096            # AXI bursts may not cross this
@@ -46,6 +48,19 @@ def payload_bursts(m, addr, length):
         bursts.ar1_len.eq(bursts.beats - page_left - 1),
     ]
     return bursts
+
+
+def dma_payload(item, bursts):
+    """The statements that make ``item`` (a stage item: a packet descriptor ``desc`` and
+    the :class:`PayloadBurstsLayout` burst fields) read its payload by DMA as ``bursts``."""
+    return [
+        item.desc.source.eq(PayloadSource.DMA),
+        item.desc.offset.eq(bursts.offset),
+        item.desc.dma_beats.eq(bursts.beats),
+        item.n_ar.eq(bursts.n_ar),
+        item.ar0_addr.eq(bursts.ar0_addr), item.ar0_len.eq(bursts.ar0_len),
+        item.ar1_addr.eq(bursts.ar1_addr), item.ar1_len.eq(bursts.ar1_len),
+    ]
 
 
 def payload_reservation(m, buffer_beats, reserve, freed):

@@ -3,11 +3,11 @@ from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from hdl.ib.headers import (
-    AETH, AETH_BYTES, ATOMIC_ACK_ETH, ATOMIC_ACK_ETH_BYTES, BTH, BTH_BYTES, LNH_IBA_LOCAL, LRH,
-    LRH_BYTES, PKTLEN_WORD_BYTES, to_wire,
+    AETH, AETH_BYTES, ATOMIC_ACK_ETH, ATOMIC_ACK_ETH_BYTES, BTH_BYTES, LRH_BYTES,
+    iba_local_headers, to_wire,
 )
 from hdl.nic.packet_assembler import MAX_DMA_BEATS
-from hdl.nic.payload_reads import payload_bursts, payload_read_stage
+from hdl.nic.payload_reads import dma_payload, payload_bursts, payload_read_stage
 from hdl.nic.signatures import (
     PSN_BITS, RESPONSE_ID, ArLayout, PacketDescriptorLayout, PayloadSource,
     ResponseCommandLayout, ResponseKind,
@@ -168,18 +168,13 @@ class ResponseGenerator(wiring.Component):
         m.d.comb += header_bytes.eq(LRH_BYTES + BTH_BYTES + Mux(with_aeth, AETH_BYTES, 0)
                                     + Mux(is_atomic, ATOMIC_ACK_ETH_BYTES, 0))
 
-        lrh = Signal(LRH)
-        bth = Signal(BTH)
+        headers = iba_local_headers(
+            m, vl=job.vl, sl=job.sl, dlid=job.dlid, slid=self.slid, opcode=opcode,
+            pkey=job.pkey, destqp=job.destqp, psn=psn, header_bytes=header_bytes,
+            payload_bytes=plen)
         aeth = Signal(AETH)
         atomic_ack = Signal(ATOMIC_ACK_ETH)
-        pad = Signal(2)
         m.d.comb += [
-            pad.eq(-plen),
-            lrh.vl.eq(job.vl), lrh.sl.eq(job.sl), lrh.lnh.eq(LNH_IBA_LOCAL),
-            lrh.dlid.eq(job.dlid), lrh.slid.eq(self.slid),
-            lrh.pktlen.eq((header_bytes + plen + pad + 4) // PKTLEN_WORD_BYTES),
-            bth.opcode.eq(opcode), bth.padcnt.eq(pad), bth.pkey.eq(job.pkey),
-            bth.destqp.eq(job.destqp), bth.psn.eq(psn),
             aeth.syndrome.eq(job.syndrome), aeth.msn.eq(job.msn),
             atomic_ack.orig.eq(job.orig),
         ]
@@ -194,19 +189,12 @@ class ResponseGenerator(wiring.Component):
         item = Signal(_ItemLayout())
         m.d.comb += [
             item.desc.vl.eq(job.vl),
-            item.desc.header.eq(Cat(to_wire(LRH, lrh), to_wire(BTH, bth), ext)),
+            item.desc.header.eq(Cat(headers, ext)),
             item.desc.header_bytes.eq(header_bytes),
             item.desc.payload_bytes.eq(plen),
         ]
         with m.If(plen != 0):
-            m.d.comb += [
-                item.desc.source.eq(PayloadSource.DMA),
-                item.desc.offset.eq(bursts.offset),
-                item.desc.dma_beats.eq(bursts.beats),
-                item.n_ar.eq(bursts.n_ar),
-                item.ar0_addr.eq(bursts.ar0_addr), item.ar0_len.eq(bursts.ar0_len),
-                item.ar1_addr.eq(bursts.ar1_addr), item.ar1_len.eq(bursts.ar1_len),
-            ]
+            m.d.comb += dma_payload(item, bursts)
 
         with m.If(j_out):
             with m.If(j_last):

@@ -3,10 +3,10 @@ from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from hdl.ib.headers import (
-    ATOMIC_ETH, ATOMIC_ETH_BYTES, BTH, BTH_BYTES, IMMDT, IMMDT_BYTES, LNH_IBA_LOCAL, LRH,
-    LRH_BYTES, PKTLEN_WORD_BYTES, RETH, RETH_BYTES, VL15, to_wire,
+    ATOMIC_ETH, ATOMIC_ETH_BYTES, BTH_BYTES, IMMDT, IMMDT_BYTES, LRH_BYTES, RETH, RETH_BYTES,
+    VL15, iba_local_headers, to_wire,
 )
-from hdl.nic.payload_reads import payload_bursts, payload_read_stage
+from hdl.nic.payload_reads import dma_payload, payload_bursts, payload_read_stage
 from hdl.nic.signatures import (
     EPOCH_BITS, MAX_HEADER_BYTES, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, PAYLOAD_ID, PSN_BITS,
     Access, ArLayout, CompletionRecordLayout, CompletionStatus, ContextReadSignature,
@@ -391,20 +391,14 @@ class WqeExecutor(wiring.Component):
             LRH_BYTES + BTH_BYTES + Mux(with_reth, RETH_BYTES, 0) + Mux(with_immdt, IMMDT_BYTES, 0)
             + Mux(job.atomic, ATOMIC_ETH_BYTES, 0))
 
-        lrh = Signal(LRH)
-        bth = Signal(BTH)
+        headers = iba_local_headers(
+            m, vl=job.vl, sl=job.sl, dlid=job.dlid, slid=self.slid, opcode=ib_opcode,
+            pkey=job.pkey, destqp=job.dest_qpn, psn=psn, header_bytes=header_bytes,
+            payload_bytes=plen, se=job.solicited & last, ackreq=last)
         reth = Signal(RETH)
         immdt = Signal(IMMDT)
         atomic_eth = Signal(ATOMIC_ETH)
-        pad = Signal(2)
         m.d.comb += [
-            pad.eq(-plen),
-            lrh.vl.eq(job.vl), lrh.sl.eq(job.sl), lrh.lnh.eq(LNH_IBA_LOCAL),
-            lrh.dlid.eq(job.dlid), lrh.slid.eq(self.slid),
-            lrh.pktlen.eq((header_bytes + plen + pad + 4) // PKTLEN_WORD_BYTES),
-            bth.opcode.eq(ib_opcode), bth.se.eq(job.solicited & last), bth.padcnt.eq(pad),
-            bth.pkey.eq(job.pkey), bth.destqp.eq(job.dest_qpn), bth.ackreq.eq(last),
-            bth.psn.eq(psn),
             reth.va.eq(job.raddr), reth.rkey.eq(job.rkey), reth.dmalen.eq(job.length),
             immdt.imm.eq(job.imm),
             atomic_eth.va.eq(job.raddr), atomic_eth.rkey.eq(job.rkey),
@@ -426,7 +420,7 @@ class WqeExecutor(wiring.Component):
         item = Signal(_ItemLayout())
         m.d.comb += [
             item.desc.vl.eq(job.vl),
-            item.desc.header.eq(Cat(to_wire(LRH, lrh), to_wire(BTH, bth), ext)),
+            item.desc.header.eq(Cat(headers, ext)),
             item.desc.header_bytes.eq(header_bytes),
             item.desc.payload_bytes.eq(plen),
             item.has_packet.eq(job_sent),
@@ -435,14 +429,7 @@ class WqeExecutor(wiring.Component):
             item.has_completion.eq(j_last & ~job.resent),
         ]
         with m.If(dma):
-            m.d.comb += [
-                item.desc.source.eq(PayloadSource.DMA),
-                item.desc.offset.eq(bursts.offset),
-                item.desc.dma_beats.eq(bursts.beats),
-                item.n_ar.eq(bursts.n_ar),
-                item.ar0_addr.eq(bursts.ar0_addr), item.ar0_len.eq(bursts.ar0_len),
-                item.ar1_addr.eq(bursts.ar1_addr), item.ar1_len.eq(bursts.ar1_len),
-            ]
+            m.d.comb += dma_payload(item, bursts)
         with m.Elif(job_sent & job.inline & (plen != 0)):
             m.d.comb += [
                 item.desc.source.eq(PayloadSource.INLINE),
