@@ -25,7 +25,8 @@ from pathlib import Path
 
 from hdl import emit, logic_depth
 
-__all__ = ["LUT_LEVEL_BUDGET", "LUT_LEVEL_GOAL", "synthesize", "records", "render_report", "main"]
+__all__ = ["LUT_LEVEL_BUDGET", "LUT_LEVEL_GOAL", "synthesize", "records", "render_report",
+           "clock_evidence", "main"]
 
 LUT_LEVEL_BUDGET = 6
 LUT_LEVEL_GOAL = 4
@@ -278,6 +279,26 @@ def records(results):
             out.append({"name": f"fpga.{r['name']}.{key}", "value": value, "unit": unit,
                         "config": {**config, **extra}})
     return out
+
+
+def clock_evidence(bench_records):
+    """One sentence on what synthesis shows for the assumed clock, from the ``fpga.*``
+    records of build/bench/results.json (a report that gives nanoseconds says it)."""
+    levels = {r["name"].split(".")[1]: r["value"] for r in bench_records
+              if r["name"].startswith("fpga.") and r["name"].endswith(".lut_levels")}
+    fmax = {r["name"].split(".")[1]: r["value"] for r in bench_records
+            if r["name"].startswith("fpga.") and r["name"].endswith(".ecp5_fmax_mhz")}
+    if not levels:
+        return (f"{CLOCK_MHZ:g} MHz is assumed; no synthesis result here yet (make fpga, "
+                f"docs/fpga.md)")
+    top, deepest = max(levels.items(), key=lambda kv: kv[1])
+    over = sorted(t for t, v in levels.items() if v > LUT_LEVEL_BUDGET)
+    text = (f"{CLOCK_MHZ:g} MHz is assumed; synthesis (make fpga): deepest path {deepest} LUT "
+            f"levels ({top}), budget {LUT_LEVEL_BUDGET}, {len(over)} of {len(levels)} tops over it")
+    if fmax:
+        low = min(fmax.items(), key=lambda kv: kv[1])
+        text += f"; ECP5 fmax {low[1]:.0f} to {max(fmax.values()):.0f} MHz ({len(fmax)} tops placed)"
+    return text + (": the clock is not yet earned" if over else "")
 
 
 def render_report(results):

@@ -299,6 +299,13 @@ def _headline(config):
     return f"tokenfabric {what}; {fabric}"
 
 
+def clock_evidence():
+    """What synthesis shows for the clock the nanoseconds assume (docs/fpga.md)."""
+    from hdl.fpga import clock_evidence as evidence
+    bench = Path(__file__).resolve().parent.parent / "build" / "bench" / "results.json"
+    return evidence(json.loads(bench.read_text()) if bench.exists() else [])
+
+
 def summary(results, figures):
     """The terminal summary (markdown tables), also the body of report.md."""
     config = results["config"]
@@ -316,6 +323,7 @@ def summary(results, figures):
         f"{figures['clock_mhz']:.0f} MHz ({figures['wire_gbytes_per_s']:.1f} GB/s per wire), "
         f"seed {config['seed']}",
         f"simulated {sim['cycles']:,} cycles ({sim['us']:.1f} us){speed}",
+        f"clock: {clock_evidence()}",
         "",
     ]
     hop = figures["hop"]
