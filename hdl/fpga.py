@@ -209,10 +209,10 @@ def fits_ecp5(resources):
 
 # --- one top ------------------------------------------------------------------------------
 
-def synthesize(name, *, out="build/fpga", verilog_dir="build/verilog", pnr=True, emitted=False,
-               log=print):
-    """Depth, resources and (when it fits and ``pnr``) fmax of one top, cached by digest;
-    its Verilog is emitted first unless ``emitted``."""
+def synthesize(name, *, out="build/fpga", verilog_dir="build/verilog", resources=True, pnr=True,
+               emitted=False, log=print):
+    """Depth, resources (``resources``) and, when it fits and ``pnr``, fmax of one top, each
+    cached by digest; its Verilog is emitted first unless ``emitted``."""
     out, verilog_dir = Path(out), Path(verilog_dir)
     if not emitted:
         emit.emit_top(name, verilog_dir)
@@ -221,8 +221,9 @@ def synthesize(name, *, out="build/fpga", verilog_dir="build/verilog", pnr=True,
     cache = work / "result.json"
     result = json.loads(cache.read_text()) if cache.exists() else {}
     result["name"] = name
-    steps = {"depth": (DEPTH_SCRIPT, lambda: depth(name, work)),
-             "ecp5": (ECP5_SCRIPT, lambda: ecp5_resources(name, work))}
+    steps = {"depth": (DEPTH_SCRIPT, lambda: depth(name, work))}
+    if resources or pnr:
+        steps["ecp5"] = (ECP5_SCRIPT, lambda: ecp5_resources(name, work))
     if pnr:
         steps["pnr"] = (ECP5_SCRIPT + PNR_VERSION, lambda: place_and_route_if_fits(name, work, text, result))
     work.mkdir(parents=True, exist_ok=True)
