@@ -269,10 +269,11 @@ def records(results):
         values = [("lut_levels", lut_levels(r), "LUT levels",
                    {"path": path and {k: path[k] for k in ("class", "from", "to")}}),
                   ("luts", r["depth"]["cells"]["luts"], "6-input LUTs", {}),
-                  ("ffs", r["depth"]["cells"]["ffs"], "flip-flops", {}),
-                  ("ecp5_luts", r["ecp5"]["lut4s"], "ECP5 LUT4s", {}),
-                  ("brams", r["ecp5"]["brams"], "ECP5 18 Kbit block RAMs (DP16KD, PDPW16KD)", {}),
-                  ("dsps", r["ecp5"]["dsps"], "ECP5 MULT18X18D", {})]
+                  ("ffs", r["depth"]["cells"]["ffs"], "flip-flops", {})]
+        if "ecp5" in r:
+            values += [("ecp5_luts", r["ecp5"]["lut4s"], "ECP5 LUT4s", {}),
+                       ("brams", r["ecp5"]["brams"], "ECP5 18 Kbit block RAMs (DP16KD, PDPW16KD)", {}),
+                       ("dsps", r["ecp5"]["dsps"], "ECP5 MULT18X18D", {})]
         if "fmax_mhz" in r.get("pnr", {}):
             values.append(("ecp5_fmax_mhz", r["pnr"]["fmax_mhz"], "MHz",
                            {"device": ECP5["name"], "package": ECP5["package"], "seed": 1}))
@@ -317,9 +318,10 @@ def render_report(results, failed=None):
         fmax = f"{pnr['fmax_mhz']:.1f} MHz" if "fmax_mhz" in pnr else pnr.get("skipped", "not run")
         levels = lut_levels(r)
         mark = "" if levels <= LUT_LEVEL_BUDGET else " ✗"
+        ecp5 = (f"{r['ecp5']['lut4s']:,} | {r['ecp5']['brams']} | {r['ecp5']['dsps']}"
+                if "ecp5" in r else "not run | | ")
         lines.append(f"| `{r['name']}` | {levels}{mark} | {where} | {r['depth']['cells']['luts']:,} "
-                     f"| {r['depth']['cells']['ffs']:,} | {r['ecp5']['lut4s']:,} "
-                     f"| {r['ecp5']['brams']} | {r['ecp5']['dsps']} | {fmax} |")
+                     f"| {r['depth']['cells']['ffs']:,} | {ecp5} | {fmax} |")
     for name, error in (failed or {}).items():
         lines.append(f"| `{name}` | failed | {error.splitlines()[-1]} | | | | | | |")
     for r in results:
@@ -331,17 +333,19 @@ def render_report(results, failed=None):
         for path in r["depth"]["worst"]:
             lines.append(f"- {path['levels']} levels, {path['class']}: `{path['from']}` → "
                          f"`{path['to']}` through " + ", ".join(f"`{n}`" for n in path["through"][1:-1]))
-        memories = memory_mapping(r)
-        lines += ["", "Memories: " + (", ".join(
-            f"`{m['name']}` {m['depth']} x {m['width']} → {m['ecp5']}{'' if m['ok'] else ' ✗ (belongs in block RAM)'}"
-            for m in memories) or "none") + ".",
-            "", "ECP5 cells: " + ", ".join(f"{k} {v:,}" for k, v in r["ecp5"]["cells"].items()),
-            "", "Run times: " + ", ".join(f"{k} {r[k]['seconds']} s" for k in ("depth", "ecp5", "pnr")
+        if "ecp5" in r:
+            lines += ["", "Memories: " + (", ".join(
+                f"`{m['name']}` {m['depth']} x {m['width']} → {m['ecp5']}"
+                f"{'' if m['ok'] else ' ✗ (belongs in block RAM)'}"
+                for m in memory_mapping(r)) or "none") + ".",
+                "", "ECP5 cells: " + ", ".join(f"{k} {v:,}" for k, v in r["ecp5"]["cells"].items())]
+        lines += ["", "Run times: " + ", ".join(f"{k} {r[k]['seconds']} s" for k in ("depth", "ecp5", "pnr")
                                           if "seconds" in r.get(k, {}))]
     return "\n".join(lines) + "\n"
 
 
-def run_all(names=None, *, out="build/fpga", verilog_dir="build/verilog", pnr=True, jobs=2):
+def run_all(names=None, *, out="build/fpga", verilog_dir="build/verilog", resources=True, pnr=True,
+            jobs=2):
     """Synthesize ``names`` (default: every top); a top whose flow fails is reported and
     the others still run. Returns the results of those that succeeded and raises at the end
     if any failed."""
@@ -352,7 +356,8 @@ def run_all(names=None, *, out="build/fpga", verilog_dir="build/verilog", pnr=Tr
 
     def one(name):
         try:
-            return synthesize(name, out=out, verilog_dir=verilog_dir, pnr=pnr, emitted=True,
+            return synthesize(name, out=out, verilog_dir=verilog_dir, resources=resources,
+                              pnr=pnr, emitted=True,
                               log=lambda s: print(s, flush=True))
         except Exception as exc:     # report every top, then fail
             failed[name] = f"{type(exc).__name__}: {exc}"
@@ -375,12 +380,15 @@ def main(argv=None):
     parser.add_argument("--out", default="build/fpga")
     parser.add_argument("--verilog", default="build/verilog")
     parser.add_argument("--no-pnr", action="store_true", help="skip place and route")
+    parser.add_argument("--depth-only", action="store_true",
+                        help="only the LUT-level run (no ECP5 resources, no place and route)")
     parser.add_argument("-j", "--jobs", type=int, default=2)
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in emit.TOPS]
     if unknown:
         parser.error(f"unknown top(s) {', '.join(unknown)}")
-    results = run_all(args.names, out=args.out, verilog_dir=args.verilog, pnr=not args.no_pnr,
+    results = run_all(args.names, out=args.out, verilog_dir=args.verilog,
+                      resources=not args.depth_only, pnr=not (args.no_pnr or args.depth_only),
                       jobs=args.jobs)
     for r in results:
         path = deepest_path(r)
