@@ -160,15 +160,15 @@ class LinkTransmitter(wiring.Component):
         since_fc = [Signal(range(self.fc_period + 1), init=self.fc_period, name=f"since_fc{v}")
                     for v in range(num_vls)]
         last_fccl = [Signal(FCCL_BITS, name=f"last_fccl{v}") for v in range(num_vls)]
-        # The batch test's subtraction and compare are registered: it sees FCCL and the last
-        # one sent a cycle late. Stale only in the cycle after this VL's packet went, when
-        # since_fc = 0 < FC_BATCH_INTERVAL holds it off anyway.
-        batch_ready = Signal(num_vls)
-        # No flow-control packet in the cycle after a clear: the advertised FCCL is a
+        # Registered: whether a VL wants a flow-control packet in the next cycle. The timer
+        # terms look one cycle ahead, so they fire exactly when they did unregistered; the
+        # FCCL terms see the advertised FCCL a cycle late, and the batch test (a subtraction
+        # and a compare) two. A VL whose packet goes now wants none next cycle (its timer
+        # restarts), and none goes in the cycle after a clear: the advertised FCCL is a
         # register of our receiver's and still holds the value from before the clear.
-        cleared = Signal()
-        m.d.sync += cleared.eq(self.clear)
+        batch_ready = Signal(num_vls)
         want_fc = Signal(num_vls)
+        fc_going = Signal(num_vls)
         for v in range(num_vls):
             with m.If(since_fc[v] != self.fc_period):
                 m.d.sync += since_fc[v].eq(since_fc[v] + 1)
@@ -177,11 +177,11 @@ class LinkTransmitter(wiring.Component):
             # Until the link is up, the peer may be missing our packets: repeat them often.
             # Once up, a change is reported within fc_min_interval, and a large one (a
             # batch of freed blocks the sender may be starving for) almost at once.
-            m.d.comb += want_fc[v].eq(~cleared & (
-                (since_fc[v] >= self.fc_min_interval)
+            m.d.sync += want_fc[v].eq(~self.clear & ~fc_going[v] & (
+                (since_fc[v] >= self.fc_min_interval - 1)
                 & ((self.state != LinkState.ACTIVE) | (self.advertise_fccl[v] != last_fccl[v]))
-                | (since_fc[v] >= FC_BATCH_INTERVAL) & batch_ready[v]
-                | (since_fc[v] == self.fc_period)))
+                | (since_fc[v] >= FC_BATCH_INTERVAL - 1) & batch_ready[v]
+                | (since_fc[v] >= self.fc_period - 1)))
         fc_vl = Signal(vl_index(num_vls))
         for v in reversed(range(num_vls)):
             with m.If(want_fc[v]):
@@ -294,6 +294,7 @@ class LinkTransmitter(wiring.Component):
             ]
             for v in range(num_vls):
                 with m.If(fc_vl == v):
+                    m.d.comb += fc_going[v].eq(1)
                     m.d.sync += [since_fc[v].eq(0), last_fccl[v].eq(self.advertise_fccl[v])]
         with m.Elif(pick_valid):
             m.d.comb += [beat.eq(inputs[pick].payload),
