@@ -1,8 +1,8 @@
 from amaranth.hdl import C, Cat, Module, Mux, Signal, Value
-from amaranth.lib import crc, wiring
+from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
-from .matrices import advance_columns, data_matrix, multiply, rows, state_lane_bit
+from .matrices import check_parameters, advance_columns, data_matrix, multiply, rows, state_lane_bit
 
 __all__ = ["AlignedCRC", "align", "lead"]
 
@@ -47,10 +47,7 @@ class AlignedCRC(wiring.Component):
         since ``start`` including this beat.
     """
     def __init__(self, algorithm, width):
-        if not isinstance(algorithm, crc.Algorithm):
-            raise ValueError(f"Algorithm must be an amaranth.lib.crc.Algorithm, not {algorithm!r}")
-        if not isinstance(width, int) or width < 8 or width > 256 or width & (width - 1):
-            raise ValueError(f"Beat width must be a power of two from 8 to 256 bytes, not {width!r}")
+        check_parameters(algorithm, width)
         self._algorithm = algorithm
         self._width = width
         super().__init__({

@@ -1,9 +1,9 @@
 from amaranth.hdl import C, Cat, Module, Mux, Signal
-from amaranth.lib import crc, wiring
+from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
-from .matrices import advance_columns, data_matrix, multiply, rows
+from .matrices import check_parameters, advance_columns, data_matrix, multiply, rows
 
 __all__ = ["BeatCRC"]
 
@@ -69,10 +69,7 @@ class BeatCRC(wiring.Component):
         first), so a receiver can check a packet on its last beat.
     """
     def __init__(self, algorithm, width, granule=1):
-        if not isinstance(algorithm, crc.Algorithm):
-            raise ValueError(f"Algorithm must be an amaranth.lib.crc.Algorithm, not {algorithm!r}")
-        if not isinstance(width, int) or width < 8 or width > 256 or width & (width - 1):
-            raise ValueError(f"Beat width must be a power of two from 8 to 256 bytes, not {width!r}")
+        check_parameters(algorithm, width)
         if granule not in (1, 2, 4):
             raise ValueError(f"Granule must be 1, 2 or 4 bytes, not {granule!r}")
         self._parameters = algorithm(8)

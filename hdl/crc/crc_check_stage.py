@@ -2,10 +2,10 @@ from functools import reduce
 from operator import xor
 
 from amaranth.hdl import Array, C, Cat, Module, Mux, Signal
-from amaranth.lib import crc, wiring
+from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
-from .matrices import advance_columns, data_matrix, multiply, rows
+from .matrices import check_parameters, advance_columns, data_matrix, multiply, rows
 
 __all__ = ["CRCCheckStage"]
 
@@ -38,10 +38,7 @@ class CRCCheckStage(wiring.Component):
         beat is a valid codeword (data followed by its CRC, least-significant byte first).
     """
     def __init__(self, algorithm, width):
-        if not isinstance(algorithm, crc.Algorithm):
-            raise ValueError(f"Algorithm must be an amaranth.lib.crc.Algorithm, not {algorithm!r}")
-        if not isinstance(width, int) or width < 8 or width > 256 or width & (width - 1):
-            raise ValueError(f"Beat width must be a power of two from 8 to 256 bytes, not {width!r}")
+        check_parameters(algorithm, width)
         self._algorithm = algorithm
         self._width = width
         super().__init__({

@@ -5,8 +5,17 @@ bits ``d`` advance it to ``A^n·s ⊕ D_n·d``. A matrix is a list of output row
 each row the set of input bit indices XORed into that output bit.
 """
 from amaranth.hdl import Cat, Const
+from amaranth.lib import crc
 
-__all__ = ["data_matrix", "advance_columns", "state_lane_bit", "rows", "multiply"]
+__all__ = ["check_parameters", "data_matrix", "advance_columns", "state_lane_bit", "rows", "multiply"]
+
+
+def check_parameters(algorithm, width):
+    """The constructor checks of a beat CRC: a ``lib.crc`` algorithm and a beat width."""
+    if not isinstance(algorithm, crc.Algorithm):
+        raise ValueError(f"Algorithm must be an amaranth.lib.crc.Algorithm, not {algorithm!r}")
+    if not isinstance(width, int) or width < 8 or width > 256 or width & (width - 1):
+        raise ValueError(f"Beat width must be a power of two from 8 to 256 bytes, not {width!r}")
 
 
 def _shifter(algorithm):
