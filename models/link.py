@@ -25,24 +25,28 @@ in the receive buffer (the VCRC is stripped) and ``ceil(n / 64)`` credit blocks.
 Timing, matching the RTL cycle for cycle (all "cycle t" below is the cycle in which
 a block's combinational logic decides; its registers show the result at t + 1):
 
-- transmitter: a start beat accepted at t is in the output register at t + 1; the
-  rest of the packet follows one beat a cycle, the VCRC spilling into one more beat
-  when it must; the next packet or flow-control packet can be chosen in the cycle
-  after the last beat was chosen. Priority at a packet boundary: flow-control packet,
-  then a data packet (so a flow-control packet goes out only between data packets).
+- transmitter: a start beat accepted at t is in the beat register at t + 1 and in the
+  output register (VCRC appended) at t + 2; the rest of the packet follows one beat a
+  cycle, the VCRC spilling into one more beat when it must; the next packet or
+  flow-control packet can be chosen in the cycle after the last beat was chosen.
+  Priority at a packet boundary: flow-control packet, then a data packet (so a
+  flow-control packet goes out only between data packets).
 - cable: ``wire_delay`` registers (LinkPair's delay line, 0 = wired straight).
-- receiver: one input register, so the beat a transmitter chose at t is handled at
-  t + 2 + wire_delay: written into the VL's beat FIFO, and at the wire end beat the
-  verdict is written and ABR / used blocks are updated (visible at the next cycle).
-  :class:`Channel` ``delay`` = 1 (output register) + wire_delay + 1 (input register).
+- receiver: an input register and the VCRC check's register, so the beat a
+  transmitter chose at t is handled at t + 4 + wire_delay: written into the VL's beat
+  FIFO, and at the wire end beat the verdict is written and ABR / used blocks are
+  updated (visible at the next cycle). :class:`Channel` ``delay`` = 2 (beat and output
+  registers) + wire_delay + 2 (input and check registers).
 - PacketBuffer: an entry written at c is readable at c + 2 (SyncFIFOBuffered), one
   read per cycle. Store-and-forward starts a packet when its verdict is readable;
   cut-through starts it as soon as the start beat is, the end beat waits for the
   verdict. Reading the end beat releases the packet: used blocks drop the next cycle.
-- flow control: the transmitter reads its receiver's FCCL combinationally; the peer's
-  receiver decodes the packet in its input-register stage, reports it on the
-  registered ``flow_control`` port, and the transmitter's credit limit register takes
-  it one cycle later: a decision at t changes the sender's limit at t + 4 + wire_delay.
+- flow control: the receiver's FCCL is a register (ABR + free blocks of the cycle
+  before), the transmitter's decision to send a flow-control packet another
+  (:class:`FlowControlScheduler`); the peer's receiver decodes the packet in its check
+  stage, reports it on the registered ``flow_control`` port, and the transmitter's
+  credit limit register takes it one cycle later: a decision at t changes the sender's
+  limit at t + 6 + wire_delay.
 
 Simplifications (said where they matter):
 
@@ -222,8 +226,14 @@ class FlowControlScheduler:
 
     The lowest wanting VL goes first. The transmitter sends it only at a packet
     boundary (flow-control packets go between data packets, ahead of the next one).
-    Call :meth:`choose` with the advertised FCCLs of this cycle, then :meth:`step` with
-    the VL actually sent (or None) once per cycle.
+
+    As in the RTL the decision is a register: :meth:`step` decides from this cycle's
+    values whether a VL wants a packet in the next one. The timer terms look a cycle
+    ahead, so they fire in the cycle they name; the FCCL terms see the advertised FCCL
+    one cycle late, and the batch test (itself registered) two. A VL sent in this
+    cycle wants none in the next. Call :meth:`choose` (which VL goes, if this is a
+    packet boundary), then :meth:`step` with the VL actually sent (or None) and the
+    advertised FCCLs of this cycle, once per cycle.
     """
 
     def __init__(self, num_vls: int, fc_period: int = 1024, fc_min_interval: int = 64,
@@ -236,26 +246,38 @@ class FlowControlScheduler:
         self.fc_batch_blocks = fc_batch_blocks
         self.since = [fc_period] * num_vls     # RTL reset / clear values
         self.last = [0] * num_vls
+        self.batch_ready = [False] * num_vls   # registered: (FCCL - last) >= batch
+        self.want = [False] * num_vls          # registered: wants a packet this cycle
 
-    def wants(self, vl: int, fccl: int, active: bool = True) -> bool:
-        since = self.since[vl]
-        if since == self.fc_period:
-            return True
-        advanced = (fccl - self.last[vl]) & FCCL_MASK
-        if since >= self.fc_min_interval and (advanced or not active):
-            return True
-        batch = self.fc_batch_blocks
-        return batch is not None and since >= FC_BATCH_INTERVAL and advanced >= batch
-
-    def choose(self, advertised, active: bool = True):
+    def start(self, advertised) -> None:
+        """Set the registers as if the timers had been running: a VL wants a packet
+        now if its timer and the advertised FCCL say so."""
         for vl in range(self.num_vls):
-            if self.wants(vl, advertised[vl], active):
+            since = self.since[vl]
+            self.batch_ready[vl] = self._batch(vl, advertised[vl])
+            self.want[vl] = (since == self.fc_period
+                             or since >= self.fc_min_interval and advertised[vl] != self.last[vl]
+                             or since >= FC_BATCH_INTERVAL and self.batch_ready[vl])
+
+    def _batch(self, vl, fccl):
+        batch = self.fc_batch_blocks
+        return batch is not None and ((fccl - self.last[vl]) & FCCL_MASK) >= batch
+
+    def choose(self):
+        for vl in range(self.num_vls):
+            if self.want[vl]:
                 return vl
         return None
 
-    def step(self, sent_vl, advertised) -> None:
+    def step(self, sent_vl, advertised, active: bool = True) -> None:
         since, period = self.since, self.fc_period
         for vl in range(self.num_vls):
+            self.want[vl] = vl != sent_vl and (
+                since[vl] >= self.fc_min_interval - 1
+                and ((advertised[vl] & FCCL_MASK) != self.last[vl] or not active)
+                or since[vl] >= FC_BATCH_INTERVAL - 1 and self.batch_ready[vl]
+                or since[vl] >= period - 1)
+            self.batch_ready[vl] = self._batch(vl, advertised[vl])
             if vl == sent_vl:
                 since[vl] = 0
                 self.last[vl] = advertised[vl] & FCCL_MASK
@@ -424,7 +446,7 @@ class Transmitter:
     def step(self, now: int, advertised):
         """One cycle: returns the wire item chosen (into the output register), or None.
 
-        ``advertised``: this port's receiver FCCL per VL, read combinationally.
+        ``advertised``: this port's receiver FCCL per VL, as its register shows it this cycle.
         Wire items: ``(packet, wire beat index)`` or ``("fc", vl, fctbs, fccl)``.
         """
         senders, queues = self.senders, self.queues
@@ -453,7 +475,7 @@ class Transmitter:
                 self.busy = False
                 self.extra = packet.beats > packet.stored
         else:
-            fc_vl = fc.choose(advertised)
+            fc_vl = fc.choose()
             if fc_vl is not None:
                 item = (FC_ITEM, fc_vl, senders[fc_vl].fctbs, advertised[fc_vl] & FCCL_MASK)
                 sent_fc = fc_vl
@@ -626,7 +648,10 @@ class LinkModel:
             since = [since] * num_vls if isinstance(since, int) else list(since)
             self.tx[side].fc.since = [min(s, fc_period) for s in since]
             self.tx[side].fc.last = self.rx[side].fccl()
-        self.wire = {side: Channel(wire_delay + 2) for side in "ab"}     # from side's tx
+            self.tx[side].fc.start(self.rx[side].fccl())
+        # The receiver's FCCL register: what the transmitter sees is a cycle old.
+        self.advertised = {side: self.rx[side].fccl() for side in "ab"}
+        self.wire = {side: Channel(wire_delay + 4) for side in "ab"}     # from side's tx
         self.credit_path = {side: Channel(2) for side in "ab"}           # to side's tx
         self._next_id = 0
         self._offered = 0
@@ -683,8 +708,11 @@ class LinkModel:
             update = credit_path[side].pop(now)
             if update is not None:
                 tx[side].credit_update(*update)
-        # Transmitters first: they read their receivers' FCCL registers of this cycle.
-        items = {side: tx[side].step(now, rx[side].fccl()) for side in "ab"}
+        # Transmitters first: they read their receivers' FCCL registers of this cycle,
+        # which hold the credits as they were a cycle ago.
+        advertised = self.advertised
+        items = {side: tx[side].step(now, advertised[side]) for side in "ab"}
+        self.advertised = {side: rx[side].fccl() for side in "ab"}
         for side, peer in (("a", "b"), ("b", "a")):
             arriving = wire[peer].pop(now)
             if arriving is not None:
@@ -764,20 +792,23 @@ def pipeline_cycles(packet_bytes: int, width: int = 64, cut_through: bool = Fals
     """Fixed cycles of the credit loop besides the cable and the flow-control wait.
 
     From the cycle a packet's start beat is accepted (t) to the cycle the sender's
-    limit covers its blocks again, with ``b`` wire beats and ``k`` stored beats:
+    limit covers its blocks again, with ``b`` wire beats and ``k`` stored beats, when
+    the flow-control packet goes out on a change of FCCL (the minimum interval passed):
 
-    - wire end beat through the output and input registers: t + 2 + (b - 1);
-      verdict readable 2 cycles later (SyncFIFOBuffered): t + b + 3;
-    - release: cut-through reads the end beat then (t + b + 3); store-and-forward
+    - wire end beat through the beat, output, input and check registers:
+      t + 4 + (b - 1); verdict readable 2 cycles later (SyncFIFOBuffered): t + b + 5;
+    - release: cut-through reads the end beat then (t + b + 5); store-and-forward
       starts the packet then and reads its end k - 1 cycles later;
-    - used blocks drop at release + 1, B's transmitter sends the flow-control packet
-      in that cycle, + 1 output register, + 1 A's input register, + 1 flow_control
-      register, + 1 the limit register: release + 5 (plus 2 * wire_delay).
+    - used blocks drop at release + 1, the FCCL register at release + 2, B's
+      transmitter's registered decision at release + 3, + 1 beat register, + 1 output
+      register, + 1 A's input register, + 1 A's check register, + 1 flow_control
+      register, + 1 the limit register: release + 9 (plus 2 * wire_delay). The batch
+      rule's own register adds one more (:func:`credit_loop_cycles`).
     """
     b = wire_beats(packet_bytes, width)
     k = stored_beats(packet_bytes, width)
-    release = b + 3 + (0 if cut_through else k - 1)
-    return release + 5
+    release = b + 5 + (0 if cut_through else k - 1)
+    return release + 9
 
 
 def credit_loop_cycles(wire_delay: int, packet_bytes: int, width: int = 64, *,
@@ -786,13 +817,16 @@ def credit_loop_cycles(wire_delay: int, packet_bytes: int, width: int = 64, *,
     """Analytic credit round trip: 2 * wire_delay + pipeline + flow-control wait.
 
     The flow-control wait is what the scheduler adds when packets are released at
-    full rate, one every ``b`` cycles: none when the release changes FCCL by at
-    least ``fc_batch_blocks`` (sent once 4 cycles passed, and packets are longer than
-    that) or when ``b >= fc_min_interval``; else up to ``fc_min_interval - b``.
+    full rate, one every ``b`` cycles: none when ``b >= fc_min_interval``; one cycle
+    (the batch test's register) when the release changes FCCL by at least
+    ``fc_batch_blocks`` (sent once 4 cycles passed, and packets are longer than that);
+    else up to ``fc_min_interval - b``.
     """
     b = wire_beats(packet_bytes, width)
-    if fc_batch_blocks is not None and blocks(packet_bytes) >= fc_batch_blocks and b >= FC_BATCH_INTERVAL:
+    if b >= fc_min_interval:
         wait = 0
+    elif fc_batch_blocks is not None and blocks(packet_bytes) >= fc_batch_blocks and b >= FC_BATCH_INTERVAL:
+        wait = 1
     else:
         wait = max(0, fc_min_interval - b)
     return 2 * wire_delay + pipeline_cycles(packet_bytes, width, cut_through) + wait

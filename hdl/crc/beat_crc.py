@@ -1,7 +1,9 @@
-from amaranth.hdl import C, Cat, Const, Module, Mux, Signal
-from amaranth.lib import crc, wiring
+from amaranth.hdl import C, Cat, Module, Mux, Signal
+from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
+
+from .matrices import check_parameters, advance_columns, data_matrix, multiply, rows
 
 __all__ = ["BeatCRC"]
 
@@ -67,10 +69,7 @@ class BeatCRC(wiring.Component):
         first), so a receiver can check a packet on its last beat.
     """
     def __init__(self, algorithm, width, granule=1):
-        if not isinstance(algorithm, crc.Algorithm):
-            raise ValueError(f"Algorithm must be an amaranth.lib.crc.Algorithm, not {algorithm!r}")
-        if not isinstance(width, int) or width < 8 or width > 256 or width & (width - 1):
-            raise ValueError(f"Beat width must be a power of two from 8 to 256 bytes, not {width!r}")
+        check_parameters(algorithm, width)
         if granule not in (1, 2, 4):
             raise ValueError(f"Granule must be 1, 2 or 4 bytes, not {granule!r}")
         self._parameters = algorithm(8)
@@ -89,7 +88,7 @@ class BeatCRC(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         algorithm, width = self._algorithm, self._width
-        data_matrix, fine_matrices, coarse_matrices = _beat_matrices(algorithm, width, self._granule)
+        beat_matrix, fine_matrices, coarse_matrices = _beat_matrices(algorithm, width, self._granule)
 
         state = Signal(algorithm.crc_width, init=algorithm.initial_crc)
         source = Signal(algorithm.crc_width)
@@ -107,16 +106,16 @@ class BeatCRC(wiring.Component):
         with m.Switch(fine_step):
             for step, matrix in enumerate(fine_matrices):
                 with m.Case(step):
-                    m.d.comb += fine_advanced.eq(_multiply(matrix, source))
+                    m.d.comb += fine_advanced.eq(multiply(matrix, source))
         advanced = Signal(algorithm.crc_width)
         with m.Switch(coarse_step):
             # Counts past the width are not allowed; the last case as the default keeps the case complete.
             for step, matrix in enumerate(coarse_matrices):
                 with m.Case(step) if step < len(coarse_matrices) - 1 else m.Default():
-                    m.d.comb += advanced.eq(_multiply(matrix, fine_advanced))
+                    m.d.comb += advanced.eq(multiply(matrix, fine_advanced))
 
         following = Signal(algorithm.crc_width)
-        m.d.comb += following.eq(_multiply(data_matrix, aligned) ^ advanced)
+        m.d.comb += following.eq(multiply(beat_matrix, aligned) ^ advanced)
         with m.If(self.valid):
             m.d.sync += state.eq(following)
 
@@ -134,42 +133,12 @@ def _beat_matrices(algorithm, width, granule):
     ``fine[n]`` advances the state by ``n`` granules for ``n < 2^b`` and
     ``coarse[n]`` by ``n·2^b`` granules, with ``b`` half the bits of a count
     in granules.
-
-    A matrix is a list of output rows, each row the set of input bit indices
-    XORed into that output bit.
     """
-    crc_width, polynomial = algorithm.crc_width, algorithm.polynomial
-    top, mask = 1 << (crc_width - 1), (1 << crc_width) - 1
-
-    def shift(register):  # one zero bit through the unreflected register
-        return ((register << 1) & mask) ^ (polynomial if register & top else 0)
-
-    # A data bit d entering a zero register leaves `polynomial·d`; each later bit shifts it once more.
-    data_bits = 8 * width
-    columns = [0] * data_bits
-    contribution = polynomial
-    for position in reversed(range(data_bits)):
-        lane, order = divmod(position, 8)
-        bit = order if algorithm.reflect_input else 7 - order
-        columns[8 * lane + bit] = contribution
-        contribution = shift(contribution)
-    data_matrix = _rows(columns, crc_width)
-
     steps = width // granule
     fine_steps = 1 << steps.bit_length() // 2
     powers = []  # powers[n] advances the state by n granules
-    columns = [1 << bit for bit in range(crc_width)]
+    columns = advance_columns(algorithm, 0)
     for _ in range(steps + 1):
-        powers.append(_rows(columns, crc_width))
-        for _ in range(8 * granule):
-            columns = [shift(column) for column in columns]
-    return data_matrix, powers[:fine_steps], powers[::fine_steps]
-
-
-def _rows(columns, crc_width):
-    return [[index for index, column in enumerate(columns) if column >> row & 1]
-            for row in range(crc_width)]
-
-
-def _multiply(matrix, vector):
-    return Cat(Cat(vector[index] for index in row).xor() if row else Const(0, 1) for row in matrix)
+        powers.append(rows(columns, algorithm.crc_width))
+        columns = advance_columns(algorithm, 8 * granule, columns)
+    return data_matrix(algorithm, width), powers[:fine_steps], powers[::fine_steps]

@@ -3,7 +3,7 @@ from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from ..crc.algorithms import VCRC
-from ..crc.beat_crc import BeatCRC
+from ..crc.crc_check_stage import CRCCheckStage
 from .packet_buffer import PacketBuffer
 from .signatures import (
     BLOCK_BYTES, FCCL_BITS, VCRC_BYTES, BeatLayout, FlowControlOp, FlowControlSignature,
@@ -116,7 +116,7 @@ class LinkReceiver(wiring.Component):
             "state": In(LinkState),
             "clear": In(1),
             "flow_control": Out(FlowControlSignature()),
-            "fccl": Out(FCCL_BITS).array(num_vls),
+            "fccl": Out(FCCL_BITS, init=buffer_blocks).array(num_vls),
             "abr": Out(FCCL_BITS).array(num_vls),
             "used_blocks": Out(range(buffer_blocks + 1)).array(num_vls),
             "overflow": Out(1),
@@ -135,25 +135,34 @@ class LinkReceiver(wiring.Component):
         width, num_vls = self.width, self.num_vls
         max_bytes = max_wire_bytes(self.mtu)
 
-        # Register the wire: the cable/PHY boundary.
+        # Register the wire: the cable/PHY boundary. The VCRC check takes the beat from
+        # there into its own register stage; the beat follows through a second register
+        # (w), where the checks below see it together with the VCRC verdict.
+        r_valid = Signal()
+        r = Signal(BeatLayout(width))
+        r_link = Signal()
+        r_keep = Signal(width)      # the beat's bytes, a bit per lane
+        wire_bytes = Mux(self.wire.end, self.wire.count, width)
+        m.d.sync += [
+            r_valid.eq(self.wire.valid),
+            r.data.eq(self.wire.data), r.start.eq(self.wire.start), r.end.eq(self.wire.end),
+            r.count.eq(self.wire.count), r.end_bad.eq(self.wire.end_bad),
+            r_link.eq(self.wire.link),
+            r_keep.eq(Cat(lane < wire_bytes for lane in range(width))),
+        ]
+        m.submodules.vcrc = vcrc = CRCCheckStage(VCRC, width)
+        m.d.comb += [
+            vcrc.start.eq(r.start),
+            vcrc.valid.eq(r_valid),
+            vcrc.data.eq(r.data),
+            vcrc.keep.eq(r_keep),
+            vcrc.count.eq(Mux(r.end, r.count, width)),
+        ]
         w_valid = Signal()
         w = Signal(BeatLayout(width))
         w_link = Signal()
-        m.d.sync += [
-            w_valid.eq(self.wire.valid),
-            w.data.eq(self.wire.data), w.start.eq(self.wire.start), w.end.eq(self.wire.end),
-            w.count.eq(self.wire.count), w.end_bad.eq(self.wire.end_bad),
-            w_link.eq(self.wire.link),
-        ]
-
-        m.submodules.vcrc = vcrc = BeatCRC(VCRC, width=width, granule=1)
+        m.d.sync += [w_valid.eq(r_valid), w.eq(r), w_link.eq(r_link)]
         beat_bytes = Mux(w.end, w.count, width)
-        m.d.comb += [
-            vcrc.start.eq(w.start),
-            vcrc.valid.eq(w_valid),
-            vcrc.data.eq(w.data),
-            vcrc.count.eq(beat_bytes),
-        ]
 
         write_vl = Signal(vl_index(num_vls))
         write = Signal(StoredBeatLayout(width))
@@ -214,7 +223,8 @@ class LinkReceiver(wiring.Component):
                 m.d.sync += self.abr[v].eq(fc_fctbs)
             with m.Elif(verdict_en & (write_vl == v)):
                 m.d.sync += self.abr[v].eq(self.abr[v] + verdict_blocks)
-            m.d.comb += self.fccl[v].eq(self.abr[v] + self.buffer_blocks - used)
+            # Registered: FCCL follows ABR and used blocks one cycle late.
+            m.d.sync += self.fccl[v].eq(self.abr[v] + self.buffer_blocks - used)
             with m.If(self.clear):
                 m.d.sync += self.abr[v].eq(0)
 
@@ -253,8 +263,8 @@ class LinkReceiver(wiring.Component):
         if self.routed:
             # The forwarding-table lookup of this start beat went out a cycle ago.
             m.d.comb += [
-                self.route.lid.eq(Cat(self.wire.data[24:32], self.wire.data[16:24])),
-                self.route.sl.eq(self.wire.data[12:16]),
+                self.route.lid.eq(Cat(r.data[24:32], r.data[16:24])),
+                self.route.sl.eq(r.data[12:16]),
             ]
             reject_reason["invalid_vl"] = reject_reason["invalid_vl"] | self.route.no_vl
             reject_reason["unknown_dlid"] = self.route.unknown

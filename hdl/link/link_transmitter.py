@@ -2,8 +2,8 @@ from amaranth import *
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
+from ..crc.aligned_crc import AlignedCRC, align, lead
 from ..crc.algorithms import VCRC
-from ..crc.beat_crc import BeatCRC
 from .signatures import (
     BeatLayout, FlowControlOp, FlowControlSignature, LinkState, WireSignature,
     FCCL_BITS, VCRC_BYTES, blocks_of, check_mtu, check_width, lrh_wire_bytes, max_wire_bytes,
@@ -35,7 +35,9 @@ class LinkTransmitter(wiring.Component):
     granted; a packet longer than the MTU allows, or a stream that does not
     begin with a start beat, is discarded. Each case is counted.
 
-    Latency: one cycle from an accepted start beat to the start beat on the wire.
+    Latency: two cycles from an accepted start beat to the start beat on the wire: the
+    beat is chosen into a register with its CRC inputs aligned, and the VCRC is computed
+    from there into the wire register.
     """
 
     def __init__(self, *, width=64, num_vls=2, mtu=4096, fc_period=1024, fc_min_interval=64,
@@ -84,8 +86,30 @@ class LinkTransmitter(wiring.Component):
         width, num_vls = self.width, self.num_vls
         max_bytes = max_wire_bytes(self.mtu)
 
-        m.submodules.vcrc = vcrc = BeatCRC(VCRC, width=width, granule=1)
-        m.submodules.lpcrc = lpcrc = BeatCRC(VCRC, width=8, granule=1)
+        # Two stages: the decision registers the beat with its CRC inputs aligned (stage 1),
+        # then the CRC is computed from those registers and put in its lanes on the wire.
+        m.submodules.vcrc = vcrc = AlignedCRC(VCRC, width)
+        s1_valid, s1_link, s1_start, s1_end, s1_end_bad = (Signal(name=f"s1_{name}") for name in
+                                                            ("valid", "link", "start", "end", "end_bad"))
+        s1_count = Signal(range(width + 1))
+        s1_data = Signal(8 * width)
+        # Per lane: the beat's own byte, the CRC's low byte, its high byte (else zero).
+        s1_keep, s1_low, s1_high = Signal(width), Signal(width), Signal(width)
+        s1_crc_valid, s1_crc_start = Signal(), Signal()
+        s1_crc_data = Signal(8 * width)
+        s1_crc_lead = Signal(width + 1)
+        m.d.comb += [
+            vcrc.valid.eq(s1_crc_valid), vcrc.start.eq(s1_crc_start),
+            vcrc.data.eq(s1_crc_data), vcrc.lead.eq(s1_crc_lead),
+        ]
+        m.d.sync += [
+            self.wire.valid.eq(s1_valid), self.wire.link.eq(s1_link), self.wire.start.eq(s1_start),
+            self.wire.end.eq(s1_end), self.wire.end_bad.eq(s1_end_bad), self.wire.count.eq(s1_count),
+            self.wire.data.eq(Cat(
+                Mux(s1_keep[lane], s1_data[8 * lane:8 * lane + 8], 0)
+                | Mux(s1_low[lane], vcrc.crc[0:8], 0) | Mux(s1_high[lane], vcrc.crc[8:16], 0)
+                for lane in range(width))),
+        ]
 
         fctbs = Array(self.fctbs)
         limit = Array(self.credit_limit)
@@ -96,8 +120,7 @@ class LinkTransmitter(wiring.Component):
         current = Signal(vl_index(num_vls))
         allowed = Signal(range(max_bytes + 1))  # bytes of LRH..ICRC still allowed by PktLen
         extra_beat = Signal()                   # VCRC spilled into one more beat
-        extra_data = Signal(16)
-        extra_count = Signal(range(VCRC_BYTES + 1))
+        extra_whole = Signal()                  # ... all of it, not just the high byte
         extra_bad = Signal()
 
         # --- per-VL head packets and credit check ---
@@ -123,24 +146,42 @@ class LinkTransmitter(wiring.Component):
             ]
             with m.If(head_start[v] & ~head_too_long[v] & ~credit_ok[v] & active):
                 m.d.sync += self.credit_stall_cycles[v].eq(self.credit_stall_cycles[v] + 1)
+        # Each VL's head beat as the CRC stage takes it, aligned by its own count before the
+        # VL is picked. Only a packet cut at PktLen ends elsewhere, and it goes out end-bad.
+        crc_data = Array(Signal(8 * width, name=f"crc_data{v}") for v in range(num_vls))
+        crc_lead = Array(Signal(width + 1, name=f"crc_lead{v}") for v in range(num_vls))
+        for v in range(num_vls):
+            head = self.data_in[v].payload
+            own_count = Mux(head.end, head.count, width)
+            m.d.comb += [crc_data[v].eq(align(head.data, own_count, width)),
+                         crc_lead[v].eq(lead(own_count, width))]
 
         # --- flow-control packet schedule ---
         since_fc = [Signal(range(self.fc_period + 1), init=self.fc_period, name=f"since_fc{v}")
                     for v in range(num_vls)]
         last_fccl = [Signal(FCCL_BITS, name=f"last_fccl{v}") for v in range(num_vls)]
+        # Registered: whether a VL wants a flow-control packet in the next cycle. The timer
+        # terms look one cycle ahead, so they fire exactly when they did unregistered; the
+        # FCCL terms see the advertised FCCL a cycle late, and the batch test (a subtraction
+        # and a compare) two. A VL whose packet goes now wants none next cycle (its timer
+        # restarts), and none goes in the cycle after a clear: the advertised FCCL is a
+        # register of our receiver's and still holds the value from before the clear.
+        batch_ready = Signal(num_vls)
         want_fc = Signal(num_vls)
+        fc_going = Signal(num_vls)
         for v in range(num_vls):
             with m.If(since_fc[v] != self.fc_period):
                 m.d.sync += since_fc[v].eq(since_fc[v] + 1)
-            advanced = Signal(FCCL_BITS, name=f"fccl_advanced{v}")
-            m.d.comb += advanced.eq(self.advertise_fccl[v] - last_fccl[v])
+            m.d.sync += batch_ready[v].eq(
+                ((self.advertise_fccl[v] - last_fccl[v])[:FCCL_BITS] >= self.fc_batch_blocks))
             # Until the link is up, the peer may be missing our packets: repeat them often.
             # Once up, a change is reported within fc_min_interval, and a large one (a
             # batch of freed blocks the sender may be starving for) almost at once.
-            m.d.comb += want_fc[v].eq(
-                (since_fc[v] >= self.fc_min_interval) & ((self.state != LinkState.ACTIVE) | (advanced != 0))
-                | (since_fc[v] >= FC_BATCH_INTERVAL) & (advanced >= self.fc_batch_blocks)
-                | (since_fc[v] == self.fc_period))
+            m.d.sync += want_fc[v].eq(~self.clear & ~fc_going[v] & (
+                (since_fc[v] >= self.fc_min_interval - 1)
+                & ((self.state != LinkState.ACTIVE) | (self.advertise_fccl[v] != last_fccl[v]))
+                | (since_fc[v] >= FC_BATCH_INTERVAL - 1) & batch_ready[v]
+                | (since_fc[v] >= self.fc_period - 1)))
         fc_vl = Signal(vl_index(num_vls))
         for v in reversed(range(num_vls)):
             with m.If(want_fc[v]):
@@ -155,12 +196,6 @@ class LinkTransmitter(wiring.Component):
         # IBA flow-control packet: Op|FCTBS, VL|FCCL, big-endian bit fields.
         fc_bytes = Cat(fc_fctbs[8:12], fc_op.as_value(), fc_fctbs[0:8],
                        fc_fccl[8:12], fc_vl_field, fc_fccl[0:8])
-        m.d.comb += [
-            lpcrc.start.eq(1),
-            lpcrc.valid.eq(0),
-            lpcrc.data.eq(fc_bytes),
-            lpcrc.count.eq(4),
-        ]
 
         # --- weighted round robin over eligible VLs ---
         rr_pointer = Signal(vl_index(num_vls))
@@ -181,55 +216,42 @@ class LinkTransmitter(wiring.Component):
         # --- one beat of data: PktLen enforcement, VCRC append ---
         beat = Signal(BeatLayout(width))
         beat_allowed = Signal(range(max_bytes + 1))
-        beat_take = Signal()
         natural_count = Mux(beat.end, beat.count, width)
         forced_end = ~beat.end & (beat_allowed <= width)
         out_end = beat.end | forced_end
         out_count = Signal(range(width + 1))
         m.d.comb += out_count.eq(Mux(natural_count > beat_allowed, beat_allowed, natural_count))
         malformed = forced_end | (beat.end & (beat.count != beat_allowed))
-        m.d.comb += [
-            vcrc.start.eq(beat.start),
-            vcrc.valid.eq(beat_take),
-            vcrc.data.eq(beat.data),
-            vcrc.count.eq(Mux(out_end, out_count, width)),
-        ]
-        # The VCRC goes right after the last byte, spilling into one more beat when it must.
-        with_vcrc = Signal(8 * width)
-        for lane in range(width):
-            byte = beat.data[8 * lane: 8 * lane + 8]
-            m.d.comb += with_vcrc[8 * lane: 8 * lane + 8].eq(
-                Mux(~out_end | (lane < out_count), byte,
-                    Mux(lane == out_count, vcrc.crc[0:8],
-                        Mux(lane == out_count + 1, vcrc.crc[8:16], 0))))
 
-        m.d.sync += [self.wire.valid.eq(0), self.fc_sent.valid.eq(0)]
+        m.d.sync += [s1_valid.eq(0), s1_crc_valid.eq(0), self.fc_sent.valid.eq(0)]
 
         def emit_beat(vl):
-            m.d.comb += [inputs[vl].ready.eq(1), beat_take.eq(1)]
+            m.d.comb += inputs[vl].ready.eq(1)
+            # The VCRC goes right after the last byte, spilling into one more beat when it must.
             m.d.sync += [
-                self.wire.valid.eq(1),
-                self.wire.link.eq(0),
-                self.wire.start.eq(beat.start),
-                self.wire.data.eq(with_vcrc),
+                s1_valid.eq(1), s1_link.eq(0), s1_start.eq(beat.start), s1_data.eq(beat.data),
+                s1_keep.eq(Cat(~out_end | (lane < out_count) for lane in range(width))),
+                s1_low.eq(Cat(out_end & (lane == out_count) for lane in range(width))),
+                s1_high.eq(Cat(out_end & (lane == out_count + 1) for lane in range(width))),
+                s1_crc_valid.eq(1), s1_crc_start.eq(beat.start),
+                s1_crc_data.eq(crc_data[vl]), s1_crc_lead.eq(crc_lead[vl]),
                 busy.eq(~out_end),
                 allowed.eq(beat_allowed - width),
             ]
             with m.If(out_end):
                 spill = out_count + VCRC_BYTES > width
                 m.d.sync += [
-                    self.wire.end.eq(~spill),
-                    self.wire.count.eq(Mux(spill, width, out_count + VCRC_BYTES)),
-                    self.wire.end_bad.eq(~spill & (beat.end_bad | malformed)),
+                    s1_end.eq(~spill),
+                    s1_count.eq(Mux(spill, width, out_count + VCRC_BYTES)),
+                    s1_end_bad.eq(~spill & (beat.end_bad | malformed)),
                     extra_beat.eq(spill),
-                    extra_count.eq(out_count + VCRC_BYTES - width),
-                    extra_data.eq(Mux(out_count == width, vcrc.crc, vcrc.crc[8:16])),
+                    extra_whole.eq(out_count == width),
                     discarding.eq(forced_end),
                 ]
                 with m.If(malformed):
                     m.d.sync += self.cut_overlong.eq(self.cut_overlong + 1)
             with m.Else():
-                m.d.sync += [self.wire.end.eq(0), self.wire.count.eq(width), self.wire.end_bad.eq(0)]
+                m.d.sync += [s1_end.eq(0), s1_count.eq(width), s1_end_bad.eq(0)]
             # A spilled beat carries the end-bad mark; remember it.
             m.d.sync += extra_bad.eq(beat.end_bad | malformed)
 
@@ -237,10 +259,14 @@ class LinkTransmitter(wiring.Component):
         m.d.comb += beat_allowed.eq(allowed)
 
         with m.If(extra_beat):
+            # An empty beat through the CRC leaves its state, the whole packet's CRC.
             m.d.sync += [
-                self.wire.valid.eq(1), self.wire.link.eq(0), self.wire.start.eq(0),
-                self.wire.end.eq(1), self.wire.count.eq(extra_count),
-                self.wire.end_bad.eq(extra_bad), self.wire.data.eq(extra_data),
+                s1_valid.eq(1), s1_link.eq(0), s1_start.eq(0),
+                s1_end.eq(1), s1_count.eq(Mux(extra_whole, VCRC_BYTES, VCRC_BYTES - 1)),
+                s1_end_bad.eq(extra_bad), s1_data.eq(0), s1_keep.eq(0),
+                s1_low.eq(extra_whole), s1_high.eq(Mux(extra_whole, 0b10, 0b01)),
+                s1_crc_valid.eq(1), s1_crc_start.eq(0), s1_crc_data.eq(0),
+                s1_crc_lead.eq(lead(0, width)),
                 extra_beat.eq(0),
             ]
         with m.Elif(discarding):
@@ -251,11 +277,14 @@ class LinkTransmitter(wiring.Component):
             with m.If(inputs[current].valid):
                 emit_beat(current)
         with m.Elif(want_fc.any()):
+            # The LPCRC is the VCRC algorithm over the packet's 4 bytes: the same CRC stage.
             m.d.sync += [
-                self.wire.valid.eq(1), self.wire.link.eq(1),
-                self.wire.start.eq(1), self.wire.end.eq(1), self.wire.end_bad.eq(0),
-                self.wire.count.eq(6),
-                self.wire.data.eq(Cat(fc_bytes, lpcrc.crc)),
+                s1_valid.eq(1), s1_link.eq(1),
+                s1_start.eq(1), s1_end.eq(1), s1_end_bad.eq(0),
+                s1_count.eq(6), s1_data.eq(fc_bytes),
+                s1_keep.eq(0b1111), s1_low.eq(0b10000), s1_high.eq(0b100000),
+                s1_crc_valid.eq(1), s1_crc_start.eq(1),
+                s1_crc_data.eq(align(fc_bytes, 4, width)), s1_crc_lead.eq(lead(4, width)),
                 self.fc_sent.valid.eq(1),
                 self.fc_sent.op.eq(fc_op),
                 self.fc_sent.vl.eq(fc_vl),
@@ -265,6 +294,7 @@ class LinkTransmitter(wiring.Component):
             ]
             for v in range(num_vls):
                 with m.If(fc_vl == v):
+                    m.d.comb += fc_going[v].eq(1)
                     m.d.sync += [since_fc[v].eq(0), last_fccl[v].eq(self.advertise_fccl[v])]
         with m.Elif(pick_valid):
             m.d.comb += [beat.eq(inputs[pick].payload),

@@ -16,7 +16,7 @@ from hdl.switch.voq_buffer import QUEUE_MODES, VoqBuffer
 __all__ = ["Switch", "HOP_LATENCY_CYCLES"]
 
 # Start beat on an input wire to start beat on an output wire, zero load (docs/switch.md).
-HOP_LATENCY_CYCLES = 4
+HOP_LATENCY_CYCLES = 6
 
 
 def _or_all(values):

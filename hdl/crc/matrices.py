@@ -1,0 +1,73 @@
+"""GF(2) matrices of a CRC over bytes, built at elaboration from an algorithm's parameters.
+
+The CRC register ``s`` is kept unreflected (most-significant bit first); ``n``
+bits ``d`` advance it to ``A^n·s ⊕ D_n·d``. A matrix is a list of output rows,
+each row the set of input bit indices XORed into that output bit.
+"""
+from amaranth.hdl import Cat, Const
+from amaranth.lib import crc
+
+__all__ = ["check_parameters", "data_matrix", "advance_columns", "state_lane_bit", "rows", "multiply"]
+
+
+def check_parameters(algorithm, width):
+    """The constructor checks of a beat CRC: a ``lib.crc`` algorithm and a beat width."""
+    if not isinstance(algorithm, crc.Algorithm):
+        raise ValueError(f"Algorithm must be an amaranth.lib.crc.Algorithm, not {algorithm!r}")
+    if not isinstance(width, int) or width < 8 or width > 256 or width & (width - 1):
+        raise ValueError(f"Beat width must be a power of two from 8 to 256 bytes, not {width!r}")
+
+
+def _shifter(algorithm):
+    crc_width, polynomial = algorithm.crc_width, algorithm.polynomial
+    top, mask = 1 << (crc_width - 1), (1 << crc_width) - 1
+
+    def shift(register):  # one zero bit through the unreflected register
+        return ((register << 1) & mask) ^ (polynomial if register & top else 0)
+    return shift
+
+
+def data_matrix(algorithm, width):
+    """``G``: the contribution of a ``width``-byte beat (byte 0 in bits 7..0) to a zero register."""
+    shift = _shifter(algorithm)
+    data_bits = 8 * width
+    columns = [0] * data_bits
+    # A data bit d entering a zero register leaves `polynomial·d`; each later bit shifts it once more.
+    contribution = algorithm.polynomial
+    for position in reversed(range(data_bits)):
+        lane, order = divmod(position, 8)
+        bit = order if algorithm.reflect_input else 7 - order
+        columns[8 * lane + bit] = contribution
+        contribution = shift(contribution)
+    return rows(columns, algorithm.crc_width)
+
+
+def advance_columns(algorithm, bits, columns=None):
+    """The columns of ``A^bits`` (times the matrix of ``columns``, the identity if not
+    given): where each register bit goes after ``bits`` zero bits."""
+    shift = _shifter(algorithm)
+    if columns is None:
+        columns = [1 << bit for bit in range(algorithm.crc_width)]
+    for _ in range(bits):
+        columns = [shift(column) for column in columns]
+    return columns
+
+
+def state_lane_bit(algorithm, bit):
+    """Where register bit ``bit`` enters a message as data: ``(byte, bit in the byte)``.
+
+    Processing bits from state ``s`` equals processing them from a zero register
+    with the first ``crc_width`` of them XORed with ``s``, most-significant first.
+    """
+    order = algorithm.crc_width - 1 - bit
+    byte, within = divmod(order, 8)
+    return byte, within if algorithm.reflect_input else 7 - within
+
+
+def rows(columns, crc_width):
+    return [[index for index, column in enumerate(columns) if column >> row & 1]
+            for row in range(crc_width)]
+
+
+def multiply(matrix, vector):
+    return Cat(Cat(vector[index] for index in row).xor() if row else Const(0, 1) for row in matrix)
