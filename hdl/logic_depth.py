@@ -1,0 +1,199 @@
+"""Longest paths, in LUT levels, of a Yosys JSON netlist mapped to 6-input LUTs.
+
+Pure Python over ``write_json`` output (docs/fpga.md defines the figures): every ``$lut``
+is one level, flip-flops and synchronous memory read ports start and end paths, an
+asynchronous memory read port costs :func:`async_read_levels`, and module ports start
+(inputs) and end (outputs) paths. Paths are classed by their ends: register to register,
+input to register, register to output and input to output.
+"""
+import math
+import re
+
+__all__ = ["CLASSES", "async_read_levels", "analyze", "PathError"]
+
+# (start kind, end kind) -> class name, in report order.
+CLASSES = {("reg", "reg"): "reg_to_reg", ("in", "reg"): "in_to_reg",
+           ("reg", "out"): "reg_to_out", ("in", "out"): "in_to_out"}
+_CONSTANTS = {"0", "1", "x", "z"}
+_IGNORED = {"$scopeinfo"}
+
+
+class PathError(Exception):
+    """The netlist holds something the analysis cannot time (a loop, an unmapped cell)."""
+
+
+def async_read_levels(depth):
+    """LUT levels of an asynchronous (distributed-RAM) read: one 64-deep LUT RAM, then a
+    4:1 multiplexer level (one LUT6) per factor of four beyond it."""
+    return 1 + max(0, math.ceil(math.log(depth / 64, 4))) if depth > 64 else 1
+
+
+def _int(value):
+    return int(value, 2) if isinstance(value, str) else int(value)
+
+
+def _is_ff(cell_type):
+    return cell_type.startswith("$_") and ("DFF" in cell_type or "DLATCH" in cell_type)
+
+
+def _bit_names(module):
+    """The most readable name of every net bit: public names before Yosys' own, then short."""
+    names = {}
+    for name, net in module["netnames"].items():
+        rank = (net.get("hide_name", 0), name.count("$"), len(name))
+        width = len(net["bits"])
+        offset = net.get("offset", 0)
+        for k, bit in enumerate(net["bits"]):
+            if bit in _CONSTANTS:
+                continue
+            label = name if width == 1 else f"{name}[{k + offset}]"
+            if bit not in names or rank < names[bit][0]:
+                names[bit] = (rank, label)
+    return {bit: label for bit, (_, label) in names.items()}
+
+
+def _public(label):
+    return "$" not in label
+
+
+def _memory_ports(cell):
+    """``(sync_read_ports, async_read_ports)`` of a ``$mem_v2``: per port, its address and
+    data bits."""
+    p, c = cell["parameters"], cell["connections"]
+    ports, abits, width = _int(p["RD_PORTS"]), _int(p["ABITS"]), _int(p["WIDTH"])
+    clocked = _int(p["RD_CLK_ENABLE"])
+    sync, asynchronous = [], []
+    for k in range(ports):
+        entry = (c["RD_ADDR"][k * abits:(k + 1) * abits], c["RD_DATA"][k * width:(k + 1) * width])
+        (sync if clocked >> k & 1 else asynchronous).append(entry)
+    return sync, asynchronous
+
+
+def analyze(netlist, top, *, worst=8):
+    """Longest path of each class in module ``top`` of a flattened, LUT-mapped netlist.
+
+    Returns ``{"classes": {class: path or None}, "worst": [path, ...], "cells": {"luts",
+    "ffs"}, "memories": [{"name", "depth", "width", "sync_read_ports", "async_read_ports"}]}``;
+    a path is ``{"levels", "from", "to", "through"}`` (``through``: the named nets on it,
+    start to end). ``worst`` lists the deepest path into each of the ``worst`` deepest
+    endpoints (one per register, memory or port)."""
+    module = netlist["modules"][top]
+    names = _bit_names(module)
+    starts = {}         # bit -> (kind, name): where a path may begin
+    comb = {}           # driven bit -> (input bits, levels added)
+    ends = []           # (bit, end name): where a path must end
+    counts = {"luts": 0, "ffs": 0}
+    memories = []
+
+    for port_name, port in module["ports"].items():
+        for bit in port["bits"]:
+            if bit in _CONSTANTS:
+                continue
+            if port["direction"] == "input":
+                starts[bit] = ("in", port_name)
+            else:
+                ends.append((bit, ("out", port_name)))
+
+    for cell_name, cell in module["cells"].items():
+        kind, conn = cell["type"], cell["connections"]
+        if kind in _IGNORED:
+            continue
+        if kind == "$lut":
+            counts["luts"] += 1
+            comb[conn["Y"][0]] = (conn["A"], 1)
+        elif _is_ff(kind):
+            counts["ffs"] += 1
+            (q,) = conn["Q"]
+            register = names.get(q, cell_name)
+            starts[q] = ("reg", register)
+            for pin, bits in conn.items():
+                if pin not in ("Q", "C"):
+                    ends.extend((bit, ("reg", f"{register} ({pin})")) for bit in bits)
+        elif kind == "$mem_v2":
+            memory = cell["parameters"].get("MEMID", cell_name).lstrip("\\")
+            sync, asynchronous = _memory_ports(cell)
+            memories.append({"name": memory, "depth": _int(cell["parameters"]["SIZE"]),
+                             "width": _int(cell["parameters"]["WIDTH"]),
+                             "sync_read_ports": len(sync), "async_read_ports": len(asynchronous)})
+            for address, data in sync:
+                starts.update((bit, ("reg", memory)) for bit in data)
+                ends.extend((bit, ("reg", f"{memory} (read address)")) for bit in address)
+            levels = async_read_levels(_int(cell["parameters"]["SIZE"]))
+            for address, data in asynchronous:
+                comb.update((bit, (address, levels)) for bit in data)
+            for pin in ("WR_ADDR", "WR_DATA", "WR_EN", "RD_EN", "RD_SRST", "RD_ARST"):
+                ends.extend((bit, ("reg", f"{memory} ({pin})")) for bit in conn.get(pin, ()))
+        else:
+            raise PathError(f"{top}: cell {cell_name} of type {kind} is not mapped to LUTs, "
+                            f"flip-flops or memories")
+
+    # Per bit and start kind: (levels, the input bit on the deepest path); iterative DFS.
+    best = {}
+
+    def settle(root):
+        stack = [(root, False)]
+        on_stack = set()
+        while stack:
+            bit, expanded = stack.pop()
+            if bit in best:
+                continue
+            if bit in _CONSTANTS:
+                best[bit] = {}
+                continue
+            if bit in starts:
+                best[bit] = {starts[bit][0]: (0, None)}
+                continue
+            if bit not in comb:
+                best[bit] = {}          # undriven: no path starts here
+                continue
+            inputs, levels = comb[bit]
+            if not expanded:
+                if bit in on_stack:
+                    raise PathError(f"{top}: combinational loop through {names.get(bit, bit)}")
+                on_stack.add(bit)
+                stack.append((bit, True))
+                stack.extend((i, False) for i in inputs if i not in best)
+                continue
+            on_stack.discard(bit)
+            result = {}
+            for i in inputs:
+                for kind, (lvl, _) in best[i].items():
+                    if kind not in result or lvl + levels > result[kind][0]:
+                        result[kind] = (lvl + levels, i)
+            best[bit] = result
+
+    def trace(bit, kind):
+        through = []
+        while True:
+            if bit in names and _public(names[bit]) and (not through or through[-1] != names[bit]):
+                through.append(names[bit])
+            previous = best[bit][kind][1]
+            if previous is None:
+                return starts[bit][1], through[::-1]
+            bit = previous
+
+    deepest = {}        # class -> path
+    per_end = {}        # end name -> deepest path into it
+    for bit, (end_kind, end_name) in ends:
+        settle(bit)
+        for start_kind, (levels, _) in best[bit].items():
+            cls = CLASSES[(start_kind, end_kind)]
+            register = register_name(end_name)
+            if cls in deepest and deepest[cls]["levels"] >= levels and \
+                    per_end.get(register, {"levels": -1})["levels"] >= levels:
+                continue
+            origin, through = trace(bit, start_kind)
+            path = {"levels": levels, "class": cls, "from": origin, "to": end_name,
+                    "through": through}
+            if cls not in deepest or levels > deepest[cls]["levels"]:
+                deepest[cls] = path
+            if levels > per_end.get(register, {"levels": -1})["levels"]:
+                per_end[register] = path
+    worst_paths = sorted(per_end.values(), key=lambda p: -p["levels"])[:worst]
+    return {"classes": {cls: deepest.get(cls) for cls in CLASSES.values()},
+            "worst": worst_paths, "cells": counts, "memories": memories}
+
+
+def register_name(name):
+    """``receiver.used_blocks[3] (D)`` -> ``receiver.used_blocks``: the register a path names."""
+    return re.sub(r"(\[\d+\])?( \(.*\))?$", "", name)
