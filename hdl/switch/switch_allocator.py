@@ -81,28 +81,32 @@ class SwitchAllocator(wiring.Component):
         # The IBA test (FCCL - (FCTBS + blocks)) mod 4096 <= 2048 for a packet of fewer than
         # 2**B blocks (B = blocks_bits; the receiver drops longer ones) and space s =
         # FCCL - FCTBS - held is: 2**B <= s <= 2048 (every packet fits), s < 2**B and
-        # blocks <= s, or 2048 < s < 2048 + 2**B and blocks >= s - 2048. The space's three
-        # ranges and low bits are registered, leaving a B-bit compare per head.
+        # blocks <= s, or 2048 < s < 2048 + 2**B and blocks >= s - 2048, that is
+        # not blocks <= s - 2049. The range and the one B-bit bound to compare against are
+        # registered, leaving a single B-bit "<=" per head (one compare, not two, for depth).
         B = self.blocks_bits
         fit_all = [Signal(V, name=f"fit_all{o}") for o in range(P)]
         fit_low = [Signal(V, name=f"fit_low{o}") for o in range(P)]
         fit_over = [Signal(V, name=f"fit_over{o}") for o in range(P)]
-        space_low = [[Signal(B, name=f"space_low{o}_{v}") for v in range(V)] for o in range(P)]
+        bound = [[Signal(B, name=f"bound{o}_{v}") for v in range(V)] for o in range(P)]
         for o in range(P):
             for v in range(V):
                 room = Signal(FCCL_BITS, name=f"room{o}_{v}")
                 held = Signal(FCCL_BITS, name=f"held{o}_{v}")
                 space = Signal(FCCL_BITS, name=f"space{o}_{v}")
+                space_less1 = Signal(FCCL_BITS, name=f"space_less1_{o}_{v}")
                 m.d.sync += [
                     room.eq(self.credit_limit[o][v] - self.fctbs[o][v]),
                     held.eq(Mux(hold_valid[o] & (hold_vl[o] == v), hold_blocks[o], 0)),
                 ]
-                m.d.comb += space.eq(room - held)
+                # Two adders side by side rather than s - 1 after s: s - 1 = room + ~held.
+                m.d.comb += [space.eq(room - held), space_less1.eq(room + ~held)]
+                low = ~space[B:].any()
                 m.d.sync += [
-                    fit_all[o][v].eq(space[B:].any() & (space <= 2048)),
-                    fit_low[o][v].eq(~space[B:].any()),
+                    fit_all[o][v].eq(~low & (space <= 2048)),
+                    fit_low[o][v].eq(low),
                     fit_over[o][v].eq((space[B:] == 2048 >> B) & space[:B].any()),
-                    space_low[o][v].eq(space[:B]),
+                    bound[o][v].eq(Mux(low, space[:B], space_less1[:B])),
                 ]
         credit_busy = Signal(P)
         m.d.comb += credit_busy.eq(pend_out | hold_valid | hold_after[0] | hold_after[1])
@@ -115,10 +119,12 @@ class SwitchAllocator(wiring.Component):
                 for i in range(P):
                     blocks = self.head_blocks[i][o][v]
                     fits = Signal(name=f"fits{i}_{o}_{v}")
-                    low = blocks[:B]
-                    m.d.comb += fits.eq(~blocks[B:].any() & (
-                        fit_all[o][v] | fit_low[o][v] & (low <= space_low[o][v])
-                        | fit_over[o][v] & (low >= space_low[o][v])))
+                    within = Signal(name=f"within{i}_{o}_{v}")
+                    m.d.comb += [
+                        within.eq(blocks[:B] <= bound[o][v]),
+                        fits.eq(~blocks[B:].any() & (fit_all[o][v] | fit_low[o][v] & within
+                                                     | fit_over[o][v] & ~within)),
+                    ]
                     valid = self.head_valid[k(i, o, v)]
                     m.d.sync += [
                         eligible[k(i, o, v)].eq(valid & fits),
@@ -172,17 +178,22 @@ class SwitchAllocator(wiring.Component):
         # --- stage A: each input accepts one grant; the pair becomes a pending match.
         accept_mask = [Signal(P, init=ones, name=f"accept_mask{i}") for i in range(P)]
         match = Signal(P * P)
+        # A grant of cycle c was made before the matches of cycle c became pending, so it may
+        # name a port matched since; such a pick is dropped after the arbiter rather than
+        # masked before it, which keeps the pending flags out of the arbiter's path (depth).
         for i in range(P):
-            offers = Cat(grant[o][i] for o in range(P)) & ~pend_out & (~pend_in[i]).replicate(P)
-            m.d.comb += match[i * P:(i + 1) * P].eq(
-                round_robin_pick(m, offers, accept_mask[i], P, name=f"accept{i}"))
+            offers = Cat(grant[o][i] for o in range(P))
+            pick = round_robin_pick(m, offers, accept_mask[i], P, name=f"accept{i}")
+            m.d.comb += match[i * P:(i + 1) * P].eq(pick & ~pend_out & (~pend_in[i]).replicate(P))
         started = Cat(self.start[i].replicate(P) for i in range(P))
         m.d.sync += pend.eq(pend & ~started | match)
         matched = Signal(P * P)
         m.d.sync += matched.eq(match)
         match_stay = Signal(P)
+        # Loaded whenever the output has no pending match (not only on a match: shallower);
+        # read only while it has one.
         for o in range(P):
-            with m.If(Cat(match[i * P + o] for i in range(P)).any()):
+            with m.If(~pend_out[o]):
                 m.d.sync += [self.pend_vl[o].eq(grant_vl[o]), match_stay[o].eq(grant_stay[o])]
 
         # --- the cycle after a match: iSLIP pointers (first iteration: the only one), the
