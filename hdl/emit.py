@@ -88,6 +88,13 @@ register("tf_link_receiver_w64", lambda: _link_receiver(),
          "Link receiver alone, 64-byte beats, 2 data VLs, MTU 4096")
 register("tf_islip_8p3i", lambda: __import__("hdl.switch.islip_allocator", fromlist=["*"])
          .IslipAllocator(ports=8, iterations=3), "iSLIP switch allocator, 8 ports, 3 iterations")
+register("tf_switch_allocator_8p", lambda: __import__("hdl.switch.switch_allocator", fromlist=["*"])
+         .SwitchAllocator(ports=8, num_vls=2),
+         "Pipelined switch allocator, 8 ports, 2 data VLs: credit test, output VL pick, iSLIP "
+         "(docs/switch.md, Allocation)",
+         index_labels={"head_blocks": ("input", "output", "VL"), "credit_limit": ("port", "VL"),
+                       "fctbs": ("port", "VL"), "vl_weight": ("port", "VL"),
+                       "pend_vl": ("port",), "credit_wait": ("port",)})
 register("tf_switch_registers_8p", lambda: __import__("hdl.switch.switch_registers", fromlist=["*"])
          .SwitchRegisters(ports=8, num_vls=2, lids=1024, addr_width=16),
          "Switch control/status registers, AXI4-Lite slave, 8 ports, 2 data VLs, 1024-entry "

@@ -42,7 +42,8 @@ parameters to explore other pipelines.
   12-bit FCTBS/FCCL arithmetic of docs/link.md is equivalent). The packet's blocks
   occupy the input buffer from ``t_in``. In the RTL the header is checked, the
   forwarding table answers and the descriptor is enqueued at ``t_in + 1``.
-- ``ready = t_in + ingress_cycles`` (default 2: the packet heads its VOQ): from this
+- ``ready = t_in + ingress_cycles`` (default 3: the packet heads its VOQ; the receiver
+  checks a beat one cycle after its input register, with its VCRC verdict): from this
   cycle the packet, when it heads its queue, may request. Store-and-forward
   (``cut_through=False``) adds ``beats - 1``.
 - Allocation at ``t_g`` (``t_grant``) ``>= ready``, combinational within that cycle, in
@@ -52,11 +53,12 @@ parameters to explore other pipelines.
   the downstream credit at ``t_g``.
 - The grant reads the head cell in the same cycle; beat k is handed to the egress
   transmitter at ``t_g + alloc_cycles + k`` (default ``t_g + 1 + k``, when not
-  stalled) and is on the egress wire ``egress_cycles`` later:
-  ``t_out = t_g + alloc_cycles + egress_cycles`` (defaults 1 + 1 = 2) is the start
+  stalled) and is on the egress wire ``egress_cycles`` later (default 2: the
+  transmitter's beat register, then its VCRC stage into the wire register):
+  ``t_out = t_g + alloc_cycles + egress_cycles`` (defaults 1 + 2 = 3) is the start
   beat on the egress wire, beat k at ``t_out + k`` (never before it arrived:
   ``t_out >= t_in``). Zero-load hop latency (start beat in to start beat out) =
-  ``ingress_cycles + alloc_cycles + egress_cycles`` = 2 + 1 + 1 = **4 cycles**.
+  ``ingress_cycles + alloc_cycles + egress_cycles`` = 3 + 1 + 2 = **6 cycles**.
 - The end beat is handed to the transmitter at ``t_g + beats``; in that cycle the input
   and the output are free again and both can be granted again, so a port's
   consecutive grants are ``beats`` cycles apart and back-to-back packets leave an
@@ -653,8 +655,8 @@ class Router:
 
     def __init__(self, ports: int = 8, num_vls: int = 2, *, mode: str = "voq",
                  iterations: int = 1, width: int = 64, buffer_blocks: int = 528,
-                 downstream_blocks: int = 132, mtu: int = 4096, ingress_cycles: int = 2,
-                 alloc_cycles: int = 1, egress_cycles: int = 1, turnaround_cycles: int = 0,
+                 downstream_blocks: int = 132, mtu: int = 4096, ingress_cycles: int = 3,
+                 alloc_cycles: int = 1, egress_cycles: int = 2, turnaround_cycles: int = 0,
                  cut_through: bool = True, forwarding: ForwardingTable | None = None,
                  sl_to_vl: SlToVl | None = None, vl_weights=DEFAULT_VL_WEIGHT):
         if not 2 <= ports <= 64:

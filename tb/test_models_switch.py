@@ -175,7 +175,7 @@ def test_zero_load_latency_every_pair(cut_through):
         cycle += 100
     net.run(cycle + 100)
     check_lossless(net)
-    assert router.hop_latency == 4
+    assert router.hop_latency == 6
     expected = router.hop_latency + (0 if cut_through else 31)
     assert [p.latency for p in net.delivered] == [expected] * 16
     assert [(p.src, p.out) for p in net.delivered] == list(itertools.product(range(4), range(4)))
@@ -319,10 +319,10 @@ def test_cli(capsys):
 
 # ----------------------------------------------------------------------------- timing, VL arbitration
 
-def test_hop_latency_4_and_back_to_back_grants_beats_apart():
+def test_hop_latency_6_and_back_to_back_grants_beats_apart():
     router = Router(4, 1)
     assert (router.ingress_cycles, router.alloc_cycles, router.egress_cycles,
-            router.turnaround_cycles, router.hop_latency) == (2, 1, 1, 0, 4)
+            router.turnaround_cycles, router.hop_latency) == (3, 1, 2, 0, 6)
     net = Network(router, make_traffic("uniform", 4, load=0))
     for _ in range(4):
         net.offer(0, 10, 2, payload=PAYLOAD)          # back to back on input 0's wire
@@ -331,9 +331,9 @@ def test_hop_latency_4_and_back_to_back_grants_beats_apart():
     check_lossless(net)
     first = [p for p in net.delivered if p.src == 0]
     alone = next(p for p in net.delivered if p.src == 1)
-    assert alone.t_in == 10 and alone.ready == 12 and alone.t_grant == 12
-    assert alone.t_out == 14 and alone.latency == 4
-    assert first[0].latency == 4
+    assert alone.t_in == 10 and alone.ready == 13 and alone.t_grant == 13
+    assert alone.t_out == 16 and alone.latency == 6
+    assert first[0].latency == 6
     assert [b.t_grant - a.t_grant for a, b in zip(first, first[1:])] == [32, 32, 32]
     assert [b.t_out - a.t_out for a, b in zip(first, first[1:])] == [32, 32, 32]
     # The input buffer frees a packet's blocks (and returns its credit) in the cycle its

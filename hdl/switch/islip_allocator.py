@@ -2,35 +2,31 @@ from amaranth import *
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
-__all__ = ["IslipAllocator", "round_robin_pick"]
+__all__ = ["IslipAllocator", "round_robin_pick", "next_mask"]
 
 
-def round_robin_pick(m, requests, pointer, n, *, name):
-    """One-hot pick of the first set bit of ``requests`` at or after index ``pointer``.
+def round_robin_pick(m, requests, mask, n, *, name):
+    """One-hot pick of the first set bit of ``requests`` at or after the round-robin pointer.
 
-    ``requests`` is an ``n``-bit value, ``pointer`` an index ``0..n-1``. The vector is doubled:
-    the low copy keeps only the requests at or after the pointer, the high copy keeps all of
-    them, and the lowest set bit of the ``2n``-bit result (``x & -x``, one carry chain) is the
-    round-robin winner: in the low copy when some request sits at or after the pointer, else
-    the first request from index 0 (the wrap-around) in the high copy. Folding the two halves
-    gives an ``n``-bit one-hot grant, zero when nothing is requested.
+    The pointer is held as a thermometer ``mask`` (bits at or after it set: all ones for
+    pointer 0), so no comparator sits in the path: bit k wins when it is requested and
+    either it is at or after the pointer with no such request below it, or no request is
+    at or after the pointer and none is below it (the wrap-around). About three LUT levels
+    for 8 requests. Zero when nothing is requested.
     """
-    at_or_after = Signal(n, name=f"{name}_mask")
-    # The pointer never exceeds n - 1: the top bit is always set (no constant comparison).
-    m.d.comb += at_or_after.eq(Cat(*(pointer <= k for k in range(n - 1)), C(1, 1)))
-    doubled = Signal(2 * n, name=f"{name}_doubled")
-    m.d.comb += doubled.eq(Cat(requests & at_or_after, requests))
-    lowest = Signal(2 * n, name=f"{name}_lowest")
-    m.d.comb += lowest.eq(doubled & (~doubled + 1))
+    high = Signal(n, name=f"{name}_high")
+    m.d.comb += high.eq(requests & mask)
     pick = Signal(n, name=f"{name}_pick")
-    m.d.comb += pick.eq(lowest[:n] | lowest[n:])
+    for k in range(n):
+        high_below = high[:k].any() if k else C(0, 1)
+        any_below = requests[:k].any() if k else C(0, 1)
+        m.d.comb += pick[k].eq(requests[k] & Mux(mask[k], ~high_below, ~high.any() & ~any_below))
     return pick
 
 
-def _next_index(one_hot, n):
-    """``(k + 1) mod n`` for the set bit ``k`` of a one-hot ``n``-bit value (0 when none is set)."""
-    return Cat(*(Cat(*(one_hot[k] for k in range(n) if (k + 1) % n >> b & 1)).any()
-                 for b in range(max(1, (n - 1).bit_length()))))
+def next_mask(one_hot, n):
+    """Thermometer mask of the pointer ``(k + 1) mod n`` for the set bit ``k`` of ``one_hot``."""
+    return Cat(*(one_hot[n - 1] | (one_hot[:j].any() if j else C(0, 1)) for j in range(n)))
 
 
 class IslipAllocator(wiring.Component):
@@ -77,8 +73,9 @@ class IslipAllocator(wiring.Component):
         m = Module()
         n = self.ports
 
-        grant_ptr = [Signal(range(n), name=f"grant_ptr{o}") for o in range(n)]
-        accept_ptr = [Signal(range(n), name=f"accept_ptr{i}") for i in range(n)]
+        # Pointers as thermometer masks (bits at or after the pointer), all ones after reset.
+        grant_ptr = [Signal(n, init=(1 << n) - 1, name=f"grant_mask{o}") for o in range(n)]
+        accept_ptr = [Signal(n, init=(1 << n) - 1, name=f"accept_mask{i}") for i in range(n)]
 
         def request(i, o):
             return self.requests[i * n + o]
@@ -121,9 +118,9 @@ class IslipAllocator(wiring.Component):
         with m.If(self.enable):
             for i in range(n):
                 with m.If(first[i].any()):
-                    m.d.sync += accept_ptr[i].eq(_next_index(first[i], n))
+                    m.d.sync += accept_ptr[i].eq(next_mask(first[i], n))
             for o in range(n):
                 winner = Cat(*(first[i][o] for i in range(n)))
                 with m.If(winner.any()):
-                    m.d.sync += grant_ptr[o].eq(_next_index(winner, n))
+                    m.d.sync += grant_ptr[o].eq(next_mask(winner, n))
         return m

@@ -1,0 +1,240 @@
+"""Pipelined switch allocator: credit test, output VL pick and one iSLIP iteration, one
+registered stage each (docs/switch.md, Allocation)."""
+import operator
+from functools import reduce
+
+from amaranth import *
+from amaranth.lib import wiring
+from amaranth.lib.wiring import In, Out
+
+from hdl.link.signatures import FCCL_BITS, vl_index
+from hdl.switch.islip_allocator import next_mask, round_robin_pick
+
+__all__ = ["SwitchAllocator", "ALLOC_STAGES"]
+
+# A head seen in cycle c is a pending match in c + ALLOC_STAGES at the earliest.
+ALLOC_STAGES = 3
+
+
+class SwitchAllocator(wiring.Component):
+    """Three-stage allocator of the cut-through switch; the cycle rules are in docs/switch.md.
+
+    ``head_valid`` bit ``(i * ports + o) * num_vls + v``: input i has a packet of
+    ``head_blocks[i][o][v]`` blocks heading its queue for output o, VL v. ``pend`` bit
+    ``i * ports + o`` (registered): input i is matched to output o on VL ``pend_vl[o]`` and
+    starts the packet when the switch raises ``start[i]``. ``counted[o]``: the transmitter
+    of o has counted the started packet's blocks in its FCTBS (or the packet was skipped).
+    """
+
+    def __init__(self, ports=8, num_vls=2, max_blocks=65):
+        if not isinstance(ports, int) or not 2 <= ports <= 16:
+            raise ValueError(f"Ports must be an integer from 2 to 16, not {ports!r}")
+        if not isinstance(num_vls, int) or not 1 <= num_vls <= 4:
+            raise ValueError(f"Data VLs must be an integer from 1 to 4, not {num_vls!r}")
+        if not isinstance(max_blocks, int) or not 1 <= max_blocks <= 2047:
+            raise ValueError(f"Largest packet must be 1 to 2047 blocks, not {max_blocks!r}")
+        self.ports = ports
+        self.num_vls = num_vls
+        self.max_blocks = max_blocks
+        # Bits of a packet's block count: the credit test compares only these.
+        self.blocks_bits = max_blocks.bit_length()
+        super().__init__({
+            "head_valid": In(ports * ports * num_vls),
+            "head_blocks": In(FCCL_BITS).array(ports, ports, num_vls),
+            "credit_limit": In(FCCL_BITS).array(ports, num_vls),
+            "fctbs": In(FCCL_BITS).array(ports, num_vls),
+            "vl_weight": In(8).array(ports, num_vls),
+            "in_ready": In(ports),
+            "out_ready": In(ports),
+            "start": In(ports),
+            "counted": In(ports),
+            "pend": Out(ports * ports),
+            "pend_vl": Out(vl_index(num_vls)).array(ports),
+            "in_flight": Out(ports),
+            "credit_wait": Out(num_vls).array(ports),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        P, V = self.ports, self.num_vls
+        ones = (1 << P) - 1
+
+        def k(i, o, v):
+            return (i * P + o) * V + v
+
+        pend = self.pend
+        pend_in = Signal(P)
+        pend_out = Signal(P)
+        m.d.comb += [
+            pend_in.eq(Cat(pend[i * P:(i + 1) * P].any() for i in range(P))),
+            pend_out.eq(Cat(Cat(pend[i * P + o] for i in range(P)).any() for o in range(P))),
+        ]
+
+        # --- credit view: the transmitter's room less the blocks of the matched packet it has
+        # not counted yet. Two registered steps; an output stays out of allocation until
+        # both have seen its count (hold and the two cycles after it).
+        hold_valid = Signal(P)
+        hold_after = [Signal(P, name="hold_after1"), Signal(P, name="hold_after2")]
+        hold_vl = [Signal(vl_index(V), name=f"hold_vl{o}") for o in range(P)]
+        hold_blocks = [Signal(self.blocks_bits, name=f"hold_blocks{o}") for o in range(P)]
+        m.d.sync += [hold_after[0].eq(hold_valid), hold_after[1].eq(hold_after[0])]
+        # The IBA test (FCCL - (FCTBS + blocks)) mod 4096 <= 2048 for a packet of fewer than
+        # 2**B blocks (B = blocks_bits; the receiver drops longer ones) and space s =
+        # FCCL - FCTBS - held is: 2**B <= s <= 2048 (every packet fits), s < 2**B and
+        # blocks <= s, or 2048 < s < 2048 + 2**B and blocks >= s - 2048, that is
+        # not blocks <= s - 2049. The range and the one B-bit bound to compare against are
+        # registered, leaving a single B-bit "<=" per head (one compare, not two, for depth).
+        B = self.blocks_bits
+        fit_all = [Signal(V, name=f"fit_all{o}") for o in range(P)]
+        fit_low = [Signal(V, name=f"fit_low{o}") for o in range(P)]
+        fit_over = [Signal(V, name=f"fit_over{o}") for o in range(P)]
+        bound = [[Signal(B, name=f"bound{o}_{v}") for v in range(V)] for o in range(P)]
+        for o in range(P):
+            for v in range(V):
+                room = Signal(FCCL_BITS, name=f"room{o}_{v}")
+                held = Signal(FCCL_BITS, name=f"held{o}_{v}")
+                space = Signal(FCCL_BITS, name=f"space{o}_{v}")
+                space_less1 = Signal(FCCL_BITS, name=f"space_less1_{o}_{v}")
+                m.d.sync += [
+                    room.eq(self.credit_limit[o][v] - self.fctbs[o][v]),
+                    held.eq(Mux(hold_valid[o] & (hold_vl[o] == v), hold_blocks[o], 0)),
+                ]
+                # Two adders side by side rather than s - 1 after s: s - 1 = room + ~held.
+                m.d.comb += [space.eq(room - held), space_less1.eq(room + ~held)]
+                low = ~space[B:].any()
+                m.d.sync += [
+                    fit_all[o][v].eq(~low & (space <= 2048)),
+                    fit_low[o][v].eq(low),
+                    fit_over[o][v].eq((space[B:] == 2048 >> B) & space[:B].any()),
+                    bound[o][v].eq(Mux(low, space[:B], space_less1[:B])),
+                ]
+        credit_busy = Signal(P)
+        m.d.comb += credit_busy.eq(pend_out | hold_valid | hold_after[0] | hold_after[1])
+
+        # --- stage E: heads with credit for the whole packet.
+        eligible = Signal(P * P * V)
+        short = Signal(P * P * V)       # heads that wait for credit only
+        for o in range(P):
+            for v in range(V):
+                for i in range(P):
+                    blocks = self.head_blocks[i][o][v]
+                    fits = Signal(name=f"fits{i}_{o}_{v}")
+                    within = Signal(name=f"within{i}_{o}_{v}")
+                    m.d.comb += [
+                        within.eq(blocks[:B] <= bound[o][v]),
+                        fits.eq(~blocks[B:].any() & (fit_all[o][v] | fit_low[o][v] & within
+                                                     | fit_over[o][v] & ~within)),
+                    ]
+                    valid = self.head_valid[k(i, o, v)]
+                    m.d.sync += [
+                        eligible[k(i, o, v)].eq(valid & fits),
+                        short[k(i, o, v)].eq(valid & ~fits),
+                    ]
+                m.d.comb += self.credit_wait[o][v].eq(
+                    Cat(short[k(i, o, v)] for i in range(P)).any())
+
+        # --- stage G: among heads whose ports are both available, each output picks a VL
+        # (weighted round robin) and grants one input.
+        in_ok = Signal(P)
+        out_ok = Signal(P)
+        m.d.comb += [in_ok.eq(self.in_ready & ~pend_in),
+                     out_ok.eq(self.out_ready & ~credit_busy)]
+        requests = Signal(P * P * V)
+        for i in range(P):
+            for o in range(P):
+                for v in range(V):
+                    m.d.comb += requests[k(i, o, v)].eq(eligible[k(i, o, v)] & in_ok[i] & out_ok[o])
+        vl_ptr = [Signal(vl_index(V), name=f"vl_ptr{o}") for o in range(P)]
+        budget = [Signal(8, name=f"vl_budget{o}") for o in range(P)]
+        budget_nz = Signal(P)
+        grant_mask = [Signal(P, init=ones, name=f"grant_mask{o}") for o in range(P)]
+        grant = [Signal(P, name=f"grant{o}") for o in range(P)]
+        grant_vl = [Signal(vl_index(V), name=f"grant_vl{o}") for o in range(P)]
+        grant_stay = Signal(P)
+        for o in range(P):
+            vl_any = Signal(V, name=f"vl_any{o}")
+            m.d.comb += vl_any.eq(Cat(Cat(requests[k(i, o, v)] for i in range(P)).any()
+                                      for v in range(V)))
+            stay = Signal(name=f"vl_stay{o}")
+            pick = Signal(vl_index(V), name=f"vl_pick{o}")
+            m.d.comb += stay.eq(vl_any.bit_select(vl_ptr[o], 1) & budget_nz[o])
+            with m.If(stay):
+                m.d.comb += pick.eq(vl_ptr[o])
+            with m.Else():
+                # The VL after the pointer first; the pointer's own VL last.
+                for offset in reversed(range(1, V + 1)):
+                    candidate = (vl_ptr[o] + offset) % V if V > 1 else C(0, 1)
+                    with m.If(vl_any.bit_select(candidate, 1)):
+                        m.d.comb += pick.eq(candidate)
+            per_vl = [round_robin_pick(
+                m, Cat(requests[k(i, o, v)] for i in range(P)), grant_mask[o], P,
+                name=f"grant{o}_vl{v}") for v in range(V)]
+            m.d.sync += [
+                grant[o].eq(Array(per_vl)[pick] if V > 1 else per_vl[0]),
+                grant_vl[o].eq(pick),
+                grant_stay[o].eq(stay),
+            ]
+
+        # --- stage A: each input accepts one grant; the pair becomes a pending match.
+        accept_mask = [Signal(P, init=ones, name=f"accept_mask{i}") for i in range(P)]
+        match = Signal(P * P)
+        # A grant of cycle c was made before the matches of cycle c became pending, so it may
+        # name a port matched since; such a pick is dropped after the arbiter rather than
+        # masked before it, which keeps the pending flags out of the arbiter's path (depth).
+        for i in range(P):
+            offers = Cat(grant[o][i] for o in range(P))
+            pick = round_robin_pick(m, offers, accept_mask[i], P, name=f"accept{i}")
+            m.d.comb += match[i * P:(i + 1) * P].eq(pick & ~pend_out & (~pend_in[i]).replicate(P))
+        started = Cat(self.start[i].replicate(P) for i in range(P))
+        m.d.sync += pend.eq(pend & ~started | match)
+        matched = Signal(P * P)
+        m.d.sync += matched.eq(match)
+        match_stay = Signal(P)
+        # Loaded whenever the output has no pending match (not only on a match: shallower);
+        # read only while it has one.
+        for o in range(P):
+            with m.If(~pend_out[o]):
+                m.d.sync += [self.pend_vl[o].eq(grant_vl[o]), match_stay[o].eq(grant_stay[o])]
+
+        # --- the cycle after a match: iSLIP pointers (first iteration: the only one), the
+        # credit hold; the VL budget two cycles later. The matched ports take no part in
+        # allocation meanwhile (pend, then the credit hold), so the delay changes no decision.
+        for i in range(P):
+            row = matched[i * P:(i + 1) * P]
+            with m.If(row.any()):
+                m.d.sync += accept_mask[i].eq(next_mask(row, P))
+        update = Signal(P)
+        update_base = [Signal(8, name=f"vl_budget_base{o}") for o in range(P)]
+        settle = Signal(P)
+        m.d.sync += [update.eq(0), settle.eq(update)]
+        for o in range(P):
+            column = Cat(matched[i * P + o] for i in range(P))
+            blocks = Signal(self.blocks_bits, name=f"matched_blocks{o}")
+            # The matched packet still heads its queue (it starts in this cycle at the earliest).
+            terms = [Mux(column[i], Array(self.head_blocks[i][o])[self.pend_vl[o]]
+                         if V > 1 else self.head_blocks[i][o][0], 0) for i in range(P)]
+            m.d.comb += blocks.eq(reduce(operator.or_, terms))
+            with m.If(self.counted[o]):
+                m.d.sync += hold_valid[o].eq(0)
+            with m.If(column.any()):
+                m.d.sync += [
+                    grant_mask[o].eq(next_mask(column, P)),
+                    hold_valid[o].eq(1),
+                    hold_vl[o].eq(self.pend_vl[o]),
+                    hold_blocks[o].eq(blocks),
+                    vl_ptr[o].eq(self.pend_vl[o]),
+                    update[o].eq(1),
+                    update_base[o].eq(Mux(match_stay[o], budget[o],
+                                          Array(self.vl_weight[o])[self.pend_vl[o]])),
+                ]
+            left = Signal(signed(9), name=f"vl_budget_left{o}")
+            with m.If(update[o]):
+                m.d.sync += left.eq(update_base[o] - hold_blocks[o])
+            with m.If(settle[o]):
+                m.d.sync += [budget[o].eq(Mux(left < 0, 0, left)), budget_nz[o].eq(left > 0)]
+
+        m.d.comb += self.in_flight.eq(
+            pend_in
+            | Cat(eligible[k(i, 0, 0):k(i, P - 1, V - 1) + 1].any() for i in range(P))
+            | Cat(Cat(grant[o][i] for o in range(P)).any() for i in range(P)))
+        return m
