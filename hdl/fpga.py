@@ -4,8 +4,8 @@
     make fpga        # every top: build/fpga/report.md and fpga.* in build/bench/results.json
 
 Three runs per top (docs/fpga.md defines every figure and how to reproduce it):
-``depth`` maps each module to generic 6-input LUTs with memories kept as memories, then
-flattens and times the netlist (:mod:`hdl.logic_depth`); ``ecp5`` counts ECP5 cells
+``depth`` flattens the top, maps it to generic 6-input LUTs with memories kept as memories
+and times the netlist (:mod:`hdl.logic_depth`); ``ecp5`` counts ECP5 cells
 (``synth_ecp5``: LUT4, carry, flip-flops, block and distributed RAM, DSP) and says where each
 memory went; ``pnr`` places and routes the top inside a small wrapper on the largest ECP5
 (LFE5U-85F) when it fits. Results are cached by the digest of the top's Verilog and the flow.
@@ -37,17 +37,16 @@ ECP5_FILL = 0.85                # place and route only what uses at most this mu
 PNR_TIMEOUT_S = 3600
 PNR_VERSION = "nextpnr-ecp5 --85k --package CABGA756 --freq 400 --seed 1, wrapper 1"
 # Bumped whenever a script or the analysis changes what a cached result would say.
-FLOW_VERSION = "1"
+FLOW_VERSION = "2"
 
 DEPTH_SCRIPT = """\
 read_verilog {name}.v
-synth -top {name} -lut 6 -run begin:fine
+synth -top {name} -flatten -lut 6 -run begin:fine
 opt -fast -full
 techmap
 opt -fast
 abc9 -lut 6
 opt -fast
-flatten
 opt_clean
 write_json depth.json
 """
@@ -263,7 +262,7 @@ def records(results):
     out = []
     for r in results:
         config = {"clock_mhz": CLOCK_MHZ, "lut_level_budget": LUT_LEVEL_BUDGET,
-                  "depth_mapping": "yosys synth -lut 6 (generic 6-input LUTs), per module, flattened",
+                  "depth_mapping": "yosys synth -flatten -lut 6 (generic 6-input LUTs, the whole top at once)",
                   "resources": "yosys synth_ecp5", "flow_version": FLOW_VERSION}
         path = deepest_path(r)
         values = [("lut_levels", lut_levels(r), "LUT levels",
