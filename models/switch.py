@@ -645,7 +645,9 @@ class Router:
     ``downstream_blocks`` per VL behind each output (the next hop's receive buffer:
     the switch's initial credit), ``mtu`` (payload bytes), pipeline
     ``ingress_cycles`` / ``alloc_cycles`` / ``egress_cycles`` and ``turnaround_cycles``
-    (a port's grants are ``beats + turnaround_cycles`` apart), ``cut_through``,
+    (a port's grants are ``beats + turnaround_cycles`` apart), ``input_speedup`` (packets
+    an input may send at once: read ports of its buffer; 1 in the RTL, more only to ask
+    what speed-up would buy), ``cut_through``,
     ``forwarding`` (:class:`ForwardingTable`, default LID p + 1 -> port p),
     ``sl_to_vl`` (:class:`SlToVl`) and ``vl_weights``: the output VL arbitration weights
     in 64-byte blocks (8 bits, default 16), an int for every output and VL, a list per VL
@@ -657,7 +659,7 @@ class Router:
                  iterations: int = 1, width: int = 64, buffer_blocks: int = 528,
                  downstream_blocks: int = 132, mtu: int = 4096, ingress_cycles: int = 3,
                  alloc_cycles: int = 1, egress_cycles: int = 2, turnaround_cycles: int = 0,
-                 cut_through: bool = True, forwarding: ForwardingTable | None = None,
+                 input_speedup: int = 1, cut_through: bool = True, forwarding: ForwardingTable | None = None,
                  sl_to_vl: SlToVl | None = None, vl_weights=DEFAULT_VL_WEIGHT):
         if not 2 <= ports <= 64:
             raise ValueError(f"ports must be 2 to 64 in the model, not {ports!r}")
@@ -669,6 +671,8 @@ class Router:
             raise ValueError(f"width must be a power of two >= 8, not {width!r}")
         if min(ingress_cycles, alloc_cycles, egress_cycles, turnaround_cycles) < 0:
             raise ValueError("pipeline latencies must be >= 0")
+        if not isinstance(input_speedup, int) or not 1 <= input_speedup <= ports:
+            raise ValueError(f"input_speedup must be 1 to ports ({ports}), not {input_speedup!r}")
         largest = blocks(send_only_wire_bytes(mtu))
         for name, value in (("buffer_blocks", buffer_blocks), ("downstream_blocks", downstream_blocks)):
             if not largest <= value <= 2048:
@@ -682,7 +686,9 @@ class Router:
         self.cut_through = cut_through
         self.forwarding = forwarding if forwarding is not None else ForwardingTable.identity(ports)
         self.sl_to_vl = sl_to_vl if sl_to_vl is not None else SlToVl(num_vls)
-        self.allocator = IslipAllocator(ports, iterations)
+        # With speed-up s, input i is s virtual inputs i * s + k of iSLIP, one per read port.
+        self.input_speedup = input_speedup
+        self.allocator = IslipAllocator(ports * input_speedup, iterations, outputs=ports)
         # Queues (v is the output VL): VOQ mode: voq[i][(o, v)] with active[i] the
         # non-empty keys; FIFO mode: fifo[i][v].
         self.voq = [dict() for _ in range(ports)]
@@ -705,7 +711,8 @@ class Router:
                 raise ValueError(f"vl_weights: one weight per VL ({num_vls}), not {row!r}")
             for v, weight in enumerate(row):
                 self.set_vl_weight(o, v, weight)
-        self.in_busy = [0] * ports          # input sending until (exclusive)
+        self.in_slot_busy = [[0] * input_speedup for _ in range(ports)]  # per read port
+        self.in_busy = [0] * ports          # input sending on every read port until (exclusive)
         self.out_busy = [0] * ports         # output held until (exclusive)
         self.down_credit = [[downstream_blocks] * num_vls for _ in range(ports)]
         self.queued = 0
@@ -832,14 +839,18 @@ class Router:
                 vl_sel[o] = 0
             else:
                 vl_sel[o] = _rr_pick(mask, (ptr + 1) % num_vls, num_vls)
-        masks = [0] * ports
+        speedup = self.input_speedup
+        masks = [0] * (ports * speedup)
         for (i, o, v) in cand:
             if vl_sel[o] == v:
-                masks[i] |= 1 << o
+                for k, busy in enumerate(self.in_slot_busy[i]):
+                    if busy <= t:
+                        masks[i * speedup + k] |= 1 << o
         granted = []
         hold = self.turnaround_cycles
         t_out = t + self.alloc_cycles + self.egress_cycles
-        for i, o in self.allocator.allocate_masks(masks).items():
+        for virtual, o in self.allocator.allocate_masks(masks).items():
+            i, k = divmod(virtual, speedup)
             v = vl_sel[o]
             if self.mode == "voq":
                 queue = self.voq[i][(o, v)]
@@ -855,7 +866,8 @@ class Router:
             vl_budget[o] = base - b if base > b else 0
             vl_ptr[o] = v
             p.t_grant = t
-            in_busy[i] = out_busy[o] = t + p.beats + hold
+            self.in_slot_busy[i][k] = out_busy[o] = t + p.beats + hold
+            in_busy[i] = min(self.in_slot_busy[i])
             p.t_out = t_out
             p.in_release = t + self.alloc_cycles + p.beats - 1
             granted.append(p)
@@ -1313,6 +1325,12 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--mode", choices=("voq", "fifo"), default="voq")
     parser.add_argument("--iterations", type=int, default=1)
+    parser.add_argument("--input-speedup", type=int, default=1,
+                        help="packets an input may send at once (read ports of its buffer)")
+    parser.add_argument("--exclude-self", action="store_true",
+                        help="uniform traffic over the other ports only (as make bench runs it)")
+    parser.add_argument("--saturate-depth", type=int, default=4,
+                        help="packets a saturated source keeps waiting")
     parser.add_argument("--payload", default="2020", help="bytes, or LO:HI for uniform random")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--vls", type=int, default=1)
@@ -1334,12 +1352,15 @@ def main(argv=None) -> None:
     stats, net = run_switch(args.ports, args.pattern, load=args.load, payload=payload,
                             cycles=args.cycles, warmup=args.warmup, mode=args.mode,
                             iterations=args.iterations, width=args.width,
+                            input_speedup=args.input_speedup, exclude_self=args.exclude_self,
+                            saturate_depth=args.saturate_depth,
                             num_vls=args.vls, sls=tuple(range(args.vls)),
                             buffer_blocks=args.buffer_blocks,
                             downstream_blocks=args.downstream_blocks, seed=args.seed, **extra)
     wall = time.perf_counter() - began
     ns = 1000.0 / args.clock_mhz
-    print(f"{args.ports}-port switch, {args.mode}, iSLIP x{args.iterations}, {args.vls} VL(s), "
+    print(f"{args.ports}-port switch, {args.mode}, iSLIP x{args.iterations}, input speed-up "
+          f"{args.input_speedup}, {args.vls} VL(s), "
           f"{args.pattern} load {args.load}, payload {args.payload} B, W={args.width} B, "
           f"buffers {args.buffer_blocks} blocks per VL in, {args.downstream_blocks} downstream, "
           f"{args.cycles} cycles (window {stats.start}..{stats.end})")

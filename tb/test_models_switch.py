@@ -14,9 +14,9 @@ from models.ib import BTH, LRH, Opcode
 from models.link import VlArbiter
 from models.packet import build_packet, parse_packet, random_packet, wire_packet
 from models.switch import (
-    FlowScoreboard, ForwardingTable, IslipAllocator, Network, Router, SlToVl, Traffic, blocks,
-    check_lossless, forward, jain_index, main, make_traffic, run_switch, send_only_wire_bytes,
-    wire_beats,
+    FlowScoreboard, ForwardingTable, IslipAllocator, Network, Router, SlToVl, SwitchPacket,
+    Traffic, blocks, check_lossless, forward, jain_index, main, make_traffic, run_switch,
+    send_only_wire_bytes, wire_beats,
 )
 
 PAYLOAD = 2020          # 2046 wire bytes: 32 beats of 64 B, 32 credit blocks
@@ -163,6 +163,9 @@ def test_parameters_are_validated():
         Router(4, mode="crossbar")
     with pytest.raises(ValueError, match="buffer_blocks"):
         Router(4, buffer_blocks=32)                  # less than one 4 KiB packet
+    for speedup in (0, 5, 1.5):
+        with pytest.raises(ValueError, match="input_speedup"):
+            Router(4, input_speedup=speedup)
 
 
 @pytest.mark.parametrize("cut_through", [True, False])
@@ -179,6 +182,34 @@ def test_zero_load_latency_every_pair(cut_through):
     expected = router.hop_latency + (0 if cut_through else 31)
     assert [p.latency for p in net.delivered] == [expected] * 16
     assert [(p.src, p.out) for p in net.delivered] == list(itertools.product(range(4), range(4)))
+
+
+@pytest.mark.parametrize("speedup", [1, 2, 3])
+def test_input_speedup_sends_to_that_many_outputs_at_once(speedup):
+    """Input 0 holds one packet for each of outputs 1..3: with speed-up s it starts s of
+    them in the first allocation, the next ones as its read ports free (beats later)."""
+    router = Router(4, 1, input_speedup=speedup, iterations=speedup)
+    packets = [SwitchPacket(n, 0, out, out + 1, 0, 0, PAYLOAD, 64, 0) for n, out in
+               enumerate((1, 2, 3))]
+    for p in packets:
+        assert router.arrive(0, p)
+    grants = {}
+    for t in range(3, 200):
+        for p in router.allocate(t):
+            grants[p.out] = t
+    assert sorted(grants.values()) == [3 + 32 * (k // speedup) for k in range(3)]
+    assert router.empty()
+
+
+def test_input_speedup_never_gives_an_output_two_packets_at_once():
+    stats, net = run_switch(4, "uniform", load=1.0, payload=PAYLOAD, cycles=8000,
+                            warmup=1000, input_speedup=2, iterations=2, buffer_blocks=132)
+    by_output = {}
+    for p in net.delivered:
+        by_output.setdefault(p.out, []).append(p)
+    for packets in by_output.values():
+        packets.sort(key=lambda p: p.t_grant)
+        assert all(b.t_grant >= a.t_grant + a.beats for a, b in zip(packets, packets[1:]))
 
 
 def test_voq_uniform_saturation_8_ports():
