@@ -65,6 +65,11 @@ parameters to explore other pipelines.
   output with no idle cycle between them (a stream of 32-beat packets fills the whole
   wire). In the model: held until ``t_g + beats + turnaround_cycles`` (default 0; 1
   would model one idle cycle between packets).
+- Matching ahead (``lookahead`` L > 0, a pipelined allocator's plan, docs/switch.md): a
+  port may be matched again from the cycle after its last matched packet started, once
+  that packet has at most L beats left; the new packet then starts (its ``t_g`` above)
+  when both its input and its output have freed, and ``t_grant`` stays the cycle of
+  the match. One match may wait per port.
 - Cells go back to the input buffer's free list as they are read, and the packet's
   credit blocks are returned with its end beat: they are free from
   ``in_release = t_g + alloc_cycles + beats - 1`` (the cycle the end beat is handed to
@@ -647,7 +652,9 @@ class Router:
     ``ingress_cycles`` / ``alloc_cycles`` / ``egress_cycles`` and ``turnaround_cycles``
     (a port's grants are ``beats + turnaround_cycles`` apart), ``input_speedup`` (packets
     an input may send at once: read ports of its buffer; 1 in the RTL, more only to ask
-    what speed-up would buy), ``cut_through``,
+    what speed-up would buy), ``lookahead`` (a port may be matched while its current
+    packet has at most that many beats left to hand over; the match waits for the port,
+    one such pending match per port; 0 in the RTL of today), ``cut_through``,
     ``forwarding`` (:class:`ForwardingTable`, default LID p + 1 -> port p),
     ``sl_to_vl`` (:class:`SlToVl`) and ``vl_weights``: the output VL arbitration weights
     in 64-byte blocks (8 bits, default 16), an int for every output and VL, a list per VL
@@ -659,7 +666,7 @@ class Router:
                  iterations: int = 1, width: int = 64, buffer_blocks: int = 528,
                  downstream_blocks: int = 132, mtu: int = 4096, ingress_cycles: int = 3,
                  alloc_cycles: int = 1, egress_cycles: int = 2, turnaround_cycles: int = 0,
-                 input_speedup: int = 1, cut_through: bool = True, forwarding: ForwardingTable | None = None,
+                 input_speedup: int = 1, lookahead: int = 0, cut_through: bool = True, forwarding: ForwardingTable | None = None,
                  sl_to_vl: SlToVl | None = None, vl_weights=DEFAULT_VL_WEIGHT):
         if not 2 <= ports <= 64:
             raise ValueError(f"ports must be 2 to 64 in the model, not {ports!r}")
@@ -671,6 +678,8 @@ class Router:
             raise ValueError(f"width must be a power of two >= 8, not {width!r}")
         if min(ingress_cycles, alloc_cycles, egress_cycles, turnaround_cycles) < 0:
             raise ValueError("pipeline latencies must be >= 0")
+        if not isinstance(lookahead, int) or not 0 <= lookahead <= 64:
+            raise ValueError(f"lookahead must be 0 to 64 beats, not {lookahead!r}")
         if not isinstance(input_speedup, int) or not 1 <= input_speedup <= ports:
             raise ValueError(f"input_speedup must be 1 to ports ({ports}), not {input_speedup!r}")
         largest = blocks(send_only_wire_bytes(mtu))
@@ -688,6 +697,7 @@ class Router:
         self.sl_to_vl = sl_to_vl if sl_to_vl is not None else SlToVl(num_vls)
         # With speed-up s, input i is s virtual inputs i * s + k of iSLIP, one per read port.
         self.input_speedup = input_speedup
+        self.lookahead = lookahead
         self.allocator = IslipAllocator(ports * input_speedup, iterations, outputs=ports)
         # Queues (v is the output VL): VOQ mode: voq[i][(o, v)] with active[i] the
         # non-empty keys; FIFO mode: fifo[i][v].
@@ -714,6 +724,11 @@ class Router:
         self.in_slot_busy = [[0] * input_speedup for _ in range(ports)]  # per read port
         self.in_busy = [0] * ports          # input sending on every read port until (exclusive)
         self.out_busy = [0] * ports         # output held until (exclusive)
+        # From when a port may be matched again: its last matched packet has started and
+        # has at most `lookahead` beats left (= busy with no lookahead).
+        self.in_slot_avail = [[0] * input_speedup for _ in range(ports)]
+        self.in_avail = [0] * ports
+        self.out_avail = [0] * ports
         self.down_credit = [[downstream_blocks] * num_vls for _ in range(ports)]
         self.queued = 0
         self.wake = 0                       # earliest cycle an allocation can succeed
@@ -791,19 +806,20 @@ class Router:
                 self.wake = 1 << 62
             return []
         ports = self.ports
-        out_busy, in_busy, down_credit = self.out_busy, self.in_busy, self.down_credit
+        out_busy, in_avail, out_avail = self.out_busy, self.in_avail, self.out_avail
+        down_credit = self.down_credit
         out_free = 0
         for o in range(ports):
-            if out_busy[o] <= t:
+            if out_avail[o] <= t:
                 out_free |= 1 << o
         # Eligible heads: cand[(i, o, v)] is the packet; vl_any[o] a VL bitmask.
         cand = {}
         vl_any = [0] * ports
         next_wake = 1 << 62
         for i in range(ports):
-            if in_busy[i] > t:
-                if in_busy[i] < next_wake:
-                    next_wake = in_busy[i]
+            if in_avail[i] > t:
+                if in_avail[i] < next_wake:
+                    next_wake = in_avail[i]
                 continue
             for o, v, head in self._heads(i):
                 if head.ready > t:
@@ -811,8 +827,8 @@ class Router:
                         next_wake = head.ready
                     continue
                 if not out_free >> o & 1:
-                    if out_busy[o] < next_wake:
-                        next_wake = out_busy[o]
+                    if out_avail[o] < next_wake:
+                        next_wake = out_avail[o]
                     continue
                 if down_credit[o][v] < head.blocks:
                     self.credit_blocked[o][v] += 1
@@ -843,12 +859,12 @@ class Router:
         masks = [0] * (ports * speedup)
         for (i, o, v) in cand:
             if vl_sel[o] == v:
-                for k, busy in enumerate(self.in_slot_busy[i]):
-                    if busy <= t:
+                for k, avail in enumerate(self.in_slot_avail[i]):
+                    if avail <= t:
                         masks[i * speedup + k] |= 1 << o
         granted = []
         hold = self.turnaround_cycles
-        t_out = t + self.alloc_cycles + self.egress_cycles
+        in_busy, lookahead = self.in_busy, self.lookahead
         for virtual, o in self.allocator.allocate_masks(masks).items():
             i, k = divmod(virtual, speedup)
             v = vl_sel[o]
@@ -866,10 +882,15 @@ class Router:
             vl_budget[o] = base - b if base > b else 0
             vl_ptr[o] = v
             p.t_grant = t
-            self.in_slot_busy[i][k] = out_busy[o] = t + p.beats + hold
+            # Matched ahead, the packet starts when both of its ports have freed.
+            start = max(t, self.in_slot_busy[i][k], out_busy[o])
+            busy = start + p.beats + hold
+            self.in_slot_busy[i][k] = out_busy[o] = busy
+            self.in_slot_avail[i][k] = out_avail[o] = max(start + 1, busy - lookahead)
             in_busy[i] = min(self.in_slot_busy[i])
-            p.t_out = t_out
-            p.in_release = t + self.alloc_cycles + p.beats - 1
+            in_avail[i] = min(self.in_slot_avail[i])
+            p.t_out = start + self.alloc_cycles + self.egress_cycles
+            p.in_release = start + self.alloc_cycles + p.beats - 1
             granted.append(p)
         return granted
 
