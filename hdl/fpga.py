@@ -46,7 +46,8 @@ opt -fast -full
 techmap
 opt -fast
 abc9 -lut 6
-opt -fast
+opt_expr
+opt_merge
 opt_clean
 write_json depth.json
 """
