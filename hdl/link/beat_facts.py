@@ -92,7 +92,7 @@ class BeatFacts(wiring.Component):
         lrh = Signal(64)
         nbytes = Signal(range(width + 1))
         cfull = Signal()
-        partial = Signal(range(per_beat))
+        partial = Signal(range(per_beat)) if per_beat > 1 else C(0)
         wire_bytes = Mux(self.end, self.count, width)
         wire_blocks = blocks_of(wire_bytes)
         m.d.sync += [
@@ -100,8 +100,9 @@ class BeatFacts(wiring.Component):
             count.eq(self.count), lrh.eq(self.lrh),
             nbytes.eq(wire_bytes),
             cfull.eq(wire_blocks == per_beat),
-            partial.eq(wire_blocks[:len(partial)]),
         ]
+        if per_beat > 1:
+            m.d.sync += partial.eq(wire_blocks[:len(partial)])
 
         # The packet in progress, as of the next beat: ``ahead`` = h - i, saturating at -1
         # ("past the end"), with flags for ahead > 1, == 1, == 0 and < 0; the end beat's
@@ -116,7 +117,7 @@ class BeatFacts(wiring.Component):
         packet_blocks = Signal(FCCL_BITS)
         done = Signal(FCCL_BITS)
         done_next = Signal(FCCL_BITS)
-        phase = Signal(range(per_block))
+        phase = Signal(range(per_block)) if per_block > 1 else C(0)
 
         # The same for a start beat, from its LRH: it is beat 0 of its packet.
         length = lrh_wire_bytes(lrh)
@@ -173,8 +174,9 @@ class BeatFacts(wiring.Component):
                     packet_blocks.eq(start_blocks),
                     done.eq(per_beat),
                     done_next.eq(blocks_of(2 * width)),
-                    phase.eq(1 % per_block),
                 ]
+                if per_block > 1:
+                    m.d.sync += phase.eq(1)
             with m.Else():
                 with m.If(~past):
                     m.d.sync += [
@@ -189,6 +191,7 @@ class BeatFacts(wiring.Component):
                 m.d.sync += [
                     done.eq(done_next),
                     done_next.eq(done_next + Mux(phase == per_block - 1, per_beat, 0)),
-                    phase.eq(Mux(phase == per_block - 1, 0, phase + 1)),
                 ]
+                if per_block > 1:
+                    m.d.sync += phase.eq(Mux(phase == per_block - 1, 0, phase + 1))
         return m

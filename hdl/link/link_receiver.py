@@ -155,7 +155,7 @@ class LinkReceiver(wiring.Component):
             vcrc.keep.eq(r_keep),
             vcrc.count.eq(Mux(r.end, r.count, width)),
         ]
-        m.submodules.facts = beat_facts = BeatFacts(width=width, num_vls=num_vls, mtu=self.mtu)
+        m.submodules.beat_facts = beat_facts = BeatFacts(width=width, num_vls=num_vls, mtu=self.mtu)
         m.d.comb += [
             beat_facts.valid.eq(self.wire.valid), beat_facts.link.eq(self.wire.link),
             beat_facts.start.eq(self.wire.start), beat_facts.end.eq(self.wire.end),
