@@ -219,28 +219,6 @@ class LinkReceiver(wiring.Component):
         count_events(self.discarded, discarded_event)
         count_events(self.forwarded_bad, forwarded_bad_event)
 
-        # --- credits: ABR, used blocks, FCCL ---
-        # The sums are taken beside the decisions that pick them (verdict, freed packet,
-        # flow-control packet), which only select among them.
-        fc_update = Signal()
-        fc_vl = Signal(4)
-        fc_fctbs = Signal(FCCL_BITS)
-        for v in range(num_vls):
-            used = self.used_blocks[v]
-            gained = verdict_en & (write_vl == v)
-            lost = freed_valid[v]
-            m.d.sync += used.eq(Mux(gained,
-                                    Mux(lost, used + verdict_blocks - freed_blocks[v], used + verdict_blocks),
-                                    Mux(lost, used - freed_blocks[v], used)))
-            with m.If(self.clear):
-                m.d.sync += self.abr[v].eq(0)
-            with m.Elif(fc_update & (fc_vl == v)):
-                m.d.sync += self.abr[v].eq(fc_fctbs)
-            with m.Elif(gained):
-                m.d.sync += self.abr[v].eq(self.abr[v] + verdict_blocks)
-            # Registered: FCCL follows ABR and used blocks one cycle late.
-            m.d.sync += self.fccl[v].eq(self.abr[v] + self.buffer_blocks - used)
-
         # --- data packet state ---
         in_packet = Signal()        # a data packet's start has passed on the wire, its end not
         storing = Signal()          # ... and its beats go into a buffer
@@ -248,6 +226,36 @@ class LinkReceiver(wiring.Component):
         stored_any = Signal()
         packet_bad = Signal()       # overflow seen in this packet
         current_vl = Signal(vl_index(num_vls))
+        terminate = Signal()        # the packet being stored ended without its end beat
+        m.d.comb += terminate.eq(w_valid & storing & (w.start | w_link))
+
+        # --- credits: ABR, used blocks, FCCL ---
+        # Every sum is taken from registers (the blocks of both verdicts a beat can give, a
+        # packet's end or its cut-short close, are facts registered with the beat), beside
+        # the decisions, which only pick one.
+        fc_update = Signal()
+        fc_vl = Signal(4)
+        fc_fctbs = Signal(FCCL_BITS)
+        for v in range(num_vls):
+            used, abr = self.used_blocks[v], self.abr[v]
+            gained = verdict_en & (write_vl == v)
+            lost = freed_valid[v]
+            def sums(base):
+                return Mux(terminate, base + f.close_blocks, base + f.blocks)
+            with m.If(gained & lost):
+                m.d.sync += used.eq(sums(used - freed_blocks[v]))
+            with m.Elif(gained):
+                m.d.sync += used.eq(sums(used))
+            with m.Elif(lost):
+                m.d.sync += used.eq(used - freed_blocks[v])
+            with m.If(self.clear):
+                m.d.sync += abr.eq(0)
+            with m.Elif(fc_update & (fc_vl == v)):
+                m.d.sync += abr.eq(fc_fctbs)
+            with m.Elif(gained):
+                m.d.sync += abr.eq(sums(abr))
+            # Registered: FCCL follows ABR and used blocks one cycle late.
+            m.d.sync += self.fccl[v].eq(abr + self.buffer_blocks - used)
 
         drop_vl = Signal(vl_index(num_vls))
         drop_reasons = Signal(len(self.drop_reasons))
@@ -288,8 +296,6 @@ class LinkReceiver(wiring.Component):
         overflow_before = ~w.start & packet_bad
         fits = Array(room > 1 for room in rooms)[vl_now]   # the last slot is kept for a closing beat
 
-        terminate = Signal()    # the packet being stored ended without its end beat
-        m.d.comb += terminate.eq(w_valid & storing & (w.start | w_link))
         m.d.comb += drop_vl.eq(Mux(terminate, current_vl, Mux(w.start & f.invalid_vl, 0, vl_now)))
 
         # A data beat leaves a packet in progress unless it is an end beat; a flow-control
