@@ -4,11 +4,12 @@ from amaranth.lib.wiring import In, Out
 
 from ..crc.algorithms import VCRC
 from ..crc.crc_check_stage import CRCCheckStage
+from .beat_facts import BeatFacts
 from .packet_buffer import PacketBuffer
 from .signatures import (
-    BLOCK_BYTES, FCCL_BITS, VCRC_BYTES, BeatLayout, FlowControlOp, FlowControlSignature,
+    BLOCK_BYTES, FCCL_BITS, BeatLayout, FlowControlOp, FlowControlSignature,
     LinkState, RouteSignature, StoreSignature, StoredBeatLayout, WireSignature, vl_index, blocks_of, check_mtu, check_width,
-    lrh_wire_bytes, max_wire_bytes,
+    max_wire_bytes,
 )
 
 __all__ = ["LinkReceiver", "DROP_REASONS", "ROUTED_DROP_REASONS", "DropEventSignature"]
@@ -40,10 +41,6 @@ class DropEventSignature(wiring.Signature):
             "reasons": Out(len(reasons)),
             "vl": Out(vl_index(num_vls)),
         })
-
-# Smallest IBA transport packet: LRH + BTH + ICRC + VCRC.
-MIN_WIRE_BYTES = 8 + 12 + 4 + VCRC_BYTES
-
 
 class LinkReceiver(wiring.Component):
     """Receiving half of a credit-based IBA link port.
@@ -133,11 +130,11 @@ class LinkReceiver(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         width, num_vls = self.width, self.num_vls
-        max_bytes = max_wire_bytes(self.mtu)
 
         # Register the wire: the cable/PHY boundary. The VCRC check takes the beat from
-        # there into its own register stage; the beat follows through a second register
-        # (w), where the checks below see it together with the VCRC verdict.
+        # there into its own register stage, and BeatFacts does the beat's length and
+        # credit arithmetic beside it; the beat follows through a second register (w),
+        # where the checks below see it together with the VCRC verdict and those facts.
         r_valid = Signal()
         r = Signal(BeatLayout(width))
         r_link = Signal()
@@ -158,11 +155,17 @@ class LinkReceiver(wiring.Component):
             vcrc.keep.eq(r_keep),
             vcrc.count.eq(Mux(r.end, r.count, width)),
         ]
+        m.submodules.beat_facts = beat_facts = BeatFacts(width=width, num_vls=num_vls, mtu=self.mtu)
+        m.d.comb += [
+            beat_facts.valid.eq(self.wire.valid), beat_facts.link.eq(self.wire.link),
+            beat_facts.start.eq(self.wire.start), beat_facts.end.eq(self.wire.end),
+            beat_facts.count.eq(self.wire.count), beat_facts.lrh.eq(self.wire.data[:64]),
+        ]
+        f = beat_facts.facts
         w_valid = Signal()
         w = Signal(BeatLayout(width))
         w_link = Signal()
         m.d.sync += [w_valid.eq(r_valid), w.eq(r), w_link.eq(r_link)]
-        beat_bytes = Mux(w.end, w.count, width)
 
         write_vl = Signal(vl_index(num_vls))
         write = Signal(StoredBeatLayout(width))
@@ -205,60 +208,76 @@ class LinkReceiver(wiring.Component):
             rooms = list(store.room)
             freed_valid = list(store.freed_valid)
             freed_blocks = list(store.freed_blocks)
-        with m.If(discarded):
-            m.d.sync += self.discarded.eq(self.discarded + 1)
-        with m.If(forwarded_bad):
-            m.d.sync += self.forwarded_bad.eq(self.forwarded_bad + 1)
 
-        # --- credits: ABR, used blocks, FCCL ---
-        fc_update = Signal()
-        fc_vl = Signal(4)
-        fc_fctbs = Signal(FCCL_BITS)
-        for v in range(num_vls):
-            used = self.used_blocks[v]
-            gained = Mux(verdict_en & (write_vl == v), verdict_blocks, 0)
-            lost = Mux(freed_valid[v], freed_blocks[v], 0)
-            m.d.sync += used.eq(used + gained - lost)
-            with m.If(fc_update & (fc_vl == v)):
-                m.d.sync += self.abr[v].eq(fc_fctbs)
-            with m.Elif(verdict_en & (write_vl == v)):
-                m.d.sync += self.abr[v].eq(self.abr[v] + verdict_blocks)
-            # Registered: FCCL follows ABR and used blocks one cycle late.
-            m.d.sync += self.fccl[v].eq(self.abr[v] + self.buffer_blocks - used)
-            with m.If(self.clear):
-                m.d.sync += self.abr[v].eq(0)
+        # Counters count registered events, a cycle after them: a 32-bit increment is
+        # deep enough on its own.
+        def count_events(counter, events):
+            m.d.sync += counter.eq(counter + events)
+
+        discarded_event, forwarded_bad_event = Signal(), Signal()
+        m.d.sync += [discarded_event.eq(discarded), forwarded_bad_event.eq(forwarded_bad)]
+        count_events(self.discarded, discarded_event)
+        count_events(self.forwarded_bad, forwarded_bad_event)
 
         # --- data packet state ---
-        in_packet = Signal()        # between a start and its end on the wire
+        in_packet = Signal()        # a data packet's start has passed on the wire, its end not
         storing = Signal()          # ... and its beats go into a buffer
         end_stored = Signal()       # the buffer already holds this packet's end beat
         stored_any = Signal()
         packet_bad = Signal()       # overflow seen in this packet
-        expected = Signal(range(2047 * 4 + VCRC_BYTES + 1))
-        received = Signal(16)
         current_vl = Signal(vl_index(num_vls))
+        terminate = Signal()        # the packet being stored ended without its end beat
+        m.d.comb += terminate.eq(w_valid & storing & (w.start | w_link))
 
-        drops = self.drops
-        # The VL a drop is reported on: the packet's own, or 0 when it named none of ours.
+        # --- credits: ABR, used blocks, FCCL ---
+        # Every sum is taken from registers (the blocks of both verdicts a beat can give, a
+        # packet's end or its cut-short close, are facts registered with the beat), beside
+        # the decisions, which only pick one.
+        fc_update = Signal()
+        fc_vl = Signal(4)
+        fc_fctbs = Signal(FCCL_BITS)
+        for v in range(num_vls):
+            used, abr = self.used_blocks[v], self.abr[v]
+            gained = verdict_en & (write_vl == v)
+            lost = freed_valid[v]
+            def sums(base):
+                return Mux(terminate, base + f.close_blocks, base + f.blocks)
+            with m.If(gained & lost):
+                m.d.sync += used.eq(sums(used - freed_blocks[v]))
+            with m.Elif(gained):
+                m.d.sync += used.eq(sums(used))
+            with m.Elif(lost):
+                m.d.sync += used.eq(used - freed_blocks[v])
+            with m.If(self.clear):
+                m.d.sync += abr.eq(0)
+            with m.Elif(fc_update & (fc_vl == v)):
+                m.d.sync += abr.eq(fc_fctbs)
+            with m.Elif(gained):
+                m.d.sync += abr.eq(sums(abr))
+            # Registered: FCCL follows ABR and used blocks one cycle late.
+            m.d.sync += self.fccl[v].eq(abr + self.buffer_blocks - used)
+
         drop_vl = Signal(vl_index(num_vls))
         drop_reasons = Signal(len(self.drop_reasons))
         m.d.sync += [self.drop_event.reasons.eq(drop_reasons), self.drop_event.vl.eq(drop_vl)]
+        for k, reason in enumerate(self.drop_reasons):
+            count_events(getattr(self.drops, reason), self.drop_event.reasons[k])
         def count_drop(reason):
-            counter = getattr(drops, reason)
-            m.d.sync += counter.eq(counter + 1)
             m.d.comb += drop_reasons[self.drop_reasons.index(reason)].eq(1)
-
-        room = Array(rooms)
+        good = Signal(num_vls)      # a good packet ended, by VL
+        good_event = Signal(num_vls)
+        m.d.sync += good_event.eq(good)
+        for v in range(num_vls):
+            count_events(self.packets_received[v], good_event[v])
 
         # Start-beat checks.
         start_vl = w.data[4:8]
-        start_len = lrh_wire_bytes(w.data)
         reject = Signal()
         reject_reason = {
             "link_down": self.state != LinkState.ACTIVE,
-            "malformed": (start_len < MIN_WIRE_BYTES) | (w.end & (w.count < 8)),
-            "invalid_vl": start_vl >= num_vls,
-            "too_long": start_len > max_bytes,
+            "malformed": f.malformed,
+            "invalid_vl": f.invalid_vl,
+            "too_long": f.too_long,
         }
         if self.routed:
             # The forwarding-table lookup of this start beat went out a cycle ago.
@@ -268,55 +287,47 @@ class LinkReceiver(wiring.Component):
             ]
             reject_reason["invalid_vl"] = reject_reason["invalid_vl"] | self.route.no_vl
             reject_reason["unknown_dlid"] = self.route.unknown
+        m.d.comb += reject.eq(Cat(reject_reason.values()).any())
 
-        # Per beat: how much of it is data (LRH..ICRC) and whether it holds the last data byte.
-        received_before = Mux(w.start, 0, received)
-        expected_now = Mux(w.start, start_len, expected)
-        data_left = Signal(16)
-        m.d.comb += data_left.eq(Mux(expected_now - VCRC_BYTES > received_before,
-                                     expected_now - VCRC_BYTES - received_before, 0))
-        data_bytes = Mux(beat_bytes > data_left, data_left, beat_bytes)
-        holds_data_end = (data_left != 0) & (beat_bytes >= data_left)
-        received_after = received_before + beat_bytes
         vl_now = Mux(w.start, start_vl[0:len(current_vl)] if num_vls > 1 else 0, current_vl)
+        # Whatever this packet left in the registers before this beat (nothing, on its start).
+        stored_before = ~w.start & stored_any
+        end_before = ~w.start & end_stored
+        overflow_before = ~w.start & packet_bad
+        fits = Array(room > 1 for room in rooms)[vl_now]   # the last slot is kept for a closing beat
 
-        terminate = Signal()    # the packet in progress ended without its end beat
-        m.d.comb += terminate.eq(w_valid & in_packet & storing & (w.start | w_link))
-        m.d.comb += drop_vl.eq(Mux(terminate, current_vl,
-                                   Mux(w.start & (start_vl >= num_vls), 0, vl_now)))
+        m.d.comb += drop_vl.eq(Mux(terminate, current_vl, Mux(w.start & f.invalid_vl, 0, vl_now)))
+
+        # A data beat leaves a packet in progress unless it is an end beat; a flow-control
+        # beat ends any. Only the start beat decides to store a packet.
+        with m.If(w_valid):
+            m.d.sync += [in_packet.eq(~w_link & ~w.end), storing.eq(0)]
 
         with m.If(terminate):
             # Truncated: the next packet (or flow-control packet) began first. Close the
             # stored part with an empty end beat; the beat that interrupted is dropped
-            # if it is a data beat (the write port is busy closing).
+            # if it is a data beat (the write port is busy closing), and so is the rest of
+            # its packet.
             m.d.comb += [
                 write_vl.eq(current_vl),
                 write.start.eq(0), write.end.eq(1), write.count.eq(0),
                 write_en.eq(stored_any & ~end_stored),
                 verdict_en.eq(stored_any), verdict_bad.eq(1),
-                verdict_blocks.eq(blocks_of(Mux(received > expected, expected, received))),
+                verdict_blocks.eq(f.close_blocks),
             ]
             count_drop("truncated")
-            m.d.sync += [in_packet.eq(0), storing.eq(0)]
             with m.If(~w_link):
                 count_drop("malformed")
-                m.d.sync += [in_packet.eq(~w.end), storing.eq(0)]
         with m.Elif(w_valid & ~w_link):
             with m.If(w.start):
-                for reason, condition in reject_reason.items():
-                    with m.If(condition):
-                        m.d.comb += reject.eq(1)
                 # Count the first reason that applies.
-                with m.If(reject):
-                    first = None
-                    for reason, condition in reject_reason.items():
-                        with (m.If(condition) if first is None else m.Elif(condition)):
-                            count_drop(reason)
-                        first = reason
+                first = None
+                for reason, condition in reject_reason.items():
+                    with (m.If(condition) if first is None else m.Elif(condition)):
+                        count_drop(reason)
+                    first = reason
                 m.d.sync += [
-                    in_packet.eq(~w.end),
-                    storing.eq(~reject),
-                    expected.eq(start_len),
+                    storing.eq(~reject & ~w.end),
                     current_vl.eq(vl_now),
                     stored_any.eq(0),
                     end_stored.eq(0),
@@ -325,85 +336,72 @@ class LinkReceiver(wiring.Component):
             with m.Elif(~in_packet):
                 # Beats with no start: drop them as one malformed run.
                 count_drop("malformed")
-                m.d.sync += [in_packet.eq(~w.end), storing.eq(0)]
-            with m.Elif(w.end):
-                m.d.sync += in_packet.eq(0)
+            with m.Elif(~w.end):
+                m.d.sync += storing.eq(storing)
 
-            now_storing = Mux(w.start, ~reject, storing)
-            with m.If(now_storing):
-                write_this = (data_left != 0)
-                fits = room[vl_now] > 1     # the last slot is kept for a closing beat
-                with m.If(received_before < 2 ** 15):   # saturate on an endless packet
-                    m.d.sync += received.eq(received_after)
+            with m.If(Mux(w.start, ~reject, storing)):
                 m.d.comb += [
                     write_vl.eq(vl_now),
                     write.data.eq(w.data),
                     write.start.eq(w.start),
-                    write.end.eq(holds_data_end | w.end),
-                    write.count.eq(data_bytes),
+                    write.end.eq(f.data_end | w.end),
+                    write.count.eq(f.count),
                 ]
-                with m.If(write_this & fits):
+                with m.If(f.write & fits):
                     m.d.comb += write_en.eq(1)
-                    m.d.sync += [stored_any.eq(1), end_stored.eq(holds_data_end | w.end)]
-                with m.Elif(write_this):
+                    m.d.sync += [stored_any.eq(1), end_stored.eq(f.data_end | w.end)]
+                with m.Elif(f.write):
                     m.d.sync += [self.overflow.eq(1), packet_bad.eq(1)]
                 with m.If(w.end):
-                    overflowed = packet_bad | (write_this & ~fits)
-                    has_stored = Mux(w.start, 0, stored_any) | (write_this & fits)
-                    has_end = Mux(w.start, 0, end_stored) | (write_this & fits)
+                    overflowed = overflow_before | (f.write & ~fits)
+                    has_stored = stored_before | (f.write & fits)
+                    has_end = end_before | (f.write & fits)
                     bad = Signal()
-                    m.d.comb += bad.eq(overflowed | w.end_bad | ~vcrc.match
-                                       | (received_after != expected_now))
+                    m.d.comb += bad.eq(overflowed | w.end_bad | ~vcrc.match | ~f.exact)
                     m.d.comb += [
                         verdict_en.eq(has_stored),
                         verdict_bad.eq(bad),
-                        verdict_blocks.eq(blocks_of(Mux(received_after > expected_now,
-                                                        expected_now, received_after))),
+                        verdict_blocks.eq(f.blocks),
                     ]
                     with m.If(has_stored & ~has_end):
                         # The end beat found no room: close with the kept slot.
                         m.d.comb += [write_en.eq(1), write.start.eq(0), write.end.eq(1),
                                      write.count.eq(0)]
                     with m.If(~bad):
-                        received_count = Array(self.packets_received)[vl_now]
-                        m.d.sync += received_count.eq(received_count + 1)
+                        m.d.comb += good.eq(Cat(vl_now == v for v in range(num_vls)))
                     with m.Elif(w.end_bad):
                         count_drop("end_bad")
                     with m.Elif(overflowed):
                         count_drop("overflow")
-                    with m.Elif(received_after < expected_now):
+                    with m.Elif(f.short):
                         count_drop("truncated")
-                    with m.Elif(received_after > expected_now):
+                    with m.Elif(~f.exact):
                         count_drop("overlong")
                     with m.Else():
                         count_drop("vcrc")
 
         # --- flow-control packets ---
         fc_op = w.data[4:8]
-        fc_ok = Signal()
-        m.d.sync += self.flow_control.valid.eq(0)
-        with m.If(w_valid & w_link):
-            with m.If(in_packet & ~storing):
-                m.d.sync += in_packet.eq(0)     # a packet being dropped ends here
-            with m.If(~(w.start & w.end & (w.count == 6))):
-                m.d.sync += self.fc_malformed.eq(self.fc_malformed + 1)
-            with m.Elif(~vcrc.match):
-                m.d.sync += self.fc_bad_crc.eq(self.fc_bad_crc + 1)
-            with m.Elif((w.data[20:24] >= num_vls) | (fc_op > FlowControlOp.INIT.value)):
-                m.d.sync += self.fc_malformed.eq(self.fc_malformed + 1)
-            with m.Elif((fc_op == FlowControlOp.INIT.value) | (self.state != LinkState.INIT)):
-                m.d.comb += fc_ok.eq(1)
-            with m.Else():
-                m.d.sync += self.fc_ignored.eq(self.fc_ignored + 1)
+        fc_beat = w_valid & w_link
+        fc_events = Signal(4)       # malformed, bad CRC, ignored, received
+        fc_ok = fc_beat & f.fc_framing & vcrc.match & f.fc_fields
+        m.d.sync += fc_events.eq(Cat(
+            fc_beat & (~f.fc_framing | (vcrc.match & ~f.fc_fields)),
+            fc_beat & f.fc_framing & ~vcrc.match,
+            fc_ok & ~fc_update,
+            fc_update,
+        ))
+        for counter, event in zip((self.fc_malformed, self.fc_bad_crc, self.fc_ignored, self.fc_received),
+                                  fc_events):
+            count_events(counter, event)
         m.d.comb += [
-            fc_update.eq(fc_ok),
+            fc_update.eq(fc_ok & ((fc_op == FlowControlOp.INIT.value) | (self.state != LinkState.INIT))),
             fc_vl.eq(w.data[20:24]),
             fc_fctbs.eq(Cat(w.data[8:16], w.data[0:4])),
         ]
-        with m.If(fc_ok):
+        m.d.sync += self.flow_control.valid.eq(fc_update)
+        with m.If(fc_update):
             m.d.sync += [
-                self.fc_received.eq(self.fc_received + 1),
-                self.flow_control.valid.eq(1),
                 self.flow_control.op.eq(fc_op),
                 self.flow_control.vl.eq(fc_vl),
                 self.flow_control.fctbs.eq(fc_fctbs),

@@ -12,7 +12,8 @@ class PacketBuffer(wiring.Component):
 
     The writer pushes a packet's beats as they arrive (``write``, no
     backpressure: the credit protocol guarantees room, and ``room`` lets the
-    writer check it) and pushes the packet's verdict (``verdict``: bad, and
+    writer check it: a register, so that the writer's decision to write
+    can depend on it at little depth) and pushes the packet's verdict (``verdict``: bad, and
     the credit blocks it held) once the packet has ended. Every stored packet
     ends with a beat marked ``end``.
 
@@ -39,7 +40,7 @@ class PacketBuffer(wiring.Component):
         self._verdict = data.StructLayout({"bad": 1, "blocks": FCCL_BITS})
         super().__init__({
             "write": In(stream.Signature(self._stored, always_ready=True)),
-            "room": Out(range(depth + 1)),
+            "room": Out(range(depth + 1), init=depth),
             "verdict": In(stream.Signature(self._verdict, always_ready=True)),
             "data_out": Out(stream.Signature(BeatLayout(width))),
             "freed": Out(stream.Signature(FCCL_BITS, always_ready=True)),
@@ -58,7 +59,6 @@ class PacketBuffer(wiring.Component):
         m.d.comb += [
             beats.w_data.eq(self.write.payload),
             beats.w_en.eq(self.write.valid),
-            self.room.eq(self.depth - beats.level),
             verdicts.w_data.eq(self.verdict.payload),
             verdicts.w_en.eq(self.verdict.valid),
         ]
@@ -83,6 +83,12 @@ class PacketBuffer(wiring.Component):
             out.payload.count.eq(head.count),
             out.payload.end_bad.eq(head.end & verdict.bad),
         ]
+
+        # ``depth - beats.level``, kept as a register: written and read beats move it.
+        wrote = self.write.valid & beats.w_rdy
+        read = beats.r_en & beats.r_rdy
+        m.d.sync += self.room.eq(Mux(wrote, Mux(read, self.room, self.room - 1),
+                                     Mux(read, self.room + 1, self.room)))
 
         known_bad = verdicts.r_rdy & verdict.bad
         with m.If(skipping | (~forwarding & beats.r_rdy & known_bad)):
