@@ -143,7 +143,7 @@ def test_flow_measures_a_xor_tree(tmp_path, monkeypatch, n):
 # One top of each kind of path that meets the budget: the switch's AXI4-Lite register file
 # (address decode, forwarding-table and counter reads) and the pipelined switch allocator
 # (credit test, round-robin arbiters, iSLIP).
-BUDGET_TOPS = ["tf_switch_registers_8p", "tf_switch_allocator_8p"]
+BUDGET_TOPS = ["tf_switch_registers_8p", "tf_switch_allocator_8p", "tf_link_receiver_w64"]
 
 
 @pytest.mark.parametrize("name", BUDGET_TOPS)
