@@ -666,7 +666,8 @@ class Router:
                  iterations: int = 1, width: int = 64, buffer_blocks: int = 528,
                  downstream_blocks: int = 132, mtu: int = 4096, ingress_cycles: int = 3,
                  alloc_cycles: int = 1, egress_cycles: int = 2, turnaround_cycles: int = 0,
-                 input_speedup: int = 1, lookahead: int = 0, cut_through: bool = True, forwarding: ForwardingTable | None = None,
+                 input_speedup: int = 1, lookahead: int = 0, cut_through: bool = True,
+                 forwarding: ForwardingTable | None = None,
                  sl_to_vl: SlToVl | None = None, vl_weights=DEFAULT_VL_WEIGHT):
         if not 2 <= ports <= 64:
             raise ValueError(f"ports must be 2 to 64 in the model, not {ports!r}")
