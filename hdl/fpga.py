@@ -332,7 +332,15 @@ def render_report(results, failed=None):
         lines += ["", "Deepest endpoints (one per register, memory or port):", ""]
         for path in r["depth"]["worst"]:
             lines.append(f"- {path['levels']} levels, {path['class']}: `{path['from']}` → "
-                         f"`{path['to']}` through " + ", ".join(f"`{n}`" for n in path["through"][1:-1]))
+                         f"`{path['to']}` through " + ", ".join(
+                             f"`{n}` ({level})" for n, level in
+                             list(zip(path["through"], path.get("through_levels", ())))[1:-1]))
+        blocks = r["depth"].get("blocks", {})
+        if len(blocks) > 1:
+            lines += ["", "Deepest path into each block:", "", "| block | levels | from | to |",
+                      "|---|---:|---|---|"]
+            lines += [f"| `{block}` | {path['levels']} | `{path['from']}` | `{path['to']}` |"
+                      for block, path in blocks.items()]
         if "ecp5" in r:
             lines += ["", "Memories: " + (", ".join(
                 f"`{m['name']}` {m['depth']} x {m['width']} → {m['ecp5']}"

@@ -74,8 +74,8 @@ def analyze(netlist, top, *, worst=8):
 
     Returns ``{"classes": {class: path or None}, "worst": [path, ...], "cells": {"luts",
     "ffs"}, "memories": [{"name", "depth", "width", "sync_read_ports", "async_read_ports"}]}``;
-    a path is ``{"levels", "from", "to", "through"}`` (``through``: the named nets on it,
-    start to end). ``worst`` lists the deepest path into each of the ``worst`` deepest
+    a path is ``{"levels", "from", "to", "through", "through_levels"}`` (``through``: the
+    named nets on it, start to end; ``through_levels``: the levels at each). ``worst`` lists the deepest path into each of the ``worst`` deepest
     endpoints (one per register, memory or port)."""
     module = netlist["modules"][top]
     names = _bit_names(module)
@@ -163,13 +163,14 @@ def analyze(netlist, top, *, worst=8):
             best[bit] = result
 
     def trace(bit, kind):
-        through = []
+        through, at = [], []
         while True:
             if bit in names and _public(names[bit]) and (not through or through[-1] != names[bit]):
                 through.append(names[bit])
+                at.append(best[bit][kind][0])
             previous = best[bit][kind][1]
             if previous is None:
-                return starts[bit][1], through[::-1]
+                return starts[bit][1], through[::-1], at[::-1]
             bit = previous
 
     deepest = {}        # class -> path
@@ -182,18 +183,29 @@ def analyze(netlist, top, *, worst=8):
             if cls in deepest and deepest[cls]["levels"] >= levels and \
                     per_end.get(register, {"levels": -1})["levels"] >= levels:
                 continue
-            origin, through = trace(bit, start_kind)
+            origin, through, at = trace(bit, start_kind)
             path = {"levels": levels, "class": cls, "from": origin, "to": end_name,
-                    "through": through}
+                    "through": through, "through_levels": at}
             if cls not in deepest or levels > deepest[cls]["levels"]:
                 deepest[cls] = path
             if levels > per_end.get(register, {"levels": -1})["levels"]:
                 per_end[register] = path
-    worst_paths = sorted(per_end.values(), key=lambda p: -p["levels"])[:worst]
+    worst_paths = sorted(per_end.values(), key=lambda p: -p["levels"])
+    blocks = {}
+    for path in worst_paths:
+        blocks.setdefault(block_name(path["to"]), path)
     return {"classes": {cls: deepest.get(cls) for cls in CLASSES.values()},
-            "worst": worst_paths, "cells": counts, "memories": memories}
+            "worst": worst_paths[:worst], "blocks": dict(sorted(blocks.items())),
+            "cells": counts, "memories": memories}
 
 
 def register_name(name):
     """``receiver.used_blocks[3] (D)`` -> ``receiver.used_blocks``: the register a path names."""
     return re.sub(r"(\[\d+\])?( \(.*\))?$", "", name)
+
+
+def block_name(name):
+    """``port.transmitter.vcrc.state[3] (D)`` -> ``port.transmitter``: the instance, at most
+    two levels down, an endpoint belongs to; the top's own registers and ports are ``(top)``."""
+    parts = register_name(name).split(".")[:-1]
+    return ".".join(parts[:2]) or "(top)"

@@ -7,7 +7,7 @@ import pytest
 from amaranth.hdl import Cat, Module, Signal
 
 from hdl.crc.algorithms import ICRC, VCRC
-from hdl.crc.aligned_crc import AlignedCRC, align, lead
+from hdl.crc.aligned_crc import AlignedCRC, advance_and_seed, align
 from hdl.crc.crc_check_stage import CRCCheckStage
 from tb.amaranth_sim import assert_rejected, simulate
 
@@ -24,8 +24,9 @@ def test_crc_stages(algorithm, width):
     data, count = Signal(8 * width), Signal(range(width + 1))
     start, valid = Signal(), Signal()
     m.d.comb += [
-        generator.data.eq(align(data, count, width)), generator.lead.eq(lead(count, width)),
-        generator.start.eq(start), generator.valid.eq(valid),
+        generator.data.eq(align(data, count, width)),
+        Cat(generator.advance, generator.seed).eq(Cat(*advance_and_seed(algorithm, count, start, width))),
+        generator.valid.eq(valid),
         checker.data.eq(data), checker.count.eq(count), checker.start.eq(start),
         checker.valid.eq(valid), checker.keep.eq(Cat(lane < count for lane in range(width))),
     ]

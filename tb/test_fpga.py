@@ -43,8 +43,20 @@ def test_a_chain_of_luts_between_registers():
     path = result["classes"]["reg_to_reg"]
     assert (path["from"], path["to"]) == ("start", "end (D)")
     assert path["through"][:2] == ["start", "mid"]
+    assert path["through_levels"][:2] == [0, 1]
     assert [p["levels"] for p in result["worst"]] == [3, 1]     # end, side (start's D is undriven)
     assert result["cells"] == {"luts": 4, "ffs": 3}
+
+
+def test_each_block_keeps_its_deepest_path():
+    # A deep path into port.tx.crc, shallower ones into port.rx and into the top's own register.
+    cells = [ff(20, 1), lut([1], 2), lut([2], 3), lut([3], 4), ff(4, 5), lut([1], 6), ff(6, 7),
+             lut([1], 8), lut([8], 9), ff(9, 10)]
+    names = {1: "q", 5: "port.tx.crc.state", 7: "own", 10: "port.rx.count[3]"}
+    blocks = logic_depth.analyze(netlist(cells, names=names), "top")["blocks"]
+    assert {block: path["levels"] for block, path in blocks.items()} == {
+        "(top)": 1, "port.rx": 2, "port.tx": 3}
+    assert blocks["port.tx"]["to"] == "port.tx.crc.state (D)"
 
 
 def test_ports_start_and_end_paths():

@@ -1,60 +1,71 @@
-from amaranth.hdl import C, Cat, Module, Mux, Signal, Value
+from functools import reduce
+from operator import xor
+
+from amaranth.hdl import Array, C, Cat, Module, Mux, Signal, Value
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
-from .matrices import check_parameters, advance_columns, data_matrix, multiply, rows, state_lane_bit
+from .matrices import check_parameters, advance_columns, data_matrix, xor_nodes, xor_tree
 
-__all__ = ["AlignedCRC", "align", "lead"]
+__all__ = ["AlignedCRC", "align", "advance_and_seed"]
 
 
 def align(data, count, width):
     """A beat's ``count`` bytes moved to the top lanes, zeros in front: what :class:`AlignedCRC` takes."""
-    return data << Cat(C(0, 3), width - Value.cast(count))
+    # Shifted right by count bytes from above the beat: no subtraction before the shifter.
+    return (Cat(C(0, 8 * width), data) >> Cat(C(0, 3), Value.cast(count)))[:8 * width]
 
 
-def lead(count, width):
-    """One-hot ``width + 1`` bits, bit ``width - count`` set: where an aligned beat's bytes begin."""
-    return (C(1, width + 1) << (width - Value.cast(count)).as_unsigned())[:width + 1]
+def advance_and_seed(algorithm, count, start, width):
+    """``(advance, seed)`` of a beat of ``count`` bytes as :class:`AlignedCRC` takes them:
+    ``A^(8·count)`` (the register advanced over the beat, bit ``crc_width·row + column``)
+    and zero, or on a ``start`` beat zero and ``A^(8·count)`` times the initial value."""
+    crc_width = algorithm.crc_width
+    matrices, seeds = [], []
+    for k in range(width + 1):
+        columns = advance_columns(algorithm, 8 * k)
+        matrices.append(C(sum((columns[col] >> row & 1) << (crc_width * row + col)
+                              for row in range(crc_width) for col in range(crc_width)), crc_width ** 2))
+        seeds.append(C(reduce(xor, (columns[col] for col in range(crc_width)
+                                    if algorithm.initial_crc >> col & 1), 0), crc_width))
+    start = Value.cast(start)
+    return (Mux(start, 0, Array(matrices)[count]), Mux(start, Array(seeds)[count], 0))
 
 
 class AlignedCRC(wiring.Component):
     """CRC over a stream of ``width``-byte beats with the last one front-padded, shallow
     enough for the last stage of a pipeline whose every input comes from a register.
 
-    A beat of ``k`` bytes arrives with them in lanes ``width-k..width-1`` (:func:`align`)
-    and ``lead`` one-hot at bit ``width - k`` (:func:`lead`); a full beat has ``k = width``.
-    Processing bits from a register ``s`` is the same as processing them from a zero
-    register with ``s`` XORed into their first ``crc_width`` bits. So instead of
-    advancing the state by a count-selected matrix, the state is XORed into the data at
-    the lane where the beat's bytes begin (one gate per data bit, selected by ``lead``)
-    and the beat goes through the one full-width data matrix ``G``. State bits that would
-    land past the beat (``k`` below ``crc_width / 8``) are added back through small
-    per-count matrices, computed here at elaboration. The depth is one gate plus an XOR
-    tree over at most ``8 * width + crc_width`` inputs: 5 LUT6 levels for 64-byte beats.
+    A beat of ``k`` bytes arrives with them in lanes ``width-k..width-1`` (:func:`align`):
+    zeros in front leave a zero register zero, so the beat adds the full-width data matrix
+    ``G`` times the beat. The register advances over the beat by ``A^(8k)``, which depends
+    on ``k``, so that matrix arrives registered (``advance``; zero on a start beat, whose
+    initial value arrives advanced as ``seed``): the new state is
+    ``G·data ⊕ advance·state ⊕ seed``, 6-input XORs of at most ``8 * width`` data bits, of
+    three ``advance & state`` products, and the seed: 4 LUT6 levels at 64-byte beats.
 
     Ports
     -----
-    start : In(1)
-        This beat begins a new CRC: the state is the initial value.
     valid : In(1)
         A beat is present: the state register takes the new state at the clock edge.
-        ``k = 0`` (``lead`` at bit ``width``) leaves the state unchanged.
     data : In(8 * width)
         The aligned beat; lanes below ``width - k`` must be zero.
-    lead : In(width + 1)
+    advance, seed : In(crc_width ** 2), In(crc_width)
+        :func:`advance_and_seed` of the beat's byte count and start flag. An empty
+        beat (``k = 0``, advance the identity) leaves the state unchanged.
     crc : Out(crc_width)
         Combinational: the final CRC (output reflection and XOR applied) of everything
-        since ``start`` including this beat.
+        since the start beat including this beat.
     """
     def __init__(self, algorithm, width):
         check_parameters(algorithm, width)
         self._algorithm = algorithm
         self._width = width
         super().__init__({
-            "start": In(1),
             "valid": In(1),
             "data": In(8 * width),
-            "lead": In(width + 1),
+            "advance": In(algorithm.crc_width ** 2),
+            "seed": In(algorithm.crc_width),
             "crc": Out(algorithm.crc_width),
         })
 
@@ -62,41 +73,15 @@ class AlignedCRC(wiring.Component):
         m = Module()
         algorithm, width = self._algorithm, self._width
         crc_width = algorithm.crc_width
-        beat_matrix = data_matrix(algorithm, width)
-        beat_columns = [0] * (8 * width)
-        for row, indices in enumerate(beat_matrix):
-            for index in indices:
-                beat_columns[index] |= 1 << row
 
         state = Signal(crc_width, init=algorithm.initial_crc)
-        source = Signal(crc_width)
-        m.d.comb += source.eq(Mux(self.start, algorithm.initial_crc, state))
-
-        injected = [self.data[bit] for bit in range(8 * width)]
-        spilled_terms, spilled_columns = [], []
-        for first in range(width + 1):
-            advance = advance_columns(algorithm, 8 * (width - first))
-            for bit in range(crc_width):
-                byte, within = state_lane_bit(algorithm, bit)
-                lane = first + byte
-                term = self.lead[first] & source[bit]
-                entered = 0
-                if lane < width:
-                    position = 8 * lane + within
-                    injected[position] = injected[position] ^ term
-                    entered = beat_columns[position]
-                if advance[bit] != entered:
-                    # This bit stays in the register past the beat's end.
-                    spilled_terms.append(term)
-                    spilled_columns.append(advance[bit] ^ entered)
-                    if width - first >= crc_width // 8:
-                        raise AssertionError("a whole register was injected but did not cancel")
-        data = Signal(8 * width)
-        spilled = Signal(len(spilled_terms))
-        m.d.comb += [data.eq(Cat(injected)), spilled.eq(Cat(spilled_terms))]
         following = Signal(crc_width)
-        m.d.comb += following.eq(multiply(beat_matrix, data)
-                                 ^ multiply(rows(spilled_columns, crc_width), spilled))
+        for row, indices in enumerate(data_matrix(algorithm, width)):
+            name = f"following{row}"
+            data = xor_nodes(m, [self.data[index] for index in indices], 6, name=f"{name}_data")
+            carried = xor_nodes(m, [self.advance[crc_width * row + column] & state[column]
+                                    for column in range(crc_width)], 3, name=f"{name}_state")
+            m.d.comb += following[row].eq(xor_tree(m, data + carried + [self.seed[row]], name=name))
         with m.If(self.valid):
             m.d.sync += state.eq(following)
 

@@ -4,10 +4,11 @@ The CRC register ``s`` is kept unreflected (most-significant bit first); ``n``
 bits ``d`` advance it to ``A^n·s ⊕ D_n·d``. A matrix is a list of output rows,
 each row the set of input bit indices XORed into that output bit.
 """
-from amaranth.hdl import Cat, Const
+from amaranth.hdl import Cat, Const, Signal
 from amaranth.lib import crc
 
-__all__ = ["check_parameters", "data_matrix", "advance_columns", "state_lane_bit", "rows", "multiply"]
+__all__ = ["check_parameters", "data_matrix", "advance_columns", "rows", "multiply", "xor_nodes",
+           "xor_tree"]
 
 
 def check_parameters(algorithm, width):
@@ -53,17 +54,6 @@ def advance_columns(algorithm, bits, columns=None):
     return columns
 
 
-def state_lane_bit(algorithm, bit):
-    """Where register bit ``bit`` enters a message as data: ``(byte, bit in the byte)``.
-
-    Processing bits from state ``s`` equals processing them from a zero register
-    with the first ``crc_width`` of them XORed with ``s``, most-significant first.
-    """
-    order = algorithm.crc_width - 1 - bit
-    byte, within = divmod(order, 8)
-    return byte, within if algorithm.reflect_input else 7 - within
-
-
 def rows(columns, crc_width):
     return [[index for index, column in enumerate(columns) if column >> row & 1]
             for row in range(crc_width)]
@@ -71,3 +61,29 @@ def rows(columns, crc_width):
 
 def multiply(matrix, vector):
     return Cat(Cat(vector[index] for index in row).xor() if row else Const(0, 1) for row in matrix)
+
+
+def xor_nodes(m, terms, per_node, *, name):
+    """The XORs of ``terms`` taken ``per_node`` at a time, each a kept net (one LUT6 when
+    the terms hold six inputs between them): ABC would otherwise map a reduction as the
+    chain it was written as, or merge the levels into deeper cones."""
+    nodes = []
+    for k in range(0, len(terms), per_node):
+        group = terms[k:k + per_node]
+        if len(group) == 1:
+            nodes.append(group[0])
+            continue
+        node = Signal(name=f"{name}_{k // per_node}", attrs={"keep": 1})
+        m.d.comb += node.eq(Cat(group).xor())
+        nodes.append(node)
+    return nodes
+
+
+def xor_tree(m, terms, *, name):
+    """The XOR of ``terms``, single bits, as a tree of 6-input XORs: one LUT6 level per
+    factor of six."""
+    level = 0
+    while len(terms) > 1:
+        terms = xor_nodes(m, terms, 6, name=f"{name}_x{level}")
+        level += 1
+    return terms[0] if terms else Const(0, 1)

@@ -1,19 +1,29 @@
+import operator
+from functools import reduce
+
 from amaranth import *
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from ..crc.aligned_crc import AlignedCRC, align, lead
+from ..crc.aligned_crc import AlignedCRC, advance_and_seed, align
 from ..crc.algorithms import VCRC
+from ..switch.islip_allocator import next_mask, round_robin_pick
 from .signatures import (
     BeatLayout, FlowControlOp, FlowControlSignature, LinkState, WireSignature,
-    FCCL_BITS, VCRC_BYTES, blocks_of, check_mtu, check_width, lrh_wire_bytes, max_wire_bytes,
-    vl_index,
+    BLOCK_BYTES, FCCL_BITS, VCRC_BYTES, blocks_of, check_mtu, check_width, lrh_pktlen,
+    max_wire_bytes, vl_index,
 )
 
-__all__ = ["LinkTransmitter", "FC_BATCH_INTERVAL"]
+__all__ = ["LinkTransmitter", "FC_BATCH_INTERVAL", "credit_view"]
 
 # Cycles between flow-control packets of one VL that report a large batch of freed blocks.
 FC_BATCH_INTERVAL = 4
+# IBA: a packet may start when (FCCL - (FCTBS + blocks)) mod 4096 <= CREDIT_WINDOW.
+CREDIT_WINDOW = 2048
+# On the few nets the decision is made of (eligible VLs, whether a pick may happen, the
+# beat each VL sends): the LUT mapper (ABC9) would otherwise merge them into the AND trees
+# around them and lose the shallow decomposition the decision is written in.
+KEEP = {"keep": 1}
 
 
 class LinkTransmitter(wiring.Component):
@@ -92,28 +102,62 @@ class LinkTransmitter(wiring.Component):
         s1_valid, s1_link, s1_start, s1_end, s1_end_bad = (Signal(name=f"s1_{name}") for name in
                                                             ("valid", "link", "start", "end", "end_bad"))
         s1_count = Signal(range(width + 1))
-        s1_data = Signal(8 * width)
         # Per lane: the beat's own byte, the CRC's low byte, its high byte (else zero).
         s1_keep, s1_low, s1_high = Signal(width), Signal(width), Signal(width)
-        s1_crc_valid, s1_crc_start = Signal(), Signal()
-        s1_crc_data = Signal(8 * width)
-        s1_crc_lead = Signal(width + 1)
+        s1_crc_valid = Signal()
+        # Every VL's head beat is registered in every cycle, with its CRC inputs (the beat
+        # aligned by its own count, the advance matrix and seed), and so are the bytes of a
+        # flow-control packet; which of them went in (`s1_emit`, `s1_fc`, or `s1_spill` for
+        # an empty spill beat) is chosen here, after the register, where the path is short.
+        # s1_start .. s1_count hold the other beats' (zero for a data beat).
+        s1_emit = Signal(self.num_vls)
+        s1_fc, s1_spill = Signal(), Signal()
+        s1_fc_bytes = Signal(32)
+        s1_head = [{field: Signal(shape, name=f"s1_head{v}_{field}") for field, shape in (
+            ("data", 8 * width), ("crc_data", 8 * width), ("advance", len(vcrc.advance)),
+            ("seed", len(vcrc.seed)))} for v in range(self.num_vls)]
+        fc_advance, fc_seed = advance_and_seed(VCRC, 4, 1, width)
+        empty_advance, _ = advance_and_seed(VCRC, 0, 0, width)
+
+        def from_head(field, fc_value, spill_value=0):
+            return (_one_hot_mux(s1_emit, [fields[field] for fields in s1_head])
+                    | Mux(s1_fc, fc_value, 0) | Mux(s1_spill, spill_value, 0))
+
+        s1_data = from_head("data", s1_fc_bytes)
         m.d.comb += [
-            vcrc.valid.eq(s1_crc_valid), vcrc.start.eq(s1_crc_start),
-            vcrc.data.eq(s1_crc_data), vcrc.lead.eq(s1_crc_lead),
+            vcrc.valid.eq(s1_crc_valid),
+            vcrc.data.eq(from_head("crc_data", align(s1_fc_bytes, 4, width))),
+            vcrc.advance.eq(from_head("advance", fc_advance, empty_advance)),
+            vcrc.seed.eq(from_head("seed", fc_seed)),
         ]
+        s1_from = [{field: Signal(shape, name=f"s1_{field}{v}") for field, shape in (
+            ("start", 1), ("end", 1), ("end_bad", 1), ("count", range(width + 1)),
+            ("count_cut", range(width + 1)), ("cut", 1))} for v in range(self.num_vls)]
+
+        def from_emit(field):
+            return _one_hot_mux(s1_emit, [fields[field] for fields in s1_from])
+
+        emitted_count = _one_hot_mux(s1_emit, [Mux(fields["cut"], fields["count_cut"], fields["count"])
+                                               for fields in s1_from])
         m.d.sync += [
-            self.wire.valid.eq(s1_valid), self.wire.link.eq(s1_link), self.wire.start.eq(s1_start),
-            self.wire.end.eq(s1_end), self.wire.end_bad.eq(s1_end_bad), self.wire.count.eq(s1_count),
+            self.wire.valid.eq(s1_valid), self.wire.link.eq(s1_link),
+            self.wire.start.eq(s1_start | from_emit("start")),
+            self.wire.end.eq(s1_end | from_emit("end")),
+            self.wire.end_bad.eq(s1_end_bad | from_emit("end_bad")),
+            self.wire.count.eq(s1_count | emitted_count),
             self.wire.data.eq(Cat(
                 Mux(s1_keep[lane], s1_data[8 * lane:8 * lane + 8], 0)
                 | Mux(s1_low[lane], vcrc.crc[0:8], 0) | Mux(s1_high[lane], vcrc.crc[8:16], 0)
                 for lane in range(width))),
         ]
 
-        fctbs = Array(self.fctbs)
-        limit = Array(self.credit_limit)
         inputs = Array(self.data_in)
+        # Blocks of the largest packet that is not discarded, and of the largest one that can
+        # end in its start beat with the VCRC in the same beat (the only kind after which the
+        # same VL may start again in the next cycle).
+        max_blocks = blocks_of(max_bytes)
+        bits = max_blocks.bit_length()
+        short_blocks = -(-width // BLOCK_BYTES)
 
         busy = Signal()                         # inside a data packet
         discarding = Signal()                   # dropping the rest of an input packet
@@ -123,38 +167,54 @@ class LinkTransmitter(wiring.Component):
         extra_whole = Signal()                  # ... all of it, not just the high byte
         extra_bad = Signal()
 
+        # Counters count registered events, a cycle after them: a 32-bit increment is deep
+        # enough on its own.
+        def count_event(counter, event):
+            registered = Signal(name=f"{counter.name}_event")
+            m.d.sync += [registered.eq(event), counter.eq(counter + registered)]
+
         # --- per-VL head packets and credit check ---
-        # PktLen is 11 bits: a corrupt one may claim up to 2047 words.
-        head_len = [Signal(range(2047 * 4 + VCRC_BYTES + 1), name=f"head_len{v}")
-                    for v in range(num_vls)]
-        head_blocks = [Signal(FCCL_BITS, name=f"head_blocks{v}") for v in range(num_vls)]
+        # The credit test of a head is one compare against registers: `lim` and `over` say,
+        # for a room, which heads fit (see credit_view). They are computed a cycle ahead
+        # from the next limit and this cycle's FCTBS, for k = 0 .. short_blocks blocks
+        # started on the VL in this cycle (from FCTBS + k, kept beside FCTBS); `view_sel`
+        # (registered with the decision) says which k it was, none if another size (the VL
+        # then waits a cycle).
+        pktlen = [lrh_pktlen(self.data_in[v].payload.data) for v in range(num_vls)]
+        # Blocks of a head, less one: blocks_of(4 * PktLen + VCRC_BYTES) is PktLen // 16 + 1.
+        assert all(blocks_of(4 * n + VCRC_BYTES) == n // 16 + 1 for n in range(2048))
+        blocks_less1 = [pktlen[v][4:] for v in range(num_vls)]
         head_start = Signal(num_vls)
         head_too_long = Signal(num_vls)
         credit_ok = Signal(num_vls)
-        eligible = Signal(num_vls)
+        eligible = Signal(num_vls, attrs=KEEP)
+        lim = [[Signal(bits + 1, name=f"credit_lim{v}_{k}") for k in range(short_blocks + 1)]
+               for v in range(num_vls)]
+        over = [Signal(short_blocks + 1, name=f"credit_over{v}") for v in range(num_vls)]
+        view_sel = [Signal(short_blocks + 1, init=1, name=f"credit_view_sel{v}")
+                    for v in range(num_vls)]
         active = self.state == LinkState.ACTIVE
         for v in range(num_vls):
-            head = self.data_in[v].payload
             m.d.comb += [
-                head_len[v].eq(lrh_wire_bytes(head.data)),
-                head_blocks[v].eq(blocks_of(head_len[v])),
-                head_start[v].eq(self.data_in[v].valid & head.start),
-                head_too_long[v].eq(head_len[v] > max_bytes),
-                # IBA: send only if (FCCL - (FCTBS + blocks)) mod 4096 <= 2048.
-                credit_ok[v].eq(((limit[v] - fctbs[v] - head_blocks[v]) & 0xFFF) <= 2048),
+                head_start[v].eq(self.data_in[v].valid & self.data_in[v].payload.start),
+                # 4 * PktLen + VCRC_BYTES > max_bytes
+                head_too_long[v].eq(_less_than((max_bytes - VCRC_BYTES) // 4, pktlen[v])),
+                credit_ok[v].eq(Cat(view_sel[v][k] & (over[v][k] ^ _less_than(blocks_less1[v][:bits], lim[v][k]))
+                                    for k in range(short_blocks + 1)).any()),
                 eligible[v].eq(head_start[v] & ~head_too_long[v] & credit_ok[v] & active),
             ]
-            with m.If(head_start[v] & ~head_too_long[v] & ~credit_ok[v] & active):
-                m.d.sync += self.credit_stall_cycles[v].eq(self.credit_stall_cycles[v] + 1)
+            count_event(self.credit_stall_cycles[v], head_start[v] & ~head_too_long[v] & ~credit_ok[v] & active)
         # Each VL's head beat as the CRC stage takes it, aligned by its own count before the
         # VL is picked. Only a packet cut at PktLen ends elsewhere, and it goes out end-bad.
-        crc_data = Array(Signal(8 * width, name=f"crc_data{v}") for v in range(num_vls))
-        crc_lead = Array(Signal(width + 1, name=f"crc_lead{v}") for v in range(num_vls))
+        crc_data = [Signal(8 * width, name=f"crc_data{v}") for v in range(num_vls)]
+        crc_advance = [Signal(len(vcrc.advance), name=f"crc_advance{v}") for v in range(num_vls)]
+        crc_seed = [Signal(len(vcrc.seed), name=f"crc_seed{v}") for v in range(num_vls)]
         for v in range(num_vls):
             head = self.data_in[v].payload
             own_count = Mux(head.end, head.count, width)
             m.d.comb += [crc_data[v].eq(align(head.data, own_count, width)),
-                         crc_lead[v].eq(lead(own_count, width))]
+                         Cat(crc_advance[v], crc_seed[v]).eq(
+                             Cat(*advance_and_seed(VCRC, own_count, head.start, width)))]
 
         # --- flow-control packet schedule ---
         since_fc = [Signal(range(self.fc_period + 1), init=self.fc_period, name=f"since_fc{v}")
@@ -189,7 +249,7 @@ class LinkTransmitter(wiring.Component):
         fc_op = Signal(FlowControlOp)
         m.d.comb += fc_op.eq(Mux(self.state == LinkState.INIT,
                                  FlowControlOp.INIT, FlowControlOp.NORMAL))
-        fc_fctbs = fctbs[fc_vl]
+        fc_fctbs = Array(self.fctbs)[fc_vl]
         fc_fccl = Array(self.advertise_fccl)[fc_vl]
         fc_vl_field = Signal(4)
         m.d.comb += fc_vl_field.eq(fc_vl)
@@ -197,144 +257,341 @@ class LinkTransmitter(wiring.Component):
         fc_bytes = Cat(fc_fctbs[8:12], fc_op.as_value(), fc_fctbs[0:8],
                        fc_fccl[8:12], fc_vl_field, fc_fccl[0:8])
 
-        # --- weighted round robin over eligible VLs ---
-        rr_pointer = Signal(vl_index(num_vls))
-        rr_budget = Signal(16)
-        pick = Signal(vl_index(num_vls))
-        pick_valid = Signal()
-        stay = Signal()
-        m.d.comb += stay.eq(eligible.bit_select(rr_pointer, 1) & (rr_budget != 0))
-        with m.If(stay):
-            m.d.comb += [pick.eq(rr_pointer), pick_valid.eq(1)]
-        with m.Else():
-            # The VL after the pointer wins first; the pointer's own VL comes last.
-            for offset in reversed(range(1, num_vls + 1)):
-                candidate = (rr_pointer + offset) % num_vls if num_vls > 1 else C(0, 1)
-                with m.If(eligible.bit_select(candidate, 1)):
-                    m.d.comb += [pick.eq(candidate), pick_valid.eq(1)]
+        # --- what happens in this cycle: the registered cases first, then the VL pick ---
+        decide = ~extra_beat & ~discarding & ~busy      # at a packet boundary
+        fc_now = decide & want_fc.any()
+        pick_now = Signal(attrs=KEEP)
+        m.d.comb += pick_now.eq(decide & ~want_fc.any())
 
-        # --- one beat of data: PktLen enforcement, VCRC append ---
-        beat = Signal(BeatLayout(width))
-        beat_allowed = Signal(range(max_bytes + 1))
-        natural_count = Mux(beat.end, beat.count, width)
-        forced_end = ~beat.end & (beat_allowed <= width)
-        out_end = beat.end | forced_end
-        out_count = Signal(range(width + 1))
-        m.d.comb += out_count.eq(Mux(natural_count > beat_allowed, beat_allowed, natural_count))
-        malformed = forced_end | (beat.end & (beat.count != beat_allowed))
+        # Weighted round robin over eligible VLs: the VL holding the turn keeps it while it
+        # has budget, else the first eligible VL after it wins, its own last. That is one
+        # round-robin pick from a registered thermometer mask: from the turn's VL up while
+        # it has budget, else from the VL after it.
+        rr_turn = Signal(num_vls, init=1)               # one-hot: the VL holding the turn
+        # (Its top bit, always set, is not stored.)
+        rr_mask = Signal(num_vls - 1, init=((1 << (num_vls - 1)) - 1) ^ ((1 << (1 % num_vls)) - 1))
+        rr_budget_less1 = Signal(8)                     # its budget less one, if it has any
+        rr_budget_nz = Signal()
+        # The weights less one, and whether they are zero, registered (a new weight counts
+        # from the next turn after the next cycle).
+        weight_less1 = [Signal(8, name=f"rr_weight{v}_less1") for v in range(num_vls)]
+        weight_nz = [Signal(name=f"rr_weight{v}_nz") for v in range(num_vls)]
+        for v in range(num_vls):
+            m.d.sync += [weight_less1[v].eq(self.vl_weight[v] - 1), weight_nz[v].eq(self.vl_weight[v] != 0)]
+        grant = Signal(num_vls)
+        m.d.comb += [
+            grant.eq(round_robin_pick(m, eligible, Cat(rr_mask, C(1, 1)), num_vls, name="rr")),
+        ]
+        start = Signal(num_vls)                 # a packet starts on this VL
+        carry_on = Signal(num_vls, attrs=KEEP)  # the current packet's next beat goes
+        emit = Signal(num_vls, attrs=KEEP)      # a beat of this VL goes into the beat register
+        m.d.comb += [
+            start.eq(grant & pick_now.replicate(num_vls)),
+            carry_on.eq(Cat(~extra_beat & ~discarding & busy & (current == v)
+                            & self.data_in[v].valid for v in range(num_vls))),
+            emit.eq(start | carry_on),
+        ]
 
-        m.d.sync += [s1_valid.eq(0), s1_crc_valid.eq(0), self.fc_sent.valid.eq(0)]
+        # --- per VL, the beat of that VL as it would go into the beat register (PktLen
+        # enforcement, where the VCRC goes), computed before the pick; the pick chooses.
+        # The bytes PktLen still allows are the current packet's (`allowed`) or, for a start
+        # beat, 4 * PktLen: every test is made against both and chosen by `busy` last.
+        # Lanes are handled as thermometers (lane < count, lane < allowed), so no byte
+        # count is formed before a lane mask is.
+        def beat_out(beat, pktlen):
+            head_allowed = pktlen * 4
 
-        def emit_beat(vl):
-            m.d.comb += inputs[vl].ready.eq(1)
+            def allows(test):
+                return _choose(busy, test(allowed), test(head_allowed))
+
+            below_allowed = [allows(lambda bound: _less_than(lane, bound))
+                             for lane in range(width + 1)]
+            forced_end = ~beat.end & ~below_allowed[width]
+            out_end = beat.end | forced_end
+            # Lanes before the end of the bytes going out (lane < min(count, allowed)).
+            inside = [(~beat.end | _less_than(lane, beat.count)) & below_allowed[lane]
+                      for lane in range(width)]
+            inside_at = lambda lane: inside[lane] if lane >= 0 else C(1, 1)
+            count_fits = beat.end & allows(lambda bound: ~_less_than(bound, beat.count))
+            malformed = forced_end | beat.end & ~allows(lambda bound: beat.count == bound)
             # The VCRC goes right after the last byte, spilling into one more beat when it must.
+            spill = inside[width - 2]
+            last = out_end & ~spill
+            fields = s1_from[v]
             m.d.sync += [
-                s1_valid.eq(1), s1_link.eq(0), s1_start.eq(beat.start), s1_data.eq(beat.data),
-                s1_keep.eq(Cat(~out_end | (lane < out_count) for lane in range(width))),
-                s1_low.eq(Cat(out_end & (lane == out_count) for lane in range(width))),
-                s1_high.eq(Cat(out_end & (lane == out_count + 1) for lane in range(width))),
-                s1_crc_valid.eq(1), s1_crc_start.eq(beat.start),
-                s1_crc_data.eq(crc_data[vl]), s1_crc_lead.eq(crc_lead[vl]),
-                busy.eq(~out_end),
-                allowed.eq(beat_allowed - width),
+                fields["start"].eq(beat.start), fields["end"].eq(last),
+                fields["end_bad"].eq(last & (beat.end_bad | malformed)),
+                fields["count"].eq(Mux(last, beat.count + VCRC_BYTES, width)),
+                fields["count_cut"].eq(allows(lambda bound: bound[:len(s1_count)] + VCRC_BYTES)),
+                fields["cut"].eq(last & ~count_fits),
             ]
-            with m.If(out_end):
-                spill = out_count + VCRC_BYTES > width
-                m.d.sync += [
-                    s1_end.eq(~spill),
-                    s1_count.eq(Mux(spill, width, out_count + VCRC_BYTES)),
-                    s1_end_bad.eq(~spill & (beat.end_bad | malformed)),
-                    extra_beat.eq(spill),
-                    extra_whole.eq(out_count == width),
-                    discarding.eq(forced_end),
-                ]
-                with m.If(malformed):
-                    m.d.sync += self.cut_overlong.eq(self.cut_overlong + 1)
-            with m.Else():
-                m.d.sync += [s1_end.eq(0), s1_count.eq(width), s1_end_bad.eq(0)]
-            # A spilled beat carries the end-bad mark; remember it.
-            m.d.sync += extra_bad.eq(beat.end_bad | malformed)
+            registers = [
+                (s1_keep, Cat(~out_end | inside[lane] for lane in range(width))),
+                (s1_low, Cat(out_end & inside_at(lane - 1) & ~inside[lane] for lane in range(width))),
+                (s1_high, Cat(out_end & inside_at(lane - 2) & ~inside_at(lane - 1)
+                              for lane in range(width))),
+                (busy, ~out_end), (allowed, allows(lambda bound: bound - width)),
+                (extra_beat, out_end & spill), (extra_whole, inside[width - 1]),
+                # A spilled beat carries the end-bad mark; remember it.
+                (extra_bad, beat.end_bad | malformed),
+                (discarding, forced_end),
+            ]
+            return registers, malformed
 
-        m.d.comb += beat.eq(inputs[current].payload)
-        m.d.comb += beat_allowed.eq(allowed)
+        beats = []
+        for v in range(num_vls):
+            beats.append(beat_out(self.data_in[v].payload, pktlen[v]))
 
-        with m.If(extra_beat):
+        # Every field of the beat register is zero unless a beat goes in: no field holds a
+        # value, so none needs the decision as an enable or a hold.
+        m.d.sync += [register.eq(0) for register in (
+            s1_valid, s1_link, s1_start, s1_end, s1_count, s1_end_bad, s1_keep, s1_low, s1_high,
+            s1_crc_valid)]
+        # The wide fields: every VL's head and the flow-control bytes, whatever goes.
+        for v in range(num_vls):
+            m.d.sync += [s1_head[v]["data"].eq(self.data_in[v].payload.data),
+                         s1_head[v]["crc_data"].eq(crc_data[v]),
+                         s1_head[v]["advance"].eq(crc_advance[v]), s1_head[v]["seed"].eq(crc_seed[v])]
+        m.d.sync += [s1_fc_bytes.eq(fc_bytes), s1_emit.eq(emit), s1_fc.eq(fc_now),
+                     s1_spill.eq(extra_beat)]
+        m.d.sync += self.fc_sent.valid.eq(0)
+        with m.If(emit.any()):
+            m.d.sync += [s1_valid.eq(1), s1_crc_valid.eq(1)]
+            for i, (register, _) in enumerate(beats[0][0]):
+                m.d.sync += register.eq(_one_hot_mux(emit, [beat[0][i][1] for beat in beats]))
+        with m.Elif(extra_beat):
             # An empty beat through the CRC leaves its state, the whole packet's CRC.
             m.d.sync += [
                 s1_valid.eq(1), s1_link.eq(0), s1_start.eq(0),
                 s1_end.eq(1), s1_count.eq(Mux(extra_whole, VCRC_BYTES, VCRC_BYTES - 1)),
-                s1_end_bad.eq(extra_bad), s1_data.eq(0), s1_keep.eq(0),
+                s1_end_bad.eq(extra_bad), s1_keep.eq(0),
                 s1_low.eq(extra_whole), s1_high.eq(Mux(extra_whole, 0b10, 0b01)),
-                s1_crc_valid.eq(1), s1_crc_start.eq(0), s1_crc_data.eq(0),
-                s1_crc_lead.eq(lead(0, width)),
+                s1_crc_valid.eq(1),
                 extra_beat.eq(0),
             ]
-        with m.Elif(discarding):
-            m.d.comb += inputs[current].ready.eq(1)
-            with m.If(inputs[current].valid & inputs[current].payload.end):
-                m.d.sync += discarding.eq(0)
-        with m.Elif(busy):
-            with m.If(inputs[current].valid):
-                emit_beat(current)
-        with m.Elif(want_fc.any()):
+        with m.Elif(fc_now):
             # The LPCRC is the VCRC algorithm over the packet's 4 bytes: the same CRC stage.
             m.d.sync += [
                 s1_valid.eq(1), s1_link.eq(1),
                 s1_start.eq(1), s1_end.eq(1), s1_end_bad.eq(0),
-                s1_count.eq(6), s1_data.eq(fc_bytes),
+                s1_count.eq(6),
                 s1_keep.eq(0b1111), s1_low.eq(0b10000), s1_high.eq(0b100000),
-                s1_crc_valid.eq(1), s1_crc_start.eq(1),
-                s1_crc_data.eq(align(fc_bytes, 4, width)), s1_crc_lead.eq(lead(4, width)),
+                s1_crc_valid.eq(1),
                 self.fc_sent.valid.eq(1),
                 self.fc_sent.op.eq(fc_op),
                 self.fc_sent.vl.eq(fc_vl),
                 self.fc_sent.fctbs.eq(fc_fctbs),
                 self.fc_sent.fccl.eq(fc_fccl),
-                self.fc_packets_sent.eq(self.fc_packets_sent + 1),
             ]
             for v in range(num_vls):
                 with m.If(fc_vl == v):
                     m.d.comb += fc_going[v].eq(1)
                     m.d.sync += [since_fc[v].eq(0), last_fccl[v].eq(self.advertise_fccl[v])]
-        with m.Elif(pick_valid):
-            m.d.comb += [beat.eq(inputs[pick].payload),
-                         beat_allowed.eq(Array(head_len)[pick] - VCRC_BYTES)]
-            emit_beat(pick)
-            blocks = Array(head_blocks)[pick]
-            m.d.sync += [
-                current.eq(pick),
-                fctbs[pick].eq(fctbs[pick] + blocks),
-                Array(self.packets_sent)[pick].eq(Array(self.packets_sent)[pick] + 1),
-                rr_pointer.eq(pick),
-            ]
-            with m.If(stay):
-                m.d.sync += rr_budget.eq(Mux(rr_budget > blocks, rr_budget - blocks, 0))
-            with m.Else():
-                weight = Array(self.vl_weight)[pick]
-                m.d.sync += rr_budget.eq(Mux(weight > blocks, weight - blocks, 0))
-        with m.Else():
-            # Junk at the head of a stream never reaches the wire: drop it, one VL at a time.
-            junk_vl = Signal(vl_index(num_vls))
-            junk = Signal()
-            for v in reversed(range(num_vls)):
-                head = self.data_in[v]
-                with m.If(head.valid & (~head.payload.start | head_too_long[v])):
-                    m.d.comb += [junk_vl.eq(v), junk.eq(1)]
-            junk_head = inputs[junk_vl]
-            with m.If(junk):
-                m.d.comb += junk_head.ready.eq(1)
-                with m.If(~junk_head.payload.start):
-                    m.d.sync += self.discarded_framing.eq(self.discarded_framing + 1)
-                with m.Else():
-                    m.d.sync += [current.eq(junk_vl), discarding.eq(~junk_head.payload.end),
-                                 self.discarded_too_long.eq(self.discarded_too_long + 1)]
 
-        with m.If(self.clear):
+        discard_now = ~extra_beat & discarding
+        with m.If(discard_now & inputs[current].valid & inputs[current].payload.end):
+            m.d.sync += discarding.eq(0)
+
+        with m.If(start.any()):
+            m.d.sync += [
+                current.eq(_one_hot_mux(start, [C(v, current.shape()) for v in range(num_vls)])),
+                rr_turn.eq(grant),
+            ]
+            # The turn's budget after the packet: what the VL has left if it holds the turn with
+            # budget, else its weight; less the packet's blocks. It is kept less one, so that
+            # whether any is left is one compare: base - blocks >= 1 is blocks - 1 < base - 1.
+            # Every VL's is formed side by side; the pick chooses.
+            left_less1, left_nz, masks = [], [], []
             for v in range(num_vls):
-                m.d.sync += [fctbs[v].eq(0), limit[v].eq(0),
-                             since_fc[v].eq(self.fc_period), last_fccl[v].eq(0)]
-        # A peer's INIT that caused the clear carries the limit to start from.
-        with m.If(self.credit_update.valid & (self.credit_update.vl < num_vls)):
-            m.d.sync += limit[self.credit_update.vl].eq(self.credit_update.fccl)
+                less1 = Cat(blocks_less1[v], C(0, 1))
+                held = rr_turn[v] & rr_budget_nz
+                left_nz.append(_choose(held, _less_than(less1, rr_budget_less1),
+                                       weight_nz[v] & _less_than(less1, weight_less1[v])))
+                # base - 1 - blocks = (base - 1) - (blocks - 1) - 1
+                left_less1.append(_choose(held, _difference(rr_budget_less1, less1, 1),
+                                          _difference(weight_less1[v], less1, 1)))
+                one_hot = C(1 << v, num_vls)
+                masks.append(Mux(left_nz[v], _thermometer(one_hot, num_vls), next_mask(one_hot, num_vls)))
+            m.d.sync += [
+                rr_budget_less1.eq(_one_hot_mux(start, left_less1)),
+                rr_budget_nz.eq(_one_hot_mux(start, left_nz)),
+                rr_mask.eq(_one_hot_mux(start, masks)[:num_vls - 1]),
+            ]
+        for v in range(num_vls):
+            count_event(self.packets_sent[v], start[v])
+        count_event(self.fc_packets_sent, fc_now)
+        count_event(self.cut_overlong, _one_hot_mux(emit, [beat[1] for beat in beats]))
+
+        # Junk at the head of a stream never reaches the wire: drop it, one VL at a time.
+        junk_vl = Signal(vl_index(num_vls))
+        junk = Signal()
+        for v in reversed(range(num_vls)):
+            head = self.data_in[v]
+            with m.If(head.valid & (~head.payload.start | head_too_long[v])):
+                m.d.comb += [junk_vl.eq(v), junk.eq(1)]
+        junk_now = pick_now & ~eligible.any() & junk
+        junk_head = inputs[junk_vl]
+        count_event(self.discarded_framing, junk_now & ~junk_head.payload.start)
+        count_event(self.discarded_too_long, junk_now & junk_head.payload.start)
+        with m.If(junk_now & junk_head.payload.start):
+            m.d.sync += [current.eq(junk_vl), discarding.eq(~junk_head.payload.end)]
+
+        for v in range(num_vls):
+            m.d.comb += self.data_in[v].ready.eq(
+                emit[v] | discard_now & (current == v) | junk_now & (junk_vl == v))
+
+        # --- credits: FCTBS, the peer's limit, the registered credit view ---
+        update = self.credit_update
+        for v in range(num_vls):
+            fctbs, limit = self.fctbs[v], self.credit_limit[v]
+            # FCTBS + k for every k a packet ending in its start beat may have, and each of
+            # those + 2**bits.
+            ahead = [Signal(FCCL_BITS, init=k, name=f"fctbs{v}_plus{k}")
+                     for k in range(1, short_blocks + 1)]
+            ahead_low = [Signal(FCCL_BITS, init=k + (1 << bits), name=f"fctbs{v}_plus{k}_{1 << bits}")
+                         for k in range(short_blocks + 1)]
+            updated = update.valid & (update.vl == v)
+            # The views of the next room, from the limit register: a credit update counts
+            # from the second cycle after it.
+            for k, base in enumerate([fctbs] + ahead):
+                view_lim, view_over = credit_view(m, limit, base, ahead_low[k], bits, name=f"view{v}_{k}")
+                with m.If(self.clear):
+                    # Nothing may start in the next cycle (the link is leaving ACTIVE anyway);
+                    # the views are rebuilt from the cleared counters the cycle after.
+                    m.d.sync += [lim[v][k].eq(0), over[v][k].eq(0)]
+                with m.Else():
+                    m.d.sync += [lim[v][k].eq(view_lim), over[v][k].eq(view_over)]
+            with m.If(self.clear):
+                m.d.sync += [fctbs.eq(0), limit.eq(0), view_sel[v].eq(1)]
+                m.d.sync += [register.eq(k) for k, register in enumerate(ahead, 1)]
+                m.d.sync += [register.eq(k + (1 << bits)) for k, register in enumerate(ahead_low)]
+            with m.Elif(start[v]):
+                # FCTBS + k + blocks = (FCTBS + k + 1) + (blocks - 1): every adder has two
+                # operands.
+                counts = [fctbs] + ahead
+                m.d.sync += [register.eq(_sum(counts[k + 1], blocks_less1[v], 0))
+                             for k, register in enumerate(counts[:-1])]
+                m.d.sync += ahead[-1].eq(_sum(ahead[-1], blocks_less1[v], 1))
+                m.d.sync += [register.eq(_sum(register, blocks_less1[v], 1)) for register in ahead_low]
+                # A packet of another size keeps the VL out for a cycle: it is still being
+                # sent, or (cut short of its PktLen) it goes out end-bad anyway.
+                m.d.sync += view_sel[v].eq(Cat(C(0, 1), Cat(pktlen[v][4:] == k - 1
+                                                            for k in range(1, short_blocks + 1))))
+            with m.Else():
+                m.d.sync += view_sel[v].eq(1)
+            # A peer's INIT that caused the clear carries the limit to start from.
+            with m.If(updated):
+                m.d.sync += limit.eq(update.fccl)
         return m
 
+
+def _choose(select, a, b):
+    """``Mux(select, a, b)`` as gates: both sides stay separate circuits ahead of the late
+    select (Yosys would share two like operators feeding one multiplexer, putting the
+    select in front of them)."""
+    width = max(len(Value.cast(a)), len(Value.cast(b)))
+    return a & select.replicate(width) | b & (~select).replicate(width)
+
+
+def _one_hot_mux(select, values):
+    """The value whose bit in ``select`` is set (at most one is); zero when none is."""
+    return reduce(operator.or_, (Mux(select[i], value, 0) for i, value in enumerate(values)))
+
+
+def _thermometer(one_hot, n):
+    """Thermometer mask of the pointer k for the set bit k of ``one_hot``: bits k and up."""
+    return Cat(*(one_hot[:j + 1].any() for j in range(n)))
+
+
+def _less_than(a, b):
+    """``a < b``, unsigned (either may be an int), in pieces a 6-input LUT takes: ``<`` and
+    ``==`` of every 3 bits (from the top), then their prefix, so a compare of up to 9 bits
+    is two levels deep. Pieces past an operand's width are zero, and no piece is compared
+    with a constant zero (``x < 0`` is always false; Verilator rejects it)."""
+    def size(x):
+        return x.bit_length() if isinstance(x, int) else len(x)
+
+    def piece(x, lo, hi):
+        if isinstance(x, int):
+            return (x >> lo) & ((1 << (hi - lo)) - 1)
+        return x[lo:hi] if lo < len(x) else 0
+
+    n = max(size(a), size(b), 1)
+    result = C(0, 1)
+    bounds = list(range(n, 0, -3)) + [0]
+    for hi, lo in reversed(list(zip(bounds, bounds[1:]))):
+        x, y = piece(a, lo, hi), piece(b, lo, hi)
+        if isinstance(x, int) and isinstance(y, int):
+            less, equal = C(x < y, 1), C(x == y, 1)
+        elif isinstance(y, int):
+            less = x < y if y else C(0, 1)
+            equal = x == y
+        else:
+            less, equal = y > x, y == x
+        result = less | equal & result
+    return result
+
+
+def _difference(a, b, borrow):
+    """``(a - b - borrow) mod 2**len(a)`` with every bit's borrow from a compare of the bits
+    below (carry lookahead): no carry ripples through the bits."""
+    bits = []
+    for i in range(len(a)):
+        if i == 0:
+            into = C(borrow, 1)
+        elif borrow:
+            into = ~_less_than(b[:i], a[:i])        # a[:i] <= b[:i]
+        else:
+            into = _less_than(a[:i], b[:i])
+        bits.append(a[i] ^ b[i] ^ into)
+    return Cat(*bits)
+
+
+def _sum(a, b, carry):
+    """``(a + b + carry) mod 2**len(a)``, carry lookahead: a - ~b - (1 - carry)."""
+    b = Cat(b, C(0, len(a) - len(b)))
+    return _difference(a, ~b, 1 - carry)
+
+
+def credit_view(m, limit, fctbs, fctbs_ahead, bits, *, name):
+    """The IBA credit test of every head against one room, as ``(lim, over)``.
+
+    A head of ``blocks`` blocks (fewer than ``2**bits``: longer ones are discarded) may start
+    when ``(limit - (fctbs + blocks)) mod 4096 <= 2048``. With the room s = (limit - fctbs)
+    mod 4096 that holds for every head when 2**bits <= s <= 2048, for blocks <= s when
+    s < 2**bits, for blocks >= s - 2048 when 2048 < s < 2048 + 2**bits, and never otherwise.
+    So a head fits when ``over ^ (blocks - 1 < lim)``, with ``lim`` = 2**bits and ``over``
+    clear (every head), s (low room), s - 2049 and ``over`` set (high room), or 0 (none).
+    The range of s is read from compares of ``limit`` with ``fctbs``, ``fctbs_ahead``
+    (= fctbs + 2**bits, a register) and both + 2048 (the top bit flipped), rather than
+    from s itself: no subtraction's carry runs before the range test.
+    """
+    B = bits
+    top = FCCL_BITS - B
+    window = CREDIT_WINDOW >> B         # 2048 in units of 2**bits
+    half = C(CREDIT_WINDOW, FCCL_BITS)
+    ge_low, ge_all, ge_half, ge_over, eq_half = (
+        Signal(name=f"{name}_{what}") for what in ("ge_low", "ge_all", "ge_half", "ge_over", "eq_half"))
+    m.d.comb += [
+        ge_low.eq(~_less_than(limit, fctbs)),
+        ge_all.eq(~_less_than(limit, fctbs_ahead)),
+        ge_half.eq(~_less_than(limit, fctbs ^ half)),
+        ge_over.eq(~_less_than(limit, fctbs_ahead ^ half)),
+        eq_half.eq(limit == (fctbs ^ half)),
+    ]
+    # Whether each range [from, to) wraps past 4095, from fctbs's top bits.
+    high = fctbs[B:]
+    wraps_low = high == (1 << top) - 1                          # [fctbs, +2**bits)
+    wraps_all = (high >= window) & (high != (1 << top) - 1)     # [+2**bits, +2048)
+    wraps_over = high == window - 1                             # [+2048, +2048 + 2**bits)
+
+    def inside(at_or_after_from, at_or_after_to, wraps):
+        return Mux(wraps, at_or_after_from | ~at_or_after_to, at_or_after_from & ~at_or_after_to)
+
+    below = inside(ge_low, ge_all, wraps_low)
+    fits_all = inside(ge_all, ge_half, wraps_all) | eq_half
+    over = inside(ge_half, ge_over, wraps_over) & ~eq_half
+    room = _difference(limit[:B], fctbs[:B], 0)                 # s mod 2**bits
+    room_less1 = _difference(limit[:B], fctbs[:B], 1)           # (s - 1) mod 2**bits
+    lim = Cat(Mux(below, room, Mux(over, room_less1, 0)), fits_all)
+    return lim, over

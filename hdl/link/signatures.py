@@ -16,7 +16,7 @@ from amaranth.lib.wiring import In, Out
 __all__ = [
     "BeatLayout", "WireSignature", "FlowControlSignature", "StoreSignature", "RouteSignature",
     "StoredBeatLayout", "vl_index", "LinkState", "FlowControlOp", "check_width", "check_mtu",
-    "max_wire_bytes", "blocks_of", "lrh_wire_bytes",
+    "max_wire_bytes", "blocks_of", "lrh_pktlen", "lrh_wire_bytes",
     "FCCL_BITS", "BLOCK_BYTES", "VCRC_BYTES", "ICRC_BYTES", "MAX_HEADER_BYTES",
 ]
 
@@ -110,11 +110,15 @@ def blocks_of(nbytes):
     return (nbytes + BLOCK_BYTES - 1) >> 6
 
 
+def lrh_pktlen(beat_data):
+    """LRH.PktLen of the start beat: 4-byte words, LRH .. ICRC (11 bits)."""
+    # LRH bytes 4..5: rsvd(5) PktLen(11), big-endian.
+    return Cat(beat_data[40:48], beat_data[32:35])
+
+
 def lrh_wire_bytes(beat_data):
     """LRH.PktLen (4-byte words, LRH .. ICRC) of the start beat, as bytes on the wire incl. VCRC."""
-    # LRH bytes 4..5: rsvd(5) PktLen(11), big-endian.
-    pktlen = Cat(beat_data[40:48], beat_data[32:35])
-    return pktlen * 4 + VCRC_BYTES
+    return lrh_pktlen(beat_data) * 4 + VCRC_BYTES
 
 
 class FlowControlSignature(wiring.Signature):
