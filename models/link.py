@@ -44,9 +44,9 @@ a block's combinational logic decides; its registers show the result at t + 1):
 - flow control: the receiver's FCCL is a register (ABR + free blocks of the cycle
   before), the transmitter's decision to send a flow-control packet another
   (:class:`FlowControlScheduler`); the peer's receiver decodes the packet in its check
-  stage, reports it on the registered ``flow_control`` port, and the transmitter's
-  credit limit register takes it one cycle later: a decision at t changes the sender's
-  limit at t + 6 + wire_delay.
+  stage, reports it on the registered ``flow_control`` port, the transmitter's credit
+  limit register takes it one cycle later and its registered credit view a cycle after
+  that: a decision at t changes what the sender may start at t + 7 + wire_delay.
 
 Simplifications (said where they matter):
 
@@ -652,7 +652,7 @@ class LinkModel:
         # The receiver's FCCL register: what the transmitter sees is a cycle old.
         self.advertised = {side: self.rx[side].fccl() for side in "ab"}
         self.wire = {side: Channel(wire_delay + 4) for side in "ab"}     # from side's tx
-        self.credit_path = {side: Channel(2) for side in "ab"}           # to side's tx
+        self.credit_path = {side: Channel(3) for side in "ab"}           # to side's tx view
         self._next_id = 0
         self._offered = 0
         self._pending = sorted(traffic or (), key=lambda t: t[0])
@@ -802,13 +802,14 @@ def pipeline_cycles(packet_bytes: int, width: int = 64, cut_through: bool = Fals
     - used blocks drop at release + 1, the FCCL register at release + 2, B's
       transmitter's registered decision at release + 3, + 1 beat register, + 1 output
       register, + 1 A's input register, + 1 A's check register, + 1 flow_control
-      register, + 1 the limit register: release + 9 (plus 2 * wire_delay). The batch
-      rule's own register adds one more (:func:`credit_loop_cycles`).
+      register, + 1 the limit register, + 1 the credit view made from it: release + 10
+      (plus 2 * wire_delay). The batch rule's own register adds one more
+      (:func:`credit_loop_cycles`).
     """
     b = wire_beats(packet_bytes, width)
     k = stored_beats(packet_bytes, width)
     release = b + 5 + (0 if cut_through else k - 1)
-    return release + 9
+    return release + 10
 
 
 def credit_loop_cycles(wire_delay: int, packet_bytes: int, width: int = 64, *,

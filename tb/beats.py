@@ -252,6 +252,9 @@ class WireChannel:
     # Not a corruption but a protocol violation: the packet arrives twice, and the
     # second copy was never covered by credit.
     DUPLICATE = "duplicate"
+    # A cable fault: one beat without a start right after a packet's end (an end beat or
+    # not, by a coin), which belongs to no packet.
+    STRAY = "stray"
 
     def __init__(self, dut, source, sink, width, delay=1, rng=None, fc_drop=0.0,
                  fc_corrupt=0.0, mutate=None, invalid_vl=7):
@@ -270,6 +273,7 @@ class WireChannel:
         self.line = deque()         # (due cycle, beat dict)
         self.mutated = []           # (kind, original packet without VCRC)
         self.duplicated = []        # packets sent twice (protocol violation)
+        self.strays = 0             # stray beats sent after a packet's end
         self.passing = []           # beats of the packet passing now
         self.fc_dropped = 0
         self.fc_corrupted = 0
@@ -308,7 +312,7 @@ class WireChannel:
             self.passing = []
         self.passing.append(dict(beat))
         if beat["end"]:
-            if kind and kind != self.DUPLICATE:
+            if kind and kind not in (self.DUPLICATE, self.STRAY):
                 self.mutated.append((kind, bytes(self.original[:-2])))
             self.kind = None
         first_lane = 8 if beat["start"] else 0     # past the LRH: only the CRCs can tell
@@ -328,6 +332,12 @@ class WireChannel:
         elif kind == "end_bad" and beat["end"]:
             beat["end_bad"] = 1
         self._push(cycle, beat)
+        if kind == self.STRAY and beat["end"]:
+            self.strays += 1
+            ends = self.rng.random() < 0.5
+            self._push(cycle, dict(beat, start=0, end=int(ends), end_bad=0,
+                                   count=self.rng.randrange(1, self.width + 1) if ends else self.width,
+                                   data=self.rng.getrandbits(8 * self.width)))
         if kind == self.DUPLICATE and beat["end"]:
             self.duplicated.append(bytes(self.original[:-2]))
             for copy in self.passing:

@@ -281,6 +281,26 @@ async def bad_data_packets_dropped_and_counted(dut):
 
 
 @cocotb.test()
+async def stray_beats_dropped_and_counted(dut):
+    """A beat without a start right after a packet's end, an end beat or not: dropped and
+    counted as malformed; it reaches no buffer, no verdict and no credit count (ABR and used
+    blocks stay exact), and every packet arrives intact."""
+    rng = random.Random(22)
+    tb = TB(dut, mutate=lambda header: WireChannel.STRAY if rng.random() < 0.3 else None,
+            rng=random.Random(23))
+    await tb.bring_up()
+    tb.random_traffic(80, sizes=(0, 1024), sides=("a",))
+    await tb.drain()
+    await tb.loop.run(cycles=2 * tb.params["fc_period"])
+    tb.check_delivery()
+    tb.check_credits()
+    strays = tb.channels["a", "b"].strays
+    counts = drop_counts(tb)
+    assert strays > 0 and counts["malformed"] == strays, f"{strays} stray beats, counts {counts}"
+    assert sum(counts.values()) == strays
+
+
+@cocotb.test()
 async def sender_breaking_the_credit_protocol(dut):
     """A cable that delivers packets twice (the copies never covered by credit) into a stalled
     consumer: the overflow flag rises, the excess is dropped and counted, nothing stored is

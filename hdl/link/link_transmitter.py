@@ -45,9 +45,11 @@ class LinkTransmitter(wiring.Component):
     granted; a packet longer than the MTU allows, or a stream that does not
     begin with a start beat, is discarded. Each case is counted.
 
-    Latency: two cycles from an accepted start beat to the start beat on the wire: the
-    beat is chosen into a register with its CRC inputs aligned, and the VCRC is computed
-    from there into the wire register.
+    Latency: two cycles from an accepted start beat to the start beat on the wire: every
+    VL's head is registered with its CRC inputs, the choice is made after that register
+    and the VCRC computed from there into the wire register. The credit test reads
+    registered views of each VL's room; a credit update counts from the second cycle
+    after it (docs/link.md).
     """
 
     def __init__(self, *, width=64, num_vls=2, mtu=4096, fc_period=1024, fc_min_interval=64,
@@ -269,7 +271,8 @@ class LinkTransmitter(wiring.Component):
         # it has budget, else from the VL after it.
         rr_turn = Signal(num_vls, init=1)               # one-hot: the VL holding the turn
         # (Its top bit, always set, is not stored.)
-        rr_mask = Signal(num_vls - 1, init=((1 << (num_vls - 1)) - 1) ^ ((1 << (1 % num_vls)) - 1))
+        rr_mask = (Signal(num_vls - 1, init=((1 << (num_vls - 1)) - 1) ^ ((1 << (1 % num_vls)) - 1))
+                   if num_vls > 1 else C(0, 0))
         rr_budget_less1 = Signal(8)                     # its budget less one, if it has any
         rr_budget_nz = Signal()
         # The weights less one, and whether they are zero, registered (a new weight counts
@@ -415,8 +418,9 @@ class LinkTransmitter(wiring.Component):
             m.d.sync += [
                 rr_budget_less1.eq(_one_hot_mux(start, left_less1)),
                 rr_budget_nz.eq(_one_hot_mux(start, left_nz)),
-                rr_mask.eq(_one_hot_mux(start, masks)[:num_vls - 1]),
             ]
+            if num_vls > 1:
+                m.d.sync += rr_mask.eq(_one_hot_mux(start, masks)[:num_vls - 1])
         for v in range(num_vls):
             count_event(self.packets_sent[v], start[v])
         count_event(self.fc_packets_sent, fc_now)
@@ -507,7 +511,8 @@ def _less_than(a, b):
     """``a < b``, unsigned (either may be an int), in pieces a 6-input LUT takes: ``<`` and
     ``==`` of every 3 bits (from the top), then their prefix, so a compare of up to 9 bits
     is two levels deep. Pieces past an operand's width are zero, and no piece is compared
-    with a constant zero (``x < 0`` is always false; Verilator rejects it)."""
+    with a constant its range decides (``x < 0``, a 2-bit ``x > 3``: Verilator's lint
+    rejects them); those are constants."""
     def size(x):
         return x.bit_length() if isinstance(x, int) else len(x)
 
@@ -524,8 +529,13 @@ def _less_than(a, b):
         if isinstance(x, int) and isinstance(y, int):
             less, equal = C(x < y, 1), C(x == y, 1)
         elif isinstance(y, int):
-            less = x < y if y else C(0, 1)
-            equal = x == y
+            top = (1 << len(x)) - 1         # a compare decided by x's range is a constant
+            less = C(1, 1) if y > top else x < y if y else C(0, 1)
+            equal = x == y if y <= top else C(0, 1)
+        elif isinstance(x, int):
+            top = (1 << len(y)) - 1
+            less = y > x if x < top else C(0, 1)
+            equal = y == x if x <= top else C(0, 1)
         else:
             less, equal = y > x, y == x
         result = less | equal & result

@@ -140,7 +140,9 @@ class VoqBuffer(wiring.Component):
         wr_open = Signal()                                  # a packet awaits its verdict
         wr_seq = Signal(self.seq_bits)
         wr_cells = Signal(16)                               # beats of it written so far
-        used = [Signal(range(self.share + 1), name=f"used{v}") for v in range(num_vls)]
+        # Cells each input VL may still fill: a register, since the receiver's write decision
+        # reads it (PacketBuffer does the same).
+        room = [Signal(range(self.share + 1), init=self.share, name=f"room{v}") for v in range(num_vls)]
 
         write = store.write_valid
         starting = write & store.write.start
@@ -256,9 +258,9 @@ class VoqBuffer(wiring.Component):
         for v in range(num_vls):
             gained = write & (store.write_vl == v)
             lost = consume & (rd_in_vl == v)
-            m.d.sync += used[v].eq(used[v] + gained - lost)
+            m.d.sync += room[v].eq(room[v] - gained + lost)
             m.d.comb += [
-                store.room[v].eq(self.share - used[v]),
+                store.room[v].eq(room[v]),
                 store.freed_valid[v].eq(self.finishing & (rd_in_vl == v)),
                 store.freed_blocks[v].eq(verdict_rp.data.blocks),
             ]
