@@ -153,9 +153,12 @@ def test_flow_measures_a_xor_tree(tmp_path, monkeypatch, n):
 # --- the budget ------------------------------------------------------------------------------
 
 # One top of each kind of path that meets the budget: the switch's AXI4-Lite register file
-# (address decode, forwarding-table and counter reads) and the pipelined switch allocator
-# (credit test, round-robin arbiters, iSLIP).
-BUDGET_TOPS = ["tf_switch_registers_8p", "tf_switch_allocator_8p", "tf_link_receiver_w64"]
+# (address decode, forwarding-table and counter reads), the pipelined switch allocator
+# (credit test, round-robin arbiters, iSLIP), the link receiver at 64-byte beats (VCRC check,
+# credit sums) and the link port at 16-byte beats (both halves: the transmitter's credit
+# views, VL pick and VCRC, flow-control initialisation).
+BUDGET_TOPS = ["tf_switch_registers_8p", "tf_switch_allocator_8p", "tf_link_receiver_w64",
+               "tf_link_port_w16"]
 
 
 @pytest.mark.parametrize("name", BUDGET_TOPS)
