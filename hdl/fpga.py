@@ -1,6 +1,7 @@
 """Synthesize the registered tops with Yosys and nextpnr from PyPI: depth, resources, fmax.
 
     python -m hdl.fpga [NAME ...] [--out build/fpga] [--no-pnr] [-j 2]
+    python -m hdl.fpga --blocks tf_nic      # the depth of each block of a top, alone
     make fpga        # every top: build/fpga/report.md and fpga.* in build/bench/results.json
 
 Three runs per top (docs/fpga.md defines every figure and how to reproduce it):
@@ -25,8 +26,8 @@ from pathlib import Path
 
 from hdl import emit, logic_depth
 
-__all__ = ["LUT_LEVEL_BUDGET", "LUT_LEVEL_GOAL", "synthesize", "records", "render_report",
-           "clock_evidence", "main"]
+__all__ = ["LUT_LEVEL_BUDGET", "LUT_LEVEL_GOAL", "synthesize", "blocks", "synthesize_blocks",
+           "records", "render_report", "clock_evidence", "main"]
 
 LUT_LEVEL_BUDGET = 6
 LUT_LEVEL_GOAL = 4
@@ -125,7 +126,9 @@ def ecp5_resources(name, work):
 
 def memory_mapping(result):
     """Every memory of the top (from the depth run) with where ECP5 synthesis put it, and
-    whether that is right: a memory of ``BRAM_BITS`` or more belongs in block RAM."""
+    whether that is right: a memory of ``BRAM_BITS`` or more belongs in block RAM, unless it
+    is a table of constants (no write port: a lookup Yosys made of a ``case``, which LUTs
+    hold as well and which the depth run times like any logic)."""
     mapped = result["ecp5"]["mapped_memories"]
     rows = []
     for memory in result["depth"]["memories"]:
@@ -134,7 +137,8 @@ def memory_mapping(result):
                     or m.endswith("." + memory["name"])), "flip-flops")
         bits = memory["depth"] * memory["width"]
         rows.append({**memory, "bits": bits, "ecp5": via,
-                     "ok": bits < BRAM_BITS or via in BLOCK_RAMS})
+                     "ok": bits < BRAM_BITS or via in BLOCK_RAMS
+                     or memory.get("write_ports", 1) == 0})
     return rows
 
 
@@ -382,6 +386,72 @@ def run_all(names=None, *, out="build/fpga", verilog_dir="build/verilog", resour
     return results
 
 
+def blocks(name):
+    """The blocks of top ``name``: the attributes of its component that are components (or
+    lists of them), ``{block: component}`` in attribute order."""
+    from amaranth.lib import wiring
+    component = emit.TOPS[name].factory()
+    component._MustUse__silence = True      # only its blocks are elaborated
+    found = {}
+    for attr, value in vars(component).items():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for k, item in enumerate(items):
+            if isinstance(item, wiring.Component):
+                found[attr if item is value else f"{attr}{k}"] = item
+    return found
+
+
+def synthesize_blocks(name, *, out="build/fpga", verilog_dir="build/verilog/blocks", jobs=2,
+                      log=print):
+    """Depth of each block of top ``name`` synthesized alone as ``<name>__<block>`` (its ports
+    stand for the neighbouring blocks' registers): in a large flattened top, ABC9 relaxes
+    every path up to the critical one, so only this says how deep each block is itself.
+    Writes ``<out>/<name>_blocks.md``; returns ``{block: result or error text}``."""
+    from amaranth.back import verilog
+    from amaranth.hdl import Module, Signal, Value
+    verilog_dir = Path(verilog_dir)
+    verilog_dir.mkdir(parents=True, exist_ok=True)
+    tops, results = {}, {}
+    for block, component in blocks(name).items():
+        top = f"{name}__{block}"
+        # Its ports are the signals of its signature; a constant one (the ready of an
+        # always-ready stream) stays inside.
+        ports = [port for port in (Value.cast(value) for _, _, value in
+                                   component.signature.flatten(component))
+                 if isinstance(port, Signal)]
+        wrapper = Module()
+        wrapper.submodules.block = component
+        text = emit.drop_dangling_attributes(verilog.convert(wrapper, name=top, ports=ports,
+                                                             emit_src=False))
+        emit._write(verilog_dir / f"{top}.v", text)
+        tops[block] = top
+
+    def one(block):
+        try:
+            return synthesize(tops[block], out=out, verilog_dir=verilog_dir, resources=False,
+                              pnr=False, emitted=True, log=log)
+        except Exception as exc:            # report every block
+            return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results.update(zip(tops, pool.map(one, tops)))
+    lines = [f"# Blocks of {name}, each synthesized alone", "",
+             f"`python -m hdl.fpga --blocks {name}`; docs/fpga.md. Budget {LUT_LEVEL_BUDGET} levels.",
+             "", "| block | LUT levels | deepest path | LUT6 | FF |", "|---|---:|---|---:|---:|"]
+    for block, result in results.items():
+        if isinstance(result, str):
+            lines.append(f"| `{block}` | - | {result} | | |")
+            continue
+        path = deepest_path(result)
+        levels = lut_levels(result)
+        where = f"{path['class']}: `{path['from']}` → `{path['to']}`" if path else "-"
+        lines.append(f"| `{block}` | {levels}{'' if levels <= LUT_LEVEL_BUDGET else ' ✗'} | {where} "
+                     f"| {result['depth']['cells']['luts']:,} | {result['depth']['cells']['ffs']:,} |")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"{name}_blocks.md").write_text("\n".join(lines) + "\n")
+    return results
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m hdl.fpga", description=__doc__.split("\n")[0])
     parser.add_argument("names", nargs="*", help="tops (default: every registered top)")
@@ -390,11 +460,20 @@ def main(argv=None):
     parser.add_argument("--no-pnr", action="store_true", help="skip place and route")
     parser.add_argument("--depth-only", action="store_true",
                         help="only the LUT-level run (no ECP5 resources, no place and route)")
+    parser.add_argument("--blocks", action="store_true",
+                        help="the depth of each block of the named tops, each synthesized alone")
     parser.add_argument("-j", "--jobs", type=int, default=2)
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in emit.TOPS]
     if unknown:
         parser.error(f"unknown top(s) {', '.join(unknown)}")
+    if args.blocks:
+        for name in args.names:
+            for block, result in synthesize_blocks(name, out=args.out, jobs=args.jobs).items():
+                print(f"{name}.{block:<22} " + (result if isinstance(result, str) else
+                                                f"{lut_levels(result):>3} levels"))
+            print(f"wrote {Path(args.out) / f'{name}_blocks.md'}")
+        return 0
     results = run_all(args.names, out=args.out, verilog_dir=args.verilog,
                       resources=not args.depth_only, pnr=not (args.no_pnr or args.depth_only),
                       jobs=args.jobs)

@@ -114,7 +114,8 @@ def analyze(netlist, top, *, worst=8):
             sync, asynchronous = _memory_ports(cell)
             memories.append({"name": memory, "depth": _int(cell["parameters"]["SIZE"]),
                              "width": _int(cell["parameters"]["WIDTH"]),
-                             "sync_read_ports": len(sync), "async_read_ports": len(asynchronous)})
+                             "sync_read_ports": len(sync), "async_read_ports": len(asynchronous),
+                             "write_ports": _int(cell["parameters"]["WR_PORTS"])})
             for address, data in sync:
                 starts.update((bit, ("reg", memory)) for bit in data)
                 ends.extend((bit, ("reg", f"{memory} (read address)")) for bit in address)

@@ -70,7 +70,7 @@ def test_ports_start_and_end_paths():
 def test_memories_start_end_or_cost_their_read():
     def mem(size, clocked, raddr, rdata, waddr):
         return {"type": "$mem_v2", "parameters": {
-            "MEMID": "\\m", "SIZE": size, "WIDTH": 1, "ABITS": 1, "RD_PORTS": 1,
+            "MEMID": "\\m", "SIZE": size, "WIDTH": 1, "ABITS": 1, "RD_PORTS": 1, "WR_PORTS": 1,
             "RD_CLK_ENABLE": "1" if clocked else "0"},
             "connections": {"RD_ADDR": [raddr], "RD_DATA": [rdata], "WR_ADDR": [waddr],
                             "WR_DATA": [waddr], "WR_EN": [waddr]}}
@@ -79,11 +79,19 @@ def test_memories_start_end_or_cost_their_read():
     result = logic_depth.analyze(netlist(sync), "top")
     assert result["classes"]["reg_to_reg"]["levels"] == 2
     assert result["memories"] == [{"name": "m", "depth": 512, "width": 1, "sync_read_ports": 1,
-                                   "async_read_ports": 0}]
+                                   "async_read_ports": 0, "write_ports": 1}]
     # an asynchronous read is combinational: register -> LUT -> read (2 levels at 512) -> LUT
     asynchronous = [ff(30, 1), lut([1], 2), mem(512, False, 2, 4, 1), lut([4], 5), ff(5, 6)]
     result = logic_depth.analyze(netlist(asynchronous), "top")
     assert result["classes"]["reg_to_reg"]["levels"] == 1 + logic_depth.async_read_levels(512) + 1
+
+
+def test_a_large_table_of_constants_may_stay_in_luts():
+    memory = {"name": "rom", "depth": 32, "width": 256, "sync_read_ports": 1, "async_read_ports": 0}
+    result = {"depth": {"memories": [{**memory, "write_ports": 0}, {**memory, "name": "ram",
+                                                                     "write_ports": 1}]},
+              "ecp5": {"mapped_memories": {}}}
+    assert [m["ok"] for m in fpga.memory_mapping(result)] == [True, False]
 
 
 @pytest.mark.parametrize("depth,expected", [(16, 1), (64, 1), (256, 2), (512, 3), (4096, 4)])
@@ -148,6 +156,12 @@ def test_flow_measures_a_xor_tree(tmp_path, monkeypatch, n):
     assert by_name[512]["ecp5"] in fpga.BLOCK_RAMS and by_name[512]["ok"]
     assert by_name[16]["async_read_ports"] == 1 and by_name[16]["ok"]
     assert result["ecp5"]["brams"] >= 1
+
+
+def test_blocks_are_the_component_attributes_of_a_top():
+    assert list(fpga.blocks("tf_link_port_w16")) == ["transmitter", "receiver"]
+    switch = fpga.blocks("tf_switch_4p")
+    assert [b for b in switch if b.startswith("buffers")] == [f"buffers{i}" for i in range(4)]
 
 
 # --- the budget ------------------------------------------------------------------------------
