@@ -41,7 +41,7 @@ sim: $(STAMP)
 	$(VPY) -m tb.sim $(SIM_OPTIONS) $(SIM_ARGS)
 
 test: $(STAMP)
-	$(VPY) -m pytest -n $(JOBS) -m "not full" $(PYTEST_ARGS)
+	$(VPY) -m pytest -n $(JOBS) -m "not full" --durations=30 $(PYTEST_ARGS)
 
 test-full: $(STAMP)
 	$(VPY) -m pytest -n $(JOBS) $(PYTEST_ARGS)

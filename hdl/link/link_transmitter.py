@@ -301,19 +301,29 @@ class LinkTransmitter(wiring.Component):
         # beat, 4 * PktLen: every test is made against both and chosen by `busy` last.
         # Lanes are handled as thermometers (lane < count, lane < allowed), so no byte
         # count is formed before a lane mask is.
-        def beat_out(beat, pktlen):
-            head_allowed = pktlen * 4
+        def beat_out(v, beat, pktlen):
+            # A signal, not an expression: every lane's test slices it.
+            head_allowed = Signal.like(allowed, name=f"head_allowed{v}")
+            m.d.comb += head_allowed.eq(pktlen * 4)
 
             def allows(test):
                 return _choose(busy, test(allowed), test(head_allowed))
 
-            below_allowed = [allows(lambda bound: _less_than(lane, bound))
-                             for lane in range(width + 1)]
-            forced_end = ~beat.end & ~below_allowed[width]
-            out_end = beat.end | forced_end
-            # Lanes before the end of the bytes going out (lane < min(count, allowed)).
-            inside = [(~beat.end | _less_than(lane, beat.count)) & below_allowed[lane]
-                      for lane in range(width)]
+            # Signals, not expressions: each is used several times and an Amaranth
+            # expression is emitted again at every use.
+            below_allowed = Signal(width + 1, name=f"below_allowed{v}")
+            inside = Signal(width, name=f"inside{v}")
+            forced_end = Signal(name=f"forced_end{v}")
+            out_end = Signal(name=f"out_end{v}")
+            m.d.comb += [
+                below_allowed.eq(Cat(allows(lambda bound: _less_than(lane, bound))
+                                     for lane in range(width + 1))),
+                forced_end.eq(~beat.end & ~below_allowed[width]),
+                out_end.eq(beat.end | forced_end),
+                # Lanes before the end of the bytes going out (lane < min(count, allowed)).
+                inside.eq(Cat((~beat.end | _less_than(lane, beat.count)) & below_allowed[lane]
+                              for lane in range(width))),
+            ]
             inside_at = lambda lane: inside[lane] if lane >= 0 else C(1, 1)
             count_fits = beat.end & allows(lambda bound: ~_less_than(bound, beat.count))
             malformed = forced_end | beat.end & ~allows(lambda bound: beat.count == bound)
@@ -343,7 +353,7 @@ class LinkTransmitter(wiring.Component):
 
         beats = []
         for v in range(num_vls):
-            beats.append(beat_out(self.data_in[v].payload, pktlen[v]))
+            beats.append(beat_out(v, self.data_in[v].payload, pktlen[v]))
 
         # Every field of the beat register is zero unless a beat goes in: no field holds a
         # value, so none needs the decision as an enable or a hold.
@@ -508,34 +518,37 @@ def _thermometer(one_hot, n):
 
 
 def _less_than(a, b):
-    """``a < b``, unsigned (either may be an int), in pieces a 6-input LUT takes: ``<`` and
-    ``==`` of every 3 bits (from the top), then their prefix, so a compare of up to 9 bits
-    is two levels deep. Pieces past an operand's width are zero, and no piece is compared
-    with a constant its range decides (``x < 0``, a 2-bit ``x > 3``: Verilator's lint
-    rejects them); those are constants."""
-    def size(x):
-        return x.bit_length() if isinstance(x, int) else len(x)
+    """``a < b``, unsigned (either may be an int). Between two signals, in pieces a 6-input
+    LUT takes: ``<`` and ``==`` of every 3 bits (from the top), then their prefix, so a
+    compare of up to 9 bits is two levels deep. Against a constant each bit is one LUT input
+    and the plain compare maps as shallow (as one cell, where the pieces would be dozens
+    that Verilator keeps). No compare is made that the operand's range decides (``x < 0``,
+    a 2-bit ``x > 3``: Verilator's lint rejects them); those are constants."""
+    def against_constant(x, k, less):
+        top = (1 << len(x)) - 1
+        if less:        # x < k
+            return C(1, 1) if k > top else x < k if k else C(0, 1)
+        return x > k if k < top else C(0, 1)
+
+    if isinstance(a, int) and isinstance(b, int):
+        return C(a < b, 1)
+    if isinstance(b, int):
+        return against_constant(a, b, less=True)
+    if isinstance(a, int):
+        return against_constant(b, a, less=False)
 
     def piece(x, lo, hi):
-        if isinstance(x, int):
-            return (x >> lo) & ((1 << (hi - lo)) - 1)
-        return x[lo:hi] if lo < len(x) else 0
+        return x[lo:hi] if lo < len(x) else None
 
-    n = max(size(a), size(b), 1)
+    n = max(len(a), len(b), 1)
     result = C(0, 1)
     bounds = list(range(n, 0, -3)) + [0]
     for hi, lo in reversed(list(zip(bounds, bounds[1:]))):
         x, y = piece(a, lo, hi), piece(b, lo, hi)
-        if isinstance(x, int) and isinstance(y, int):
-            less, equal = C(x < y, 1), C(x == y, 1)
-        elif isinstance(y, int):
-            top = (1 << len(x)) - 1         # a compare decided by x's range is a constant
-            less = C(1, 1) if y > top else x < y if y else C(0, 1)
-            equal = x == y if y <= top else C(0, 1)
-        elif isinstance(x, int):
-            top = (1 << len(y)) - 1
-            less = y > x if x < top else C(0, 1)
-            equal = y == x if x <= top else C(0, 1)
+        if y is None:               # x < 0 never; x == 0
+            less, equal = C(0, 1), x == 0
+        elif x is None:
+            less, equal = y != 0, y == 0
         else:
             less, equal = y > x, y == x
         result = less | equal & result
