@@ -1,7 +1,7 @@
 """Synthesize the registered tops with Yosys and nextpnr from PyPI: depth, resources, fmax.
 
     python -m hdl.fpga [NAME ...] [--out build/fpga] [--no-pnr] [-j 2]
-    python -m hdl.fpga --blocks tf_nic      # the depth of each block of a top, alone
+    python -m hdl.fpga --blocks tf_nic [--only scheduler,dma]   # each block of a top, alone
     make fpga        # every top: build/fpga/report.md and fpga.* in build/bench/results.json
 
 Three runs per top (docs/fpga.md defines every figure and how to reproduce it):
@@ -402,17 +402,24 @@ def blocks(name):
 
 
 def synthesize_blocks(name, *, out="build/fpga", verilog_dir="build/verilog/blocks", jobs=2,
-                      log=print):
+                      only=None, log=print):
     """Depth of each block of top ``name`` synthesized alone as ``<name>__<block>`` (its ports
     stand for the neighbouring blocks' registers): in a large flattened top, ABC9 relaxes
     every path up to the critical one, so only this says how deep each block is itself.
+    ``only``: the names of the blocks to synthesize (default: all).
     Writes ``<out>/<name>_blocks.md``; returns ``{block: result or error text}``."""
     from amaranth.back import verilog
     from amaranth.hdl import Module, Signal, Value
     verilog_dir = Path(verilog_dir)
     verilog_dir.mkdir(parents=True, exist_ok=True)
     tops, results = {}, {}
-    for block, component in blocks(name).items():
+    found = blocks(name)
+    unknown = sorted(set(only or ()) - set(found))
+    if unknown:
+        raise ValueError(f"{name} has no block {', '.join(unknown)}; it has {', '.join(found)}")
+    for block, component in found.items():
+        if only and block not in only:
+            continue
         top = f"{name}__{block}"
         # Its ports are the signals of its signature; a constant one (the ready of an
         # always-ready stream) stays inside.
@@ -462,6 +469,8 @@ def main(argv=None):
                         help="only the LUT-level run (no ECP5 resources, no place and route)")
     parser.add_argument("--blocks", action="store_true",
                         help="the depth of each block of the named tops, each synthesized alone")
+    parser.add_argument("--only", default=None, metavar="BLOCK,...",
+                        help="with --blocks: only these blocks (comma-separated)")
     parser.add_argument("-j", "--jobs", type=int, default=2)
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in emit.TOPS]
@@ -469,7 +478,9 @@ def main(argv=None):
         parser.error(f"unknown top(s) {', '.join(unknown)}")
     if args.blocks:
         for name in args.names:
-            for block, result in synthesize_blocks(name, out=args.out, jobs=args.jobs).items():
+            only = args.only.split(",") if args.only else None
+            for block, result in synthesize_blocks(name, out=args.out, jobs=args.jobs,
+                                                   only=only).items():
                 print(f"{name}.{block:<22} " + (result if isinstance(result, str) else
                                                 f"{lut_levels(result):>3} levels"))
             print(f"wrote {Path(args.out) / f'{name}_blocks.md'}")
