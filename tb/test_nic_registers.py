@@ -16,7 +16,8 @@ Tests: random register/context/UAR/state traffic with busy toggles, counter chan
 ``qp_error`` strobes (two configurations); directed doorbell decode (byte order, partial
 strobes, the whole UAR page, back to back); every QP transition incl. each refused one;
 ``qp_error`` strobes (both at once, same or different QP, ignored in RESET/ERR, the same
-cycle as a host write); exact bus timing; parameter checks; and that
+cycle as a host write and the cycle before); exact bus timing; the cycle the inputs count
+in; parameter checks; and that
 docs/nic-registers.md is what the map generates.
 """
 import gc
@@ -724,7 +725,8 @@ def test_qp_transitions():
 
 def test_qp_error_strobes():
     """Strobes move RTS QPs to ERR, both ports at once (same or different QPs); RESET and
-    ERR QPs, and QP numbers the NIC lacks, ignore them; a host write in the same cycle."""
+    ERR QPs, and QP numbers the NIC lacks, ignore them; a host write in the same cycle; a
+    host write or read of the state the cycle after a strobe."""
     dut = NicRegisters(num_qps=6, num_cqs=2)
 
     async def body(bench):
@@ -765,6 +767,17 @@ def test_qp_error_strobes():
         await bench.idle(1)
         bench.check_outputs()
         assert ctx.get(dut.qp_state[0]).value == RTS and ctx.get(dut.qp_state[1]).value == ERR
+        # A strobe in t0 + 1, the cycle before the commit: the transaction sees ERR.
+        t0 = bench.t
+        bench.errors_at[t0 + 1] = (0,)
+        bench.model.qp_error([0])
+        await bench.write(qp_addr(0, 0), RTS, expect=SLVERR)     # ERR -> RTS
+        await bench.write(qp_addr(0, 0), RESET, expect=OKAY)
+        await bench.write(qp_addr(0, 0), RTS, expect=OKAY)
+        t0 = bench.t
+        bench.errors_at[t0 + 1] = (0,)
+        bench.model.qp_error([0])
+        await bench.read(qp_addr(0, 0), expect=(OKAY, ERR))
 
     run(dut, body, seed=6)
 
@@ -807,6 +820,64 @@ def test_bus_timing():
         bench.port_addr = {}            # the bench did not drive the read ports meanwhile
 
     run(dut, body, seed=7)
+
+
+def test_inputs_read_at_commit():
+    """The counters, the link status and ``qp_busy`` count as of the commit cycle (t0 + 2
+    for a handshake in t0), not the cycle before or after."""
+    dut = NicRegisters(num_qps=2, num_cqs=2, num_mkeys=2)
+
+    async def body(bench):
+        ctx, axi = bench.ctx, dut.axi
+        k = 5
+        port = {"counter": dut.counters[k], "link": dut.link_inits, "busy": dut.qp_busy}
+
+        async def transaction(addr, data, name, values):
+            """A read (``data`` None) or full write handshaken in t0, with ``values[n]`` on
+            input ``name`` in t0 + 1 + n; the response."""
+            ctx.set(axi.bready, 1)
+            ctx.set(axi.rready, 1)
+            if data is None:
+                ctx.set(axi.arvalid, 1)
+                ctx.set(axi.araddr, addr)
+            else:
+                bench.model.busy = values[1]
+                want = bench.model.write(addr, data, 0xFF)
+                bench.writing = True
+                ctx.set(axi.awvalid, 1)
+                ctx.set(axi.awaddr, addr)
+                ctx.set(axi.wvalid, 1)
+                ctx.set(axi.wdata, data)
+                ctx.set(axi.wstrb, 0xFF)
+            got = None
+            for n in range(5):
+                if n == 1:
+                    for valid in (axi.arvalid, axi.awvalid, axi.wvalid):
+                        ctx.set(valid, 0)
+                if 1 <= n <= len(values):
+                    ctx.set(port[name], values[n - 1])
+                if ctx.get(axi.rvalid):
+                    got = ctx.get(axi.rresp), ctx.get(axi.rdata)
+                if ctx.get(axi.bvalid):
+                    got = ctx.get(axi.bresp)
+                await bench.step()
+            if data is not None:
+                assert got == want, (got, want)
+                bench.writing = False
+                bench.check_from = bench.t
+            return got
+
+        counter = rmap.COUNTER_BASE + 8 * (len(rmap.OWN_COUNTERS) + k)
+        assert await transaction(counter, None, "counter", [1, 2, 3]) == (OKAY, 2)
+        assert await transaction(0x28, None, "link", [1, 2, 3]) == (OKAY, 2 << 32)
+        await program_qp(bench, 1, cqn=0)
+        await bench.write(qp_addr(1, 0), RTS, expect=OKAY)
+        # RTS -> RESET: refused while the QP is busy.
+        assert await transaction(qp_addr(1, 0), RESET, "busy", [0, 2, 0]) == SLVERR
+        assert await transaction(qp_addr(1, 0), RESET, "busy", [2, 0, 2]) == OKAY
+        bench.set_busy(0)
+
+    run(dut, body, seed=10, pauses=False)
 
 
 def test_read_and_write_offered_together():

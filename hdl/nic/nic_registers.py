@@ -1,12 +1,14 @@
+import operator
+from functools import reduce
+
 from amaranth import *
 from amaranth.lib import stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from hdl.axi_lite import AxiLiteHandshake
-from hdl.nic.register_map import (ADDRESS_BITS, COUNTER_BASE, COUNTER_SPACE, LINK_FIELDS,
-                                  MAX_ENTRIES, OKAY, OWN_COUNTERS, SLVERR, UAR_BASE, UAR_SIZE,
-                                  register_map)
+from hdl.nic.register_map import (ADDRESS_BITS, LINK_FIELDS, MAX_ENTRIES, OKAY, OWN_COUNTERS,
+                                  SLVERR, UAR_BASE, UAR_SIZE, register_map)
 from hdl.nic.signatures import (COUNTERS, MAX_OUTSTANDING_BLOCKS, ContextReadSignature,
                                 CqConfigLayout, DoorbellLayout, EventSignature, MkeyLayout,
                                 QpConfigLayout, QpState)
@@ -51,10 +53,11 @@ class NicRegisters(wiring.Component):
     Registers, context words, offsets and fields come from
     :func:`hdl.nic.register_map.register_map` (docs/nic-registers.md is generated from the
     same description). The slave serves one transaction at a time: after AR, or AW and W
-    (any order), one cycle presents the entry's index to the context RAMs, the next
-    decodes, checks and commits (RAM write port, registers, strobes), then B or R. Writes
-    merge ``wstrb`` per byte into the current word (a read-modify-write of the entry for
-    context words).
+    (any order), one cycle presents the entry's index to the context RAMs and decodes the
+    address into one-hot flip-flops (reading and checking the registers only the slave
+    changes), the next checks what depends on the entry, the QP state and the inputs and
+    commits (RAM write port, registers, strobes), then B or R. Writes merge ``wstrb`` per
+    byte into the current word (a read-modify-write of the entry for context words).
 
     - ``doorbell``: one valid cycle per full (``wstrb`` 0xFF) UAR write, the cycle after
       its commit; nothing can hold it (``always_ready``).
@@ -127,6 +130,11 @@ class NicRegisters(wiring.Component):
         high_ok = addr[ADDRESS_BITS:] == 0 if self.addr_width > ADDRESS_BITS else C(1, 1)
         word = a[3:]
 
+        def strobed(current):
+            """``current`` with the byte lanes that ``w_strb`` selects taken from ``w_data``."""
+            return Cat(Mux(w_strb[k], w_data.word_select(k, 8), current.word_select(k, 8))
+                       for k in range(8))
+
         # --- Context RAMs: one write port (host RMW), one host read port, the datapath's ---
         tables = {}
         for table, layout, ports in ((qp_table, QpConfigLayout(), self.qp_read),
@@ -149,32 +157,17 @@ class NicRegisters(wiring.Component):
                 "entry_ok": index < table.count if table.count < MAX_ENTRIES else C(1, 1),
             }
 
-        def context_words(t):
-            """Per word index: (read value, entry with that word merged from w_data/w_strb)."""
-            cur, layout = t["cur"], t["layout"]
-            out = {}
-            for w in t["table"].words:
-                if w.name == "state":
-                    continue
-                value = Signal(64, name=f"{t['table'].name}_w{w.index}")
-                for f in w.fields:
-                    m.d.comb += value[f.lo:f.lo + f.width].eq(_raw_field(cur, layout, f.name))
-                merged = Cat(Mux(w_strb[k], w_data.word_select(k, 8), value.word_select(k, 8))
-                             for k in range(8))
-                entry = Signal(layout, name=f"{t['table'].name}_w{w.index}_next")
-                m.d.comb += entry.eq(cur)
-                for f in w.fields:
-                    m.d.comb += _raw_field(entry, layout, f.name).eq(merged[f.lo:f.lo + f.width])
-                out[w.index] = (value, entry)
-            return out
-
-        words = {name: context_words(t) for name, t in tables.items()}
-
         # --- Global registers ------------------------------------------------------------
+        def field_mask(reg):
+            return sum(((1 << f.width) - 1) << f.lo for f in reg.fields)
+
         store = {}
+        merged = {}
         for reg in self.map.registers:
             if reg.access == "RW":
                 store[reg.name] = Signal(64, init=reg.reset, name=f"reg_{reg.name}")
+                merged[reg.name] = Signal(64, name=f"merged_{reg.name}")
+                m.d.comb += merged[reg.name].eq(strobed(store[reg.name]) & field_mask(reg))
         m.d.comb += self.slid.eq(store["slid"])
         for sl in range(16):
             m.d.comb += self.sl_to_vl[sl].eq(store["sl_to_vl"].word_select(sl, 4))
@@ -198,29 +191,99 @@ class NicRegisters(wiring.Component):
                 return own[reg.binding[1]]
             return store[reg.name]
 
-        def field_mask(reg):
-            return sum(((1 << f.width) - 1) << f.lo for f in reg.fields)
+        def held(reg):
+            """The register's value changes only in EXEC (it is not an input)."""
+            return reg.binding[0] not in ("link", "counter")
+
+        def write_ok(reg):
+            if reg.access != "RW":
+                return C(0, 1)
+            if reg.binding[0] == "sl_to_vl":
+                return Cat((merged[reg.name].word_select(s, 4) < self.num_vls)
+                           | (merged[reg.name].word_select(s, 4) == 15) for s in range(16)).all()
+            return C(1, 1)
+
+        # --- Decode, a cycle ahead of the commit -----------------------------------------
+        # In FETCH, while the context RAMs read the entry, the address is decoded into one-hot
+        # picks and the held registers are read and checked, into flip-flops: EXEC then starts
+        # from those, the RAM data and the inputs, without the address decode in front of its
+        # multiplexers (AND-OR over the picks). ``addr``, ``w_data`` and ``w_strb`` hold from
+        # IDLE to the response; the inputs (counters, link status, ``qp_busy``) are still read
+        # in EXEC.
+        regs = self.map.registers
+        hits = {reg.name: high_ok & (word == reg.offset >> 3) for reg in regs}
+        hits["uar"] = high_ok & (a >= UAR_BASE) & (a < UAR_BASE + UAR_SIZE)
+        for name, t in tables.items():
+            for w in t["table"].words:
+                hits[name, w.index] = t["hit"] & t["entry_ok"] & (t["word"] == w.index)
+        # EXEC's picks: the inputs it reads, the RW registers, the UAR page, the context words.
+        pick = {}
+        for key in ([r.name for r in regs if not held(r) or r.access == "RW"] + ["uar"]
+                    + [key for key in hits if isinstance(key, tuple)]):
+            pick[key] = Signal(name=f"pick_{key}" if isinstance(key, str)
+                               else f"pick_{key[0]}_w{key[1]}")
+            m.d.sync += pick[key].eq(hits[key])
+        held_value = Signal(64)     # the held register addressed, or 0
+        refused = Signal()          # SLVERR for the address or value alone
+        m.d.sync += [
+            held_value.eq(reduce(operator.or_, (Mux(hits[r.name], read_value(r), 0)
+                                                for r in regs if held(r)))),
+            refused.eq(~Cat(hits.values()).any()
+                       | is_write & Cat(hits[r.name] & ~write_ok(r) for r in regs).any()),
+        ]
+
+        # --- Context words -----------------------------------------------------------------
+        reads = []                  # (pick, value) of every context word but the QP state
+        for name, t in tables.items():
+            cur, layout = t["cur"], t["layout"]
+            # The entry with the picked word's fields merged from w_data/w_strb.
+            entry = t["entry"] = Signal(layout, name=f"{name}_entry")
+            m.d.comb += entry.eq(cur)
+            for w in t["table"].words:
+                if w.name == "state":
+                    continue
+                value = Signal(64, name=f"{name}_w{w.index}")
+                for f in w.fields:
+                    m.d.comb += value[f.lo:f.lo + f.width].eq(_raw_field(cur, layout, f.name))
+                new = strobed(value)
+                with m.If(pick[name, w.index]):
+                    for f in w.fields:
+                        m.d.comb += _raw_field(entry, layout, f.name).eq(new[f.lo:f.lo + f.width])
+                reads.append((pick[name, w.index], value))
+            t["written"] = Cat(pick[name, w.index] for w in t["table"].words
+                               if w.name != "state").any()
 
         # --- QP state --------------------------------------------------------------------
         qp = tables["qp"]
         qpn = qp["index"]
-        qp_state_now = Array(s.as_value() for s in self.qp_state)[qpn]
         qp_busy_now = self.qp_busy.bit_select(qpn, 1)
         state_we = Signal()                 # the host changes QP qpn's state to state_new
         state_new = Signal(QpState)
-        copies_we = Signal()                # load QP qpn's flip-flop copies from copies_src
-        copies_src = Signal(QpConfigLayout())
+        # Load QP qpn's flip-flop copies from the entry (the RAM's, when the state is written).
+        copies_we = Signal()
+        copied_word = Cat(pick["qp", w.index] for w in qp_table.words
+                          if any(f.name in ("log_sq_size", "max_outstanding") for f in w.fields))
         m.d.sync += [self.qp_reset.valid.eq(0), self.qp_flush.valid.eq(0),
                      self.cq_reset.valid.eq(0)]
+
+        def errored(state, q):
+            """A ``qp_error`` strobe moves QP ``q``, in ``state``, to ERR this cycle."""
+            return Cat(e.valid & (e.qpn == q) for e in self.qp_error).any() & (
+                state == QpState.RTS.value)
+
         for q in range(self.num_qps):
-            errored = Cat(e.valid & (e.qpn == q) for e in self.qp_error).any()
             with m.If(state_we & (qpn == q)):
                 m.d.sync += self.qp_state[q].eq(state_new)
-            with m.Elif(errored & (self.qp_state[q] == QpState.RTS)):
+            with m.Elif(errored(self.qp_state[q].as_value(), q)):
                 m.d.sync += self.qp_state[q].eq(QpState.ERR)
             with m.If(copies_we & (qpn == q)):
-                m.d.sync += [self.qp_log_sq_size[q].eq(copies_src.log_sq_size),
-                             self.qp_max_outstanding[q].eq(copies_src.max_outstanding)]
+                m.d.sync += [self.qp_log_sq_size[q].eq(qp["entry"].log_sq_size),
+                             self.qp_max_outstanding[q].eq(qp["entry"].max_outstanding)]
+        # QP qpn's state in EXEC, looked up in FETCH (where only qp_error changes states).
+        qp_state_now = Signal(QpState)
+        state_then = Array(s.as_value() for s in self.qp_state)[qpn]
+        m.d.sync += qp_state_now.eq(Mux(errored(state_then, qpn), QpState.ERR, state_then))
+        now = qp_state_now.as_value()
 
         cur_qp = qp["cur"]
         align_bits = Mux(cur_qp.log_sq_size >= 6, 12, cur_qp.log_sq_size + 6)
@@ -237,7 +300,6 @@ class NicRegisters(wiring.Component):
 
         def state_write():
             """A host write to a QP's state word (docs/nic-registers.md, QP states)."""
-            now = qp_state_now
             want = Mux(w_strb[0], w_data[:3], now)
             with m.Switch(want):
                 with m.Case(QpState.RESET):
@@ -250,7 +312,7 @@ class NicRegisters(wiring.Component):
                     with m.If(now == QpState.RESET.value):
                         with m.If(context_ok):
                             m.d.comb += [state_we.eq(1), state_new.eq(QpState.RTS),
-                                         copies_we.eq(1), copies_src.eq(cur_qp)]
+                                         copies_we.eq(1)]
                         with m.Else():
                             m.d.comb += error.eq(1)
                     with m.Elif(now == QpState.ERR.value):
@@ -264,6 +326,13 @@ class NicRegisters(wiring.Component):
                         m.d.comb += error.eq(1)
                 with m.Default():
                     m.d.comb += error.eq(1)
+
+        # A read is refused only when unmapped, and then picks nothing: its data is 0.
+        value = Signal(64)
+        m.d.comb += value.eq(reduce(operator.or_, (
+            [held_value, Mux(pick["qp", 0], now, 0)]
+            + [Mux(pick[r.name], read_value(r), 0) for r in regs if not held(r)]
+            + [Mux(p, word_value, 0) for p, word_value in reads])))
 
         # --- AXI4-Lite slave, one transaction at a time ----------------------------------
         bus = AxiLiteHandshake(m, axi)
@@ -290,38 +359,13 @@ class NicRegisters(wiring.Component):
                 m.next = "EXEC"
 
             with m.State("EXEC"):
-                value = Signal(64)      # read data
-                in_regs = high_ok & ((a < UAR_BASE) | ((a >= COUNTER_BASE)
-                                                       & (a < COUNTER_BASE + COUNTER_SPACE)))
-                in_uar = high_ok & (a >= UAR_BASE) & (a < UAR_BASE + UAR_SIZE)
-                with m.If(in_regs):
-                    with m.Switch(word):
-                        for reg in self.map.registers:
-                            with m.Case(reg.offset >> 3):
-                                m.d.comb += value.eq(read_value(reg))
-                                if reg.access != "RW":
-                                    m.d.comb += error.eq(is_write)
-                                    continue
-                                current = store[reg.name]
-                                merged = Signal(64, name=f"merged_{reg.name}")
-                                m.d.comb += merged.eq(Cat(
-                                    Mux(w_strb[k], w_data.word_select(k, 8),
-                                        current.word_select(k, 8)) for k in range(8))
-                                    & field_mask(reg))
-                                ok = C(1, 1)
-                                if reg.binding[0] == "sl_to_vl":
-                                    ok = Cat((merged.word_select(s, 4) < self.num_vls)
-                                             | (merged.word_select(s, 4) == 15)
-                                             for s in range(16)).all()
-                                with m.If(is_write):
-                                    with m.If(ok):
-                                        m.d.sync += current.eq(merged)
-                                    with m.Else():
-                                        m.d.comb += error.eq(1)
-                        with m.Default():
-                            m.d.comb += error.eq(1)
-                with m.Elif(in_uar):
-                    with m.If(is_write):
+                m.d.comb += error.eq(refused)
+                with m.If(is_write):
+                    for reg in regs:
+                        if reg.access == "RW":
+                            with m.If(pick[reg.name] & ~refused):
+                                m.d.sync += store[reg.name].eq(merged[reg.name])
+                    with m.If(pick["uar"]):
                         with m.If(w_strb == 0xFF):
                             m.d.sync += [
                                 self.doorbell.valid.eq(1),
@@ -332,47 +376,29 @@ class NicRegisters(wiring.Component):
                         with m.Else():
                             m.d.sync += own["doorbells_partial"].eq(
                                 own["doorbells_partial"] + 1)
-                for name, t in tables.items():
-                    with m.Elif(t["hit"] & high_ok & t["entry_ok"]):
-                        with m.Switch(t["word"]):
-                            for w in t["table"].words:
-                                with m.Case(w.index):
-                                    if w.name == "state":
-                                        m.d.comb += value.eq(qp_state_now)
-                                        with m.If(is_write):
-                                            state_write()
-                                        continue
-                                    read, entry = words[name][w.index]
-                                    m.d.comb += value.eq(read)
-                                    writable = (qp_state_now == QpState.RESET.value
-                                                if name == "qp" else C(1, 1))
-                                    with m.If(is_write):
-                                        with m.If(writable):
-                                            m.d.comb += [t["wp"].en.eq(1), t["wp"].data.eq(entry)]
-                                            if name == "cq":
-                                                m.d.sync += [self.cq_reset.valid.eq(1),
-                                                             self.cq_reset.qpn.eq(t["index"])]
-                                            if name == "qp" and any(
-                                                    f.name in ("log_sq_size", "max_outstanding")
-                                                    for f in w.fields):
-                                                m.d.comb += [copies_we.eq(1),
-                                                             copies_src.eq(entry)]
-                                        with m.Else():
-                                            m.d.comb += error.eq(1)
-                            with m.Default():
+                    with m.If(pick["qp", 0]):
+                        state_write()
+                    for name, t in tables.items():
+                        # A QP's context is writable only in RESET.
+                        writable = now == QpState.RESET.value if name == "qp" else C(1, 1)
+                        with m.If(t["written"]):
+                            with m.If(writable):
+                                m.d.comb += [t["wp"].en.eq(1), t["wp"].data.eq(t["entry"])]
+                                if name == "cq":
+                                    m.d.sync += [self.cq_reset.valid.eq(1),
+                                                 self.cq_reset.qpn.eq(t["index"])]
+                                if name == "qp":
+                                    m.d.comb += copies_we.eq(copied_word.any())
+                            with m.Else():
                                 m.d.comb += error.eq(1)
-                with m.Else():
-                    m.d.comb += error.eq(1)
 
-                with m.If(is_write):
                     m.d.sync += bresp.eq(Mux(error, SLVERR, OKAY))
                     with m.If(error):
                         m.d.sync += own["register_write_errors"].eq(
                             own["register_write_errors"] + 1)
                     m.next = "WRITE_RESP"
                 with m.Else():
-                    m.d.sync += [rdata.eq(Mux(error, 0, value)),
-                                 rresp.eq(Mux(error, SLVERR, OKAY))]
+                    m.d.sync += [rdata.eq(value), rresp.eq(Mux(refused, SLVERR, OKAY))]
                     m.next = "READ_RESP"
 
             bus.response_states(m)
