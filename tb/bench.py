@@ -54,6 +54,7 @@ def link_benchmarks():
     # grows by a packet time, so this runs on the sweep's 5-packet build (at wire delay 0).
     records += run_link("throughput_both_ways", buffer_blocks=328, wire_delay=max(SWEEP_DELAYS))
     records += run_link("latency", buffer_blocks=192, wire_delay=0)
+    records += run_link("bringup", buffer_blocks=328, wire_delay=max(SWEEP_DELAYS))
     sweep = []
     for blocks in SWEEP_BUFFERS:
         sweep += run_link("credit_loop", buffer_blocks=blocks, wire_delay=max(SWEEP_DELAYS),

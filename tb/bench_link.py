@@ -102,6 +102,19 @@ async def throughput_both_ways(dut):
 
 
 @cocotb.test()
+async def bringup(dut):
+    """Reset released on both ends to both ends ACTIVE (docs/link.md, flow-control
+    initialisation), wire delay 0 and the build's longest."""
+    tb = BenchTB(dut)
+    delay = tb.params["wire_delay"]
+    for wire_delay in (0, delay):
+        await tb.start(wire_delay=wire_delay)
+        record(f"link.bringup_cycles.delay{wire_delay}", tb.loop.cycle, "cycles",
+               tb.config(wire_delay_cycles=wire_delay))
+        tb.loop.cycle = 0
+
+
+@cocotb.test()
 async def latency(dut):
     """Zero load: start beat into A's transmitter to start beat out of B's receiver, wire delay 0."""
     tb = BenchTB(dut)

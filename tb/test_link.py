@@ -11,10 +11,12 @@ import random
 import cocotb
 import pytest
 from cocotb.clock import Clock
+from cocotb.triggers import RisingEdge
 
 from models.packet import random_packet
 from tb import runner
 from tb.link_pair_tb import bring_up, read_port, wait_active
+from tb.link_partner import LinkPartner, LinkState
 from tb.beats import (CycleLoop, PacketSink, PacketSource, WireChannel, WireMonitor,
                       backpressure_random, idle_random)
 
@@ -108,7 +110,7 @@ class TB:
                 f" queued {len(self.sources[side, v].queue)}"
                 f" delivered {len(self.sinks[side, v].packets)}"
                 for v in range(self.num_vls))
-            drops = {k: n for k, n in drop_counts(self, side).items() if n}
+            drops = {k: n for k, n in drop_counts(self.dut, side).items() if n}
             lines.append(f"{side}: state {self.port('state', side)} {per_vl} drops {drops}")
         return "\n".join(lines)
 
@@ -151,9 +153,9 @@ class TB:
                     f"{far} vl{v}: ABR {self.port('abr', far, v)} != FCTBS {self.port('fctbs', side, v)}"
 
 
-def drop_counts(tb, side="b"):
+def drop_counts(dut, side="b"):
     from hdl.link.link_receiver import DROP_REASONS
-    return {reason: tb.port(f"drop_{reason}", side) for reason in DROP_REASONS}
+    return {reason: read_port(dut, f"drop_{reason}", side) for reason in DROP_REASONS}
 
 
 @cocotb.test()
@@ -166,7 +168,7 @@ async def random_traffic_both_ways(dut, idle, backpressure):
     await tb.drain()
     tb.check_delivery()
     tb.check_credits()
-    assert sum(drop_counts(tb, "a").values()) + sum(drop_counts(tb, "b").values()) == 0
+    assert sum(drop_counts(tb.dut, "a").values()) + sum(drop_counts(tb.dut, "b").values()) == 0
 
 
 @cocotb.test()
@@ -267,7 +269,7 @@ async def bad_data_packets_dropped_and_counted(dut):
     await tb.loop.run(cycles=2 * tb.params["fc_period"])
     tb.check_delivery()
     tb.check_credits()
-    counts = drop_counts(tb)
+    counts = drop_counts(tb.dut)
     assert set(plan) == set(WireChannel.MUTATIONS), f"plan did not cover every kind: {plan}"
     for kind, injected in plan.items():
         assert counts[kind] == injected, f"{kind}: injected {injected}, counted {counts[kind]}"
@@ -295,7 +297,7 @@ async def stray_beats_dropped_and_counted(dut):
     tb.check_delivery()
     tb.check_credits()
     strays = tb.channels["a", "b"].strays
-    counts = drop_counts(tb)
+    counts = drop_counts(tb.dut)
     assert strays > 0 and counts["malformed"] == strays, f"{strays} stray beats, counts {counts}"
     assert sum(counts.values()) == strays
 
@@ -358,6 +360,137 @@ async def reset_one_end_mid_traffic(dut):
         assert late, f"{side}->vl{vl}: no traffic after the reset"
         assert all(packet in delivered for packet in late), f"{side}->vl{vl}: lost after recovery"
     tb.check_credits()
+
+
+@cocotb.test()
+async def bring_up_cycles(dut):
+    """Reset released on both ends to both ACTIVE, with the cadence of docs/link.md: the
+    INIT repeats (INIT_REPEATS per VL, one per VL every fc_min_interval cycles) and a few
+    round trips; logged as the figure docs/link.md quotes."""
+    tb = TB(dut, rng=random.Random(21))
+    await tb.bring_up()
+    params = tb.params
+    # Hearing the first INIT takes at most an interval and a trip, then the repeats (the
+    # first may go at once), then NORMAL packets at once on each side.
+    bound = (8 + 1) * params["fc_min_interval"] + 8 * params["wire_delay"] + 64
+    dut._log.info(f"bring-up: both ends ACTIVE {tb.loop.cycle} cycles after reset "
+                  f"(fc_min_interval {params['fc_min_interval']}, wire delay {params['wire_delay']})")
+    assert tb.loop.cycle <= bound, f"bring-up took {tb.loop.cycle} cycles, more than {bound}"
+
+
+@cocotb.test()
+@cocotb.parametrize(seed=[1, 2, 3, 4, 5, 6, 7, 8])
+async def independent_partner_loses_nothing_at_bring_up(dut, seed):
+    """A partner written from docs/link.md alone (tb/link_partner.py) takes B's place:
+    random flow-control cadences (1 to 2,000 cycles in INIT, ARMED and ACTIVE), random
+    start times for either end, random resets of either end during bring-up, and data sent
+    the moment the partner is ACTIVE and the port's credit allows. The port (A) takes every
+    packet: none dropped for any reason, each intact, in order per VL, and its credits home."""
+    params = runner.tb_params()
+    width, num_vls = params["width"], params["num_vls"]
+    rng = random.Random(seed)
+    cocotb.start_soon(Clock(dut.clk, CLOCK_NS, "ns").start())
+    loop = CycleLoop(dut.clk)
+
+    def cadence():
+        return rng.choice([1, rng.randint(1, 64), rng.randint(1, 2000)])
+
+    cadences = dict(init_cadence=cadence(), armed_cadence=cadence(), active_cadence=cadence())
+    partner = loop.add(LinkPartner(dut, "a_wire_out", "a_wire_in", width, num_vls,
+                                   delay=params["wire_delay"], **cadences))
+    sinks = [loop.add(PacketSink(dut, f"a_data_out__{v}", width)) for v in range(num_vls)]
+    for v in range(num_vls):
+        getattr(dut, f"a_vl_weight__{v}").value = 16
+        getattr(dut, f"a_data_in__{v}__valid").value = 0
+        getattr(dut, f"b_data_in__{v}__valid").value = 0
+        getattr(dut, f"b_data_out__{v}__ready").value = 0
+    dut.b_wire_in__valid.value = 0
+    dut.b_reset.value = 1                       # B sits out: the partner is A's peer
+    for v in range(num_vls):
+        for _ in range(12):
+            partner.send(v, random_packet(rng, payload_len=rng.randrange(0, 4097), vl=v))
+
+    # Either end may start late and may be reset while the link comes up, before any data
+    # moves (a reset once data flows loses what is in flight by design: docs/link.md). A
+    # reset of A only while the partner has heard nothing yet: a NORMAL packet A sent just
+    # before its reset, still on the wire, would otherwise bring the partner up into a
+    # port that has forgotten it.
+    a_start, partner_start = rng.randrange(0, 2000), rng.randrange(0, 2000)
+    a_resets = sorted(rng.randrange(a_start, a_start + 3000) for _ in range(rng.randrange(3)))
+    partner_resets = sorted(rng.randrange(partner_start, partner_start + 3000)
+                            for _ in range(rng.randrange(3)))
+    dut.a_reset.value = 1
+    dut.rst.value = 1
+    for _ in range(4):
+        await RisingEdge(dut.clk)
+    dut.rst.value = 0
+    events = []
+
+    a_states = []               # (cycle, state) of A, for the failure message
+
+    def step(cycle):
+        state = read_port(dut, "state", "a")
+        if not a_states or a_states[-1][1] != state:
+            a_states.append((cycle, state))
+        nothing_sent = not any(partner.sent.values())
+        reset_a = (bool(a_resets) and cycle >= a_resets[0] and nothing_sent
+                   and partner.state == LinkState.INIT and not partner.heard_init)
+        dut.a_reset.value = int(cycle < a_start or reset_a)
+        if a_resets and cycle >= a_resets[0]:
+            events.append((a_resets.pop(0), "A reset" if reset_a else "A reset skipped"))
+        partner.running = cycle >= partner_start
+        if partner_resets and cycle >= partner_resets[0]:
+            partner_resets.pop(0)
+            if nothing_sent:
+                partner.reset(cycle)
+                events.append((cycle, "partner reset"))
+
+    loop.checks.append(step)
+    loop.checks.append(lambda cycle: assert_no_overflow(dut, cycle))
+
+    def delivered(v):
+        return [p for p, bad, *_ in sinks[v].packets if not bad]
+
+    def done():
+        return partner.idle() and all(len(sinks[v].packets) >= len(partner.sent[v])
+                                      for v in range(num_vls))
+
+    try:
+        await loop.run(until=done, limit=100000)
+    except AssertionError as error:
+        raise AssertionError(f"{error}: partner {partner.state.name}, A state "
+                             f"{read_port(dut, 'state', 'a')}, drops "
+                             f"{ {k: n for k, n in drop_counts(dut, 'a').items() if n} }, "
+                             f"events {events}, cadences {cadences}, starts A {a_start} partner "
+                             f"{partner_start}, A states {a_states[-12:]}, partner states "
+                             f"{[(c, int(st)) for c, st in partner.state_log[-12:]]}, credits "
+                             + "; ".join(f"vl{v}: partner FCTBS {partner.fctbs[v]} limit "
+                                         f"{partner.limit[v]} queued {len(partner.queue[v])} sent "
+                                         f"{len(partner.sent[v])}, A ABR {read_port(dut, 'abr', 'a', v)}"
+                                         f" FCCL {read_port(dut, 'fccl', 'a', v)} used "
+                                         f"{read_port(dut, 'used_blocks', 'a', v)} delivered "
+                                         f"{len(sinks[v].packets)}" for v in range(num_vls))) from None
+    active_at = next(c for c, state in reversed(partner.state_log) if state == LinkState.ACTIVE)
+    dut._log.info(f"seed {seed}: cadences {cadences}, starts A {a_start} partner {partner_start}, "
+                  f"events {events}, partner ACTIVE at {active_at}, "
+                  f"{sum(len(p) for p in partner.sent.values())} packets")
+    assert not partner.cut
+    assert read_port(dut, "state", "a") == LinkState.ACTIVE
+    drops = {k: n for k, n in drop_counts(dut, "a").items() if n}
+    assert not drops, f"A dropped packets the partner sent legally: {drops}"
+    for v in range(num_vls):
+        assert not sinks[v].errors, sinks[v].errors
+        assert delivered(v) == partner.sent[v], f"vl{v}: delivered packets differ from those sent"
+    # Credits home: the partner's next flow-control packet sets ABR to its FCTBS.
+    await loop.run(cycles=cadences["active_cadence"] + 4 * params["wire_delay"] + 16)
+    for v in range(num_vls):
+        assert read_port(dut, "used_blocks", "a", v) == 0, f"A vl{v} still holds blocks"
+        assert read_port(dut, "abr", "a", v) == partner.fctbs[v], \
+            f"A vl{v}: ABR {read_port(dut, 'abr', 'a', v)} != partner FCTBS {partner.fctbs[v]}"
+
+
+def assert_no_overflow(dut, cycle):
+    assert not int(dut.a_overflow.value), f"cycle {cycle}: A's receive buffer overflowed"
 
 
 @cocotb.test()

@@ -38,7 +38,7 @@ async def soak(dut):
     await tb.loop.run(cycles=4 * tb.params["fc_period"])
     tb.check_delivery()
     tb.check_credits()
-    counts = drop_counts(tb, "b")
+    counts = drop_counts(tb.dut, "b")
     for kind, number in injected.items():
         assert counts[kind] == number, f"{kind}: injected {number}, counted {counts[kind]}"
     dut._log.info(f"seed {seed}: {packets} packets, {sum(injected.values())} bad, "

@@ -15,24 +15,15 @@ INIT_REPEATS = 8
 class LinkPort(wiring.Component):
     """One end of a credit-based IBA link: transmitter, receiver and link state.
 
-    Flow-control initialisation, after reset or when the peer resets:
-
-    - INIT: send Op INIT flow-control packets for every VL; take nothing but
-      the peer's Op INIT packets (they set our credit limits, and the
-      receiver's ABR to the peer's FCTBS of 0).
-    - ARMED, once the peer's INIT was heard and ours went out
-      ``INIT_REPEATS`` times for every VL since (so a peer behind a lossy
-      link hears at least one): send NORMAL flow-control packets; still no
-      data, since the peer may not have heard us yet.
-    - ACTIVE, on the peer's first NORMAL packet: data flows.
-
-    An Op INIT packet while ARMED or ACTIVE means the peer was reset: forget
-    FCTBS, ABR and credit limits and initialise again. Because a port only
-    sends NORMAL packets after hearing the peer's INIT, and only sends data
-    after hearing the peer's NORMAL packet, neither end ever counts blocks
-    the other counted in an earlier life of the link. A port left ARMED for
-    ``4 * fc_period`` cycles (the peer was reset again and ignores NORMAL
-    packets) starts over from INIT.
+    Flow-control initialisation (docs/link.md has the table of states): INIT
+    sends Op INIT packets and takes only the peer's; ARMED, once the peer's
+    INIT was heard and ours went out ``INIT_REPEATS`` times for every VL since,
+    sends NORMAL packets and no data but takes the peer's data; ACTIVE, on the
+    peer's first NORMAL packet or good data packet, sends data. An Op INIT
+    packet in ACTIVE means the peer was reset: forget FCTBS, ABR and credit
+    limits and initialise again; in ARMED it is the peer still initialising.
+    A port left ARMED for ``4 * fc_period`` cycles (the peer was reset again
+    and ignores NORMAL packets) starts over from INIT.
     """
 
     def __init__(self, *, width=64, num_vls=2, mtu=4096, buffer_blocks=None, cut_through=True,
@@ -110,7 +101,9 @@ class LinkPort(wiring.Component):
                     m.d.sync += self.state.eq(LinkState.ARMED)
             with m.Case(LinkState.ARMED):
                 m.d.sync += armed_cycles.eq(armed_cycles + 1)
-                with m.If(peer_normal):
+                # A good data packet says the peer is ACTIVE as surely as a NORMAL packet
+                # says it is ARMED; the packet itself was taken (ARMED takes data).
+                with m.If(peer_normal | rx.received):
                     m.d.sync += [self.state.eq(LinkState.ACTIVE), armed_cycles.eq(0)]
                 with m.Elif(armed_cycles == self.armed_timeout):
                     # The peer never answered: it was reset again after hearing us, and

@@ -23,7 +23,7 @@ DROP_REASONS = (
     "invalid_vl",   # VL is not one of our data VLs (VL15 included: no SMA here)
     "malformed",    # a start beat too short to be an IBA packet, or beats with no start
     "end_bad",      # arrived marked end-bad by a cut-through hop upstream
-    "link_down",    # arrived while the link was not ACTIVE
+    "link_down",    # arrived while the link was in INIT (ARMED takes data: docs/link.md)
     "overflow",     # no buffer room: the sender broke the credit protocol
 )
 # A routed receiver (a switch input) also drops packets whose DLID the forwarding table misses.
@@ -118,6 +118,7 @@ class LinkReceiver(wiring.Component):
             "used_blocks": Out(range(buffer_blocks + 1)).array(num_vls),
             "overflow": Out(1),
             "packets_received": Out(32).array(num_vls),
+            "received": Out(1),
             "drops": Out(wiring.Signature({reason: Out(32) for reason in self.drop_reasons})),
             "discarded": Out(32),
             "forwarded_bad": Out(32),
@@ -267,6 +268,7 @@ class LinkReceiver(wiring.Component):
         good = Signal(num_vls)      # a good packet ended, by VL
         good_event = Signal(num_vls)
         m.d.sync += good_event.eq(good)
+        m.d.comb += self.received.eq(good_event.any())
         for v in range(num_vls):
             count_events(self.packets_received[v], good_event[v])
 
@@ -274,7 +276,7 @@ class LinkReceiver(wiring.Component):
         start_vl = w.data[4:8]
         reject = Signal()
         reject_reason = {
-            "link_down": self.state != LinkState.ACTIVE,
+            "link_down": self.state == LinkState.INIT,
             "malformed": f.malformed,
             "invalid_vl": f.invalid_vl,
             "too_long": f.too_long,

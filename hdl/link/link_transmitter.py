@@ -231,8 +231,16 @@ class LinkTransmitter(wiring.Component):
         batch_ready = Signal(num_vls)
         want_fc = Signal(num_vls)
         fc_going = Signal(num_vls)
+        # Entering ARMED or ACTIVE, every VL's flow-control packet goes at once: the peer
+        # waits for our NORMAL packet to go ACTIVE itself.
+        state_before = Signal(LinkState)
+        entered = Signal()
+        m.d.sync += [state_before.eq(self.state),
+                     entered.eq((self.state != state_before) & (self.state != LinkState.INIT))]
         for v in range(num_vls):
-            with m.If(since_fc[v] != self.fc_period):
+            with m.If(entered):
+                m.d.sync += since_fc[v].eq(self.fc_period)
+            with m.Elif(since_fc[v] != self.fc_period):
                 m.d.sync += since_fc[v].eq(since_fc[v] + 1)
             m.d.sync += batch_ready[v].eq(
                 ((self.advertise_fccl[v] - last_fccl[v])[:FCCL_BITS] >= self.fc_batch_blocks))

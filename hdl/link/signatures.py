@@ -74,8 +74,9 @@ class LinkState(enum.Enum, shape=2):
 
     INIT: send flow-control init packets (Op 1), accept no data.
     ARMED: the peer's init was heard and ours sent; send normal flow-control
-    packets, still no data: the peer may not have heard us yet.
-    ACTIVE: the peer's normal flow-control packet was heard; data flows.
+    packets and no data (the peer may not have heard us yet), but take the
+    peer's data: it sends only once it heard us.
+    ACTIVE: the peer's normal flow-control packet (or data) was heard; data flows.
     """
     INIT = 0
     ARMED = 1
