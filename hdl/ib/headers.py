@@ -23,6 +23,8 @@ records so that the helpers keep its bytes in order.
 from amaranth.hdl import Cat, Signal, Value
 from amaranth.lib import data, enum
 
+from hdl.arith import lookahead_sum
+
 __all__ = [
     "HeaderLayout", "from_wire", "to_wire", "iba_local_headers",
     "LRH", "GRH", "BTH", "RETH", "AETH", "ATOMIC_ETH", "ATOMIC_ACK_ETH", "IMMDT",
@@ -163,7 +165,10 @@ def iba_local_headers(m, *, vl, sl, dlid, slid, opcode, pkey, destqp, psn, heade
         pad.eq(-payload_bytes),
         lrh.vl.eq(vl), lrh.sl.eq(sl), lrh.lnh.eq(LNH_IBA_LOCAL),
         lrh.dlid.eq(dlid), lrh.slid.eq(slid),
-        lrh.pktlen.eq((header_bytes + payload_bytes + pad + ICRC_BYTES) // PKTLEN_WORD_BYTES),
+        # (header_bytes + payload_bytes + pad + ICRC_BYTES) // 4 as one lookahead sum: the
+        # padded payload and the ICRC are whole words.
+        lrh.pktlen.eq(lookahead_sum(m, (header_bytes + ICRC_BYTES) // PKTLEN_WORD_BYTES,
+                                    payload_bytes[2:], payload_bytes[:2] != 0, name="pktlen")),
         bth.opcode.eq(opcode), bth.se.eq(se), bth.padcnt.eq(pad), bth.pkey.eq(pkey),
         bth.destqp.eq(destqp), bth.ackreq.eq(ackreq), bth.psn.eq(psn),
     ]

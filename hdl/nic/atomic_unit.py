@@ -2,6 +2,7 @@ from amaranth import *
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
+from hdl.arith import lookahead_sum
 from hdl.nic.signatures import (
     ATOMIC_ID, ArLayout, AtomicRequestLayout, AtomicResultLayout, AxiWriteSignature,
     RBeatLayout,
@@ -57,6 +58,7 @@ class AtomicUnit(wiring.Component):
         new = Signal(64)
         aw_done = Signal()
         w_done = Signal()
+        fetched_add = lookahead_sum(m, orig, op.swap_add)[:64]
         word = op.addr[3:6]
         beat_addr = Cat(C(0, 6), op.addr[6:self.addr_width])
 
@@ -97,7 +99,7 @@ class AtomicUnit(wiring.Component):
                         m.next = "COMPUTE"
             with m.State("COMPUTE"):
                 with m.If(op.fetch_add):
-                    m.d.sync += new.eq(orig + op.swap_add)
+                    m.d.sync += new.eq(fetched_add)
                 with m.Else():
                     m.d.sync += new.eq(Mux(orig == op.compare, op.swap_add, orig))
                 m.d.sync += [aw_done.eq(0), w_done.eq(0)]

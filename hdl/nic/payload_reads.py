@@ -1,24 +1,27 @@
 """Payload reads into a :class:`PacketAssembler`'s buffer, as the requester's
 :class:`WqeExecutor` and the responder's :class:`ResponseGenerator` both issue them: the
 64-byte words holding a packet's payload as AXI INCR bursts that do not cross 4 KiB, and
-the count of buffer beats reserved for bursts issued and not yet freed."""
-from amaranth import C, Cat, Mux, Signal
+the buffer beats reserved for bursts issued and not yet freed."""
+from amaranth import C, Cat, Mux, Signal, signed
 from amaranth.lib import data
 
+from hdl.arith import lookahead_sum
 from hdl.nic.packet_assembler import MAX_DMA_BEATS
 from hdl.nic.signatures import PayloadSource
 
-__all__ = ["PayloadBurstsLayout", "payload_bursts", "dma_payload", "payload_reservation",
+__all__ = ["PayloadBurstsLayout", "payload_words", "payload_bursts", "dma_payload",
            "payload_read_stage"]
 
 BEAT_BYTES = 64
 PAGE_BYTES = 4096            # AXI bursts may not cross this
+PAGE_BEATS = PAGE_BYTES // BEAT_BYTES
+BEATS_BITS = 7               # MAX_DMA_BEATS and one less fit; payload_words is modulo this
 
 
 class PayloadBurstsLayout(data.StructLayout):
-    """The words holding ``[addr, addr + length)``: ``beats`` of them from byte ``offset``
-    of the first, read as ``n_ar`` bursts (0 for an empty payload; 2 when they cross a
-    4 KiB page), each ``len + 1`` beats from ``addr``."""
+    """The words holding a non-empty payload: ``beats`` of them from byte ``offset`` of
+    the first, read as ``n_ar`` bursts (2 when they cross a 4 KiB page), each ``len + 1``
+    beats from ``addr``."""
     def __init__(self):
         super().__init__({
             "offset": 6,
@@ -29,23 +32,38 @@ class PayloadBurstsLayout(data.StructLayout):
         })
 
 
-def payload_bursts(m, addr, length):
-    """A :class:`PayloadBurstsLayout` signal for ``length`` (at most 4096) bytes at
-    ``addr``, driven combinationally in ``m``."""
+def payload_words(m, offset, length, *, name="words"):
+    """``(beats, beats_less1)`` modulo 2**7: the 64-byte words holding ``length`` bytes (at
+    least one) from byte ``offset`` of the first, and one fewer, driven combinationally in
+    ``m``. Only ``length`` modulo 8192 counts."""
+    width = 6 + BEATS_BITS
+    length = length[:width]
+    # Each one lookahead sum, its constant folded into an operand: offset + 63, and
+    # offset - 1 sign-extended (offset 0 borrows from every bit above).
+    up = lookahead_sum(m, length, offset + (BEAT_BYTES - 1), name=f"{name}_up")
+    down = lookahead_sum(m, length, Cat((offset - 1)[:6], (offset == 0).replicate(width - 6)),
+                         name=f"{name}_down")
+    return up[6:width], down[6:width]
+
+
+def payload_bursts(m, addr, beats, beats_less1):
+    """A :class:`PayloadBurstsLayout` signal for a non-empty payload at ``addr`` held by
+    ``beats`` words (``beats_less1``, one fewer: :func:`payload_words`), driven
+    combinationally in ``m``."""
     bursts = Signal(PayloadBurstsLayout())
-    page_left = Signal(range(PAGE_BYTES // BEAT_BYTES + 1))
+    # The page index of the payload's last word, counted from the first word's page: 64 or
+    # more when the payload crosses into the next page.
+    last = Signal(8)
+    m.d.comb += last.eq(lookahead_sum(m, addr[6:12], beats_less1, name="last_word"))
+    crosses = last >= PAGE_BEATS
     m.d.comb += [
         bursts.offset.eq(addr[:6]),
-        bursts.beats.eq((addr[:6] + length + BEAT_BYTES - 1) >> 6),
-        page_left.eq(PAGE_BYTES // BEAT_BYTES - addr[6:12]),
-    ]
-    two_bursts = bursts.beats > page_left
-    m.d.comb += [
-        bursts.n_ar.eq(Mux(length == 0, 0, Mux(two_bursts, 2, 1))),
+        bursts.beats.eq(beats),
+        bursts.n_ar.eq(Mux(crosses, 2, 1)),
         bursts.ar0_addr.eq(Cat(C(0, 6), addr[6:])),
-        bursts.ar0_len.eq(Mux(two_bursts, page_left, bursts.beats) - 1),
-        bursts.ar1_addr.eq(Cat(C(0, 12), addr[12:] + 1)),
-        bursts.ar1_len.eq(bursts.beats - page_left - 1),
+        bursts.ar0_len.eq(Mux(crosses, ~addr[6:12], beats_less1)),    # to the page's end
+        bursts.ar1_addr.eq(Cat(C(0, 12), lookahead_sum(m, addr[12:], 0, 1, name="next_page"))),
+        bursts.ar1_len.eq(last - PAGE_BEATS),
     ]
     return bursts
 
@@ -63,50 +81,66 @@ def dma_payload(item, bursts):
     ]
 
 
-def payload_reservation(m, buffer_beats, reserve, freed):
-    """The payload-buffer beats reserved (a register in ``m``): ``reserve`` more in each
-    cycle (a packet's beats as its first burst is issued), one fewer per ``freed`` strobe
-    of the assembler. A strobe with nothing reserved is ignored: the assembler frees only
-    beats that were reserved."""
-    reserved = Signal(range(buffer_beats + 1))
-    reserving = Signal(range(buffer_beats + MAX_DMA_BEATS + 1))
-    m.d.comb += reserving.eq(reserved + reserve)
-    m.d.sync += reserved.eq(reserving - (freed & (reserving != 0)))
-    return reserved
-
-
-def payload_read_stage(m, *, layout, item, item_valid, item_taken, can_pass, ar, ar_id,
-                       buffer_beats, freed):
+def payload_read_stage(m, *, layout, item, item_valid, item_taken, beats, beats_less1,
+                       can_pass, ar, ar_id, buffer_beats, freed):
     """The pipeline stage that issues a packet's payload bursts. It holds one item of
     ``layout`` (the :class:`PayloadBurstsLayout` fields plus ``desc.dma_beats``), taken
     from ``item`` when ``item_valid`` and the stage is free or passing its item on (this
-    drives ``item_taken``); issues its bursts on ``ar`` (id ``ar_id``), the first only
-    once the assembler's buffer has room for all of the packet's beats (reserved then:
-    the read data is always accepted); and passes the item on when its last burst is out
-    and ``can_pass``. Returns the held item and the pass strobe."""
+    drives ``item_taken``); issues its bursts on ``ar`` (id ``ar_id``), the first only once
+    the assembler's buffer has room for all of the packet's beats (reserved then: the read
+    data is always accepted), one reserved beat freed per ``freed`` strobe (a strobe with
+    nothing reserved is ignored: the assembler frees only beats that were reserved); and
+    passes the item on when its last burst is out and ``can_pass``. Returns the held item
+    and the pass strobe.
+
+    The room test is a register's sign: ``spare``, the free beats less the held packet's
+    while its first burst waits, is computed as the item is taken, from ``beats`` and
+    ``beats_less1`` (:func:`payload_words` of an item with a DMA payload, anything for
+    another): a user keeps those in registers for this path to stay short."""
     held_valid = Signal()
     held = Signal(layout)
-    ars_left = Signal(range(3))
-    reserve = Signal(range(MAX_DMA_BEATS + 1))
-    reserved = payload_reservation(m, buffer_beats, reserve, freed)
-    first_ar = ars_left == held.n_ar
-    room = reserved + held.desc.dma_beats <= buffer_beats
+    issued = Signal(range(3))                   # bursts of the held item issued
+    free = Signal(range(buffer_beats + 1), init=buffer_beats)      # beats not reserved
+    spare = Signal(signed(len(free) + 1), init=buffer_beats)
+    width = len(spare)
+    first_ar = issued == 0
     m.d.comb += [
-        ar.valid.eq(held_valid & (ars_left != 0) & (~first_ar | room)),
+        ar.valid.eq(held_valid & (issued != held.n_ar) & (~first_ar | ~spare[-1])),
         ar.payload.id.eq(ar_id),
         ar.payload.addr.eq(Mux(first_ar, held.ar0_addr, held.ar1_addr)),
         ar.payload.len.eq(Mux(first_ar, held.ar0_len, held.ar1_len)),
     ]
     ar_fire = ar.valid & ar.ready
-    passed = held_valid & ((ars_left == 0) | ((ars_left == 1) & ar_fire)) & can_pass
-    m.d.comb += [
-        reserve.eq(Mux(ar_fire & first_ar, held.desc.dma_beats, 0)),
-        item_taken.eq(item_valid & (~held_valid | passed)),
-    ]
+    first_fire = ar_fire & first_ar
+    passed = held_valid & ((issued == held.n_ar) | ((issued + 1 == held.n_ar) & ar_fire)) & can_pass
+    m.d.comb += item_taken.eq(item_valid & (~held_valid | passed))
+
+    # Every sum from registers, chosen by the handshakes afterwards: an item is taken only
+    # when the held one has no first burst waiting, or issues it now, so then spare is
+    # what is free after this cycle's reservation.
+    freeing = freed & (first_fire | (free != buffer_beats))
+    reserving = item_taken & (item.desc.source == PayloadSource.DMA)
+    spare_bits = spare.as_unsigned()
+    free_more = lookahead_sum(m, free, 0, 1, name="free_more")[:width]
+    spare_more = lookahead_sum(m, spare_bits, 0, 1, name="spare_more")[:width]
+    def minus(value, name):
+        return lookahead_sum(m, spare_bits, ~Cat(value, C(0, width - len(value))), 1,
+                             name=name)[:width]
+    spare_less = minus(beats, "spare_less")
+    spare_less_but1 = minus(beats_less1, "spare_less_but1")       # spare - beats + 1
+    with m.If(first_fire):
+        m.d.sync += free.eq(Mux(freeing, spare_more, spare_bits))
+    with m.Else():
+        m.d.sync += free.eq(Mux(freeing, free_more, free))
+    with m.If(reserving):
+        m.d.sync += spare.eq(Mux(freeing, spare_less_but1, spare_less))
+    with m.Else():
+        m.d.sync += spare.eq(Mux(freeing, spare_more, spare_bits))
+
     with m.If(ar_fire):
-        m.d.sync += ars_left.eq(ars_left - 1)
+        m.d.sync += issued.eq(issued + 1)
     with m.If(passed):
         m.d.sync += held_valid.eq(0)
     with m.If(item_taken):
-        m.d.sync += [held_valid.eq(1), held.eq(item), ars_left.eq(item.n_ar)]
+        m.d.sync += [held_valid.eq(1), held.eq(item), issued.eq(0)]
     return held, passed

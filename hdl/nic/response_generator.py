@@ -2,12 +2,13 @@ from amaranth import *
 from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
 
+from hdl.arith import lookahead_sum
 from hdl.ib.headers import (
     AETH, AETH_BYTES, ATOMIC_ACK_ETH, ATOMIC_ACK_ETH_BYTES, BTH_BYTES, LRH_BYTES,
     iba_local_headers, to_wire,
 )
 from hdl.nic.packet_assembler import MAX_DMA_BEATS
-from hdl.nic.payload_reads import dma_payload, payload_bursts, payload_read_stage
+from hdl.nic.payload_reads import dma_payload, payload_bursts, payload_read_stage, payload_words
 from hdl.nic.signatures import (
     PSN_BITS, RESPONSE_ID, ArLayout, PacketDescriptorLayout, PayloadSource,
     ResponseCommandLayout, ResponseKind,
@@ -117,12 +118,24 @@ class ResponseGenerator(wiring.Component):
         m = Module()
 
         # --- stage 1: segmenter --------------------------------------------------------------
+        # The packet in hand is kept in registers that each field of its descriptor and
+        # reads is a few LUTs from, its payload's words among them: the read stage
+        # subtracts those from its room in the cycle it takes the packet. Each is loaded
+        # from the command or stepped to the READ's next packet.
         j_valid = Signal()
         job = Signal(ResponseCommandLayout())
-        va = Signal(64)
-        remaining = Signal(32)
+        va = Signal(64)                         # the packet's first byte
+        remaining = Signal(32)                  # bytes of the READ from va on (else 0)
+        fits = Signal()                         # the last: not a READ, or remaining <= MTU
         psn = Signal(PSN_BITS)
         first = Signal()
+        mtu_bytes = Signal(range(4096 + 1))
+        has_payload = Signal()                  # a READ of at least one byte
+        # 64-byte words (and one fewer, modulo 2^7) of the packet's payload, of the bytes
+        # of the READ from va on, of a whole MTU from va's offset.
+        beats, beats_less1 = Signal(7), Signal(7)
+        rest_beats, rest_less1 = Signal(7), Signal(7)
+        mtu_beats, mtu_less1 = Signal(7), Signal(7)
         j_out = Signal()
         j_last = Signal()
 
@@ -138,14 +151,10 @@ class ResponseGenerator(wiring.Component):
 
         is_read = job.kind == ResponseKind.READ
         is_atomic = job.kind == ResponseKind.ATOMIC
-        mtu_bytes = Signal(range(4096 + 1))
-        m.d.comb += mtu_bytes.eq(Const(128, 13) << job.mtu)
-        fits = remaining <= mtu_bytes
-        last = Signal()
+        last = fits
         plen = Signal(range(4096 + 1))
         m.d.comb += [
-            last.eq(~is_read | fits),
-            plen.eq(Mux(is_read, Mux(fits, remaining, mtu_bytes), 0)),
+            plen.eq(Mux(fits, remaining, mtu_bytes)),
             j_last.eq(last),
         ]
 
@@ -184,7 +193,7 @@ class ResponseGenerator(wiring.Component):
                                    Mux(is_atomic, to_wire(ATOMIC_ACK_ETH, atomic_ack), 0)))
 
         # Payload reads: the 64-byte words holding the packet's bytes, cut at 4 KiB.
-        bursts = payload_bursts(m, va, plen)
+        bursts = payload_bursts(m, va, beats, beats_less1)
 
         item = Signal(_ItemLayout())
         m.d.comb += [
@@ -193,24 +202,59 @@ class ResponseGenerator(wiring.Component):
             item.desc.header_bytes.eq(header_bytes),
             item.desc.payload_bytes.eq(plen),
         ]
-        with m.If(plen != 0):
+        with m.If(has_payload):
             m.d.comb += dma_payload(item, bursts)
+
+        # A command's first packet.
+        cmd_mtu_bytes = Signal(range(4096 + 1))
+        cmd_fits = Signal()
+        cmd_has_payload = Signal()
+        m.d.comb += [
+            cmd_mtu_bytes.eq(Const(128, 13) << cmd.mtu),
+            cmd_fits.eq(~is_read_cmd | (cmd.length <= cmd_mtu_bytes)),
+            cmd_has_payload.eq(is_read_cmd & (cmd.length != 0)),
+        ]
+        cmd_rest_beats, cmd_rest_less1 = payload_words(m, cmd.va[:6], cmd.length, name="cmd_rest")
+        cmd_mtu_beats, cmd_mtu_less1 = payload_words(m, cmd.va[:6], cmd_mtu_bytes, name="cmd_mtu")
+
+        # The READ's next packet starts an MTU on; it is the last when the bytes left then
+        # fit in an MTU, and holds those bytes and their words, else a whole MTU's.
+        next_va = Signal(64)
+        next_remaining = Signal(32)
+        next_fits = Signal()
+        next_rest_beats = Signal(7)
+        next_rest_less1 = Signal(7)
+        m.d.comb += [
+            next_va.eq(lookahead_sum(m, va, mtu_bytes, name="next_va")),
+            next_remaining.eq(lookahead_sum(m, remaining, ~Cat(mtu_bytes, C(0, 19)), 1,
+                                            name="next_remaining")),
+            next_fits.eq(remaining <= (mtu_bytes << 1)),
+            next_rest_beats.eq(rest_beats - mtu_bytes[6:]),
+            next_rest_less1.eq(rest_less1 - mtu_bytes[6:]),
+        ]
 
         with m.If(j_out):
             with m.If(j_last):
                 m.d.sync += j_valid.eq(0)
             with m.Else():
                 m.d.sync += [
-                    va.eq(va + mtu_bytes),
-                    remaining.eq(remaining - mtu_bytes),
-                    psn.eq(psn + 1),
-                    first.eq(0),
+                    va.eq(next_va),
+                    remaining.eq(next_remaining),
+                    fits.eq(next_fits), psn.eq(psn + 1), first.eq(0),
+                    rest_beats.eq(next_rest_beats), rest_less1.eq(next_rest_less1),
+                    beats.eq(Mux(next_fits, next_rest_beats, mtu_beats)),
+                    beats_less1.eq(Mux(next_fits, next_rest_less1, mtu_less1)),
                 ]
         with m.If(accepted & good):
             m.d.sync += [
                 j_valid.eq(1), job.eq(cmd),
                 va.eq(cmd.va), remaining.eq(Mux(is_read_cmd, cmd.length, 0)),
-                psn.eq(cmd.psn), first.eq(1),
+                fits.eq(cmd_fits), psn.eq(cmd.psn), first.eq(1),
+                mtu_bytes.eq(cmd_mtu_bytes), has_payload.eq(cmd_has_payload),
+                rest_beats.eq(cmd_rest_beats), rest_less1.eq(cmd_rest_less1),
+                mtu_beats.eq(cmd_mtu_beats), mtu_less1.eq(cmd_mtu_less1),
+                beats.eq(Mux(cmd_fits, cmd_rest_beats, cmd_mtu_beats)),
+                beats_less1.eq(Mux(cmd_fits, cmd_rest_less1, cmd_mtu_less1)),
             ]
 
         # --- stage 2: payload reads, then the descriptor queue ---------------------------------
@@ -218,6 +262,7 @@ class ResponseGenerator(wiring.Component):
             width=_QueuedLayout().size, depth=self.packet_queue_depth)
         p, p_out = payload_read_stage(
             m, layout=_ItemLayout(), item=item, item_valid=j_valid, item_taken=j_out,
+            beats=beats, beats_less1=beats_less1,
             can_pass=queue.w_rdy, ar=self.ar, ar_id=RESPONSE_ID,
             buffer_beats=self.payload_buffer_beats, freed=self.payload_freed)
         m.d.comb += [queue.w_en.eq(p_out), queue.w_data.eq(p.desc)]
@@ -237,15 +282,18 @@ class ResponseGenerator(wiring.Component):
         ]
 
         # --- counters: from the header of each descriptor that leaves ------------------------
+        # Each increment under an enable: the event's decode runs beside the 32-bit
+        # increment, not into its carries.
         sent = self.packet.valid & self.packet.ready
         sent_opcode = queued.header.word_select(OPCODE_BYTE, 8)
         sent_nak = queued.header.word_select(SYNDROME_BYTE, 8)[5:] != 0
         is_ack = sent_opcode == ACKNOWLEDGE
-        m.d.sync += [
-            self.acks_sent.eq(self.acks_sent + (sent & is_ack & ~sent_nak)),
-            self.naks_sent.eq(self.naks_sent + (sent & is_ack & sent_nak)),
-            self.read_response_packets.eq(self.read_response_packets + (
-                sent & (sent_opcode >= READ_RESPONSE_FIRST) & (sent_opcode <= READ_RESPONSE_ONLY))),
-            self.atomic_responses.eq(self.atomic_responses + (sent & (sent_opcode == ATOMIC_ACKNOWLEDGE))),
-        ]
+        for counter, event in (
+                (self.acks_sent, is_ack & ~sent_nak),
+                (self.naks_sent, is_ack & sent_nak),
+                (self.read_response_packets,
+                 (sent_opcode >= READ_RESPONSE_FIRST) & (sent_opcode <= READ_RESPONSE_ONLY)),
+                (self.atomic_responses, sent_opcode == ATOMIC_ACKNOWLEDGE)):
+            with m.If(sent & event):
+                m.d.sync += counter.eq(counter + 1)
         return m

@@ -6,7 +6,7 @@ from hdl.ib.headers import (
     ATOMIC_ETH, ATOMIC_ETH_BYTES, BTH_BYTES, IMMDT, IMMDT_BYTES, LRH_BYTES, RETH, RETH_BYTES,
     VL15, iba_local_headers, to_wire,
 )
-from hdl.nic.payload_reads import dma_payload, payload_bursts, payload_read_stage
+from hdl.nic.payload_reads import dma_payload, payload_bursts, payload_read_stage, payload_words
 from hdl.nic.signatures import (
     EPOCH_BITS, MAX_HEADER_BYTES, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, PAYLOAD_ID, PSN_BITS,
     Access, ArLayout, CompletionRecordLayout, CompletionStatus, ContextReadSignature,
@@ -415,7 +415,8 @@ class WqeExecutor(wiring.Component):
 
         # Payload reads: the 64-byte words holding the packet's bytes, cut at 4 KiB.
         dma = job_sent & ~job.inline & (plen != 0)
-        bursts = payload_bursts(m, laddr, plen)
+        beats, beats_less1 = payload_words(m, laddr[:6], plen)
+        bursts = payload_bursts(m, laddr, beats, beats_less1)
 
         item = Signal(_ItemLayout())
         m.d.comb += [
@@ -455,6 +456,7 @@ class WqeExecutor(wiring.Component):
         d_can_load = Signal()
         p, p_out = payload_read_stage(
             m, layout=_ItemLayout(), item=item, item_valid=j_valid & ~stop, item_taken=j_out,
+            beats=beats, beats_less1=beats_less1,
             can_pass=d_can_load, ar=self.ar, ar_id=PAYLOAD_ID,
             buffer_beats=self.payload_buffer_beats, freed=self.payload_freed)
 

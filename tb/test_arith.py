@@ -1,0 +1,103 @@
+"""The depth-built arithmetic against Python integers, in Amaranth's simulator:
+``hdl.arith.lookahead_sum`` (every operand pair of up to 5 bits with each carry in, and
+random and edge operands at the widths the NIC uses), and ``hdl.nic.payload_reads``'
+``payload_words`` and ``payload_bursts`` against the burst arithmetic they replace
+(``beats = (offset + length + 63) >> 6``, ``page_left = 64 - addr[6:12]``, two bursts when
+``beats > page_left``), for every offset and every length up to 4096 on pages' edges.
+"""
+import itertools
+import random
+
+import pytest
+from amaranth.hdl import Module, Signal
+from amaranth.sim import Simulator
+
+from hdl.arith import lookahead_sum
+from hdl.nic.payload_reads import payload_bursts, payload_words
+
+
+def run_comb(m, testbench):
+    sim = Simulator(m)
+    sim.add_testbench(testbench)
+    sim.run()
+
+
+def check_sums(width_a, width_b, cases, carry):
+    """``carry``: None for a carry-in signal (each case's third value), else a constant."""
+    m = Module()
+    a, b, c = Signal(width_a), Signal(width_b), Signal()
+    total = lookahead_sum(m, a, b, c if carry is None else carry)
+    assert len(total) == max(width_a, width_b) + 1
+
+    async def testbench(ctx):
+        for x, y, z in cases:
+            ctx.set(a, x)
+            ctx.set(b, y)
+            ctx.set(c, z)
+            want = x + y + (z if carry is None else carry)
+            assert ctx.get(total) == want, (width_a, width_b, x, y, z, ctx.get(total))
+
+    run_comb(m, testbench)
+
+
+@pytest.mark.parametrize("carry", [None, 0, 1])
+def test_lookahead_exhaustive(carry):
+    for width_a, width_b in itertools.product(range(1, 6), repeat=2):
+        check_sums(width_a, width_b,
+                   itertools.product(range(1 << width_a), range(1 << width_b), (0, 1)), carry)
+
+
+@pytest.mark.parametrize("width", [7, 11, 13, 32, 52, 64])
+def test_lookahead_wide(width):
+    rng = random.Random(width)
+    top = (1 << width) - 1
+    cases = [(rng.getrandbits(width), rng.getrandbits(width), rng.getrandbits(1))
+             for _ in range(400)]
+    cases += [(top, 0, 1), (top, top, 1), (0, 0, 0), (top, 1, 0), (1 << (width - 1), top, 0)]
+    # Carries that run through every group: x + (2^k - x) for each k.
+    cases += [(x, (1 << k) - x, 0) for k in range(1, width) for x in (1, (1 << k) - 1)]
+    check_sums(width, width, cases, None)
+    check_sums(width, width // 2, [(x, y & ((1 << width // 2) - 1), z) for x, y, z in cases], None)
+
+
+def reference_bursts(addr, length):
+    beats = ((addr % 64) + length + 63) >> 6
+    page_left = 64 - (addr >> 6) % 64
+    two = beats > page_left
+    return {
+        "offset": addr % 64, "beats": beats, "n_ar": 2 if two else 1,
+        "ar0_addr": addr & ~63, "ar0_len": ((page_left if two else beats) - 1) % 256,
+        "ar1_addr": ((addr >> 12) + 1) % (1 << 52) << 12, "ar1_len": (beats - page_left - 1) % 256,
+    }
+
+
+def test_payload_bursts():
+    m = Module()
+    addr, length = Signal(64), Signal(32)
+    beats, beats_less1 = payload_words(m, addr[:6], length)
+    bursts = payload_bursts(m, addr, beats, beats_less1)
+
+    async def testbench(ctx):
+        rng = random.Random(5)
+        lengths = [1, 2, 63, 64, 65, 127, 128, 129, 255, 256, 1000, 2048, 4031, 4032, 4033,
+                   4095, 4096]
+        pages = [0, (1 << 52) - 1, rng.getrandbits(52)]
+        cases = [(page << 12 | word << 6 | offset, n) for offset in range(64)
+                 for word in (0, 1, 31, 62, 63) for n in lengths for page in pages[:1]]
+        cases += [(rng.choice(pages) << 12 | rng.getrandbits(12), rng.randint(1, 4096))
+                  for _ in range(800)]
+        for a, n in cases:
+            ctx.set(addr, a)
+            ctx.set(length, n)
+            want = reference_bursts(a, n)
+            got = {name: ctx.get(getattr(bursts, name)) for name in want}
+            assert got == want, (hex(a), n, got, want)
+            assert ctx.get(beats_less1) == want["beats"] - 1
+        # payload_words counts length modulo 8192, and its words modulo 128.
+        for a, n in [(5, 8192 + 100), (0, (1 << 32) - 1), (63, 3 * 8192)]:
+            ctx.set(addr, a)
+            ctx.set(length, n)
+            words = (a % 64 + n + 63) >> 6
+            assert (ctx.get(beats), ctx.get(beats_less1)) == (words % 128, (words - 1) % 128)
+
+    run_comb(m, testbench)
