@@ -3,6 +3,7 @@ from amaranth.lib import data, fifo, memory, stream, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
+from hdl.arith import lookahead_sum
 from .signatures import (
     AXI_ID_BITS, DMA_WRITE_ID, MAX_PACKET_BEATS, AxiWriteSignature, ContextReadSignature,
     DmaWriteLayout,
@@ -35,26 +36,31 @@ class _ReadJob(data.StructLayout):
     def __init__(self, beat_bits):
         super().__init__({
             "src_beat": beat_bits,
-            "beats": range(MAX_BEATS + 1),          # 0: release only
+            "beats": range(MAX_BEATS + 1),
+            "writes": 1,                            # 0: release only
             "release": range(MAX_PACKET_BEATS + 1),
         })
 
 
+# Beat counts are kept less one, so that the decode needs no rounding up and the last
+# beat is a count of 0.
 class _BurstJob(data.StructLayout):
     def __init__(self, addr_width):
         super().__init__({
             "beat_addr": addr_width - 6,
-            "beats": range(MAX_BEATS + 1),
-            "first_beats": range(PAGE_BEATS + 1),   # beats of the burst before the 4 KiB line
+            "first_less1": range(PAGE_BEATS),       # beats of the burst before the 4 KiB line
+            "crosses": 1,                           # a second burst from the next line
+            "second_less1": range(PAGE_BEATS),
         })
 
 
 class _WriteJob(data.StructLayout):
     def __init__(self):
         super().__init__({
-            "dst_beats": range(MAX_BEATS + 1),
+            "dst_less1": range(MAX_BEATS),
+            "first_less1": range(PAGE_BEATS),
             "src_beats": range(MAX_BEATS + 1),
-            "first_beats": range(PAGE_BEATS + 1),
+            "src_less1": range(MAX_BEATS),
             "shift": 6,                             # (src_offset - dest offset) mod 64
             "prime": 1,                             # src_offset >= dest offset: one source beat leads
             "head": 6,                              # first written byte lane
@@ -84,7 +90,8 @@ class DmaWriter(wiring.Component):
 
     ``idle`` covers commands from the cycle after their handshake (not one still offered
     on ``command``) until their release and the B of their last burst.
-    ``dma_bytes_written`` counts a command's bytes when its last W beat is taken.
+    ``dma_bytes_written`` counts a command's bytes in the cycle after its last W beat is
+    taken, ``dma_write_errors`` a B response other than OKAY in the cycle after it.
 
     A command with ``bytes`` > 4096 writes nothing and only releases its beats, like
     ``bytes`` = 0; ``release_beats`` is passed on as given. ``bid`` is not looked at (the
@@ -150,34 +157,43 @@ class DmaWriter(wiring.Component):
         beat0, beat1 = beats_r0.data, beats_r1.data
 
         # --- Command decode ----------------------------------------------------------------
+        # The counts below hold for the commands that write (1 .. 4096 bytes); only those
+        # reach the burst and write queues, and the reader looks at ``writes`` first.
         cmd = self.command.payload
         writes = (cmd.bytes != 0) & (cmd.bytes <= MAX_WRITE_BYTES)
         head = cmd.addr[:6]
-        dst_beats = Signal(range(MAX_BEATS + 1))
+        dst_less1 = Signal(range(MAX_BEATS))
         src_beats = Signal(range(MAX_BEATS + 1))
-        page_room = Signal(range(PAGE_BEATS + 1))
+        src_less1 = Signal(range(MAX_BEATS))
+        last_in_line = Signal(13)       # the last byte's offset from the first byte's 4 KiB line
+        crosses = last_in_line[12]
         m.d.comb += [
-            dst_beats.eq((head + cmd.bytes + BEAT_BYTES - 1) >> 6),
+            dst_less1.eq((head + cmd.bytes - 1) >> 6),
             src_beats.eq((cmd.src_offset + cmd.bytes + BEAT_BYTES - 1) >> 6),
-            page_room.eq(PAGE_BEATS - cmd.addr[6:12]),
+            src_less1.eq((cmd.src_offset + cmd.bytes - 1) >> 6),
+            last_in_line.eq(cmd.addr[:12] + cmd.bytes - 1),
         ]
         read_job = data.View(read_layout, read_jobs.w_data)
         burst_job = data.View(burst_layout, burst_jobs.w_data)
         write_job = data.View(write_layout, write_jobs.w_data)
         m.d.comb += [
             read_job.src_beat.eq(cmd.src_beat[:beat_bits]),
-            read_job.beats.eq(Mux(writes, src_beats, 0)),
+            read_job.beats.eq(src_beats),
+            read_job.writes.eq(writes),
             read_job.release.eq(cmd.release_beats),
             burst_job.beat_addr.eq(cmd.addr[6:self.addr_width]),
-            burst_job.beats.eq(dst_beats),
-            burst_job.first_beats.eq(Mux(dst_beats < page_room, dst_beats, page_room)),
-            write_job.dst_beats.eq(dst_beats),
+            # A crossing command's first burst ends at the line: 64 - addr[6:12] beats.
+            burst_job.first_less1.eq(Mux(crosses, ~cmd.addr[6:12], dst_less1)),
+            burst_job.crosses.eq(crosses),
+            burst_job.second_less1.eq(last_in_line[6:12]),
+            write_job.dst_less1.eq(dst_less1),
+            write_job.first_less1.eq(burst_job.first_less1),
             write_job.src_beats.eq(src_beats),
-            write_job.first_beats.eq(burst_job.first_beats),
+            write_job.src_less1.eq(src_less1),
             write_job.shift.eq(cmd.src_offset - head),
             write_job.prime.eq(cmd.src_offset >= head),
             write_job.head.eq(head),
-            write_job.tail.eq(head + cmd.bytes - 1),
+            write_job.tail.eq(last_in_line[:6]),
             write_job.bytes.eq(cmd.bytes),
         ]
         # Ready does not look at the payload: every queue must have room.
@@ -192,6 +208,7 @@ class DmaWriter(wiring.Component):
         rd_active = Signal()
         rd_addr = Signal(beat_bits)
         rd_left = Signal(range(MAX_BEATS + 1))
+        rd_last = Signal()          # rd_left == 1
         rd_release = Signal(range(MAX_PACKET_BEATS + 1))
         in_flight = Signal()        # a read issued last cycle: its data arrives now
         m.d.comb += [
@@ -201,10 +218,10 @@ class DmaWriter(wiring.Component):
         # The read port cannot be held: read only with room for the data that is coming.
         issue = Signal()
         m.d.comb += issue.eq(rd_active & (beats_level + in_flight < DATA_DEPTH))
-        last_read = issue & (rd_left == 1)
+        last_read = issue & rd_last
         m.d.sync += [in_flight.eq(issue), self.release.valid.eq(0)]
         with m.If(issue):
-            m.d.sync += [rd_addr.eq(rd_addr + 1), rd_left.eq(rd_left - 1)]
+            m.d.sync += [rd_addr.eq(rd_addr + 1), rd_left.eq(rd_left - 1), rd_last.eq(rd_left == 2)]
         with m.If(last_read):
             # Released the cycle its last beat arrives: the beat is captured at this edge.
             m.d.sync += [
@@ -215,25 +232,27 @@ class DmaWriter(wiring.Component):
         rd_job = data.View(read_layout, read_jobs.r_data)
         # A release-only job waits for a cycle without a release; a write job follows the
         # previous one's last read without a gap.
-        with m.If(read_jobs.r_rdy & (~rd_active | (last_read & (rd_job.beats != 0)))):
+        with m.If(read_jobs.r_rdy & (~rd_active | (last_read & rd_job.writes))):
             m.d.comb += read_jobs.r_en.eq(1)
             m.d.sync += [
-                rd_active.eq(rd_job.beats != 0),
+                rd_active.eq(rd_job.writes),
                 rd_addr.eq(rd_job.src_beat),
                 rd_left.eq(rd_job.beats),
+                rd_last.eq(rd_job.beats == 1),
                 rd_release.eq(rd_job.release),
             ]
-            with m.If(rd_job.beats == 0):
+            with m.If(~rd_job.writes):
                 m.d.sync += [self.release.valid.eq(1), self.release.payload.eq(rd_job.release)]
 
         # --- AW ----------------------------------------------------------------------------
         ahead = Signal(range(AW_AHEAD + 1))             # bursts presented, W not started
         outstanding = Signal(range(MAX_OUTSTANDING + 1))  # bursts presented, B not received
         aw_active = Signal()
-        aw_addr = Signal(self.addr_width - 6)
-        aw_left = Signal(range(MAX_BEATS + 1))
-        aw_first = Signal(range(PAGE_BEATS + 1))       # nonzero: the command's first burst
-        aw_len = Mux(aw_first != 0, aw_first, aw_left)
+        aw_addr = Signal(self.addr_width - 6)           # the next burst's beat address
+        aw_less1 = Signal(range(PAGE_BEATS))            # ... and its AWLEN
+        aw_crosses = Signal()                           # a second burst follows
+        aw_second_less1 = Signal(range(PAGE_BEATS))
+        aw_next_line = Signal(self.addr_width - 6)      # the second burst's beat address
         present = Signal()
         m.d.comb += present.eq(aw_active & (~axi.awvalid | axi.awready)
                                & (ahead != AW_AHEAD) & (outstanding != MAX_OUTSTANDING))
@@ -248,41 +267,46 @@ class DmaWriter(wiring.Component):
             m.d.sync += [
                 axi.awvalid.eq(1),
                 axi.awaddr.eq(aw_addr << 6),
-                axi.awlen.eq(aw_len - 1),
-                aw_addr.eq(aw_addr + aw_len),
-                aw_left.eq(aw_left - aw_len),
-                aw_first.eq(0),
+                axi.awlen.eq(aw_less1),
+                aw_addr.eq(aw_next_line),
+                aw_less1.eq(aw_second_less1),
+                aw_crosses.eq(0),
             ]
-            with m.If(aw_left == aw_len):
+            with m.If(~aw_crosses):
                 m.d.sync += aw_active.eq(0)
         aw_job = data.View(burst_layout, burst_jobs.r_data)
-        with m.If(burst_jobs.r_rdy & (~aw_active | (present & (aw_left == aw_len)))):
+        job_next_line = lookahead_sum(m, aw_job.beat_addr[6:], 1, name="job_next_line")
+        with m.If(burst_jobs.r_rdy & (~aw_active | (present & ~aw_crosses))):
             m.d.comb += burst_jobs.r_en.eq(1)
             m.d.sync += [
                 aw_active.eq(1),
                 aw_addr.eq(aw_job.beat_addr),
-                aw_left.eq(aw_job.beats),
-                aw_first.eq(aw_job.first_beats),
+                aw_less1.eq(aw_job.first_less1),
+                aw_crosses.eq(aw_job.crosses),
+                aw_second_less1.eq(aw_job.second_less1),
+                aw_next_line.eq(Cat(C(0, 6), job_next_line)),
             ]
 
         # --- Realigner and W ---------------------------------------------------------------
+        # Which beat ends a burst or the command, and whether a beat takes a source beat,
+        # are facts kept beside the counts, so that a step waits for no compare of them.
         w_active = Signal()
         prime = Signal()            # the command's first source beat is still to be loaded
         shift = Signal(6)
         first = Signal()            # next beat is the command's first
         w_head = Signal(6)
         w_tail = Signal(6)
-        first_beats = Signal(range(PAGE_BEATS + 1))
-        dst_left = Signal(range(MAX_BEATS + 1))
+        dst_left = Signal(range(MAX_BEATS))         # W beats of the command after the next
+        last_beat = Signal()                        # dst_left == 0
+        burst_left = Signal(range(PAGE_BEATS))      # beats of the burst after the next
+        burst_end = Signal()                        # burst_left == 0
+        starting = Signal()                         # the next beat starts a burst
         src_left = Signal(range(MAX_BEATS + 1))
-        burst_left = Signal(range(PAGE_BEATS + 1))   # 0: the next beat starts a burst
+        consume = Signal()                          # src_left != 0
         w_bytes = Signal(range(MAX_WRITE_BYTES + 1))
         prev = Signal(8 * BEAT_BYTES)
         beat_bytes = Signal(range(MAX_WRITE_BYTES + 1))   # counted when the W beat is taken
 
-        consume = src_left != 0
-        starting = burst_left == 0
-        last_beat = dst_left == 1
         step = Signal()
         load_prime = Signal()
         m.d.comb += [
@@ -294,7 +318,10 @@ class DmaWriter(wiring.Component):
         head_mask = Mux(first, (ones << w_head)[:BEAT_BYTES], ones)
         tail_mask = Mux(last_beat, ones >> (w_tail ^ (BEAT_BYTES - 1)), ones)
         funnel = Cat(prev, beat0).bit_select(Cat(C(0, 3), shift), 8 * BEAT_BYTES)
-        burst_len = Mux(starting, Mux(first, first_beats, dst_left), burst_left)
+
+        def take_source():
+            m.d.comb += beats_pop.eq(1)
+            m.d.sync += [prev.eq(beat0), src_left.eq(src_left - 1), consume.eq(src_left != 1)]
 
         with m.If(axi.wready):
             m.d.sync += axi.wvalid.eq(0)
@@ -303,20 +330,25 @@ class DmaWriter(wiring.Component):
                 axi.wvalid.eq(1),
                 axi.wdata.eq(funnel),
                 axi.wstrb.eq(head_mask & tail_mask),
-                axi.wlast.eq(burst_len == 1),
+                axi.wlast.eq(burst_end),
                 beat_bytes.eq(Mux(last_beat, w_bytes, 0)),
-                burst_left.eq(burst_len - 1),
                 dst_left.eq(dst_left - 1),
+                last_beat.eq(dst_left == 1),
+                starting.eq(burst_end),
                 first.eq(0),
             ]
+            with m.If(burst_end):
+                # At most two bursts: the next one is the rest of the command.
+                m.d.sync += [burst_left.eq(dst_left - 1), burst_end.eq(dst_left == 1)]
+            with m.Else():
+                m.d.sync += [burst_left.eq(burst_left - 1), burst_end.eq(burst_left == 1)]
             with m.If(consume):
-                m.d.comb += beats_pop.eq(1)
-                m.d.sync += [prev.eq(beat0), src_left.eq(src_left - 1)]
+                take_source()
             with m.If(last_beat):
                 m.d.sync += w_active.eq(0)
         with m.If(load_prime):
-            m.d.comb += beats_pop.eq(1)
-            m.d.sync += [prev.eq(beat0), src_left.eq(src_left - 1), prime.eq(0)]
+            take_source()
+            m.d.sync += prime.eq(0)
 
         w_job = data.View(write_layout, write_jobs.r_data)
         with m.If(write_jobs.r_rdy & (~w_active | (step & last_beat))):
@@ -332,10 +364,13 @@ class DmaWriter(wiring.Component):
                 first.eq(1),
                 w_head.eq(w_job.head),
                 w_tail.eq(w_job.tail),
-                first_beats.eq(w_job.first_beats),
-                dst_left.eq(w_job.dst_beats),
-                src_left.eq(w_job.src_beats - prime_now),
-                burst_left.eq(0),
+                dst_left.eq(w_job.dst_less1),
+                last_beat.eq(w_job.dst_less1 == 0),
+                burst_left.eq(w_job.first_less1),
+                burst_end.eq(w_job.first_less1 == 0),
+                starting.eq(1),
+                src_left.eq(Mux(prime_now, w_job.src_less1, w_job.src_beats)),
+                consume.eq(~prime_now | (w_job.src_less1 != 0)),
                 w_bytes.eq(w_job.bytes),
             ]
             with m.If(prime_now):
@@ -347,10 +382,18 @@ class DmaWriter(wiring.Component):
         # --- B, counters, idle -------------------------------------------------------------
         m.d.comb += axi.bready.eq(1)
         m.d.sync += outstanding.eq(outstanding + present - (axi.bvalid & (outstanding != 0)))
-        with m.If(axi.bvalid & (axi.bresp != AXI_RESP_OKAY)):
-            m.d.sync += self.dma_write_errors.eq(self.dma_write_errors + 1)
-        with m.If(axi.wvalid & axi.wready):
-            m.d.sync += self.dma_bytes_written.eq(self.dma_bytes_written + beat_bytes)
+        # Counters count registered events, a cycle after them: a 32-bit sum is deep enough
+        # on its own.
+        bytes_event = Signal(range(MAX_WRITE_BYTES + 1))
+        error_event = Signal()
+        m.d.sync += [
+            bytes_event.eq(Mux(axi.wvalid & axi.wready, beat_bytes, 0)),
+            error_event.eq(axi.bvalid & (axi.bresp != AXI_RESP_OKAY)),
+            self.dma_bytes_written.eq(lookahead_sum(m, self.dma_bytes_written, bytes_event,
+                                                    name="dma_bytes_written_next")),
+            self.dma_write_errors.eq(lookahead_sum(m, self.dma_write_errors, error_event,
+                                                   name="dma_write_errors_next")),
+        ]
 
         m.d.comb += self.idle.eq(~read_jobs.r_rdy & ~rd_active & ~in_flight & ~self.release.valid
                                  & ~burst_jobs.r_rdy & ~aw_active & ~axi.awvalid

@@ -3,6 +3,7 @@ from amaranth.lib import stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
+from hdl.arith import lookahead_sum
 from hdl.nic.signatures import (
     QPN_BITS, RECV_ID, Access, ArLayout, ContextReadSignature, EventSignature, MkeyLayout,
     QpConfigLayout, RBeatLayout, RecvRequestLayout, RecvResultLayout, RecvStatus, Syndrome,
@@ -51,9 +52,9 @@ class ReceiveQueue(wiring.Component):
     stop the request, but its indices stay zero (the reset wins over its write-back).
     The QP's context is read when the request is taken and kept for the request.
 
-    Counters: ``recv_wqes_consumed`` (results that consumed a WQE), ``recv_wqe_errors``
-    (ERROR results, and doorbell records too far ahead), ``rq_doorbell_reads``
-    (doorbell-record reads issued).
+    Counters, each in the cycle after its event: ``recv_wqes_consumed`` (results that
+    consumed a WQE), ``recv_wqe_errors`` (ERROR results, and doorbell records too far
+    ahead), ``rq_doorbell_reads`` (doorbell-record reads issued).
     """
 
     def __init__(self, *, num_qps=64, num_mkeys=64, addr_width=64):
@@ -107,15 +108,48 @@ class ReceiveQueue(wiring.Component):
         byte_count = Signal(32)
         lkey = Signal(32)
         addr = Signal(64)
-        key_ok = Signal()
-        above_base = Signal()
-        end = Signal(65)
-        limit = Signal(65)
 
         size = Signal(17)
         m.d.comb += size.eq(Const(1, 17) << log_rq_size)
-        ahead = Signal(16)
-        m.d.comb += ahead.eq(dbr_pi - ci)
+
+        # Facts registered a cycle after what they are taken from, so that no state's
+        # decision waits for a sum. ci and log_rq_size change only in LOAD: the WQE's index
+        # is ready for WQE_ADDR, and the end of the ring ahead of ci for DBR_CHECK. The WQE's
+        # fields change only in WQE_R and mkey.data follows lkey: the WQE's end is ready in
+        # CHECK, the key's facts and the wrap in RANGE.
+        wqe_index = Signal(16)
+        ring_end = Signal(17)           # ci + size, not modulo 2^16
+        end = Signal(65)
+        limit = Signal(65)
+        key_ok = Signal()
+        above_base = Signal()
+        wraps = Signal()                # ending exactly at 2^64 is not a wrap
+        empty_wqe = Signal()
+        mk = self.mkey.data
+        m.d.sync += [
+            wqe_index.eq(ci & (size - 1)),
+            ring_end.eq(lookahead_sum(m, ci, size[:16], name="ring_end_sum")),
+            end.eq(lookahead_sum(m, addr, byte_count, name="end_sum")),
+            limit.eq(lookahead_sum(m, mk.base, mk.length, name="limit_sum")),
+            key_ok.eq(mk.valid & (mk.key == lkey) & (mk.pd == pd)
+                      & ((mk.access.as_value() & Access.LOCAL_WRITE.value) != 0)),
+            above_base.eq(addr >= mk.base),
+            wraps.eq(end[64] & (end[:64] != 0)),
+            empty_wqe.eq(byte_count == 0),
+        ]
+
+        # Counters count registered events, a cycle after them: a 32-bit increment is deep
+        # enough on its own.
+        consumed_event, error_event, dbr_read_event = Signal(), Signal(), Signal()
+        m.d.sync += [
+            consumed_event.eq(0), error_event.eq(0), dbr_read_event.eq(0),
+            self.recv_wqes_consumed.eq(lookahead_sum(m, self.recv_wqes_consumed, consumed_event,
+                                                     name="recv_wqes_consumed_next")),
+            self.recv_wqe_errors.eq(lookahead_sum(m, self.recv_wqe_errors, error_event,
+                                                  name="recv_wqe_errors_next")),
+            self.rq_doorbell_reads.eq(lookahead_sum(m, self.rq_doorbell_reads, dbr_read_event,
+                                                    name="rq_doorbell_reads_next")),
+        ]
 
         reset_valid = Signal()
         m.d.comb += reset_valid.eq(self.qp_reset.valid & (self.qp_reset.qpn < self.num_qps))
@@ -146,6 +180,7 @@ class ReceiveQueue(wiring.Component):
             m.next = "RESULT"
 
         cfg = self.qp_config.data
+        wqe_addr_sum = lookahead_sum(m, rq_base[4:], wqe_index, name="wqe_addr_sum")
         with m.FSM():
             with m.State("IDLE"):
                 m.d.comb += request.ready.eq(1)
@@ -174,7 +209,7 @@ class ReceiveQueue(wiring.Component):
             with m.State("DBR_AR"):
                 m.d.comb += [ar.valid.eq(1), reading_dbr.eq(1)]
                 with m.If(ar.ready):
-                    m.d.sync += self.rq_doorbell_reads.eq(self.rq_doorbell_reads + 1)
+                    m.d.sync += dbr_read_event.eq(1)
                     m.next = "DBR_R"
             with m.State("DBR_R"):
                 with m.If(r.valid):
@@ -185,17 +220,20 @@ class ReceiveQueue(wiring.Component):
                     with m.Else():
                         m.next = "DBR_CHECK"
             with m.State("DBR_CHECK"):
-                with m.If(ahead == 0):
+                # (dbr_pi - ci) mod 2^16 is 1 .. size when dbr_pi lies in (ci, ring_end]
+                # modulo 2^16: two compares instead of a difference and a compare.
+                past_ci = dbr_pi > ci
+                to_end = dbr_pi <= ring_end[:16]
+                with m.If(dbr_pi == ci):
                     finish(RecvStatus.EMPTY)
-                with m.Elif(ahead > size):
-                    m.d.sync += self.recv_wqe_errors.eq(self.recv_wqe_errors + 1)
-                    finish(RecvStatus.EMPTY)
-                with m.Else():
+                with m.Elif(Mux(ring_end[16], past_ci | to_end, past_ci & to_end)):
                     m.d.sync += pi.eq(dbr_pi)
                     m.next = "WQE_ADDR"
+                with m.Else():
+                    m.d.sync += error_event.eq(1)
+                    finish(RecvStatus.EMPTY)
             with m.State("WQE_ADDR"):
-                index = ci & (size - 1)
-                m.d.sync += wqe_addr.eq(Cat(C(0, 4), rq_base[4:]) + Cat(C(0, 4), index[:16]))
+                m.d.sync += wqe_addr.eq(Cat(C(0, 4), wqe_addr_sum[:60]))
                 m.next = "WQE_AR"
             with m.State("WQE_AR"):
                 m.d.comb += ar.valid.eq(1)
@@ -217,20 +255,11 @@ class ReceiveQueue(wiring.Component):
                 # mkey.addr follows lkey: its entry is on mkey.data in the next cycle.
                 m.next = "CHECK"
             with m.State("CHECK"):
-                mk = self.mkey.data
-                local_write = (mk.access.as_value() & Access.LOCAL_WRITE.value) != 0
-                m.d.sync += [
-                    key_ok.eq(mk.valid & (mk.key == lkey) & (mk.pd == pd) & local_write),
-                    above_base.eq(addr >= mk.base),
-                    end.eq(addr + byte_count),
-                    limit.eq(mk.base + mk.length),
-                ]
+                # The entry's facts are registered at the end of this cycle.
                 m.next = "RANGE"
             with m.State("RANGE"):
-                # Ending exactly at 2^64 is not a wrap.
-                wraps = end[64] & (end[:64] != 0)
                 in_range = above_base & (end <= limit) & ~wraps
-                with m.If(key_ok & ((byte_count == 0) | in_range)):
+                with m.If(key_ok & (empty_wqe | in_range)):
                     m.d.sync += [result.payload.addr.eq(addr),
                                  result.payload.length.eq(byte_count)]
                     finish(RecvStatus.OK, consumes=True)
@@ -239,10 +268,8 @@ class ReceiveQueue(wiring.Component):
             with m.State("RESULT"):
                 m.d.comb += result.valid.eq(1)
                 with m.If(result.ready):
-                    with m.If(consume):
-                        m.d.sync += self.recv_wqes_consumed.eq(self.recv_wqes_consumed + 1)
-                    with m.If(result.payload.status == RecvStatus.ERROR):
-                        m.d.sync += self.recv_wqe_errors.eq(self.recv_wqe_errors + 1)
+                    m.d.sync += [consumed_event.eq(consume),
+                                 error_event.eq(result.payload.status == RecvStatus.ERROR)]
                     m.next = "WRITE_BACK"
             with m.State("WRITE_BACK"):
                 # The write port is the reset's in its cycles.

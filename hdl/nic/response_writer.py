@@ -115,9 +115,9 @@ class ResponseWriter(wiring.Component):
     burst is unanswered, so a stray B cannot land anything early.
 
     **Counters.** ``response_bytes_written``: bytes written (counted as the DmaWriter's
-    ``dma_bytes_written``: a command's bytes when its last W beat is taken);
+    ``dma_bytes_written``: a command's bytes in the cycle after its last W beat is taken);
     ``response_write_errors``: B responses not OKAY (the DmaWriter's
-    ``dma_write_errors``, stray ones included); ``responses_discarded``: stored packets whose command writes
+    ``dma_write_errors``, stray ones included, in the cycle after the B); ``responses_discarded``: stored packets whose command writes
     nothing because of a discard, a verdict with ``write`` = 0 or a refused write (a
     write of 0 bytes is not a discard), counted when the command is taken.
 
