@@ -8,7 +8,7 @@ from hdl.ib.headers import (BTH, GRH, LNH_IBA_GLOBAL, LNH_IBA_LOCAL, LRH, LRH_BY
                             from_wire, to_wire)
 from hdl.link.signatures import check_width
 
-__all__ = ["IcrcEngine"]
+__all__ = ["IcrcEngine", "variant_masks"]
 
 
 class IcrcEngine(wiring.Component):
@@ -65,15 +65,7 @@ class IcrcEngine(wiring.Component):
         width = self._width
         beat_bits = 8 * width
 
-        # Masks of the variant bits over the packet's first bytes, one per kind of LNH.
-        vl = _wire_mask(LRH, "vl")
-        resv8a = _wire_mask(BTH, "resv8a")
-        grh_variant = _wire_mask(GRH, "tclass", "flowlabel", "hoplmt")
-        masks = {
-            LNH_IBA_GLOBAL: vl | grh_variant << 8 * LRH_BYTES | resv8a << 8 * (LRH_BYTES + GRH.size_bytes),
-            LNH_IBA_LOCAL: vl | resv8a << 8 * LRH_BYTES,
-            None: vl,  # raw packets have no BTH
-        }
+        masks = variant_masks()
         masked_beats = max(mask.bit_length() for mask in masks.values()) // beat_bits + 1
 
         # Beat index since start, saturating once past the masked bytes.
@@ -108,6 +100,19 @@ class IcrcEngine(wiring.Component):
         else:
             m.d.comb += self.icrc_ok.eq(self.valid & self.end & beat_crc.match)
         return m
+
+
+def variant_masks():
+    """Masks (wire order, byte 0 in bits 7..0) of the bits the ICRC takes as ones over a
+    packet's first bytes, by LRH.LNH (``None``: any other LNH, a raw packet without BTH)."""
+    vl = _wire_mask(LRH, "vl")
+    resv8a = _wire_mask(BTH, "resv8a")
+    grh_variant = _wire_mask(GRH, "tclass", "flowlabel", "hoplmt")
+    return {
+        LNH_IBA_GLOBAL: vl | grh_variant << 8 * LRH_BYTES | resv8a << 8 * (LRH_BYTES + GRH.size_bytes),
+        LNH_IBA_LOCAL: vl | resv8a << 8 * LRH_BYTES,
+        None: vl,
+    }
 
 
 def _wire_mask(layout, *fields):

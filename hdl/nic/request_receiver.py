@@ -4,7 +4,10 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
-from hdl.crc.icrc_engine import IcrcEngine
+from hdl.arith import lookahead_sum
+from hdl.crc.algorithms import ICRC
+from hdl.crc.crc_check_stage import CRCCheckStage
+from hdl.crc.icrc_engine import variant_masks
 from hdl.ib.headers import (ATOMIC_ETH, BTH, ICRC_BYTES, IMMDT, LNH_IBA_LOCAL, LRH, RETH,
                             from_wire)
 from hdl.link.signatures import BeatLayout, vl_index
@@ -42,12 +45,20 @@ class RequestReceiver(wiring.Component):
     non-start beat on a VL outside any packet is discarded, and a VL's beats from a
     request's start to its end are that request's.
 
-    Two stages: T takes a beat (steering, arbitration, room); W, a cycle later, writes it
-    into the ring and runs the ICRC check on it. On the end beat W also checks the
-    header (every request header lies in the start beat, held from it) and decides: a
-    kept packet's descriptor enters the queue (on ``request`` two cycles later); a dropped
-    one is counted, ICRC failures before header failures, and the write pointer goes back
-    to its first beat, where the next packet's first beat, one cycle behind, is written.
+    Three stages: T takes a beat (steering, arbitration, room); W, a cycle later, writes
+    it into the ring and feeds it to the ICRC check (:class:`CRCCheckStage`, its lanes
+    past the count masked by a thermometer registered in T). On the end beat W also
+    reduces the header (every request header lies in the start beat, held from it) to
+    registered facts: the descriptor, the opcode's shape, compares of the count and beat
+    index against the header's overhead, DLID, LNH, TVer, PktLen. D, the cycle after the
+    end beat, decides from those registers and the ICRC match: a kept packet's
+    descriptor enters the queue (on ``request`` in the next cycle, two after the end beat
+    was in W, as a buffered queue written in W would show it); a dropped one's beats are
+    given back in that same cycle: the write pointer, and the room and descriptor room
+    that T sees, are chosen between the two outcomes, so the next packet's first beat,
+    in W in that cycle, is written where the dropped one began. Ports behave as if the
+    decision were taken in W; only the counters move: each counts D's decision, a cycle
+    after W's would have been counted.
 
     ``release`` frees beats of kept packets, oldest first (the consumer never frees more
     than it was given); ``buffer_read`` reads the ring (data one cycle after addr).
@@ -98,7 +109,9 @@ class RequestReceiver(wiring.Component):
             self.buffer_read.data.eq(read.data),
         ]
 
-        m.submodules.descriptors = descriptors = fifo.SyncFIFOBuffered(
+        # Written in D, a cycle after W: first-word-fall-through shows an entry in the
+        # cycle after its write, when a buffered queue written in W would.
+        m.submodules.descriptors = descriptors = fifo.SyncFIFO(
             width=RequestDescriptorLayout().size, depth=DESCRIPTOR_DEPTH)
         m.d.comb += [
             self.request.valid.eq(descriptors.r_rdy),
@@ -128,7 +141,23 @@ class RequestReceiver(wiring.Component):
         packet_start = Signal(addr_bits + 1)  # first beat of the packet in stage W
         with m.If(self.release.valid):
             m.d.sync += tail.eq(tail + self.release.payload)
-        room = ~(write_ptr - tail + (w_valid & w_stores))[addr_bits]
+        # Stage D (decide) sits a cycle behind W. Its drop gives the dropped packet's
+        # beats back at once: W writes at ``d_start`` instead, and T's room and descriptor
+        # room are picked between the two outcomes, each worked out from registers.
+        d_drop = Signal()
+        d_keep = Signal()
+        d_start = Signal(addr_bits + 1)
+        writing = Signal()
+        m.d.comb += writing.eq(w_valid & w_stores)
+        write_at = Signal(addr_bits + 1)
+        m.d.comb += write_at.eq(Mux(d_drop, d_start, write_ptr))
+        room_kept = Signal()
+        room_dropped = Signal()
+        m.d.comb += [
+            room_kept.eq(~(write_ptr - tail + writing)[addr_bits]),
+            room_dropped.eq(~(d_start - tail + writing)[addr_bits]),
+        ]
+        room = Mux(d_drop, room_dropped, room_kept)
 
         # --- Steering per VL ---
         request_pending = Signal(num_vls)
@@ -171,14 +200,24 @@ class RequestReceiver(wiring.Component):
         valid = Array(self.rx[v].valid for v in range(num_vls))[select]
         index = Mux(busy, beats_before, 0)
         stores = index < MAX_PACKET_BEATS
-        # A start beat reserves its descriptor: the queue's entries plus the one that stage
-        # W may be adding now.
-        descriptor_room = descriptors.level + (w_valid & w_beat.end) < DESCRIPTOR_DEPTH
+        # A start beat reserves its descriptor: the queue's entries, the one D is adding
+        # now (not in the level yet) and the one W's end beat may add next.
+        ending = w_valid & w_beat.end
+        descriptor_room = Mux(d_keep, descriptors.level + ending < DESCRIPTOR_DEPTH - 1,
+                              descriptors.level + ending < DESCRIPTOR_DEPTH)
         m.d.comb += accept.eq(Mux(busy, ~stores | room, granted & room & descriptor_room))
         take = valid & accept
 
+        # The ICRC check's byte lanes (every lane of a beat, an end beat's first count),
+        # worked out per VL before the select so that W masks with a register.
+        lanes = Array(Signal(WIDTH, name=f"lanes{v}") for v in range(num_vls))
+        for v in range(num_vls):
+            payload = self.rx[v].payload
+            m.d.comb += lanes[v].eq(Cat(~payload.end | (payload.count > lane) for lane in range(WIDTH)))
+        w_lanes = Signal(WIDTH)
         with m.If(take):
             m.d.sync += [
+                w_lanes.eq(lanes[select]),
                 busy.eq(~beat.end),
                 beats_before.eq(Mux(index == MAX_PACKET_BEATS, MAX_PACKET_BEATS, index + 1)),
                 w_beat.eq(beat),
@@ -192,28 +231,39 @@ class RequestReceiver(wiring.Component):
 
         # --- Stage W ---
         m.d.comb += [
-            write.addr.eq(write_ptr[:addr_bits]),
+            write.addr.eq(write_at[:addr_bits]),
             write.data.eq(w_beat.data),
-            write.en.eq(w_valid & w_stores),
+            write.en.eq(writing),
         ]
-        m.submodules.icrc = icrc = IcrcEngine(WIDTH, "check")
+        # The ICRC takes the bits a switch may change as ones; they lie in the start beat.
+        masks = variant_masks()
+        if max(mask.bit_length() for mask in masks.values()) > 8 * WIDTH:
+            raise ValueError("the ICRC's variant fields must lie in the start beat")
+        start_lnh = from_wire(LRH, w_beat.data[:LRH.size]).lnh
+        variant = Signal(8 * WIDTH)
+        with m.If(w_first):
+            with m.Switch(start_lnh):
+                for kind, mask in masks.items():
+                    with m.Default() if kind is None else m.Case(kind):
+                        m.d.comb += variant.eq(mask)
+        m.submodules.icrc = icrc = CRCCheckStage(ICRC, WIDTH)
         m.d.comb += [
             icrc.valid.eq(w_valid),
-            icrc.data.eq(w_beat.data),
             icrc.start.eq(w_first),
-            icrc.end.eq(w_beat.end),
-            icrc.count.eq(w_beat.count),
+            icrc.data.eq(w_beat.data | variant),
+            icrc.keep.eq(w_lanes),
+            icrc.count.eq(Mux(w_beat.end, w_beat.count, WIDTH)),
         ]
-        start = Mux(w_first, write_ptr, packet_start)
+        start = Mux(w_first, write_at, packet_start)
         header = Mux(w_first, w_beat.data[:header_bits], held_header)
         with m.If(w_valid & w_first):
-            m.d.sync += [packet_start.eq(write_ptr), held_header.eq(w_beat.data[:header_bits])]
-        length = w_index * WIDTH + w_beat.count
+            m.d.sync += [packet_start.eq(write_at), held_header.eq(w_beat.data[:header_bits])]
         decide = w_valid & w_beat.end
-        drop = Signal()
-        m.d.sync += write_ptr.eq(Mux(drop, start, write_ptr + (w_valid & w_stores)))
+        after_kept = lookahead_sum(m, write_ptr, writing, name="after_kept")
+        after_dropped = lookahead_sum(m, d_start, writing, name="after_dropped")
+        m.d.sync += write_ptr.eq(Mux(d_drop, after_dropped, after_kept)[:addr_bits + 1])
 
-        # --- Decision: header checks and the descriptor ---
+        # --- Stage W: the header's checks and the descriptor, registered for D ---
         lrh = from_wire(LRH, header[:8 * LRH.size_bytes])
         bth = from_wire(BTH, header[8 * LRH.size_bytes:8 * LRH_BTH_BYTES])
         extension = header[8 * LRH_BTH_BYTES:]
@@ -236,7 +286,6 @@ class RequestReceiver(wiring.Component):
             descriptor.pkey.eq(bth.pkey),
             descriptor.destqp.eq(bth.destqp),
             descriptor.psn.eq(bth.psn),
-            descriptor.buffer_beat.eq(start[:addr_bits]),
             descriptor.beats.eq(w_index + 1),
             known.eq(1),
         ]
@@ -268,27 +317,75 @@ class RequestReceiver(wiring.Component):
             with m.Default():
                 m.d.comb += known.eq(0)
 
-        fixed = header_bytes + ICRC_BYTES
-        payload = length - fixed - bth.padcnt
-        m.d.comb += descriptor.payload_bytes.eq(payload)
-        shape_ok = Mux(no_payload, (length == fixed) & (bth.padcnt == 0),
-                       (length >= fixed + bth.padcnt) & (payload <= MAX_PAYLOAD_BYTES))
+        # The bytes beyond the payload: overhead = header_bytes + ICRC + pad, below one
+        # beat (at most 55). The packet's length is index * WIDTH + count, so against the
+        # overhead: length >= overhead is index > 0 or count >= overhead; a payload of at
+        # most 4096 bytes (64 beats) is index < 64, or index == 64 and count <= overhead.
+        overhead = Signal(range(WIDTH))
+        m.d.comb += overhead.eq(header_bytes + ICRC_BYTES + bth.padcnt)
+        count = w_beat.count
+        pktlen_bytes = lrh.pktlen * 4
+        # PktLen * 4 == index * WIDTH + count, split at the beat: count == WIDTH carries.
+        pktlen_beats = pktlen_bytes[exact_log2(WIDTH):]
+        pktlen_ok = Mux(count == WIDTH,
+                        (pktlen_bytes[:exact_log2(WIDTH)] == 0) & (pktlen_beats == w_index + 1),
+                        (pktlen_bytes[:exact_log2(WIDTH)] == count[:exact_log2(WIDTH)])
+                        & (pktlen_beats == w_index))
+        d_decide = Signal()
+        d_descriptor = Signal(RequestDescriptorLayout())
+        d_length = Signal(range(MAX_PACKET_BEATS * WIDTH + 1))
+        d_overhead = Signal.like(overhead)
+        d_known, d_no_payload, d_pad0 = Signal(), Signal(), Signal()
+        d_first_beat, d_before_64, d_beat_64 = Signal(), Signal(), Signal()
+        d_count_ge, d_count_le = Signal(), Signal()
         # Past MAX_PACKET_BEATS the length saturates: such a packet is malformed outright.
-        well_formed = (known & shape_ok & w_stores
-                       & (lrh.lnh == LNH_IBA_LOCAL) & (lrh.dlid == self.lid) & (bth.tver == 0)
-                       & (lrh.pktlen * 4 == length))
-        icrc_good = icrc.icrc_ok & ~w_beat.end_bad
-        keep = decide & icrc_good & well_formed
-        m.d.comb += [
-            drop.eq(decide & ~keep),
-            descriptors.w_en.eq(keep),
-            descriptors.w_data.eq(descriptor),
+        d_link_ok = Signal()        # stored whole, LNH, DLID, TVer and PktLen right
+        d_icrc_bad = Signal()       # end_bad
+        m.d.sync += [
+            d_decide.eq(decide),
+            d_descriptor.eq(descriptor),
+            d_descriptor.buffer_beat.eq(start[:addr_bits]),
+            d_start.eq(start),
+            d_length.eq(w_index * WIDTH + count),
+            d_overhead.eq(overhead),
+            d_known.eq(known),
+            d_no_payload.eq(no_payload),
+            d_pad0.eq(bth.padcnt == 0),
+            d_first_beat.eq(w_index == 0),
+            d_before_64.eq(w_index < MAX_PAYLOAD_BYTES // WIDTH),
+            d_beat_64.eq(w_index == MAX_PAYLOAD_BYTES // WIDTH),
+            d_count_ge.eq(count >= overhead),
+            d_count_le.eq(count <= overhead),
+            d_link_ok.eq(w_stores & (lrh.lnh == LNH_IBA_LOCAL) & (lrh.dlid == self.lid)
+                         & (bth.tver == 0) & pktlen_ok),
+            d_icrc_bad.eq(w_beat.end_bad),
         ]
 
-        m.d.sync += [
-            self.requests_received.eq(self.requests_received + keep),
-            self.rx_request_icrc_drops.eq(self.rx_request_icrc_drops + (decide & ~icrc_good)),
-            self.rx_request_malformed.eq(
-                self.rx_request_malformed + (decide & icrc_good & ~well_formed)),
+        # --- Stage D: the decision ---
+        overhead_wide = Cat(d_overhead, C(0, len(d_length) - len(d_overhead)))
+        payload = lookahead_sum(m, d_length, ~overhead_wide, 1, name="payload")   # length - overhead
+        shape_ok = Mux(d_no_payload, d_first_beat & d_count_ge & d_count_le & d_pad0,
+                       (~d_first_beat | d_count_ge) & (d_before_64 | (d_beat_64 & d_count_le)))
+        well_formed = Signal()
+        icrc_good = Signal()
+        m.d.comb += [
+            well_formed.eq(d_known & shape_ok & d_link_ok),
+            icrc_good.eq(icrc.match & ~d_icrc_bad),
+            d_keep.eq(d_decide & icrc_good & well_formed),
+            d_drop.eq(d_decide & ~d_keep),
         ]
+        written = Signal(RequestDescriptorLayout())
+        m.d.comb += [
+            written.eq(d_descriptor),
+            written.payload_bytes.eq(payload),
+            descriptors.w_en.eq(d_keep),
+            descriptors.w_data.eq(written),
+        ]
+
+        # Counters count D's decision: a cycle after W's would have been counted.
+        for counter, event in ((self.requests_received, d_keep),
+                               (self.rx_request_icrc_drops, d_decide & ~icrc_good),
+                               (self.rx_request_malformed, d_decide & icrc_good & ~well_formed)):
+            with m.If(event):
+                m.d.sync += counter.eq(counter + 1)
         return m
