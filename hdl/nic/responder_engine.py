@@ -6,6 +6,7 @@ from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
+from hdl.arith import lookahead_sum
 from hdl.nic.signatures import (
     PSN_BITS, Access, AtomicRequestLayout, AtomicResultLayout, ContextReadSignature,
     DmaWriteLayout, EventSignature, MkeyLayout, QpConfigLayout, QpState, RecvCqeOpcode,
@@ -85,6 +86,16 @@ class ResponderEngine(wiring.Component):
     descriptor that waits for nothing outside takes 5 cycles plus the outputs' back
     pressure. Receive-WQE and atomic round trips and ``dma_idle`` waits stall every QP
     (descriptors are handled strictly in order).
+
+    Pipelining (docs/fpga.md budget, 6 LUT levels): what the descriptor alone says
+    (opcode classes, the payload against every MTU and the RETH length, its sums) is
+    registered as it is taken; its end and a READ's next PSN for each MTU in LOOKUP; in
+    CHECK every fact that needs the contexts or the row is registered, the key's range
+    as one three-operand compare (no limit sum first), the PSN against both possible
+    expected PSNs, and what an executed SEND/WRITE writes (address, next byte, room left,
+    bytes so far); a SEND FIRST/ONLY's receive WQE replaces those in RECV_WAIT. DECIDE
+    and RECV_DECIDE only choose between registers. The counters count registered events,
+    a cycle after the event; every other port is cycle-identical to the unpipelined engine.
 
     The per-QP state is one row of a memory (``_RowLayout``); a bit per QP marks rows
     reset since they were last written, which read as zero with ``epsn`` = the context's
@@ -170,6 +181,7 @@ class ResponderEngine(wiring.Component):
         q = d.destqp[:qp_bits]
         cfg = self.qp_config.data
         mk = self.mkey.data
+        pl = d.payload_bytes
 
         m.submodules.rows = rows = Memory(shape=row_layout, depth=num_qps, init=[])
         row_write = rows.write_port()
@@ -183,39 +195,113 @@ class ResponderEngine(wiring.Component):
         def onehot(index, en):
             return Mux(en, (Const(1, num_qps) << index)[:num_qps], 0)
 
+        def wire(value, name):
+            # A reused expression gets a signal: Amaranth emits an expression at every use.
+            signal = Signal(len(Value.cast(value)), name=name)
+            m.d.comb += signal.eq(value)
+            return signal
+
         # Memories keep their contents through a reset, so every row starts fresh.
         fresh = Signal(num_qps, init=(1 << num_qps) - 1)
         killed = Signal()           # a qp_reset of this descriptor's QP after its row was read
 
-        # --- opcode classes (from the descriptor register) ---------------------------------
-        op = d.opcode
-        is_send = op <= SEND_ONLY_IMM
-        is_write = (op >= WRITE_FIRST) & (op <= WRITE_ONLY_IMM)
-        is_read = op == READ_REQUEST
-        is_atomic = (op == COMPARE_SWAP) | (op == FETCH_ADD)
+        # --- ACCEPT: facts of the descriptor alone, registered with it ----------------------
+        # Each state's decision reads registers, never a sum: what the descriptor says is
+        # worked out as it is taken, what needs the contexts or the row in CHECK.
+        p = self.request.payload
+        p_op = p.opcode
+        p_pl = p.payload_bytes
+        p_first = _one_of(p_op, FIRSTS)
+        p_is_write = (p_op >= WRITE_FIRST) & (p_op <= WRITE_ONLY_IMM)
+        p_is_read = p_op == READ_REQUEST
+        p_is_atomic = (p_op == COMPARE_SWAP) | (p_op == FETCH_ADD)
+        p_dmalen_nonzero = p.dmalen != 0
+        minus_pl = wire(~Cat(p_pl, C(0, 32 - len(p_pl))), "minus_pl_ones")
+        facts = {
+            "is_send": (p_op <= SEND_ONLY_IMM, 1),
+            "is_write": (p_is_write, 1),
+            "is_read": (p_is_read, 1),
+            "is_atomic": (p_is_atomic, 1),
+            "first": (p_first, 1),
+            "last": (_one_of(p_op, LASTS), 1),
+            "send_imm": ((p_op == SEND_LAST_IMM) | (p_op == SEND_ONLY_IMM), 1),
+            "write_imm": ((p_op == WRITE_LAST_IMM) | (p_op == WRITE_ONLY_IMM), 1),
+            "destqp_ok": (p.destqp < num_qps, 1),
+            "pl_nonzero": (p_pl != 0, 1),
+            # The message's MTU is known only in CHECK: the payload against every MTU.
+            "pl_eq_mtu": (Cat(p_pl == (128 << k) for k in range(8)), 8),
+            "pl_gt_mtu": (Cat(p_pl > (128 << k) for k in range(8)), 8),
+            "pl_eq_dmalen": (p_pl == p.dmalen, 1),
+            "align_err": (p_is_atomic & (p.va[:3] != 0), 1),
+            "key_applies": (((p_is_write & p_first) | p_is_read) & p_dmalen_nonzero
+                            | p_is_atomic, 1),
+            "need": (Mux(p_is_write & p_first, Access.REMOTE_WRITE.value,
+                         Mux(p_is_read, Access.REMOTE_READ.value,
+                             Mux(p_is_atomic, Access.REMOTE_ATOMIC.value, 0))), 4),
+            "va_pl": (lookahead_sum(m, p.va, p_pl, name="va_pl_sum")[:64], 64),
+            # dmalen - payload; its carry out says payload <= dmalen.
+            "dmalen_pl": (lookahead_sum(m, p.dmalen, minus_pl, 1, name="dmalen_pl_sum"), 33),
+            "not_pl": (minus_pl, 32),
+            "minus_pl": (lookahead_sum(m, 0, minus_pl, 1, name="minus_pl_sum")[:32], 32),
+            "psn1": (lookahead_sum(m, p.psn, 0, 1, name="psn1_sum")[:PSN_BITS], PSN_BITS),
+            # dmalen - 1, or 0 for 0: a READ's PSNs are this >> (MTU bits) + 1.
+            "dmalen_less1": (Mux(p_dmalen_nonzero,
+                                 lookahead_sum(m, p.dmalen, C(-1, 32), name="dmalen_less1_sum")[:32],
+                                 0), 32),
+            "end_dmalen": (lookahead_sum(m, p.va, p.dmalen, name="end_dmalen_sum"), 65),
+            "end_atomic": (lookahead_sum(m, p.va, C(8, 4), name="end_atomic_sum"), 65),
+        }
+        f = {name: Signal(width, name=f"d_{name}") for name, (_, width) in facts.items()}
+        is_send, is_write, is_read, is_atomic = f["is_send"], f["is_write"], f["is_read"], f["is_atomic"]
+        first, last, send_imm, write_imm = f["first"], f["last"], f["send_imm"], f["write_imm"]
         is_data = is_send | is_write
-        first = _one_of(op, FIRSTS)
-        last = _one_of(op, LASTS)
-        send_imm = (op == SEND_LAST_IMM) | (op == SEND_ONLY_IMM)
-        write_imm = (op == WRITE_LAST_IMM) | (op == WRITE_ONLY_IMM)
-        needs_wqe = (is_send & first) | write_imm
+        write_first = is_write & first
+        took_buffer = is_send & first
+        needs_wqe = took_buffer | write_imm
+        need = f["need"]
+
+        # --- LOOKUP: second facts of the descriptor, registered every cycle ----------------
+        end = Signal(65)            # the byte after the request's range
+        wraps = Signal()            # ending exactly at 2^64 is not a wrap
+        # The QP's next PSN after an executed READ, for each valid MTU (1..5).
+        read_epsns = [Signal(PSN_BITS, name=f"read_epsn_mtu{k}") for k in range(8)]
+        end_now = wire(Mux(is_atomic, f["end_atomic"], f["end_dmalen"]), "end_now")
+        m.d.sync += [end.eq(end_now), wraps.eq(end_now[64] & (end_now[:64] != 0))]
+        for k in range(1, 6):
+            m.d.sync += read_epsns[k].eq(lookahead_sum(m, d.psn, f["dmalen_less1"] >> (k + 7), 1,
+                                                       name=f"read_epsn_sum{k}")[:PSN_BITS])
+
+        # Whether this QP's row reads as fresh in the next cycle, for CHECK: the row is
+        # written only in ISSUE, so after LOOKUP only a reset can have changed its bit.
+        fresh_q = Signal()
+        reset_valid = Signal()
+        m.d.comb += reset_valid.eq(self.qp_reset.valid & (self.qp_reset.qpn < num_qps))
+        reset_here = reset_valid & (self.qp_reset.qpn[:qp_bits] == q)
+        m.d.sync += [fresh.eq((fresh & ~onehot(q, row_write.en))
+                              | onehot(self.qp_reset.qpn[:qp_bits], reset_valid)),
+                     fresh_q.eq(fresh.bit_select(q, 1) | reset_here)]
 
         # --- CHECK: the checks on the contexts and the row, registered ----------------------
+        read = row_read.data
         row_now = Signal(row_layout)
-        with m.If(fresh.bit_select(q, 1)):
+        with m.If(fresh_q):
             m.d.comb += row_now.epsn.eq(cfg.rq_psn)
         with m.Else():
-            m.d.comb += row_now.eq(row_read.data)
+            m.d.comb += row_now.eq(read)
 
         vl = Signal(4)
         m.d.comb += vl.eq(Array(self.sl_to_vl)[cfg.sl])
-        qp_states = Array(state.as_value() for state in self.qp_state)
-        qp_ok = ((d.destqp < num_qps) & (qp_states[q] == QpState.RTS.value)
+        rts = Signal(num_qps)
+        m.d.comb += rts.eq(Cat(state == QpState.RTS for state in self.qp_state))
+        qp_ok = (f["destqp_ok"] & rts.bit_select(q, 1)
                  & (d.slid == cfg.dlid) & (vl < self.num_vls)
                  & (cfg.mtu >= 1) & (cfg.mtu <= 5) & ~row_now.err)
         pkey_ok = (d.pkey[:15] == cfg.pkey[:15]) & (d.pkey[15] | cfg.pkey[15])
-        psn_diff = Signal(PSN_BITS)
-        m.d.comb += psn_diff.eq(d.psn - row_now.epsn)
+        # The PSN against the expected one, both ways the expected one may come.
+        behind_cfg = lookahead_sum(m, d.psn, ~cfg.rq_psn, 1, name="behind_cfg_sum")[PSN_BITS - 1]
+        behind_row = lookahead_sum(m, d.psn, ~read.epsn, 1, name="behind_row_sum")[PSN_BITS - 1]
+        equal = Mux(fresh_q, d.psn == cfg.rq_psn, d.psn == read.epsn)
+        behind = Mux(fresh_q, behind_cfg, behind_row)
 
         prog = row_now.prog
         seq_err = ((is_data & first & (prog != NONE))
@@ -224,47 +310,44 @@ class ResponderEngine(wiring.Component):
                    | (is_write & ~first & (prog == IN_SEND))
                    | ((is_read | is_atomic) & (prog != NONE))
                    | ~(is_data | is_read | is_atomic))
-        mtu_bytes = Signal(range((128 << 7) + 1))
-        m.d.comb += mtu_bytes.eq(Const(128, 8) << cfg.mtu)
-        pl = d.payload_bytes
-        length_err = is_data & ((~last & (pl != mtu_bytes)) | (last & (pl > mtu_bytes))
-                                | (last & ~first & (pl == 0)))
-        write_room = Mux(first, d.dmalen, row_now.left)
-        write_len_err = is_write & ((pl > write_room) | (last & (pl != write_room)))
-        align_err = is_atomic & (d.va[:3] != 0)
+        pl_eq_mtu = f["pl_eq_mtu"].bit_select(cfg.mtu, 1)
+        pl_gt_mtu = f["pl_gt_mtu"].bit_select(cfg.mtu, 1)
+        length_err = is_data & ((~last & ~pl_eq_mtu) | (last & pl_gt_mtu)
+                                | (last & ~first & ~f["pl_nonzero"]))
+        # The room a SEND or WRITE packet writes into: a WRITE FIRST/ONLY's dmalen, else
+        # what the row has left (a SEND FIRST/ONLY's receive WQE replaces it in RECV_WAIT).
+        left_pl = lookahead_sum(m, read.left, f["not_pl"], 1, name="left_pl_sum")
+        pl_gt_left = Mux(fresh_q, f["pl_nonzero"], ~left_pl[32])
+        pl_eq_left = Mux(fresh_q, ~f["pl_nonzero"], read.left == pl)
+        pl_gt_room = Mux(first, ~f["dmalen_pl"][32], pl_gt_left)
+        pl_eq_room = Mux(first, f["pl_eq_dmalen"], pl_eq_left)
+        write_len_err = is_write & (pl_gt_room | (last & ~pl_eq_room))
 
-        need = Signal(4)
-        with m.If(is_write & first):
-            m.d.comb += need.eq(Access.REMOTE_WRITE.value)
-        with m.Elif(is_read):
-            m.d.comb += need.eq(Access.REMOTE_READ.value)
-        with m.Elif(is_atomic):
-            m.d.comb += need.eq(Access.REMOTE_ATOMIC.value)
         right_err = (need != 0) & ((cfg.access.as_value() & need) == 0)
-        key_applies = (is_write & first & (d.dmalen != 0)) | (is_read & (d.dmalen != 0)) | is_atomic
-        end = Signal(65)
-        limit = Signal(65)
-        m.d.comb += [end.eq(d.va + Mux(is_atomic, 8, d.dmalen)), limit.eq(mk.base + mk.length)]
-        wraps = end[64] & (end[:64] != 0)
+        # end <= base + length as the carry out of base + length + ~end + 1 (66 bits): the
+        # three operands reduced to two first, so no sum is formed before the compare.
+        base = Cat(mk.base, C(0, 2))
+        length = Cat(mk.length, C(0, 2))
+        not_end = ~Cat(end, C(0, 1))
+        room_s = wire(base ^ length ^ not_end, "key_room_s")
+        room_c = wire((base & length) | (base & not_end) | (length & not_end), "key_room_c")
+        in_limit = lookahead_sum(m, room_s, Cat(C(0, 1), room_c[:65]), 1,
+                                 name="key_room_sum")[66]
         key_ok = (mk.valid & (mk.key == d.rkey) & (mk.pd == cfg.pd)
                   & ((mk.access.as_value() & need) != 0)
-                  & (d.va >= mk.base) & (end <= limit) & ~wraps)
+                  & (d.va >= mk.base) & in_limit & ~wraps)
 
-        read_psns = Signal(PSN_BITS)
-        m.d.comb += read_psns.eq(Mux(d.dmalen == 0, 1, ((d.dmalen - 1) >> (cfg.mtu + 7)) + 1))
+        # What an executed SEND or WRITE writes, for the row's message so far.
+        row_va_pl = lookahead_sum(m, read.va, pl, name="row_va_pl_sum")[:64]
+        row_count_pl = lookahead_sum(m, read.count, pl, name="row_count_pl_sum")[:32]
+        msn1 = Mux(fresh_q, 1, lookahead_sum(m, read.msn, 0, 1, name="msn1_sum")[:24])
+        epsn_less1 = Mux(fresh_q, lookahead_sum(m, cfg.rq_psn, C(-1, PSN_BITS),
+                                                name="rq_psn_less1_sum")[:PSN_BITS],
+                         lookahead_sum(m, read.epsn, C(-1, PSN_BITS),
+                                       name="epsn_less1_sum")[:PSN_BITS])
 
         row = Signal(row_layout)            # the row as read, for the decision
         new_row = Signal(row_layout)        # the row to write back
-        # A duplicate atomic is answered from its saved result, if it is still kept.
-        saved_hit = Signal(SAVED_ATOMICS)
-        saved_orig = Signal(64)
-        m.d.comb += [
-            saved_hit.eq(Cat(row.atom_valid[i] & (row.atom_psn[i] == d.psn)
-                             for i in range(SAVED_ATOMICS))),
-            # PSNs are distinct, so at most one hits.
-            saved_orig.eq(reduce(operator.or_, (Mux(saved_hit[i], row.atom_orig[i], 0)
-                                                for i in range(SAVED_ATOMICS)))),
-        ]
         f_qp_ok = Signal()
         f_pkey_ok = Signal()
         f_equal = Signal()
@@ -272,8 +355,23 @@ class ResponderEngine(wiring.Component):
         f_invalid = Signal()
         f_access = Signal()
         f_read_ok = Signal()                # a duplicate READ passes its rights checks
-        f_read_psns = Signal(PSN_BITS)
+        f_saved_hit = Signal(SAVED_ATOMICS) # a duplicate atomic's saved result, if still kept
+        f_read_epsn = Signal(PSN_BITS)
+        f_msn1 = Signal(24)                 # the row's MSN + 1
+        f_epsn_less1 = Signal(PSN_BITS)
         min_rnr_timer = Signal(5)
+        # An executed SEND/WRITE packet: its address (0 for no payload), the message's
+        # next byte and room left after it, the bytes so far, and whether it overflows.
+        x_addr = Signal(64)
+        x_va = Signal(64)
+        x_left = Signal(32)
+        x_count = Signal(32)
+        x_too_long = Signal()
+
+        # PSNs are distinct, so at most one hits.
+        saved_orig = Signal(64)
+        m.d.comb += saved_orig.eq(reduce(operator.or_, (Mux(f_saved_hit[i], row.atom_orig[i], 0)
+                                                        for i in range(SAVED_ATOMICS))))
 
         # Registered outputs of the decision.
         cmd = Signal(DmaWriteLayout())
@@ -286,13 +384,16 @@ class ResponderEngine(wiring.Component):
         row_pending = Signal()
         error_pending = Signal()
 
+        # Counters count registered events, a cycle after them: a 32-bit increment is deep
+        # enough on its own.
         counters = {name: getattr(self, name) for name in (
             "requests_executed", "duplicate_requests", "seq_naks", "rnr_naks", "access_naks",
             "invalid_naks", "op_naks", "rx_dropped_qp", "rx_dropped_pkey", "atomic_replays")}
         count = {name: Signal(name=f"count_{name}") for name in counters}
         for name, counter in counters.items():
-            with m.If(count[name]):
-                m.d.sync += counter.eq(counter + 1)
+            event = Signal(name=f"{name}_event")
+            m.d.sync += [event.eq(count[name]),
+                         counter.eq(lookahead_sum(m, counter, event, name=f"{name}_next"))]
 
         def respond(kind, psn, syndrome, msn):
             return [resp_pending.eq(1), resp.kind.eq(kind), resp.psn.eq(psn),
@@ -309,25 +410,18 @@ class ResponderEngine(wiring.Component):
                          comp.syndrome.eq(syndrome), comp.wqe_counter.eq(wqe)]
 
         # Execution of an in-sequence SEND/WRITE packet (after its receive WQE, if any).
-        # ``rres`` is the receive WQE a SEND FIRST/ONLY just took.
-        took_buffer = is_send & first
-        exec_va = Mux(took_buffer, rres.addr, Mux(is_write & first, d.va, row.va))
-        exec_room = Mux(took_buffer, rres.length, Mux(is_write & first, d.dmalen, row.left))
-        exec_count = Signal(32)
-        exec_msn = Signal(24)
-        m.d.comb += [exec_count.eq(Mux(first, 0, row.count) + pl),
-                     exec_msn.eq(row.msn + last)]
-        send_too_long = is_send & (pl > exec_room)
+        exec_msn = Mux(last, f_msn1, row.msn)
+        send_too_long = is_send & x_too_long
 
         def execute():
             m.d.sync += [
-                cmd.addr.eq(Mux(pl != 0, exec_va, 0)),
+                cmd.addr.eq(x_addr),
                 cmd.bytes.eq(pl),
-                new_row.va.eq(exec_va + pl),
-                new_row.left.eq(exec_room - pl),
-                new_row.count.eq(exec_count),
+                new_row.va.eq(x_va),
+                new_row.left.eq(x_left),
+                new_row.count.eq(x_count),
                 new_row.prog.eq(Mux(last, NONE, Mux(is_send, IN_SEND, IN_WRITE))),
-                new_row.epsn.eq(d.psn + 1),
+                new_row.epsn.eq(f["psn1"]),
                 new_row.msn.eq(exec_msn),
             ]
             with m.If(took_buffer):
@@ -340,10 +434,15 @@ class ResponderEngine(wiring.Component):
                     comp.opcode.eq(Mux(write_imm, RecvCqeOpcode.RESP_WR_IMM,
                                        Mux(send_imm, RecvCqeOpcode.RESP_SEND_IMM,
                                            RecvCqeOpcode.RESP_SEND))),
-                    comp.byte_count.eq(exec_count),
+                    comp.byte_count.eq(x_count),
                     comp.imm.eq(Mux(write_imm | send_imm, d.imm, 0)),
                     comp.wqe_counter.eq(Mux(write_imm | took_buffer, rres.wqe_counter, row.wqe)),
                 ]
+
+        # A SEND FIRST/ONLY's receive WQE, as it arrives: where the packet goes.
+        rr = self.recv_result.payload
+        wqe_left_pl = lookahead_sum(m, rr.length, f["not_pl"], 1, name="wqe_left_pl_sum")
+        wqe_va_pl = lookahead_sum(m, rr.addr, pl, name="wqe_va_pl_sum")[:64]
 
         issuing = Signal()
         with m.FSM() as fsm:
@@ -351,6 +450,7 @@ class ResponderEngine(wiring.Component):
                 m.d.comb += self.request.ready.eq(1)
                 with m.If(self.request.valid):
                     m.d.sync += [d.eq(self.request.payload), killed.eq(0)]
+                    m.d.sync += [f[name].eq(value) for name, (value, _) in facts.items()]
                     m.next = "LOOKUP"
 
             with m.State("LOOKUP"):
@@ -362,13 +462,23 @@ class ResponderEngine(wiring.Component):
                     new_row.eq(row_now),
                     f_qp_ok.eq(qp_ok),
                     f_pkey_ok.eq(pkey_ok),
-                    f_equal.eq(psn_diff == 0),
-                    f_behind.eq(psn_diff[-1]),
-                    f_invalid.eq(seq_err | length_err | write_len_err | align_err),
-                    f_access.eq(right_err | (key_applies & ~key_ok)),
-                    f_read_ok.eq(~right_err & (~key_applies | key_ok)),
-                    f_read_psns.eq(read_psns),
+                    f_equal.eq(equal),
+                    f_behind.eq(behind),
+                    f_invalid.eq(seq_err | length_err | write_len_err | f["align_err"]),
+                    f_access.eq(right_err | (f["key_applies"] & ~key_ok)),
+                    f_read_ok.eq(~right_err & (~f["key_applies"] | key_ok)),
+                    f_saved_hit.eq(Cat(row_now.atom_valid[i] & (row_now.atom_psn[i] == d.psn)
+                                       for i in range(SAVED_ATOMICS))),
+                    f_read_epsn.eq(Array(read_epsns)[cfg.mtu]),
+                    f_msn1.eq(msn1),
+                    f_epsn_less1.eq(epsn_less1),
                     min_rnr_timer.eq(cfg.min_rnr_timer),
+                    x_addr.eq(Mux(f["pl_nonzero"], Mux(write_first, d.va, row_now.va), 0)),
+                    x_va.eq(Mux(write_first, f["va_pl"], Mux(fresh_q, pl, row_va_pl))),
+                    x_left.eq(Mux(write_first, f["dmalen_pl"][:32],
+                                  Mux(fresh_q, f["minus_pl"], left_pl[:32]))),
+                    x_count.eq(Mux(first | fresh_q, pl, row_count_pl)),
+                    x_too_long.eq(pl_gt_room),
                     cmd.eq(0),
                     cmd.src_beat.eq(d.buffer_beat),
                     cmd.src_offset.eq(d.header_bytes),
@@ -407,12 +517,12 @@ class ResponderEngine(wiring.Component):
                 with m.Elif(f_behind):
                     m.d.comb += count["duplicate_requests"].eq(1)
                     with m.If(is_data):
-                        m.d.sync += respond(ResponseKind.ACK, row.epsn - 1, ACK_SYNDROME, row.msn)
+                        m.d.sync += respond(ResponseKind.ACK, f_epsn_less1, ACK_SYNDROME, row.msn)
                     with m.Elif(is_read & f_read_ok):
                         m.d.sync += respond(ResponseKind.READ, d.psn, ACK_SYNDROME, row.msn)
                         m.d.sync += read_response
                         m.next = "WAIT_IDLE"
-                    with m.Elif(is_atomic & saved_hit.any()):
+                    with m.Elif(is_atomic & f_saved_hit.any()):
                         m.d.comb += count["atomic_replays"].eq(1)
                         m.d.sync += respond(ResponseKind.ATOMIC, d.psn, ACK_SYNDROME, row.msn)
                         m.d.sync += resp.orig.eq(saved_orig)
@@ -426,10 +536,9 @@ class ResponderEngine(wiring.Component):
                     with m.Elif(needs_wqe):
                         m.next = "RECV_REQUEST"
                     with m.Elif(is_read):
-                        m.d.sync += respond(ResponseKind.READ, d.psn, ACK_SYNDROME, row.msn + 1)
+                        m.d.sync += respond(ResponseKind.READ, d.psn, ACK_SYNDROME, f_msn1)
                         m.d.sync += read_response
-                        m.d.sync += [new_row.epsn.eq(d.psn + f_read_psns),
-                                     new_row.msn.eq(row.msn + 1)]
+                        m.d.sync += [new_row.epsn.eq(f_read_epsn), new_row.msn.eq(f_msn1)]
                         m.next = "WAIT_IDLE"
                     with m.Elif(is_atomic):
                         m.next = "WAIT_IDLE"
@@ -448,7 +557,12 @@ class ResponderEngine(wiring.Component):
             with m.State("RECV_WAIT"):
                 m.d.comb += self.recv_result.ready.eq(1)
                 with m.If(self.recv_result.valid):
-                    m.d.sync += rres.eq(self.recv_result.payload)
+                    m.d.sync += rres.eq(rr)
+                    with m.If(took_buffer):
+                        m.d.sync += [x_addr.eq(Mux(f["pl_nonzero"], rr.addr, 0)),
+                                     x_va.eq(wqe_va_pl),
+                                     x_left.eq(wqe_left_pl[:32]),
+                                     x_too_long.eq(~wqe_left_pl[32])]
                     m.next = "RECV_DECIDE"
 
             with m.State("RECV_DECIDE"):
@@ -476,7 +590,7 @@ class ResponderEngine(wiring.Component):
                 m.d.comb += [
                     self.atomic_request.valid.eq(1),
                     self.atomic_request.payload.addr.eq(d.va),
-                    self.atomic_request.payload.fetch_add.eq(op == FETCH_ADD),
+                    self.atomic_request.payload.fetch_add.eq(d.opcode == FETCH_ADD),
                     self.atomic_request.payload.swap_add.eq(d.swap_add),
                     self.atomic_request.payload.compare.eq(d.compare),
                 ]
@@ -491,11 +605,11 @@ class ResponderEngine(wiring.Component):
                     with m.If(result.error):
                         nak(NAK_REMOTE_OPERATIONAL, "op_naks")
                     with m.Else():
-                        m.d.sync += respond(ResponseKind.ATOMIC, d.psn, ACK_SYNDROME, row.msn + 1)
+                        m.d.sync += respond(ResponseKind.ATOMIC, d.psn, ACK_SYNDROME, f_msn1)
                         m.d.sync += [
                             resp.orig.eq(result.orig),
-                            new_row.epsn.eq(d.psn + 1),
-                            new_row.msn.eq(row.msn + 1),
+                            new_row.epsn.eq(f["psn1"]),
+                            new_row.msn.eq(f_msn1),
                             new_row.atom_valid.eq(Cat(1, row.atom_valid.as_value()[:-1])),
                             new_row.atom_psn.eq(Cat(d.psn, row.atom_psn.as_value()[:-PSN_BITS])),
                             new_row.atom_orig.eq(Cat(result.orig, row.atom_orig.as_value()[:-64])),
@@ -528,11 +642,8 @@ class ResponderEngine(wiring.Component):
         ]
 
         # --- qp_reset ------------------------------------------------------------------------
-        reset_valid = self.qp_reset.valid & (self.qp_reset.qpn < num_qps)
         # Until CHECK, a reset shows in ``fresh``; from CHECK on, the row is already read.
         with m.If(self.qp_reset.valid & (self.qp_reset.qpn == d.destqp)
                   & ~fsm.ongoing("IDLE") & ~fsm.ongoing("LOOKUP")):
             m.d.sync += killed.eq(1)
-        m.d.sync += fresh.eq((fresh & ~onehot(q, row_write.en))
-                             | onehot(self.qp_reset.qpn[:qp_bits], reset_valid))
         return m
