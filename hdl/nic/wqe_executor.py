@@ -2,6 +2,7 @@ from amaranth import *
 from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
 
+from hdl.arith import lookahead_sum
 from hdl.ib.headers import (
     ATOMIC_ETH, ATOMIC_ETH_BYTES, BTH_BYTES, IMMDT, IMMDT_BYTES, LRH_BYTES, RETH, RETH_BYTES,
     VL15, iba_local_headers, to_wire,
@@ -143,6 +144,8 @@ class WqeExecutor(wiring.Component):
       same cycle wins over it.
     * ``wqes_squashed`` counts WQEs squashed in stage 1 and SENT jobs stopped;
       ``wqes_executed`` counts SENT records, so a WQE sent again counts once.
+
+    Every counter counts a registered event, so it shows an event a cycle after it.
     """
 
     def __init__(self, *, num_qps=64, num_mkeys=64, num_vls=2, payload_buffer_beats=512):
@@ -203,8 +206,58 @@ class WqeExecutor(wiring.Component):
         r1 = Signal(WqeDescriptorLayout())
         r1_advance = Signal()
         m.d.comb += self.wqe.ready.eq(~r1_valid | r1_advance)
+
+        # Facts of the WQE alone, registered as it is taken, so that stage 1 decides from
+        # registers and the contexts' data only.
+        w = self.wqe.payload
+        w_opcode = w.opcode
+        w_is_write = ((w_opcode == MlxOpcode.RDMA_WRITE.value)
+                      | (w_opcode == MlxOpcode.RDMA_WRITE_IMM.value))
+        w_is_send = (w_opcode == MlxOpcode.SEND.value) | (w_opcode == MlxOpcode.SEND_IMM.value)
+        w_is_read = w_opcode == MlxOpcode.RDMA_READ.value
+        w_is_fetch_add = w_opcode == MlxOpcode.ATOMIC_FA.value
+        w_is_atomic = (w_opcode == MlxOpcode.ATOMIC_CS.value) | w_is_fetch_add
+        w_with_imm = ((w_opcode == MlxOpcode.RDMA_WRITE_IMM.value)
+                      | (w_opcode == MlxOpcode.SEND_IMM.value))
+        w_has_length = w.has_data | w.inline
+        w_length = Signal(32)
+        m.d.comb += w_length.eq(Mux(w_has_length, w.byte_count, 0))
+        # The end only counts for a WQE that uses its key, whose length is its byte count.
+        w_end = lookahead_sum(m, w.laddr, w.byte_count, name="end_sum")
+        # The message's packets less one at MTU code k: (length - 1) >> (k + 7).
+        w_length_less_one = lookahead_sum(m, w.byte_count, C(-1, 32), name="length_less_one")
+        is_write, is_send, is_read, is_fetch_add, is_atomic, with_imm = (
+            Signal(name=name) for name in
+            ("is_write", "is_send", "is_read", "is_fetch_add", "is_atomic", "with_imm"))
+        length = Signal(32)
+        end = Signal(65)
+        packets_less_one_at = Signal(PSN_BITS)     # (length - 1) >> 8
+        empty = Signal()                           # length 0
+        fits_mtu = Signal(5)                       # bit k - 1: length <= the MTU of code k
+        qpn_bad = Signal()
+        uses_key = Signal()
+        inconsistent = Signal()
+        bad_length = Signal()
         with m.If(self.wqe.valid & self.wqe.ready):
-            m.d.sync += [r1_valid.eq(1), r1.eq(self.wqe.payload)]
+            m.d.sync += [
+                r1_valid.eq(1), r1.eq(w),
+                is_write.eq(w_is_write), is_send.eq(w_is_send), is_read.eq(w_is_read),
+                is_fetch_add.eq(w_is_fetch_add), is_atomic.eq(w_is_atomic),
+                with_imm.eq(w_with_imm),
+                length.eq(w_length),
+                end.eq(w_end),
+                packets_less_one_at.eq(w_length_less_one[8:8 + PSN_BITS]),
+                empty.eq(w_length == 0),
+                fits_mtu.eq(Cat(~w_has_length | (w.byte_count <= (128 << k)) for k in range(1, 6))),
+                qpn_bad.eq(w.qpn >= num_qps),
+                uses_key.eq(w.has_data & ~w.inline & (w.byte_count != 0)),
+                inconsistent.eq(~(w_is_write | w_is_send | w_is_read | w_is_atomic)
+                                | (w.inline & (w.has_data | w_is_read | w_is_atomic))
+                                | (w_is_atomic & ~w.has_data)),
+                bad_length.eq((w.inline & (w.byte_count > MAX_INLINE_BYTES))
+                              | (w_is_atomic & (w.byte_count != 8))
+                              | (w_length > MAX_MESSAGE_BYTES)),
+            ]
         with m.Elif(r1_advance):
             m.d.sync += r1_valid.eq(0)
         read_from = Mux(self.wqe.ready, self.wqe.payload, r1)
@@ -217,32 +270,26 @@ class WqeExecutor(wiring.Component):
         mk = self.mkey.data
 
         opcode = r1.opcode
-        is_write = (opcode == MlxOpcode.RDMA_WRITE.value) | (opcode == MlxOpcode.RDMA_WRITE_IMM.value)
-        is_send = (opcode == MlxOpcode.SEND.value) | (opcode == MlxOpcode.SEND_IMM.value)
-        is_read = opcode == MlxOpcode.RDMA_READ.value
-        is_fetch_add = opcode == MlxOpcode.ATOMIC_FA.value
-        is_atomic = (opcode == MlxOpcode.ATOMIC_CS.value) | is_fetch_add
-        with_imm = (opcode == MlxOpcode.RDMA_WRITE_IMM.value) | (opcode == MlxOpcode.SEND_IMM.value)
-
-        qpn_bad = r1.qpn >= num_qps
-        length = Signal(32)
-        m.d.comb += length.eq(Mux(r1.has_data | r1.inline, r1.byte_count, 0))
-        uses_key = r1.has_data & ~r1.inline & (r1.byte_count != 0)
-        inconsistent = (~(is_write | is_send | is_read | is_atomic)
-                        | (r1.inline & (r1.has_data | is_read | is_atomic))
-                        | (is_atomic & ~r1.has_data))
-        bad_length = ((r1.inline & (r1.byte_count > MAX_INLINE_BYTES))
-                      | (is_atomic & (r1.byte_count != 8))
-                      | (length > MAX_MESSAGE_BYTES))
         vl = Signal(4)
         m.d.comb += vl.eq(Array(self.sl_to_vl)[qp.sl])
         no_vl = (vl == VL15) | (vl >= self.num_vls) | (qp.mtu < 1) | (qp.mtu > 5)
         key_ok = mk.valid & (mk.key == r1.lkey) & (mk.pd == qp.pd)
-        end = Signal(65)
-        limit = Signal(65)
-        m.d.comb += [end.eq(r1.laddr + length), limit.eq(mk.base + mk.length)]
         wraps = end[64] & (end[:64] != 0)      # ending exactly at 2**64 is fine
-        in_range = (r1.laddr >= mk.base) & (end <= limit) & ~wraps
+        # end <= base + length as the sign of base + length - end: one carry-save layer
+        # and one lookahead sum, not a sum and then a compare.
+        wide = 66
+        addends = [Cat(mk.base, C(0, wide - 64)), Cat(mk.length, C(0, wide - 64)),
+                   ~Cat(end, C(0, wide - 65))]
+        partial = Signal(wide)
+        carries = Signal(wide)
+        m.d.comb += [
+            partial.eq(addends[0] ^ addends[1] ^ addends[2]),
+            carries.eq((addends[0] & addends[1]) | (addends[0] & addends[2])
+                       | (addends[1] & addends[2])),
+        ]
+        room_sum = lookahead_sum(m, partial, Cat(C(0, 1), carries[:wide - 1]), 1, name="room_sum")
+        above_base = lookahead_sum(m, r1.laddr, ~mk.base, 1, name="above_base_sum")[64]
+        in_range = above_base & ~room_sum[wide - 1] & ~wraps
         local_write = (mk.access.as_value() & Access.LOCAL_WRITE.value) != 0
 
         status = Signal(CompletionStatus)
@@ -273,21 +320,47 @@ class WqeExecutor(wiring.Component):
         resent = since_recorded[-1]         # before ``recorded``: its record was emitted
 
         first_psn = Signal(PSN_BITS)
-        npsn = Signal(PSN_BITS)
-        length_less_one = Signal(32)
-        m.d.comb += [
-            first_psn.eq(Mux(psn_loaded[r1.qpn], next_psn[r1.qpn], qp.sq_psn)),
-            length_less_one.eq(length - 1),
-            npsn.eq(Mux(length == 0, 1, (length_less_one >> (qp.mtu + 7)) + 1)),
-        ]
+        packets_less_one = Signal(PSN_BITS)     # the message's packets less one, if it is sent
+        fits = Signal()                         # in one packet, if it is sent
+        m.d.comb += first_psn.eq(Mux(psn_loaded[r1.qpn], next_psn[r1.qpn], qp.sq_psn))
+        with m.Switch(qp.mtu):
+            for code in range(1, 6):
+                with m.Case(code):
+                    m.d.comb += [
+                        packets_less_one.eq(Mux(empty, 0, packets_less_one_at >> (code - 1))),
+                        fits.eq(fits_mtu[code - 1]),
+                    ]
+        last_psn = lookahead_sum(m, first_psn, packets_less_one, name="last_psn")[:PSN_BITS]
+        after_psn = lookahead_sum(m, first_psn, packets_less_one, 1, name="after_psn")[:PSN_BITS]
+        # The words holding a DMA payload: its last packet's (those of the whole message
+        # from the current packet on) and a full packet's, the MTU's and one more when the
+        # payload does not start on a word.
+        words, words_less1 = payload_words(m, r1.laddr[:6], length)
+        mtu_words = Signal(7)
+        m.d.comb += mtu_words.eq(Const(2, 7) << qp.mtu)
+        unaligned = r1.laddr[:6] != 0
 
         # --- stage 2: segmenter ------------------------------------------------------------
         j_valid = Signal()
         job = Signal(_JobLayout())
         laddr = Signal(64)
-        remaining = Signal(32)
         psn = Signal(PSN_BITS)
         first = Signal()
+        # The current packet's facts, set at load and each step from registers, so the
+        # packet is built from registers: whether it is the last (its length then the
+        # remaining bytes, else the MTU's), its words, and what the next step needs.
+        last = Signal()
+        has_payload = Signal()              # segmented, length not 0
+        mtu_bytes = Signal(range(4096 + 1))
+        mtu_beats = Signal(7)
+        remaining = Signal(13)              # modulo 8192: the last packet's bytes
+        packets_after = Signal(PSN_BITS)    # packets after the current one
+        beats = Signal(7)                   # the current packet's words, and one fewer
+        beats_less1 = Signal(7)
+        rest_beats = Signal(7)              # the words from the current packet's on
+        rest_beats_less1 = Signal(7)
+        full_beats = Signal(7)              # a packet of the MTU's words
+        full_beats_less1 = Signal(7)
         j_out = Signal()
         j_last = Signal()
         job_stale = Signal()                # a rewind of the job's QP came after it loaded
@@ -306,7 +379,7 @@ class WqeExecutor(wiring.Component):
                 job.cmp.opcode.eq(opcode),
                 job.cmp.byte_count.eq(Mux(sent, length, 0)),
                 job.cmp.first_psn.eq(Mux(sent, first_psn, 0)),
-                job.cmp.last_psn.eq(Mux(sent, first_psn + npsn - 1, 0)),
+                job.cmp.last_psn.eq(Mux(sent, last_psn, 0)),
                 job.cmp.signaled.eq((r1.fm_ce_se & CQ_UPDATE) != 0),
                 job.cmp.status.eq(status),
                 job.cmp.syndrome.eq(Mux(sent, 0, syndrome)),
@@ -326,12 +399,22 @@ class WqeExecutor(wiring.Component):
                 job.length.eq(length), job.raddr.eq(r1.raddr), job.rkey.eq(r1.rkey),
                 job.imm.eq(r1.imm), job.swap_add.eq(r1.swap_add), job.compare.eq(Mux(is_fetch_add, 0, r1.compare)),
                 job.inline_data.eq(r1.inline_data),
-                laddr.eq(r1.laddr), remaining.eq(length), psn.eq(first_psn), first.eq(1),
+                laddr.eq(r1.laddr), psn.eq(first_psn), first.eq(1),
+                last.eq(~(is_send | is_write) | fits),
+                has_payload.eq((is_send | is_write) & ~empty),
+                mtu_bytes.eq(Const(128, 13) << qp.mtu),
+                mtu_beats.eq(mtu_words),
+                remaining.eq(length), packets_after.eq(packets_less_one),
+                beats.eq(Mux(fits, words, mtu_words | unaligned)),
+                beats_less1.eq(Mux(fits, words_less1, Mux(unaligned, mtu_words, mtu_words - 1))),
+                rest_beats.eq(words), rest_beats_less1.eq(words_less1),
+                full_beats.eq(mtu_words | unaligned),
+                full_beats_less1.eq(Mux(unaligned, mtu_words, mtu_words - 1)),
             ]
         for q in range(num_qps):
             with m.If(r1_to_j & (r1.qpn == q)):
                 with m.If(sent):
-                    m.d.sync += [next_psn[q].eq(first_psn + npsn), psn_loaded[q].eq(1)]
+                    m.d.sync += [next_psn[q].eq(after_psn), psn_loaded[q].eq(1)]
                 with m.If(status == CompletionStatus.ERROR):
                     m.d.sync += local_error[q].eq(1)
                 with m.If(~resent):
@@ -351,8 +434,6 @@ class WqeExecutor(wiring.Component):
             self.qp_error.qpn.eq(r1.qpn),
         ]
 
-        mtu_bytes = Signal(range(4096 + 1))
-        m.d.comb += mtu_bytes.eq(Const(128, 13) << job.mtu)
         job_sent = job.cmp.status == CompletionStatus.SENT
         m.d.comb += stop.eq(j_valid & job_stale & job_sent)
         # Registered, so the rewind input stays off the item -> wqe.ready path.
@@ -360,12 +441,9 @@ class WqeExecutor(wiring.Component):
                                      (self.rewind.valid & (rewind.qpn == job.cmp.qpn)) |
                                      (self.skip.valid & (skip.qpn == job.cmp.qpn))))
         segmented = job.send | job.write
-        fits = remaining <= mtu_bytes
-        last = Signal()
         plen = Signal(range(4096 + 1))
         m.d.comb += [
-            last.eq(~segmented | fits),
-            plen.eq(Mux(segmented, Mux(fits, remaining, mtu_bytes), 0)),
+            plen.eq(Mux(segmented, Mux(last, remaining, mtu_bytes), 0)),
             j_last.eq(~job_sent | last),
         ]
 
@@ -414,8 +492,7 @@ class WqeExecutor(wiring.Component):
             m.d.comb += ext.eq(to_wire(IMMDT, immdt))
 
         # Payload reads: the 64-byte words holding the packet's bytes, cut at 4 KiB.
-        dma = job_sent & ~job.inline & (plen != 0)
-        beats, beats_less1 = payload_words(m, laddr[:6], plen)
+        dma = job_sent & ~job.inline & has_payload
         bursts = payload_bursts(m, laddr, beats, beats_less1)
 
         item = Signal(_ItemLayout())
@@ -431,21 +508,35 @@ class WqeExecutor(wiring.Component):
         ]
         with m.If(dma):
             m.d.comb += dma_payload(item, bursts)
-        with m.Elif(job_sent & job.inline & (plen != 0)):
+        with m.Elif(job_sent & job.inline & has_payload):
             m.d.comb += [
                 item.desc.source.eq(PayloadSource.INLINE),
                 item.desc.inline_data.eq(job.inline_data),
             ]
 
+        next_laddr = lookahead_sum(m, laddr, mtu_bytes, name="next_laddr")[:64]
+        next_remaining = lookahead_sum(m, remaining, ~mtu_bytes, 1, name="next_remaining")[:13]
+        next_psn_of_job = lookahead_sum(m, psn, 0, 1, name="next_psn_of_job")[:PSN_BITS]
+        next_packets_after = lookahead_sum(m, packets_after, C(-1, PSN_BITS),
+                                           name="next_packets_after")[:PSN_BITS]
+        next_rest_beats = lookahead_sum(m, rest_beats, ~mtu_beats, 1, name="next_rest_beats")[:7]
+        next_rest_beats_less1 = lookahead_sum(m, rest_beats_less1, ~mtu_beats, 1,
+                                              name="next_rest_beats_less1")[:7]
+        next_is_last = packets_after == 1
         with m.If(j_out):
             with m.If(j_last):
                 m.d.sync += j_valid.eq(0)
             with m.Else():
                 m.d.sync += [
-                    laddr.eq(laddr + mtu_bytes),
-                    remaining.eq(remaining - mtu_bytes),
-                    psn.eq(psn + 1),
+                    laddr.eq(next_laddr),
+                    remaining.eq(next_remaining),
+                    psn.eq(next_psn_of_job),
                     first.eq(0),
+                    last.eq(next_is_last),
+                    packets_after.eq(next_packets_after),
+                    rest_beats.eq(next_rest_beats), rest_beats_less1.eq(next_rest_beats_less1),
+                    beats.eq(Mux(next_is_last, next_rest_beats, full_beats)),
+                    beats_less1.eq(Mux(next_is_last, next_rest_beats_less1, full_beats_less1)),
                 ]
         with m.If(stop):
             m.d.sync += j_valid.eq(0)
@@ -483,21 +574,31 @@ class WqeExecutor(wiring.Component):
             m.d.sync += [d_valid.eq(1), d.eq(p)]
 
         # --- counters ------------------------------------------------------------------------
+        # Each counts its registered events, a cycle after them: a 32-bit sum is deep
+        # enough on its own.
         recorded = d_done & d.has_completion
-        with m.If(d_done & d.has_packet):
-            m.d.sync += [
-                self.packets_sent.eq(self.packets_sent + 1),
-                self.payload_bytes_sent.eq(self.payload_bytes_sent + d.desc.payload_bytes),
-            ]
-            with m.If(d.resent):
-                m.d.sync += self.packets_resent.eq(self.packets_resent + 1)
-        m.d.sync += self.wqes_squashed.eq(self.wqes_squashed + squash + stop)
-        with m.If(recorded & (d.cmp.status == CompletionStatus.SENT)):
-            m.d.sync += self.wqes_executed.eq(self.wqes_executed + 1)
-        with m.If(recorded & (d.cmp.status == CompletionStatus.FLUSH)):
-            m.d.sync += self.wqes_flushed.eq(self.wqes_flushed + 1)
-        m.d.sync += self.wqe_errors.eq(
-            self.wqe_errors + (recorded & (d.cmp.status == CompletionStatus.ERROR))
-            + (r1_valid & qpn_bad))
+        sent_packet = d_done & d.has_packet
+        packet_event, resent_event, executed_event, flushed_event = (
+            Signal(name=name) for name in
+            ("packet_event", "resent_event", "executed_event", "flushed_event"))
+        packet_bytes = Signal(range(4096 + 1))
+        squashed_events = Signal(2)
+        error_events = Signal(2)
+        m.d.sync += [
+            packet_event.eq(sent_packet),
+            packet_bytes.eq(Mux(sent_packet, d.desc.payload_bytes, 0)),
+            resent_event.eq(sent_packet & d.resent),
+            executed_event.eq(recorded & (d.cmp.status == CompletionStatus.SENT)),
+            flushed_event.eq(recorded & (d.cmp.status == CompletionStatus.FLUSH)),
+            squashed_events.eq(squash + stop),
+            error_events.eq((recorded & (d.cmp.status == CompletionStatus.ERROR))
+                            + (r1_valid & qpn_bad)),
+        ]
+        for counter, event in (
+                (self.packets_sent, packet_event), (self.payload_bytes_sent, packet_bytes),
+                (self.packets_resent, resent_event), (self.wqes_executed, executed_event),
+                (self.wqes_flushed, flushed_event), (self.wqes_squashed, squashed_events),
+                (self.wqe_errors, error_events)):
+            m.d.sync += counter.eq(lookahead_sum(m, counter, event, name=f"{counter.name}_next"))
 
         return m
