@@ -287,6 +287,7 @@ class RequestReceiver(wiring.Component):
             descriptor.destqp.eq(bth.destqp),
             descriptor.psn.eq(bth.psn),
             descriptor.beats.eq(w_index + 1),
+            descriptor.buffer_beat.eq(start[:addr_bits]),
             known.eq(1),
         ]
         with_reth = [descriptor.va.eq(reth.va), descriptor.rkey.eq(reth.rkey),
@@ -324,6 +325,8 @@ class RequestReceiver(wiring.Component):
         overhead = Signal(range(WIDTH))
         m.d.comb += overhead.eq(header_bytes + ICRC_BYTES + bth.padcnt)
         count = w_beat.count
+        # The bytes stored; D replaces them by the payload (less the overhead).
+        m.d.comb += descriptor.payload_bytes.eq(w_index * WIDTH + count)
         pktlen_bytes = lrh.pktlen * 4
         # PktLen * 4 == index * WIDTH + count, split at the beat: count == WIDTH carries.
         pktlen_beats = pktlen_bytes[exact_log2(WIDTH):]
@@ -344,7 +347,6 @@ class RequestReceiver(wiring.Component):
         m.d.sync += [
             d_decide.eq(decide),
             d_descriptor.eq(descriptor),
-            d_descriptor.buffer_beat.eq(start[:addr_bits]),
             d_start.eq(start),
             d_length.eq(w_index * WIDTH + count),
             d_overhead.eq(overhead),
