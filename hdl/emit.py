@@ -47,6 +47,8 @@ class Top:
     # by ``default_index_label`` (``data_in[0]`` -> "VL 0").
     index_labels: dict = field(default_factory=dict)
     default_index_label: str = "VL"
+    # Words for a member that means something else in this top than MEMBER_WORDS says.
+    member_words: dict = field(default_factory=dict)
 
 
 TOPS: dict[str, Top] = {}
@@ -124,7 +126,8 @@ register("tf_nic", lambda: __import__("hdl.nic.nic", fromlist=["*"]).Nic(),
          "RDMA NIC, requester and responder: 64 QPs, 16 CQs, 64 memory keys, 64-byte beats "
          "and AXI4 data, 2 data VLs, MTU 4096; AXI4-Lite registers and UAR doorbell page, "
          "AXI4 DMA master, one link port (docs/nic.md, docs/nic-responder.md, "
-         "docs/nic-registers.md)")
+         "docs/nic-registers.md)",
+         member_words={"axi": "AXI4 DMA master (host memory: WQEs, payloads, CQEs; docs/nic.md)"})
 
 
 # --- Port meanings --------------------------------------------------------------------------
@@ -137,12 +140,12 @@ MEMBER_WORDS = {
     "wire_in": "wire from the peer",
     "wire_out": "wire to the peer",
     "link_state": "link state",
-    "axi": "AXI4-Lite slave (control and status registers); on the NIC, the AXI4 DMA master",
+    "axi": "AXI4-Lite slave (control and status registers)",
     "axil": "AXI4-Lite slave, 64-bit data (registers and the UAR doorbell page)",
     "vl_weight": "arbitration weight (64-byte blocks per turn)",
     "state": "link state",
     "clear": "clear strobe (link re-enters INIT: forget FCTBS, ABR, credit limits)",
-    "link_inits": "count of link re-initialisations",
+    "link_inits": "count of link re-initialisations (ACTIVE back to INIT: the peer was reset)",
     "credit_update": "flow-control packet from the peer",
     "advertise_fccl": "FCCL our receiver advertises",
     "fc_sent": "flow-control packet sent",
@@ -254,7 +257,8 @@ def port_table(top, component):
                 name_parts.append(part)
                 name_parts.extend(str(i) for i in index)
                 if k == 0:
-                    phrase = DIRECTED_WORDS.get((part, direction)) or MEMBER_WORDS.get(part)
+                    phrase = (DIRECTED_WORDS.get((part, direction)) or top.member_words.get(part)
+                              or MEMBER_WORDS.get(part))
                 elif path[k - 1] in VERBATIM_FIELDS:
                     words[-1] = f"{words[-1]} {part}"
                     continue

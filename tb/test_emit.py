@@ -57,6 +57,26 @@ def test_constant_port_is_a_clear_error(tmp_path, monkeypatch):
         emit.emit_top("tf_test_always_ready", tmp_path)
 
 
+def test_the_nic_axi_ports_are_its_dma_master():
+    """``axi`` is the switch's AXI4-Lite slave but the NIC's AXI4 DMA master (its registers
+    are ``axil``): the NIC's port table must say so."""
+    from amaranth.lib import wiring
+    from amaranth.lib.wiring import In, Out
+
+    class AxiNames(wiring.Component):
+        axi: Out(wiring.Signature({"araddr": Out(8)}))
+        axil: In(wiring.Signature({"awaddr": Out(8)}))
+
+    switch_like = emit.Top("tf_test_switch", AxiNames, "test")
+    nic = emit.TOPS["tf_nic"]
+    nic_like = emit.Top("tf_test_nic", AxiNames, "test", member_words=nic.member_words)
+    words = {top.name: {port.name: port.meaning for port in emit.port_table(top, AxiNames())}
+             for top in (switch_like, nic_like)}
+    assert words["tf_test_switch"]["axi__araddr"].startswith("AXI4-Lite slave")
+    assert words["tf_test_nic"]["axi__araddr"].startswith("AXI4 DMA master")
+    assert words["tf_test_nic"]["axil__awaddr"].startswith("AXI4-Lite slave")
+
+
 @pytest.mark.parametrize("name,make", [
     ("one_vl_link_port", lambda: __import__("hdl.link.link_port", fromlist=["*"])
      .LinkPort(width=16, num_vls=1)),
