@@ -10,7 +10,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYTHONPATH := $(CURDIR)
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: all sim test test-full bench fpga verilog lint clean prereqs
+.PHONY: all sim test test-full bench fpga formal verilog lint clean prereqs
 
 all: test
 
@@ -52,6 +52,10 @@ bench: $(STAMP)
 # Synthesis of every top (docs/fpga.md): build/fpga/report.md and fpga.* in build/bench/results.json.
 fpga: $(STAMP)
 	$(VPY) -m tb.bench --only fpga $(BENCH_ARGS)
+
+# SymbiYosys proofs of the lossless rules (docs/formal.md); the fast ones also run in make test.
+formal: $(STAMP)
+	$(VPY) -m pytest -n $(JOBS) tb/test_formal.py $(PYTEST_ARGS)
 
 verilog: $(STAMP)
 	$(VPY) -m hdl.emit --out build/verilog

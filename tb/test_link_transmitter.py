@@ -119,3 +119,49 @@ def test_transmitter_starts_only_what_the_rule_allows():
         assert starts > 300 and odd_starts > 0, (starts, odd_starts)
 
     simulate(dut, testbench)
+
+
+def test_a_start_flag_inside_a_packet_starts_nothing():
+    """A malformed upstream sets the start flag on a beat inside a packet: the wire still
+    carries one packet (one start beat, the credit counted once) and its VCRC, restarted at
+    that beat, is not the packet's, so the peer drops it (docs/link.md)."""
+    from models.crc import vcrc_bytes
+
+    width = 16
+    dut = LinkTransmitter(width=width, num_vls=1, fc_period=1024, fc_min_interval=512)
+    rng = random.Random(3)
+    good = beats(rng, width, 48, 12)
+    flagged = [dict(beat) for beat in good]
+    flagged[1]["start"] = 1
+
+    async def testbench(ctx):
+        ctx.set(dut.state, LinkState.ACTIVE)
+        ctx.set(dut.vl_weight[0], 16)
+        ctx.set(dut.credit_update.valid, 1)
+        ctx.set(dut.credit_update.fccl, 100)
+        await ctx.tick()
+        ctx.set(dut.credit_update.valid, 0)
+        queue = flagged + good
+        wire = []
+        for _ in range(40):
+            ctx.set(dut.data_in[0].valid, bool(queue))
+            if queue:
+                ctx.set(dut.data_in[0].payload, queue[0])
+            taken = queue and ctx.get(dut.data_in[0].ready)
+            if ctx.get(dut.wire.valid) and not ctx.get(dut.wire.link):
+                wire.append({name: ctx.get(getattr(dut.wire, name))
+                             for name in ("data", "start", "end", "count")})
+            await ctx.tick()
+            if taken:
+                queue.pop(0)
+        assert not queue
+        assert [beat["start"] for beat in wire] == [1, 0, 0, 0, 1, 0, 0, 0], wire
+        assert ctx.get(dut.fctbs[0]) == 2 * blocks_of(50)
+        packets = [wire[:4], wire[4:]]
+        payload = b"".join(beat["data"].to_bytes(width, "little") for beat in good[:3])
+        on_wire = [b"".join(beat["data"].to_bytes(width, "little")[:beat["count"]]
+                            for beat in packet) for packet in packets]
+        assert on_wire[1] == payload + vcrc_bytes(payload)        # the good packet's VCRC
+        assert on_wire[0][:48] == payload and on_wire[0][48:] != vcrc_bytes(payload)
+
+    simulate(dut, testbench)

@@ -161,6 +161,7 @@ class LinkTransmitter(wiring.Component):
         bits = max_blocks.bit_length()
         short_blocks = -(-width // BLOCK_BYTES)
 
+        self.formal_invariants = []
         busy = Signal()                         # inside a data packet
         discarding = Signal()                   # dropping the rest of an input packet
         current = Signal(vl_index(num_vls))
@@ -340,7 +341,9 @@ class LinkTransmitter(wiring.Component):
             last = out_end & ~spill
             fields = s1_from[v]
             m.d.sync += [
-                fields["start"].eq(beat.start), fields["end"].eq(last),
+                # A start flag inside a packet is not a new packet: the wire's framing stays
+                # whole (its VCRC, restarted there, fails at the peer, which drops the packet).
+                fields["start"].eq(beat.start & ~busy), fields["end"].eq(last),
                 fields["end_bad"].eq(last & (beat.end_bad | malformed)),
                 fields["count"].eq(Mux(last, beat.count + VCRC_BYTES, width)),
                 fields["count_cut"].eq(allows(lambda bound: bound[:len(s1_count)] + VCRC_BYTES)),
@@ -472,6 +475,12 @@ class LinkTransmitter(wiring.Component):
                      for k in range(1, short_blocks + 1)]
             ahead_low = [Signal(FCCL_BITS, init=k + (1 << bits), name=f"fctbs{v}_plus{k}_{1 << bits}")
                          for k in range(short_blocks + 1)]
+            # Redundant registers' relations, true in every reachable state: a formal proof
+            # asserts them (docs/formal.md), which also lets its induction start from them.
+            self.formal_invariants += [ahead[k - 1] == (fctbs + k)[:FCCL_BITS]
+                                       for k in range(1, short_blocks + 1)]
+            self.formal_invariants += [ahead_low[k] == (fctbs + k + (1 << bits))[:FCCL_BITS]
+                                       for k in range(short_blocks + 1)]
             updated = update.valid & (update.vl == v)
             # The views of the next room, from the limit register: a credit update counts
             # from the second cycle after it.
