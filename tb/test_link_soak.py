@@ -13,7 +13,7 @@ import pytest
 
 from tb import runner
 from tb.beats import WireChannel
-from tb.test_link import PARAM_SETS, TB, drop_counts, factory
+from tb.link_pair_tb import PARAM_SETS, TB, drop_counts, factory
 
 
 @cocotb.test()
