@@ -6,12 +6,12 @@
 * :class:`CompletionModel` is the NIC's completion unit: it takes the requester's results
   in WQE order and the responses coming back, and gives the CQE writes (address, bytes,
   owner bit) in the order the NIC must make them, with NAK error and flush handling.
-* :class:`ResponderModel` is the remote RC responder the testbench puts on the wire: it
+* :class:`ResponderPeer` is the remote RC responder the testbench puts on the wire: it
   checks ICRC, PSNs and opcode sequences, executes requests against its memory, and
   answers with (coalesced) ACKs, READ responses, ATOMIC ACKNOWLEDGEs and injected NAKs.
-  Given QP contexts (``contexts=``) it is instead the exact reference of the NIC's own
-  responder (docs/nic-responder.md): receiver checks, P_Key, PSN rules, rkeys, receive
-  queue, NAK codes, QP errors, receive completions and the hardware's counters.
+* :class:`NicResponderModel` is the exact reference of the NIC's own responder
+  (docs/nic-responder.md): receiver checks, P_Key, PSN rules, rkeys, receive queue, NAK
+  codes, QP errors, receive completions and the hardware's counters.
 
 Packets are built with models.ib's header codecs; the ICRC is computed with zlib (the
 same CRC-32 as models.crc.icrc, whose masks are applied here) so that the responder
@@ -966,7 +966,7 @@ class RecvCompletion:
 
 @dataclass
 class Decision:
-    """What the responder did with one packet (:meth:`ResponderModel.process`).
+    """What the responder did with one packet (:meth:`NicResponderModel.process`).
 
     ``fate``: the one counter the packet incremented besides ``packets`` and
     ``requests_received`` (e.g. "requests_executed", "invalid_naks", "rx_dropped_qp");
@@ -996,7 +996,7 @@ class Decision:
 
 @dataclass
 class _ResponderState:
-    """Per-QP responder state of the hardware mode (reset by RESET -> RTS)."""
+    """Per-QP state of :class:`NicResponderModel` (reset by RESET -> RTS)."""
     state: QpState = QpState.RTS
     epsn: int = 0
     msn: int = 0
@@ -1035,89 +1035,29 @@ NAK = 0x60
 RNR_NAK = 0x20
 
 
-class ResponderModel:
-    """The remote end of the RC connections (IBA ch. 9.7, responder side).
+class _ResponderMemory:
+    """A responder's memory: a ``bytearray`` (or ``memory_bytes`` zeros) at ``base``, or
+    ``read(addr, n)`` / ``write(addr, data)`` callables. What an access outside it does is
+    the subclass's (:meth:`_outside`)."""
 
-    ``qps``: ``{responder QPN (the requests' DestQP): ResponderQp}``; more with
-    :meth:`add_qp`. With ``peer_qpn`` (a function DestQP -> requester QPN), a packet for
-    an unknown QP creates one, expecting that packet's PSN, with path MTU code ``mtu``
-    (it must be the requester QP's: READ responses are cut at it). Memory: a
-    ``bytearray`` (or ``memory_bytes`` zeros) at ``base``, accesses outside it get NAK
-    remote access error; or ``read(addr, n)`` / ``write(addr, data)`` callables. ``ack_every``: an ACK for the
-    newest PSN at least every that many SEND/WRITE packets, and for every AckReq packet
-    unless ``coalesce_ackreq`` (then only every ``ack_every`` packets and at :meth:`flush`).
-    Atomics operate on little-endian 64-bit words, 8-byte aligned. A packet that does not
-    decode is dropped and counted (``dropped_malformed``).
-
-    Hardware mode (``contexts`` given): the NIC's responder, docs/nic-responder.md, rule
-    for rule; ``qps``, ``peer_qpn``, ``mtu``, ``ack_every``, ``coalesce_ackreq``,
-    :meth:`inject_nak` and :meth:`flush` do not apply. ``contexts``: :class:`QpContext`
-    by QPN (a dict or a list, read when needed, so tests may change fields later); a QP
-    listed there starts in RTS expecting ``rq_psn`` (see :meth:`reset_qp`), a QPN not
-    listed is in RESET. ``num_qps``: DestQP at or beyond it is dropped (default: no
-    bound). ``mkeys``: the memory-key table by index (a list, or a dict ``{index: Mkey}``
-    with ``num_mkeys`` entries; missing entries are invalid); key ``k`` is looked up at
-    ``(k >> 8) % num_mkeys``. ``sl_to_vl``: 16 entries (default VL = SL), the VL of the
-    responses; a QP whose SL maps to a VL at or beyond ``num_vls`` (the port's data VLs),
-    or whose path MTU code is outside 1..5, drops its requests (``rx_dropped_qp``), as
-    hdl/nic/responder_engine.py does. Memory accesses outside ``memory`` raise ValueError (a test whose keys or
-    receive queues lie outside the model's memory is misconfigured). See :meth:`process`
-    for what each packet does and :attr:`counters` for the names.
-    """
-
-    HW_COUNTERS = ("requests_received", "rx_request_icrc_drops", "rx_request_malformed",
-                   "requests_executed", "duplicate_requests", "seq_naks", "rnr_naks",
-                   "access_naks", "invalid_naks", "op_naks", "rx_dropped_qp", "rx_dropped_pkey",
-                   "atomic_replays")
-    # The ReceiveQueue's counters (hdl/nic/receive_queue.py).
-    RQ_COUNTERS = ("recv_wqes_consumed", "recv_wqe_errors", "rq_doorbell_reads")
-    # Model-only: packets that in the NIC leave the request path without a counter of their
-    # own, so that every packet is counted exactly once (see :meth:`process`).
-    MODEL_COUNTERS = ("packets", "responses_steered", "seq_dropped", "duplicates_dropped")
-
-    def __init__(self, lid: int, qps: dict | None = None, *, memory: bytearray | None = None,
-                 memory_bytes: int | None = None, base: int = 0, read=None, write=None,
-                 ack_every: int = 1, coalesce_ackreq: bool = False, peer_qpn=None, mtu: int = 5,
-                 contexts=None, num_qps: int | None = None, mkeys=None,
-                 num_mkeys: int | None = None, sl_to_vl=None, num_vls: int = 15):
-        if ack_every < 1:
-            raise ValueError("ack_every must be at least 1")
+    def __init__(self, lid: int, *, memory: bytearray | None = None,
+                 memory_bytes: int | None = None, base: int = 0, read=None, write=None):
         if memory is None and memory_bytes is not None:
             memory = bytearray(memory_bytes)
         if (memory is None) == (read is None or write is None):
             raise ValueError("give memory (or memory_bytes), or both read and write")
-        self.hardware = contexts is not None
-        if self.hardware:
-            self._init_hardware(contexts, num_qps, mkeys, num_mkeys, sl_to_vl, num_vls)
-        elif mkeys is not None or num_qps is not None or sl_to_vl is not None:
-            raise ValueError("mkeys, num_qps and sl_to_vl need contexts (hardware mode)")
         self.lid = lid
-        self.qps = dict(qps or {})
-        self.peer_qpn = peer_qpn
-        self.mtu = mtu
         self.memory = memory
         self.base = base
         self._read = read
         self._write = write
-        self.ack_every = ack_every
-        self.coalesce_ackreq = coalesce_ackreq
-        self.naks = {}
-        if self.hardware:
-            self.counters = dict.fromkeys(self.HW_COUNTERS + self.RQ_COUNTERS
-                                          + self.MODEL_COUNTERS, 0)
-        else:
-            self.counters = dict.fromkeys(("packets", "dropped_icrc", "dropped_unknown_qp",
-                                           "dropped_qp_error", "duplicates", "out_of_sequence",
-                                           "acks", "naks", "read_responses", "atomic_acks",
-                                           "dropped_malformed"), 0)
 
-    # memory
+    def _outside(self, va: int, n: int):
+        raise NotImplementedError
+
     def _check_range(self, va: int, n: int):
         if self.memory is not None and (va < self.base or va + n > self.base + len(self.memory)):
-            if self.hardware:
-                raise ValueError(f"access [{va:#x}, {va + n:#x}) outside the model's memory "
-                                 f"[{self.base:#x}, {self.base + len(self.memory):#x})")
-            raise _Nak(NakCode.REMOTE_ACCESS_ERROR)
+            self._outside(va, n)
 
     def read(self, va: int, n: int) -> bytes:
         self._check_range(va, n)
@@ -1131,6 +1071,44 @@ class ResponderModel:
             self._write(va, bytes(data))
         else:
             self.memory[va - self.base:va - self.base + len(data)] = data
+
+
+class ResponderPeer(_ResponderMemory):
+    """The remote end of the RC connections (IBA ch. 9.7, responder side), as the
+    testbenches put it on the wire.
+
+    ``qps``: ``{responder QPN (the requests' DestQP): ResponderQp}``; more with
+    :meth:`add_qp`. With ``peer_qpn`` (a function DestQP -> requester QPN), a packet for
+    an unknown QP creates one, expecting that packet's PSN, with path MTU code ``mtu``
+    (it must be the requester QP's: READ responses are cut at it). Memory: see
+    :class:`_ResponderMemory`; accesses outside it get NAK remote access error.
+    ``ack_every``: an ACK for the newest PSN at least every that many SEND/WRITE packets,
+    and for every AckReq packet unless ``coalesce_ackreq`` (then only every ``ack_every``
+    packets and at :meth:`flush`). Atomics operate on little-endian 64-bit words, 8-byte
+    aligned. A packet that does not decode is dropped and counted (``dropped_malformed``).
+    The NIC's own responder, rule for rule, is :class:`NicResponderModel`.
+    """
+
+    def __init__(self, lid: int, qps: dict | None = None, *, memory: bytearray | None = None,
+                 memory_bytes: int | None = None, base: int = 0, read=None, write=None,
+                 ack_every: int = 1, coalesce_ackreq: bool = False, peer_qpn=None, mtu: int = 5):
+        if ack_every < 1:
+            raise ValueError("ack_every must be at least 1")
+        super().__init__(lid, memory=memory, memory_bytes=memory_bytes, base=base, read=read,
+                         write=write)
+        self.qps = dict(qps or {})
+        self.peer_qpn = peer_qpn
+        self.mtu = mtu
+        self.ack_every = ack_every
+        self.coalesce_ackreq = coalesce_ackreq
+        self.naks = {}
+        self.counters = dict.fromkeys(("packets", "dropped_icrc", "dropped_unknown_qp",
+                                       "dropped_qp_error", "duplicates", "out_of_sequence",
+                                       "acks", "naks", "read_responses", "atomic_acks",
+                                       "dropped_malformed"), 0)
+
+    def _outside(self, va: int, n: int):
+        raise _Nak(NakCode.REMOTE_ACCESS_ERROR)
 
     def add_qp(self, qpn: int, peer_qpn: int, epsn: int = 0, mtu: int | None = None) -> ResponderQp:
         """Responder QP ``qpn`` answering requester QP ``peer_qpn``, expecting ``epsn``."""
@@ -1169,11 +1147,9 @@ class ResponderModel:
                 if qp.unacked and not qp.error]
 
     def receive(self, packet: bytes, end_bad: bool = False) -> list:
-        """Process one request packet (LRH .. ICRC); returns the response packets (in
-        hardware mode: ``process(packet, end_bad).packets``). Never raises on a bad
-        packet."""
-        if self.hardware:
-            return self.process(packet, end_bad).packets
+        """Process one request packet (LRH .. ICRC); returns the response packets. Never
+        raises on a bad packet (``end_bad`` is accepted for the testbenches' sake: this peer
+        has no link layer, the ICRC decides)."""
         self.counters["packets"] += 1
         try:
             pkt = decode_packet(packet)
@@ -1314,9 +1290,42 @@ class ResponderModel:
                                     AtomicAckETH(orig=orig)])]
 
 
-    # --- hardware mode (docs/nic-responder.md) -------------------------------------------
+class NicResponderModel(_ResponderMemory):
+    """The NIC's own responder, rule for rule (docs/nic-responder.md): receiver checks,
+    P_Key, PSN rules, rkeys, receive queue, NAK codes, QP errors, receive completions and
+    the hardware's counters; the reference the responder testbenches check the RTL
+    against.
 
-    def _init_hardware(self, contexts, num_qps, mkeys, num_mkeys, sl_to_vl, num_vls):
+    ``contexts``: :class:`QpContext` by QPN (a dict or a list, read when needed, so tests
+    may change fields later); a QP listed there starts in RTS expecting ``rq_psn`` (see
+    :meth:`reset_qp`), a QPN not listed is in RESET. ``num_qps``: DestQP at or beyond it is
+    dropped (default: no bound). ``mkeys``: the memory-key table by index (a list, or a
+    dict ``{index: Mkey}`` with ``num_mkeys`` entries; missing entries are invalid); key
+    ``k`` is looked up at ``(k >> 8) % num_mkeys``. ``sl_to_vl``: 16 entries (default VL =
+    SL), the VL of the responses; a QP whose SL maps to a VL at or beyond ``num_vls`` (the
+    port's data VLs), or whose path MTU code is outside 1..5, drops its requests
+    (``rx_dropped_qp``), as hdl/nic/responder_engine.py does. Memory: see
+    :class:`_ResponderMemory`; an access outside it raises ValueError (a test whose keys or
+    receive queues lie outside the model's memory is misconfigured). See :meth:`process`
+    for what each packet does and :attr:`counters` for the names.
+    """
+
+    HW_COUNTERS = ("requests_received", "rx_request_icrc_drops", "rx_request_malformed",
+                   "requests_executed", "duplicate_requests", "seq_naks", "rnr_naks",
+                   "access_naks", "invalid_naks", "op_naks", "rx_dropped_qp", "rx_dropped_pkey",
+                   "atomic_replays")
+    # The ReceiveQueue's counters (hdl/nic/receive_queue.py).
+    RQ_COUNTERS = ("recv_wqes_consumed", "recv_wqe_errors", "rq_doorbell_reads")
+    # Model-only: packets that in the NIC leave the request path without a counter of their
+    # own, so that every packet is counted exactly once (see :meth:`process`).
+    MODEL_COUNTERS = ("packets", "responses_steered", "seq_dropped", "duplicates_dropped")
+
+    def __init__(self, lid: int, *, contexts, memory: bytearray | None = None,
+                 memory_bytes: int | None = None, base: int = 0, read=None, write=None,
+                 num_qps: int | None = None, mkeys=None, num_mkeys: int | None = None,
+                 sl_to_vl=None, num_vls: int = 15):
+        super().__init__(lid, memory=memory, memory_bytes=memory_bytes, base=base, read=read,
+                         write=write)
         if mkeys is None:
             mkeys = []
         if isinstance(mkeys, dict):
@@ -1342,6 +1351,17 @@ class ResponderModel:
         self.receive_completions = []          # every RecvCompletion in order
         self.qp_errors = []                    # QPNs in the order their qp_error events happen
         self.last = None                       # the Decision of the latest packet
+
+        self.counters = dict.fromkeys(self.HW_COUNTERS + self.RQ_COUNTERS
+                                      + self.MODEL_COUNTERS, 0)
+
+    def _outside(self, va: int, n: int):
+        raise ValueError(f"access [{va:#x}, {va + n:#x}) outside the model's memory "
+                         f"[{self.base:#x}, {self.base + len(self.memory):#x})")
+
+    def receive(self, packet: bytes, end_bad: bool = False) -> list:
+        """The response packets of one request packet: ``process(packet, end_bad).packets``."""
+        return self.process(packet, end_bad).packets
 
     def context(self, qpn: int) -> QpContext | None:
         """The QP's context, or None when the QP has none (RESET)."""
@@ -1409,7 +1429,7 @@ class ResponderModel:
                 and entry.base <= va and end <= entry.base + entry.length)
 
     def process(self, packet: bytes, end_bad: bool = False) -> Decision:
-        """Hardware mode: one packet (LRH .. ICRC, any bytes) through the request receiver
+        """One packet (LRH .. ICRC, any bytes) through the request receiver
         and the responder engine. Returns (and keeps as :attr:`last`) the
         :class:`Decision`. Never raises on a bad packet. ``end_bad``: the link marked the
         packet's end beat bad (counted as an ICRC drop).

@@ -23,7 +23,7 @@ from hdl.link.signatures import LinkState
 from hdl.nic import register_map as rmap
 from hdl.switch import register_map as switch_map
 from models import mlx5
-from models.nic import CqContext, Mkey, QpContext, RequesterModel, ResponderModel, mkey_index
+from models.nic import CqContext, Mkey, QpContext, RequesterModel, NicResponderModel, mkey_index
 from tb.beats import WireMonitor
 from tb.fabric_top import fabric_of
 from tb import nic_pair_tb, runner
@@ -252,7 +252,7 @@ class FabricTB(RcTB):
             nic.requester = RequesterModel(slid=nic.lid, sl_to_vl=self.sl_to_vl, qps=nic.qps,
                                            cqs=nic.cqs, mkeys={k.key: k for k in nic.mkeys.values()},
                                            num_mkeys=self.num_mkeys, num_vls=self.num_vls)
-            nic.responder = ResponderModel(lid=nic.lid, memory=nic.mirror, contexts=nic.qps,
+            nic.responder = NicResponderModel(lid=nic.lid, memory=nic.mirror, contexts=nic.qps,
                                            num_qps=self.num_qps, mkeys=nic.mkeys,
                                            num_mkeys=self.num_mkeys, sl_to_vl=self.sl_to_vl)
             if hasattr(nic, "completion"):      # a Side that predicts CQEs with the model

@@ -7,7 +7,7 @@ has a :class:`tb.nic_host.NicHost` (registers, ``AxiRam`` memory), a GPU
 
 - ``requester`` (:class:`models.nic.RequesterModel`) turns every WQE the GPU posts into its
   packets at the moment it is posted (posting order is ring order);
-- the *other* side's ``responder`` (:class:`models.nic.ResponderModel` in hardware mode,
+- the *other* side's ``responder`` (:class:`models.nic.NicResponderModel`,
   the reference of the NIC's responder) takes those packets in order per QP and applies
   them to a mirror of that side's memory, recording its receive completions;
 - ``completion`` (:class:`models.nic.CompletionModel`) takes the WQE and the responder's
@@ -39,7 +39,7 @@ from hdl.nic import register_map as rmap
 from models import mlx5
 from models.crc import vcrc_bytes
 from models.nic import (CompletionModel, CqContext, Mkey, QpContext, RequesterModel,
-                        ResponderModel, mkey_index)
+                        NicResponderModel, mkey_index)
 from tb import runner
 from tb.beats import WireMonitor
 from tb.gpu_model import GpuModel, GpuQp
@@ -366,7 +366,7 @@ class NicPairTB(RcTB):
                                             cqs=side.cqs,
                                             mkeys={k.key: k for k in side.mkeys.values()},
                                             num_mkeys=self.num_mkeys, num_vls=self.num_vls)
-            side.responder = ResponderModel(lid=side.lid, memory=side.mirror, contexts=side.qps,
+            side.responder = NicResponderModel(lid=side.lid, memory=side.mirror, contexts=side.qps,
                                             num_qps=self.num_qps, mkeys=side.mkeys,
                                             num_mkeys=self.num_mkeys, sl_to_vl=self.sl_to_vl)
             side.completion = CompletionModel(side.requester, write_memory=side.memory.write_mirror)

@@ -4,7 +4,7 @@
 ``AxiLiteMaster`` on the NIC's registers and UAR page (the GPU's MMIO writes), an ``AxiRam``
 as GPU memory behind the NIC's AXI4 master (reads delayed by ``memory_latency`` cycles in
 the top), and one :class:`tb.beats.CycleLoop` with a packet source and sink per VL at the
-remote end of the cable, where a :class:`models.nic.ResponderModel` answers every request.
+remote end of the cable, where a :class:`models.nic.ResponderPeer` answers every request.
 
 Scoreboards:
 
@@ -35,7 +35,7 @@ from hdl.nic import register_map as rmap
 from models import mlx5
 from models.ib import Opcode
 from models.nic import (CompletionStatus, CqContext, Mkey, QpContext, RequesterModel,
-                        ResponderModel, decode_packet, psn_diff, psn_le)
+                        ResponderPeer, decode_packet, psn_diff, psn_le)
 from models.packet import parse_packet
 from models.pcap import LinkCapture
 from tb import runner
@@ -112,7 +112,7 @@ class NicTB(NicHost):
         # With ``coalesce_acks`` the responder acknowledges every ``ack_every`` packets
         # whatever their AckReq, and whatever is left once the wire has been quiet for
         # ACK_FLUSH_CYCLES (as a real responder's coalescing timer would).
-        self.responder = ResponderModel(lid=REMOTE_LID, memory_bytes=MEMORY_BYTES,
+        self.responder = ResponderPeer(lid=REMOTE_LID, memory_bytes=MEMORY_BYTES,
                                         ack_every=ack_every, coalesce_ackreq=coalesce_acks)
         self.gpu = None
         # qpn -> (packet bytes, required) to come, in order; packets behind a NAK are not

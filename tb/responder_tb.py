@@ -3,7 +3,7 @@ the cable as the requester.
 
 :class:`ResponderTB` is a :class:`tb.nic_tb.NicTB` whose remote end sends hand-made request
 packets (valid, hostile, malformed, fuzzed) into the NIC. Each packet also goes, in the
-same order, through :class:`models.nic.ResponderModel` in hardware mode (the reference of
+same order, through :class:`models.nic.NicResponderModel` (the reference of
 docs/nic-responder.md) working on a mirror of the NIC's memory; the model says which
 responses must come back (compared byte for byte, in order per QP), which receive CQEs
 the NIC must write, and how the memory must end. :meth:`check_responder` waits for all
@@ -15,7 +15,7 @@ from collections import defaultdict, deque
 from cocotb.triggers import RisingEdge
 
 from models import mlx5
-from models.nic import CqContext, Mkey, QpContext, ResponderModel, make_packet, mkey_index
+from models.nic import CqContext, Mkey, QpContext, NicResponderModel, make_packet, mkey_index
 from tb.nic_tb import CQ_REGION, CQ_STRIDE, MEMORY_BYTES, NIC_LID, REMOTE_LID, NicTB
 
 __all__ = ["ResponderTB", "RESPONDER_COUNTERS", "REQUESTER_QPN", "RQ_REGION", "RQ_DBR_REGION"]
@@ -78,7 +78,7 @@ class ResponderTB(NicTB):
             self.qps[q] = qp
             self.next_psn[q] = psn
             await self.program_qp(qp)
-        self.model = ResponderModel(lid=NIC_LID, memory=self.mirror, contexts=self.qps,
+        self.model = NicResponderModel(lid=NIC_LID, memory=self.mirror, contexts=self.qps,
                                     num_qps=self.num_qps, mkeys=table, num_mkeys=self.num_mkeys,
                                     sl_to_vl=self.sl_to_vl, num_vls=self.num_vls)
 

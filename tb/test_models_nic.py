@@ -449,7 +449,7 @@ def _loop(seed, *, ack_every, coalesce, count=120, collapsed=False):
     remote = bytearray(rng.randbytes(MEM))
     remote_ref = bytearray(remote)
     qps = {0x100 + q: n.ResponderQp(peer_qpn=q, epsn=(1 << 24) - 5, mtu=1) for q in range(2)}
-    resp = n.ResponderModel(0x55, qps, memory=remote, base=REMOTE_BASE, ack_every=ack_every,
+    resp = n.ResponderPeer(0x55, qps, memory=remote, base=REMOTE_BASE, ack_every=ack_every,
                             coalesce_ackreq=coalesce)
     comp = n.CompletionModel(req, write_memory=writer(local))
     results = {0: [], 1: []}
@@ -550,7 +550,7 @@ def test_loop_cq_owner_and_collapsed():
 def test_nak_error_and_flush(code):
     req, local = world(mtu=1)
     remote = bytearray(MEM)
-    resp = n.ResponderModel(0x55, {0x100: n.ResponderQp(peer_qpn=0, mtu=1)}, memory=remote,
+    resp = n.ResponderPeer(0x55, {0x100: n.ResponderQp(peer_qpn=0, mtu=1)}, memory=remote,
                             base=REMOTE_BASE, ack_every=2)
     comp = n.CompletionModel(req)
     results, got = [], []
@@ -587,7 +587,7 @@ def test_nak_error_and_flush(code):
 
 def test_nak_on_first_wqe_and_nonfatal_naks():
     req, local = world()
-    resp = n.ResponderModel(0x55, {0x100: n.ResponderQp(peer_qpn=0)}, memory=bytearray(MEM),
+    resp = n.ResponderPeer(0x55, {0x100: n.ResponderQp(peer_qpn=0)}, memory=bytearray(MEM),
                             base=REMOTE_BASE)
     comp = n.CompletionModel(req)
     r0 = run(req, local, 0, 0, op=m.Opcode.SEND, inline=b"a")
@@ -715,7 +715,7 @@ def test_completion_rules():
 
 def test_responder_rejects():
     remote = bytearray(MEM)
-    resp = n.ResponderModel(0x55, {0x100 + q: n.ResponderQp(peer_qpn=q, mtu=1) for q in range(6)},
+    resp = n.ResponderPeer(0x55, {0x100 + q: n.ResponderQp(peer_qpn=q, mtu=1) for q in range(6)},
                             memory=remote, base=REMOTE_BASE)
 
     def req_packet(opcode, psn, qp=0x100, ext=(), payload=b""):
@@ -759,7 +759,7 @@ def test_responder_rejects():
 
 def test_responder_ack_coalescing():
     for ack_every, coalesce, expect in ((1, False, 6), (2, False, 3), (4, False, 1), (4, True, 1)):
-        resp = n.ResponderModel(0x55, {1: n.ResponderQp(peer_qpn=0, mtu=1)}, memory=bytearray(64),
+        resp = n.ResponderPeer(0x55, {1: n.ResponderQp(peer_qpn=0, mtu=1)}, memory=bytearray(64),
                                 base=0, ack_every=ack_every, coalesce_ackreq=coalesce)
         acks = []
         for psn in range(6):
@@ -774,7 +774,7 @@ def test_responder_ack_coalescing():
 
 
 def test_responder_speed():
-    resp = n.ResponderModel(0x55, {1: n.ResponderQp(peer_qpn=0, mtu=5)}, memory=bytearray(1 << 16),
+    resp = n.ResponderPeer(0x55, {1: n.ResponderQp(peer_qpn=0, mtu=5)}, memory=bytearray(1 << 16),
                             base=0, ack_every=8)
     packets = [n.make_packet(vl=0, sl=0, dlid=0x55, slid=0x11, opcode=Opcode.RDMA_WRITE_ONLY,
                              destqp=1, psn=psn, ext=[RETH(va=256 * (psn % 200), rkey=1, dmalen=256)],
@@ -819,7 +819,7 @@ def test_tshark_decodes_requests_and_responses(tmp_path):
     from models.packet import wire_packet
     from models.pcap import LinkCapture, tshark_decode
     req, local = world(mtu=1, sq_psn=0xFFFFFE)
-    resp = n.ResponderModel(0x55, {0x100: n.ResponderQp(peer_qpn=0, epsn=0xFFFFFE, mtu=1)},
+    resp = n.ResponderPeer(0x55, {0x100: n.ResponderQp(peer_qpn=0, epsn=0xFFFFFE, mtu=1)},
                             memory=bytearray(MEM), base=REMOTE_BASE)
     packets = []
     for i, kw in enumerate([dict(op=m.Opcode.RDMA_WRITE_IMM, byte_count=600),
@@ -866,7 +866,7 @@ def test_context_forms_and_states():
     assert run(table, local, 3, 0, **kw).syndrome == m.Syndrome.LOCAL_PROT_ERR
     req = n.RequesterModel(1, [0] * 16, qps, cqs, keys)
     comp = n.CompletionModel(req)
-    resp = n.ResponderModel(2, memory_bytes=MEM, peer_qpn=lambda qpn: qpn - 0x100, mtu=1)
+    resp = n.ResponderPeer(2, memory_bytes=MEM, peer_qpn=lambda qpn: qpn - 0x100, mtu=1)
     results = [run(req, local, 3, i, op=m.Opcode.RDMA_WRITE, byte_count=300, lkey=LKEY,
                    laddr=LOCAL_BASE, raddr=64, rkey=1) for i in range(3)]
     assert results[0].first_psn == 10 and req.next_psn_of(3) == 16

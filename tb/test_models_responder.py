@@ -1,5 +1,5 @@
 """The responder's reference models: the mlx5 receive formats (models/mlx5.py) and
-models.nic.ResponderModel in its hardware mode (docs/nic-responder.md), pure Python."""
+models.nic.NicResponderModel (docs/nic-responder.md), pure Python."""
 
 import random
 
@@ -66,7 +66,7 @@ def test_responder_cqe_opcodes_match_signatures():
         assert m.CqeOpcode[e.name] == e.value
 
 
-# --- ResponderModel, hardware mode ----------------------------------------------------------
+# --- NicResponderModel --------------------------------------------------------------------
 
 LID, PEER_LID, QPN, PEER_QPN, PD, PKEY = 0x55, 0x11, 5, 0x33, 7, 0x8001
 MEM = 1 << 16
@@ -92,7 +92,7 @@ def world(**ctx_kw):
     kw.update(ctx_kw)
     sl_to_vl = [s % 4 for s in range(16)]
     sl_to_vl[2] = 1
-    resp = n.ResponderModel(LID, memory=mem, contexts={QPN: n.QpContext(**kw)}, num_qps=16,
+    resp = n.NicResponderModel(LID, memory=mem, contexts={QPN: n.QpContext(**kw)}, num_qps=16,
                             mkeys=mkeys, num_mkeys=8, sl_to_vl=sl_to_vl)
     return resp, mem
 
@@ -136,7 +136,7 @@ def nak(code):
 
 
 def check_partition(c):
-    """Every packet counted exactly once (see ResponderModel.process)."""
+    """Every packet counted exactly once (see NicResponderModel.process)."""
     assert c["packets"] == (c["responses_steered"] + c["rx_request_icrc_drops"]
                             + c["rx_request_malformed"] + c["requests_received"])
     assert c["requests_received"] == sum(c[k] for k in (
@@ -550,13 +550,11 @@ def test_send_too_long():
 
 def test_construction_errors():
     with pytest.raises(ValueError, match="num_mkeys"):
-        n.ResponderModel(1, memory_bytes=16, contexts={}, mkeys={0: n.Mkey()})
+        n.NicResponderModel(1, memory_bytes=16, contexts={}, mkeys={0: n.Mkey()})
     with pytest.raises(ValueError, match="below num_mkeys"):
-        n.ResponderModel(1, memory_bytes=16, contexts={}, mkeys={4: n.Mkey()}, num_mkeys=4)
+        n.NicResponderModel(1, memory_bytes=16, contexts={}, mkeys={4: n.Mkey()}, num_mkeys=4)
     with pytest.raises(ValueError, match="sl_to_vl"):
-        n.ResponderModel(1, memory_bytes=16, contexts={}, sl_to_vl=[0] * 15)
-    with pytest.raises(ValueError, match="contexts"):
-        n.ResponderModel(1, memory_bytes=16, mkeys=[n.Mkey()])
+        n.NicResponderModel(1, memory_bytes=16, contexts={}, sl_to_vl=[0] * 15)
 
 
 # --- random traffic with loss, duplicates and RNR; fuzz ---------------------------------------
@@ -577,7 +575,7 @@ def big_world(qpns=(5, 6), log_rq_size=3):
                                rq_base=0xF0000 + 0x1000 * i, log_rq_size=log_rq_size,
                                rq_dbr=0xF8000 + 64 * i, rcqn=i)
                 for i, q in enumerate(qpns)}
-    resp = n.ResponderModel(LID, memory=mem, contexts=contexts, mkeys=mkeys)
+    resp = n.NicResponderModel(LID, memory=mem, contexts=contexts, mkeys=mkeys)
     return resp, mem, contexts
 
 
@@ -831,9 +829,9 @@ def test_fuzz():
         assert c[name] > 0, (name, c)
 
 
-def test_legacy_mode_never_raises():
+def test_peer_never_raises():
     rng = random.Random(3)
-    resp = n.ResponderModel(0x55, {1: n.ResponderQp(peer_qpn=0, mtu=1)}, memory=bytearray(4096))
+    resp = n.ResponderPeer(0x55, {1: n.ResponderQp(peer_qpn=0, mtu=1)}, memory=bytearray(4096))
     pool = [n.make_packet(vl=0, sl=0, dlid=0x55, slid=0x11, opcode=Opcode.RDMA_WRITE_ONLY, destqp=1,
                           psn=0, ext=[RETH(va=16, rkey=1, dmalen=8)], payload=bytes(8))]
     for _ in range(2000):
@@ -856,7 +854,7 @@ def test_range_wrapping_2_64():
     key = n.Mkey(key=RKEY, base=top - 0x100, length=0x1000, access=ALL, pd=PD, valid=True)
     ctx = n.QpContext(qpn=QPN, dest_qpn=PEER_QPN, dlid=PEER_LID, sl=2, pkey=PKEY, pd=PD, mtu=1,
                       access=ALL, rq_psn=EPSN)
-    resp = n.ResponderModel(LID, read=read, write=write, contexts={QPN: ctx}, mkeys=[n.Mkey(), key])
+    resp = n.NicResponderModel(LID, read=read, write=write, contexts={QPN: ctx}, mkeys=[n.Mkey(), key])
     d = resp.process(write_only(EPSN, top - 8, b"12345678"))
     assert d.fate == "requests_executed" and read(top - 8, 8) == b"12345678"
     d = resp.process(write_only(EPSN + 1, top - 4, b"12345678"))

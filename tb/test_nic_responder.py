@@ -2,7 +2,7 @@
 of its cable (tb/responder_tb.py): valid operations, every hostile or malformed case on a
 QP of its own while another QP streams, and a fuzz of thousands of random and mutated
 packets. Each test ends with :meth:`tb.responder_tb.ResponderTB.check_responder`: every
-response byte-equal to models.nic.ResponderModel's and in order per QP, every receive CQE,
+response byte-equal to models.nic.NicResponderModel's and in order per QP, every receive CQE,
 the NIC's whole memory outside its CQs equal to the model's, every counter equal.
 """
 import os

@@ -23,7 +23,7 @@ Tests: directed (every row of the check tables, each kind of duplicate, the sequ
 sent once, RNR then a successful retry, bad receive WQEs, atomic memory errors, the PSN
 wrap, qp_reset mid-message and while the engine waits, qp_reset of QP numbers it lacks);
 random traffic on several QPs with backpressure everywhere; the same kind of traffic
-cross-checked against models.nic.ResponderModel (memory contents rebuilt from the DMA
+cross-checked against models.nic.NicResponderModel (memory contents rebuilt from the DMA
 and atomic commands, response commands, receive completions, QP errors, counters);
 throughput; parameters.
 """
@@ -1068,10 +1068,10 @@ def test_random(seed):
         assert outcomes[label] or ref.counters[label], (label, outcomes)
 
 
-# --- against models.nic.ResponderModel ------------------------------------------------------
+# --- against models.nic.NicResponderModel ------------------------------------------------------
 
 class ModelEnv:
-    """models.nic.ResponderModel in hardware mode next to the bench: the same packets
+    """models.nic.NicResponderModel next to the bench: the same packets
     (built from the descriptors), contexts, keys and receive WQEs (posted into its
     memory); atomics in their own region so that the bench's AtomicUnit memory and the
     model's agree."""
@@ -1089,7 +1089,7 @@ class ModelEnv:
             ref.cfg[q].update(rq_base=0x80000 + 0x1000 * q, log_rq_size=8, rq_dbr=0x90000 + 64 * q)
         self.contexts = {q: nic.QpContext(**{**cfg, "access": nic.Access(cfg["access"])}, qpn=q)
                          for q, cfg in ref.cfg.items()}
-        self.model = nic.ResponderModel(
+        self.model = nic.NicResponderModel(
             self.LID, memory=bytearray(1 << 20), contexts=self.contexts, num_qps=ref.num_qps,
             mkeys={i: nic.Mkey(**{**k, "access": nic.Access(k["access"])}) for i, k in ref.mkeys.items()},
             num_mkeys=ref.num_mkeys, sl_to_vl=ref.sl_to_vl)
@@ -1147,7 +1147,7 @@ class ModelEnv:
 def test_against_model():
     """Random traffic (as test_random, atomics without memory errors), the engine's
     output streams turned into memory contents, responses, completions and QP errors,
-    compared with models.nic.ResponderModel given the same packets."""
+    compared with models.nic.NicResponderModel given the same packets."""
     rng = random.Random(5)
     num_qps = 6
     dut = ResponderEngine(num_qps=num_qps, num_mkeys=8, num_vls=2)
