@@ -1,4 +1,4 @@
-"""models/mlx5.py and models/nic.py: mlx5 layouts byte by byte, the WQE format rules and
+"""models/mlx5.py and models/nic/: mlx5 layouts byte by byte, the WQE format rules and
 executor checks of docs/nic.md, MTU segmentation and PSNs, and requester + responder +
 completion unit run against each other (data, CQEs, NAK error and flush)."""
 import dataclasses

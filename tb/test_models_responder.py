@@ -9,7 +9,8 @@ from hdl.nic import signatures as sig
 from models import mlx5 as m
 from models import nic as n
 from models.crc import icrc_bytes
-from models.ib import AETH, RETH, AtomicETH, ImmDt, Opcode
+from models.ib import AETH, RETH, AtomicETH, ImmDt, Opcode, carries_payload, extension_headers
+from models.nic.responder import _REQUEST_OPCODES as REQUEST_OPCODES
 from models.packet import parse_packet
 
 H = bytes.fromhex
@@ -797,14 +798,14 @@ def test_fuzz():
         common = dict(vl=0, sl=0, dlid=LID, slid=rng.choice([PEER_LID] * 9 + [3]), destqp=rng.choice(
             [q, q, q, q, 7, rng.getrandbits(24)]), psn=psn, pkey=rng.choice([0xFFFF] * 9 + [0x7FFF]),
             ackreq=rng.getrandbits(1))
-        op = rng.choice(sorted(n._REQUEST_OPCODES))
+        op = rng.choice(sorted(REQUEST_OPCODES))
         ext = []
-        for cls in n.extension_headers(op):
+        for cls in extension_headers(op):
             ext.append({RETH: RETH(va=va, rkey=rkey, dmalen=length),
                         AtomicETH: AtomicETH(va=va + rng.choice([0, 0, 4]), rkey=rkey,
                                              swap_add=rng.getrandbits(64), compare=rng.getrandbits(64)),
                         ImmDt: ImmDt(imm=rng.getrandbits(32))}[cls])
-        payload = b"" if not n.carries_payload(op) else bytes(rng.getrandbits(8) for _ in range(
+        payload = b"" if not carries_payload(op) else bytes(rng.getrandbits(8) for _ in range(
             rng.choice([0, 1, 4, 256, 256, 300, length])))
         return n.make_packet(opcode=op, ext=ext, payload=payload, **common)
 

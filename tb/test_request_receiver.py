@@ -1,6 +1,6 @@
 """RequestReceiver (hdl/nic/request_receiver.py) against a Python reference, in Amaranth's simulator.
 
-One testbench drives the receiver cycle by cycle. Packets are real (models/nic.py
+One testbench drives the receiver cycle by cycle. Packets are real (models/nic/
 ``make_packet``, models/packet.py ``build_packet`` for a GRH); the reference
 (:func:`judge`) applies the table of docs/nic-responder.md, "Receive", to the bytes and
 end_bad flag of each request packet on its own, and :func:`expected_descriptor` decodes

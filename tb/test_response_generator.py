@@ -8,7 +8,7 @@ generator's AR bursts (random ``ready``), answers each after a latency with its 
 the packets from the assembler's VL streams under random backpressure.
 
 Every packet is compared byte for byte (ICRC included) with ``models.nic.make_packet``
-built from the command as models/nic.py's NicResponderModel builds its responses
+built from the command as models/nic/responder.py's NicResponderModel builds its responses
 (``_ack``, ``_read_request``, ``_atomic``: opcodes, PSNs, AETH on FIRST/LAST/ONLY, MTU
 cuts, payload from memory), in order per VL. Also checked: every burst has id 2, stays
 inside a 4 KiB page and reads the words the packets need; the assembler never refuses a
@@ -64,7 +64,7 @@ class Memory:
 
 
 def expected_packets(cmd, memory):
-    """The response packets for ``cmd``, as models/nic.py's NicResponderModel builds them."""
+    """The response packets for ``cmd``, as models/nic/responder.py's NicResponderModel builds them."""
     def response(opcode, psn, ext=(), payload=b""):
         return make_packet(vl=cmd["vl"], sl=cmd["sl"], dlid=cmd["dlid"], slid=SLID, opcode=opcode,
                            destqp=cmd["destqp"], psn=psn, pkey=cmd["pkey"], ext=ext,

@@ -36,7 +36,7 @@ seeds); directed: every check row with its syndrome (then FLUSH for the QP, othe
 unaffected), QP reset and PSN reload, RESET state and bad QPN, reservation exactness with
 stray ``payload_freed``, throughput (one-packet WQEs at one per cycle, an N-packet
 message in N cycles) and the documented latency, parameter checks. A pure-Python test
-checks this reference against models/nic.py's RequesterModel on good WQEs, so the two
+checks this reference against models/nic/requester.py's RequesterModel on good WQEs, so the two
 agree on every header byte.
 """
 import gc
@@ -1159,7 +1159,7 @@ def test_parameters(args):
 
 
 def test_reference_matches_requester_model():
-    """This file's reference agrees with models/nic.py's RequesterModel (the NIC-level
+    """This file's reference agrees with models/nic/requester.py's RequesterModel (the NIC-level
     tests' reference) on good WQEs: headers, lengths, inline payloads, PSNs, records."""
     rng = random.Random(9)
     sl_to_vl = [rng.randrange(NUM_VLS) for _ in range(16)]
