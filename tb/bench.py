@@ -177,12 +177,6 @@ def switch_benchmarks():
     return records
 
 
-def switch_model_config(rtl_config):
-    keys = ("ports", "width", "num_vls", "mode", "islip_iterations", "buffer_blocks",
-            "downstream_blocks", "payload_bytes")
-    return {k: rtl_config[k] for k in keys if k in rtl_config}
-
-
 def switch_model(load, *, mode="voq", buffer_blocks=132, downstream_blocks=132, pattern="uniform",
                  cycles=160000, warmup=80000, sls=(0, 1)):
     from models.switch import run_switch as model_run
@@ -280,7 +274,7 @@ NIC = dict(num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2, mtu=4096, wire_delay
 
 
 def nic_benchmarks():
-    from tb.test_nic import BUILD_ARGS, nic_top
+    from tb.nic_top import BUILD_ARGS, nic_top
     records = []
     for testcase in ("doorbell_to_wire", "message_rate_acked", "message_rate_coalesced",
                      "write_bandwidth"):
@@ -297,7 +291,7 @@ def nic_benchmarks():
 
 def nic_pair_benchmarks():
     """Two NICs back to back (the build the two-NIC tests use), then through a switch."""
-    from tb.test_nic_pair import BUILD_ARGS, PAIR, nic_pair_top
+    from tb.nic_pair_top import BUILD_ARGS, PAIR, nic_pair_top
     records = []
     runs = [(PAIR, "e2e_write_latency"), (PAIR, "write_bandwidth"), (PAIR, "read_bandwidth"),
             (PAIR, "goodput_under_loss"), ({**PAIR, "through_switch": True}, "e2e_write_latency")]
@@ -321,12 +315,11 @@ def fabric_benchmarks():
     fabric.moe_dispatch_us, fabric.moe_combine_us, fabric.drops). Both share one build."""
     from tb import fabric_scenarios
     from tb.fabric_top import run_fabric
-    from tb.test_fabric import DEFAULT
     records = []
     path = OUT / "records" / "fabric_zero_load_latency.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
-    run_fabric(module="tb.test_fabric", params=DEFAULT, testcase="zero_load_latency",
+    run_fabric(module="tb.test_fabric", params={}, testcase="zero_load_latency",
                expect_tests=1, extra_env={"BENCH_RECORDS": str(path)})
     records += json.loads(path.read_text())
     path = OUT / "records" / "fabric_moe.json"

@@ -32,11 +32,11 @@ from hdl.nic.signatures import AXI_ID_BITS
 from hdl.switch.switch_registers import AxiLiteSignature
 from tb.gateware.axi_read_delay import AxiReadDelay
 from tb.gateware.wire_fault import RATE_ONE, WireFault
-from tb.hier_build import SeparateModules
+from tb.hier_build import TEST_NIC, SeparateModules
 from tb.link_pair import delay_line
-from tb.nic_top import WIRE_FIELDS, attach_memory
+from tb.nic_top import BUILD_ARGS, WIRE_FIELDS, attach_memory
 
-__all__ = ["NicPairTop", "NIC_SIDES", "SWITCH_LIDS"]
+__all__ = ["BUILD_ARGS", "NicPairTop", "NIC_SIDES", "PAIR", "SWITCH_LIDS", "nic_pair_top"]
 
 NIC_SIDES = ("a", "b")
 SWITCH_LIDS = 256           # forwarding-table entries of the switch
@@ -128,3 +128,11 @@ class NicPairTop(wiring.Component):
                                                 flat(switch.wire_out[port]), self.wire_delay)),
             ]
         return m
+
+
+# The two-NIC tests' build (the tests' 16-QP NIC on both sides, 8 cycles of cable).
+PAIR = dict(TEST_NIC, wire_delay=8)
+
+
+def nic_pair_top(**params):
+    return NicPairTop(**params)

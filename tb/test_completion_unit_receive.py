@@ -23,7 +23,7 @@ import pytest
 
 from hdl.nic.completion_unit import CompletionUnit
 from hdl.nic.signatures import QpState
-from tb.test_completion_unit import (
+from tb.completion_unit_tb import (
     RECV_OPCODES, RESP_ERR, RESP_SEND, RESP_SEND_IMM, RESP_WR_IMM, WRITE, Bench, RecvRec,
     Traffic, full_speed_factory, make_rec, random_body, random_unit, run,
 )

@@ -130,7 +130,6 @@ async def zero_load_latency(dut):
 # them as hierarchical blocks) takes 6 to 7 minutes on 2 cores, a re-run 38 s
 # (docs/fabric.md, Build).
 
-DEFAULT = dict(nics_per_leaf=2, leaves=4, spines=2)    # 8 NICs, 4 leaves, 2 spines of 4 ports
 SMALL = dict(nics_per_leaf=2, leaves=2, spines=1)      # 4 NICs, 2 leaves of 3 ports, 1 spine
 
 
@@ -141,7 +140,7 @@ def run(params):
 
 @pytest.mark.full
 def test_fabric():
-    run(DEFAULT)
+    run({})         # tb/fabric_top.py FABRIC_DEFAULTS: 8 NICs, 4 leaves, 2 spines of 4 ports
 
 
 @pytest.mark.full

@@ -442,15 +442,14 @@ def _random_wqe(rng, mtu):
     return kw
 
 
-def _loop(seed, *, ack_every, coalesce, count=120, collapsed=False):
+def _loop(seed, *, ack_every, count=120, collapsed=False):
     rng = random.Random(seed)
     req, local = world(mtu=1, sq_psn=(1 << 24) - 5, collapsed=collapsed)
     local_ref = bytearray(local)
     remote = bytearray(rng.randbytes(MEM))
     remote_ref = bytearray(remote)
     qps = {0x100 + q: n.ResponderQp(peer_qpn=q, epsn=(1 << 24) - 5, mtu=1) for q in range(2)}
-    resp = n.ResponderPeer(0x55, qps, memory=remote, base=REMOTE_BASE, ack_every=ack_every,
-                            coalesce_ackreq=coalesce)
+    resp = n.ResponderPeer(0x55, qps, memory=remote, base=REMOTE_BASE, ack_every=ack_every)
     comp = n.CompletionModel(req, write_memory=writer(local))
     results = {0: [], 1: []}
     cqes = {0: [], 1: []}
@@ -517,14 +516,14 @@ def _loop(seed, *, ack_every, coalesce, count=120, collapsed=False):
 # No coalescing across AckReq: the completion unit takes a READ response or atomic
 # acknowledge only at ack_psn + 1 (docs/nic-reliability.md), so a responder must acknowledge
 # every message with AckReq before it answers the next READ or atomic (the NIC's does).
-@pytest.mark.parametrize("seed,ack_every,coalesce", [(1, 1, False), (2, 3, False), (3, 4, False)])
-def test_loop(seed, ack_every, coalesce):
-    _loop(seed, ack_every=ack_every, coalesce=coalesce)
+@pytest.mark.parametrize("seed,ack_every", [(1, 1), (2, 3), (3, 4)])
+def test_loop(seed, ack_every):
+    _loop(seed, ack_every=ack_every)
 
 
 def test_loop_cq_owner_and_collapsed():
     # collapsed (log_size 2 here, which then counts as 0): entry 0, the owner flips every CQE
-    comp, _, ordered = _loop(4, ack_every=1, coalesce=False, count=40, collapsed=True)
+    comp, _, ordered = _loop(4, ack_every=1, count=40, collapsed=True)
     for cqn in (0, 1):
         written = [c for c in ordered if c.cqe and c.cqn == cqn]
         assert written and all(c.address == 0x9000 + 0x1000 * cqn for c in written)

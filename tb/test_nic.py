@@ -16,8 +16,8 @@ import pytest
 from hdl.nic import register_map as rmap
 from models import mlx5
 from tb import runner
-from tb.hier_build import TEST_NIC
 from tb.nic_tb import DATA_BYTES, DATA_REGION, MEMORY_BYTES, PD, NicTB, remote_qpn
+from tb.nic_top import BUILD_ARGS, NIC, nic_top
 from tb.wqe_mix import KINDS, wqe_fields
 
 Op = mlx5.Opcode
@@ -316,20 +316,6 @@ async def qp_states(dut):
     # Invalid transitions answer SLVERR.
     await tb.set_qp_state(1, 2, expect_error=True)
     await tb.set_qp_state(1, ERR, expect_error=True)
-
-
-# The tests' NIC (16 QPs, the one every test top builds: compiled once, tb/hier_build.py);
-# the message-rate benchmark builds the default 64.
-NIC = dict(**TEST_NIC, wire_delay=2)
-# Verilator sees word-level loops (UNOPTFLAT) where the link transmitter's credit check
-# reads the start beat whose ready it drives; Amaranth checks the netlist bit by bit and
-# finds none.
-BUILD_ARGS = ["-Wno-UNOPTFLAT"]
-
-
-def nic_top(**params):
-    from tb.nic_top import NicTop
-    return NicTop(**params)
 
 
 # Two pytest items over one build, so pytest-xdist runs them side by side.

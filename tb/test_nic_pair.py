@@ -22,8 +22,9 @@ import pytest
 
 from models import mlx5
 from hdl.nic.responder_engine import SAVED_ATOMICS
-from tb import hier_build, runner
+from tb import runner
 from tb.nic_pair_tb import CORRUPT, DROP, RATE_ONE, SOURCE_BYTES, SOURCE_REGION, NicPairTB
+from tb.nic_pair_top import BUILD_ARGS, PAIR, nic_pair_top
 from tb.wqe_mix import KINDS, RECEIVING_KINDS, wqe_fields
 
 Op = mlx5.Opcode
@@ -311,15 +312,6 @@ async def transport_retries_exhausted(dut):
     assert counters["retransmits_timeout"] == 2 and counters["retries_exhausted"] == 1
     assert tb.faults("a") == len(tb.lost_packets("a")) > 0
     assert tb.rx_drops("b")["vcrc"] == tb.faults("a")
-
-
-PAIR = dict(hier_build.TEST_NIC, wire_delay=8)
-BUILD_ARGS = ["-Wno-UNOPTFLAT"]
-
-
-def nic_pair_top(**params):
-    from tb.nic_pair_top import NicPairTop
-    return NicPairTop(**params)
 
 
 # make test runs two items over one build (pytest-xdist runs them side by side); the

@@ -381,7 +381,7 @@ def fuzz_packet(tb, rng):
 
 
 def run_responder_tests(**env):
-    from tb.test_nic import BUILD_ARGS, NIC, nic_top
+    from tb.nic_top import BUILD_ARGS, NIC, nic_top
     runner.run(module="tb.test_nic_responder", toplevel="nic_top", factory=nic_top, params=NIC,
                build_args=BUILD_ARGS, extra_env=env)
 

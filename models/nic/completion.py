@@ -36,7 +36,6 @@ class Completion:
 _RESPONSES = frozenset({Opcode.ACKNOWLEDGE, Opcode.ATOMIC_ACKNOWLEDGE,
                         Opcode.RDMA_READ_RESPONSE_FIRST, Opcode.RDMA_READ_RESPONSE_MIDDLE,
                         Opcode.RDMA_READ_RESPONSE_LAST, Opcode.RDMA_READ_RESPONSE_ONLY})
-_READ_RESPONSES = _RESPONSES - {Opcode.ACKNOWLEDGE, Opcode.ATOMIC_ACKNOWLEDGE}
 _ATOMIC_MLX = (MlxOpcode.ATOMIC_CS, MlxOpcode.ATOMIC_FA)
 
 
