@@ -303,8 +303,7 @@ class CompletionUnit(wiring.Component):
     more than the outstanding PSNs behind (the modulo-2^24 compares assume a QP's
     unacknowledged PSNs span less than 2^23).
 
-    ``qp_flush`` (the host moved the QP from RTS to ERR; not in docs/nic.md's interface
-    list yet) makes the QP flushing at once: every record it holds and gets completes
+    ``qp_flush`` (the host moved the QP from RTS to ERR; docs/nic.md) makes the QP flushing at once: every record it holds and gets completes
     with WR_FLUSH_ERR, and its responses are dropped, until ``qp_reset``. Without it, a
     QP in ERR keeps waiting for the acknowledgements of its SENT records (a QP errored by
     the executor or a NAK must: its earlier records may still be acknowledged).

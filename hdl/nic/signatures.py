@@ -5,18 +5,18 @@ fixed-width fields (a QP number is always 8 bits, a CQ number 8 bits), so that b
 built with different ``num_qps`` still agree on layouts. The Python-side mirrors of the
 host-visible formats (WQE segments, CQEs, doorbells) live in :mod:`models.mlx5`.
 
-Pipeline, requester side::
+The flows between them (docs/nic.md, docs/nic-responder.md):
 
-    AXI4-Lite ─► NicRegisters ──doorbell──► DoorbellScheduler ──fetch request──► WqeFetcher
-                   │ contexts (read ports)        ▲ fetch done / retire              │ AR id 0
-                   │                              │                                  ▼
-                   └──────────────► WqeExecutor ◄─┴───────── WQE descriptor ◄── parser
-                                      │ AR id 1 (payload)  │ packet descriptor
-                                      ▼                    ▼
-                                   AXI4 R id 1 ──────► PacketAssembler ──► LinkPort.data_in[vl]
-                                      │ completion record
-                                      ▼
-    LinkPort.data_out ──► CompletionUnit (ACK/NAK, READ response, ATOMIC ACK) ──► AXI4 AW/W (CQE)
+- requester: NicRegisters (doorbell) -> DoorbellScheduler -> WqeFetcher (AR id 0) -> WqeExecutor
+  (AR id 1) -> PacketAssembler -> PacketMux[vl] -> LinkPort; WqeExecutor -> completion
+  records -> CompletionUnit -> retire -> DoorbellScheduler, rewind -> DoorbellScheduler and
+  WqeExecutor;
+- responses: LinkPort -> RequestReceiver -> ResponseWriter (stores READ data and atomic
+  results, AW id 2) -> CompletionUnit (verdict and discard back to the ResponseWriter,
+  landed forward) -> CQEs (AW id 0);
+- responder: RequestReceiver -> ResponderEngine -> DmaWriter (AW id 1), ReceiveQueue (AR id 3),
+  AtomicUnit (AR/AW id 4), ResponseGenerator (AR id 2) -> PacketAssembler -> PacketMux[vl] ->
+  LinkPort; receive completions -> CompletionUnit.
 """
 from amaranth.lib import data, enum, wiring
 from amaranth.lib.wiring import In, Out

@@ -29,7 +29,7 @@ MIDDLE, LAST, LAST_IMM, ONLY, ONLY_IMM = 1, 2, 3, 4, 5
 SOLICITED = 0x02             # fm_ce_se bit: solicited event on the message's last packet
 CQ_UPDATE = 0x08             # fm_ce_se bit: write a CQE on success
 BEAT_BYTES = 64
-MAX_PACKET_BEATS = 4096 // BEAT_BYTES + 1
+MAX_PAYLOAD_BEATS = 4096 // BEAT_BYTES + 1    # a packet's payload words, unaligned
 EXT_BYTES = MAX_HEADER_BYTES - LRH_BYTES - BTH_BYTES
 
 
@@ -153,7 +153,7 @@ class WqeExecutor(wiring.Component):
                 ("num_qps", num_qps, 1, 256),
                 ("num_mkeys", num_mkeys, 1, 1 << 24),
                 ("num_vls", num_vls, 1, 15),
-                ("payload_buffer_beats", payload_buffer_beats, MAX_PACKET_BEATS, 1 << 16)):
+                ("payload_buffer_beats", payload_buffer_beats, MAX_PAYLOAD_BEATS, 1 << 16)):
             if not isinstance(value, int) or not low <= value <= high:
                 raise ValueError(f"{name} must be an integer from {low} to {high}, not {value!r}")
         self.num_qps = num_qps
