@@ -2,6 +2,8 @@ from amaranth import *
 from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
 
+from hdl.arith import lookahead_sum
+
 from hdl.nic.signatures import (
     FETCH_ID, MAX_INLINE_BYTES, MAX_WQE_BLOCKS, QPN_BITS, WQEBB_BYTES, ArLayout,
     ContextReadSignature, FetchDoneLayout, FetchRequestLayout, MlxOpcode, QpConfigLayout,
@@ -90,73 +92,92 @@ class WqeFetcher(wiring.Component):
         m.submodules.blocks = blocks = fifo.SyncFIFOBuffered(
             width=block_layout.size, depth=self.buffer_blocks)
         free = Signal(range(self.buffer_blocks + 1), init=self.buffer_blocks)
-        reserve = Signal(range(MAX_WQE_BLOCKS + 1))
         release = Signal()
-        m.d.sync += free.eq(free - reserve + release)
-
-        self._issue(m, info, free, reserve)
+        self._issue(m, info, free, release)
 
         m.d.comb += [
             self.r.ready.eq(1),
             blocks.w_en.eq(self.r.valid),
             blocks.w_data.eq(Cat(self.r.payload.data, self.r.payload.resp != 0)),
         ]
-        with m.If(self.r.valid):
-            m.d.sync += self.wqe_blocks_fetched.eq(self.wqe_blocks_fetched + 1)
-            with m.If(self.r.payload.resp != 0):
-                m.d.sync += self.fetch_read_errors.eq(self.fetch_read_errors + 1)
+        self._count(m, self.wqe_blocks_fetched, self.r.valid)
+        self._count(m, self.fetch_read_errors, self.r.valid & (self.r.payload.resp != 0))
 
         self._parse(m, info, blocks, block_layout, release)
         return m
 
-    def _issue(self, m, info, free, reserve):
+    def _issue(self, m, info, free, release):
         fetch, ar, cfg = self.fetch, self.ar, self.qp_config.data
         held = Signal()
         req = Signal(FetchRequestLayout())
-        at = Signal(16)                             # ring index of the next burst
-        left = Signal(range(MAX_WQE_BLOCKS + 1))    # blocks still to request
-        first = Signal()                            # the fetch has not reserved yet
+        blocks_less_one = Signal(4)     # of the held request, for the reservation
+        # The next burst: its ring position (only the bits below log_sq_size count), whether
+        # one is still to be requested, and how many blocks are left after it.
+        at = Signal(16)
+        requesting = Signal()
+        left_less_one = Signal(4)
+        first = Signal()                # the fetch has not reserved yet
 
-        ring_mask = Signal(16)
-        m.d.comb += ring_mask.eq((Const(1, 17) << cfg.log_sq_size) - 1)
+        # sq_base is aligned to min(4096, ring bytes) (RESET -> RTS checks it), so a ring
+        # of up to 64 blocks lies within one 4 KiB page and a larger one starts and ends on
+        # page boundaries: the next boundary, whichever it is, is the first position after
+        # ``at`` whose bits below min(log_sq_size, 6) are zero, and the ring index's bits
+        # 0..5 are ORed into the base, not added.
+        in_ring = Signal(16)            # bit i: i < log_sq_size
+        m.d.comb += in_ring.eq(Cat(cfg.log_sq_size > i for i in range(16)))
         index = Signal(16)
-        m.d.comb += index.eq(at & ring_mask)
-        addr = Signal(64)
-        m.d.comb += addr.eq(cfg.sq_base + Cat(C(0, 6), index))
-        to_end = Signal(17)
-        m.d.comb += to_end.eq(ring_mask + 1 - index)
-        to_4k = Signal(range(65))
-        m.d.comb += to_4k.eq(64 - addr[6:12])
-        to_end_or_left = Signal(range(MAX_WQE_BLOCKS + 1))
-        m.d.comb += to_end_or_left.eq(Mux(to_end < left, to_end, left))
-        beats = Signal(range(MAX_WQE_BLOCKS + 1))
-        m.d.comb += beats.eq(Mux(to_4k < to_end_or_left, to_4k, to_end_or_left))
+        m.d.comb += index.eq(at & in_ring)
+        to_boundary_less_one = Signal(6)
+        m.d.comb += to_boundary_less_one.eq(~at[:6] & in_ring[:6])
+        # The ring's index reaches into the base's bits 12..21 only: their carry out
+        # chooses between the upper bits and their increment, formed beside it.
+        page_low = lookahead_sum(m, cfg.sq_base[12:22], index[6:], name="sq_page_low")
+        upper = cfg.sq_base[22:]
+        upper_next = lookahead_sum(m, upper, 0, 1, name="sq_page_upper_next")
+        page = Signal(52)
+        m.d.comb += page.eq(Cat(page_low[:10], Mux(page_low[10], upper_next[:len(upper)], upper)))
+        last_burst = Signal()
+        m.d.comb += last_burst.eq(left_less_one <= to_boundary_less_one)
 
+        # at_least[k] is free >= k, kept beside free so the first burst's room check is a
+        # selection by the request's block count.
+        at_least = Signal(MAX_WQE_BLOCKS + 1, init=(1 << (MAX_WQE_BLOCKS + 1)) - 1)
         room = Signal()
-        m.d.comb += room.eq(info.w_rdy & (free >= req.blocks))
+        m.d.comb += room.eq(info.w_rdy & at_least.bit_select(req.blocks, 1))
         m.d.comb += [
-            ar.valid.eq(held & (left != 0) & (~first | room)),
+            ar.valid.eq(held & requesting & (~first | room)),
             ar.payload.id.eq(FETCH_ID),
-            ar.payload.addr.eq(addr),
-            ar.payload.len.eq(beats - 1),
+            ar.payload.addr.eq(Cat(C(0, 6), cfg.sq_base[6:12] | index[:6], page)),
+            ar.payload.len.eq(Mux(last_burst, left_less_one, to_boundary_less_one[:4])),
         ]
         fire = Signal()
         m.d.comb += fire.eq(ar.valid & ar.ready)
-        # A rejected request (left 0 from the start) only has to queue its empty fetch.
+        # A rejected request (nothing to request from the start) only queues its empty fetch.
         empty = Signal()
-        m.d.comb += empty.eq(held & first & (left == 0) & info.w_rdy)
+        m.d.comb += empty.eq(held & first & ~requesting & info.w_rdy)
         finish = Signal()
-        m.d.comb += finish.eq((fire & (left == beats)) | empty)
+        m.d.comb += finish.eq((fire & last_burst) | empty)
+        take = Signal()                 # the fetch's first burst reserves all its blocks
+        m.d.comb += take.eq(fire & first)
+        self._count_free(m, free, at_least, req.blocks, blocks_less_one, take=take,
+                         release=release)
         m.d.comb += [
-            info.w_en.eq((fire & first) | empty),
+            info.w_en.eq(take | empty),
             info.w_data.eq(req),
-            reserve.eq(Mux(fire & first, req.blocks, 0)),
             fetch.ready.eq(~held | finish),
             # The context is read in the accept cycle; holding the address keeps it current.
             self.qp_config.addr.eq(Mux(fetch.ready, fetch.payload.qpn, req.qpn)),
         ]
         with m.If(fire):
-            m.d.sync += [at.eq(at + beats), left.eq(left - beats), first.eq(0)]
+            m.d.sync += first.eq(0)
+            with m.If(last_burst):
+                m.d.sync += requesting.eq(0)
+            with m.Else():
+                # Cut at the boundary: the next burst starts on it.
+                m.d.sync += [
+                    at.eq(Cat(C(0, 6), at[6:] + 1)),
+                    left_less_one.eq(left_less_one + ~to_boundary_less_one[:4]),
+                ]
         with m.If(finish):
             m.d.sync += held.eq(0)
         with m.If(fetch.valid & fetch.ready):
@@ -164,8 +185,43 @@ class WqeFetcher(wiring.Component):
             ok = (p.blocks != 0) & (p.blocks <= MAX_WQE_BLOCKS) & (p.qpn < self.num_qps)
             m.d.sync += [
                 held.eq(1), first.eq(1), at.eq(p.wqe_index),
-                req.eq(p), req.blocks.eq(Mux(ok, p.blocks, 0)), left.eq(Mux(ok, p.blocks, 0)),
+                req.eq(p), req.blocks.eq(Mux(ok, p.blocks, 0)),
+                requesting.eq(ok), left_less_one.eq(p.blocks - 1), blocks_less_one.eq(p.blocks - 1),
             ]
+
+    @staticmethod
+    def _count_free(m, free, at_least, blocks, blocks_less_one, *, take, release):
+        """``free -= blocks`` on ``take``, ``+= 1`` on ``release``, and ``at_least`` with it:
+        every outcome is formed from registers and the strobes only choose between them."""
+        width = len(free)
+        minus = lookahead_sum(m, free, ~Cat(blocks, C(0, width - len(blocks))), 1,
+                              name="free_taken")
+        minus_plus_one = lookahead_sum(m, free, ~Cat(blocks_less_one,
+                                                     C(0, width - len(blocks_less_one))), 1,
+                                       name="free_taken_released")
+        plus_one = lookahead_sum(m, free, 1, name="free_released")
+        with m.If(take):
+            m.d.sync += free.eq(Mux(release, minus_plus_one[:width], minus[:width]))
+        with m.Elif(release):
+            m.d.sync += free.eq(plus_one[:width])
+
+        # free >= k for every k a next at_least can ask: k - 1 + blocks at most.
+        limit = 2 * MAX_WQE_BLOCKS
+        free_at_least = Signal(limit + 1)
+        m.d.comb += free_at_least.eq(Cat(free >= k for k in range(limit + 1)))
+        taken, taken_released = Signal.like(at_least), Signal.like(at_least)
+        for k in range(MAX_WQE_BLOCKS + 1):
+            # free - blocks (+ 1) >= k: free >= k + blocks (- 1).
+            with m.Switch(blocks):
+                for b in range(MAX_WQE_BLOCKS + 1):
+                    with m.Case(b):
+                        m.d.comb += [taken[k].eq(free_at_least[k + b]),
+                                     taken_released[k].eq(free_at_least[max(k + b - 1, 0)])]
+        released = Cat(C(1, 1), at_least[:-1])
+        with m.If(take):
+            m.d.sync += at_least.eq(Mux(release, taken_released, taken))
+        with m.Elif(release):
+            m.d.sync += at_least.eq(released)
 
     def _parse(self, m, info, blocks, block_layout, release):
         wqe = self.wqe
@@ -215,18 +271,20 @@ class WqeFetcher(wiring.Component):
             desc.wqe_blocks.eq(Mux(at_start, 1, wqe_blocks)),
         ]
 
+        self._count(m, self.wqes_parsed, wqe.valid & wqe.ready)
+        refetched = Signal()
+        m.d.comb += refetched.eq(pop & (dropping | (at_start & ~fits)))
+        self._count(m, self.wqe_blocks_refetched, refetched)
+
         added = Signal(range(MAX_WQE_BLOCKS + 1))       # blocks consumed by this pop
         m.d.comb += added.eq(Mux(pop & emit, Mux(at_start, 1, wqe_blocks), 0))
         with m.If(wqe.valid & wqe.ready):
-            m.d.sync += [wqe.valid.eq(0), self.wqes_parsed.eq(self.wqes_parsed + 1)]
+            m.d.sync += wqe.valid.eq(0)
         m.d.sync += self.fetch_done.valid.eq(0)
         with m.If(pop):
             m.d.sync += pos.eq(pos + 1)
             with m.If(dropping | (at_start & ~fits)):
-                m.d.sync += [
-                    dropping.eq(1),
-                    self.wqe_blocks_refetched.eq(self.wqe_blocks_refetched + 1),
-                ]
+                m.d.sync += dropping.eq(1)
             with m.Elif(emit):
                 m.d.sync += [wqe.valid.eq(1), wqe.payload.eq(desc), part.eq(0),
                              consumed.eq(consumed + added), dropping.eq(cur.first_only)]
@@ -250,6 +308,14 @@ class WqeFetcher(wiring.Component):
                 self.fetch_done.payload.consumed.eq(0),
                 self.fetch_done.payload.epoch.eq(cur.epoch),
             ]
+
+    @staticmethod
+    def _count(m, counter, event):
+        """Counts ``event`` into ``counter`` a cycle after it: the event is registered first,
+        so the 32-bit sum starts from registers."""
+        counted = Signal(name=f"{counter.name}_event")
+        m.d.sync += [counted.eq(event),
+                     counter.eq(lookahead_sum(m, counter, counted, name=f"{counter.name}_next"))]
 
     @staticmethod
     def _decode(m, desc, *, block0, block1, bad0, bad_later):
