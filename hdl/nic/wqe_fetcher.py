@@ -228,32 +228,45 @@ class WqeFetcher(wiring.Component):
         cur = data.View(FetchRequestLayout(), info.r_data)
         head = data.View(block_layout, blocks.r_data)
 
-        pos = Signal(range(MAX_WQE_BLOCKS + 1))         # block of the fetch at the head
+        # Where the head block is in its fetch: its first block (the fetch's own fields
+        # hold then), or as the registers below say.
+        fetch_start = Signal(init=1)
+        remaining_after_start = Signal(range(MAX_WQE_BLOCKS + 1))   # from the head on
+        index_after_start = Signal(16)                  # fetch position (mod 2^16)
         consumed = Signal(range(MAX_WQE_BLOCKS + 1))
         dropping = Signal()                             # the rest of the fetch is dropped
-        part = Signal(range(MAX_WQE_BLOCKS))            # block of the WQE at the head (0: first)
+        in_wqe = Signal()                               # the head is a later block of a WQE
+        blocks_after = Signal(range(MAX_WQE_BLOCKS))    # of that WQE, after the head
         wqe_blocks = Signal(range(MAX_WQE_BLOCKS + 1))
-        wqe_start = Signal(range(MAX_WQE_BLOCKS))
+        consumed_with_wqe = Signal(range(MAX_WQE_BLOCKS + 1))       # consumed + wqe_blocks
+        wqe_index = Signal(16)
         read_err = Signal()                             # a later block of the WQE was bad
         block0 = Signal(8 * WQEBB_BYTES)
 
+        remaining = Signal(range(MAX_WQE_BLOCKS + 1))
+        m.d.comb += remaining.eq(Mux(fetch_start, cur.blocks, remaining_after_start))
+        head_index = Signal(16)
+        m.d.comb += head_index.eq(Mux(fetch_start, cur.wqe_index, index_after_start))
+        next_index = lookahead_sum(m, head_index, 0, 1, name="next_index")
+
         ds = head.data[56:62]
+        single = Signal()                               # the WQE at the head is one block
+        m.d.comb += single.eq(head.bad | (ds <= 4))
         head_blocks = Signal(range(MAX_WQE_BLOCKS + 1))
-        m.d.comb += head_blocks.eq(Mux(head.bad | (ds == 0), 1, (ds + 3) >> 2))
+        m.d.comb += head_blocks.eq(Mux(single, 1, (ds + 3) >> 2))
         at_start = Signal()
-        m.d.comb += at_start.eq(~dropping & (part == 0))
-        fits = Signal()
-        m.d.comb += fits.eq(head_blocks <= cur.blocks - pos)
+        m.d.comb += at_start.eq(~dropping & ~in_wqe)
+        fits = Signal()                                 # ceil(ds / 4) <= remaining
+        m.d.comb += fits.eq(single | (ds <= Cat(C(0, 2), remaining)))
         emit = Signal()
-        m.d.comb += emit.eq(Mux(at_start, fits & (head_blocks == 1),
-                                ~dropping & (part == wqe_blocks - 1)))
+        m.d.comb += emit.eq(Mux(at_start, single, ~dropping & (blocks_after == 0)))
         pop = Signal()
         m.d.comb += pop.eq(info.r_rdy & (cur.blocks != 0) & blocks.r_rdy &
                            (~emit | ~wqe.valid | wqe.ready))
         empty_fetch = Signal()
         m.d.comb += empty_fetch.eq(info.r_rdy & (cur.blocks == 0))
         last = Signal()
-        m.d.comb += last.eq(pos == cur.blocks - 1)
+        m.d.comb += last.eq(remaining == 1)
         m.d.comb += [
             blocks.r_en.eq(pop),
             release.eq(pop),
@@ -267,7 +280,7 @@ class WqeFetcher(wiring.Component):
         m.d.comb += [
             desc.qpn.eq(cur.qpn),
             desc.epoch.eq(cur.epoch),
-            desc.wqe_index.eq(cur.wqe_index + Mux(at_start, pos, wqe_start)),
+            desc.wqe_index.eq(Mux(at_start, head_index, wqe_index)),
             desc.wqe_blocks.eq(Mux(at_start, 1, wqe_blocks)),
         ]
 
@@ -276,29 +289,32 @@ class WqeFetcher(wiring.Component):
         m.d.comb += refetched.eq(pop & (dropping | (at_start & ~fits)))
         self._count(m, self.wqe_blocks_refetched, refetched)
 
-        added = Signal(range(MAX_WQE_BLOCKS + 1))       # blocks consumed by this pop
-        m.d.comb += added.eq(Mux(pop & emit, Mux(at_start, 1, wqe_blocks), 0))
+        consumed_now = Signal(range(MAX_WQE_BLOCKS + 1))   # after this pop
+        m.d.comb += consumed_now.eq(Mux(emit, Mux(at_start, consumed + 1, consumed_with_wqe),
+                                        consumed))
         with m.If(wqe.valid & wqe.ready):
             m.d.sync += wqe.valid.eq(0)
         m.d.sync += self.fetch_done.valid.eq(0)
         with m.If(pop):
-            m.d.sync += pos.eq(pos + 1)
+            m.d.sync += [fetch_start.eq(0), remaining_after_start.eq(remaining - 1),
+                         index_after_start.eq(next_index)]
             with m.If(dropping | (at_start & ~fits)):
                 m.d.sync += dropping.eq(1)
             with m.Elif(emit):
-                m.d.sync += [wqe.valid.eq(1), wqe.payload.eq(desc), part.eq(0),
-                             consumed.eq(consumed + added), dropping.eq(cur.first_only)]
+                m.d.sync += [wqe.valid.eq(1), wqe.payload.eq(desc), in_wqe.eq(0),
+                             consumed.eq(consumed_now), dropping.eq(cur.first_only)]
             with m.Elif(at_start):
-                m.d.sync += [part.eq(1), wqe_blocks.eq(head_blocks), wqe_start.eq(pos),
-                             block0.eq(head.data), read_err.eq(0)]
+                m.d.sync += [in_wqe.eq(1), blocks_after.eq(head_blocks - 2),
+                             wqe_blocks.eq(head_blocks), consumed_with_wqe.eq(consumed + head_blocks),
+                             wqe_index.eq(head_index), block0.eq(head.data), read_err.eq(0)]
             with m.Else():
-                m.d.sync += [part.eq(part + 1), read_err.eq(read_err | head.bad)]
+                m.d.sync += [blocks_after.eq(blocks_after - 1), read_err.eq(read_err | head.bad)]
             with m.If(last):
                 m.d.sync += [
-                    pos.eq(0), consumed.eq(0), dropping.eq(0), part.eq(0),
+                    fetch_start.eq(1), consumed.eq(0), dropping.eq(0), in_wqe.eq(0),
                     self.fetch_done.valid.eq(1),
                     self.fetch_done.payload.qpn.eq(cur.qpn),
-                    self.fetch_done.payload.consumed.eq(consumed + added),
+                    self.fetch_done.payload.consumed.eq(consumed_now),
                     self.fetch_done.payload.epoch.eq(cur.epoch),
                 ]
         with m.If(empty_fetch):
