@@ -23,6 +23,21 @@ def _segment(block, start):
     return block[8 * start:8 * (start + 16)]
 
 
+class _WqeFactsLayout(data.StructLayout):
+    """What a WQE's format checks make of its first block (``WqeFetcher._facts``)."""
+    def __init__(self):
+        super().__init__({
+            "ok": 1,
+            "syndrome": Syndrome,       # when not ok
+            "has_raddr": 1,
+            "has_atomic": 1,
+            "has_data": 1,
+            "has_inline": 1,
+            "data_at": 2,               # data segment at byte 16, 32, 48 (1, 2, 3)
+            "inline_len": range(MAX_INLINE_BYTES + 1),
+        })
+
+
 class WqeFetcher(wiring.Component):
     """Reads mlx5 WQE basic blocks for fetch requests and parses them into WQE descriptors
     (docs/nic.md, "WQE fetch and parse").
@@ -84,7 +99,10 @@ class WqeFetcher(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        block_layout = data.StructLayout({"data": 8 * WQEBB_BYTES, "bad": 1})
+        # Each block is stored with its format checks as a WQE's first block, made as it
+        # arrives, so the parser only chooses between fields.
+        block_layout = data.StructLayout({"data": 8 * WQEBB_BYTES, "bad": 1,
+                                          "facts": _WqeFactsLayout()})
         # In flight between the two halves: every issued fetch (in order) and every block
         # read. The info queue is as deep as the buffer so one-block fetches can fill it.
         m.submodules.info = info = fifo.SyncFIFOBuffered(
@@ -95,10 +113,12 @@ class WqeFetcher(wiring.Component):
         release = Signal()
         self._issue(m, info, free, release)
 
+        arriving = Signal(_WqeFactsLayout())
+        self._facts(m, arriving, self.r.payload.data)
         m.d.comb += [
             self.r.ready.eq(1),
             blocks.w_en.eq(self.r.valid),
-            blocks.w_data.eq(Cat(self.r.payload.data, self.r.payload.resp != 0)),
+            blocks.w_data.eq(Cat(self.r.payload.data, self.r.payload.resp != 0, arriving)),
         ]
         self._count(m, self.wqe_blocks_fetched, self.r.valid)
         self._count(m, self.fetch_read_errors, self.r.valid & (self.r.payload.resp != 0))
@@ -242,6 +262,7 @@ class WqeFetcher(wiring.Component):
         wqe_index = Signal(16)
         read_err = Signal()                             # a later block of the WQE was bad
         block0 = Signal(8 * WQEBB_BYTES)
+        facts0 = Signal(_WqeFactsLayout())
 
         remaining = Signal(range(MAX_WQE_BLOCKS + 1))
         m.d.comb += remaining.eq(Mux(fetch_start, cur.blocks, remaining_after_start))
@@ -274,7 +295,9 @@ class WqeFetcher(wiring.Component):
         ]
 
         desc = Signal(WqeDescriptorLayout())
-        self._decode(m, desc,
+        facts = Signal(_WqeFactsLayout())
+        m.d.comb += facts.eq(Mux(at_start, head.facts, facts0))
+        self._fields(m, desc, facts,
                      block0=Mux(at_start, head.data, block0), block1=head.data,
                      bad0=at_start & head.bad, bad_later=~at_start & (read_err | head.bad))
         m.d.comb += [
@@ -306,7 +329,8 @@ class WqeFetcher(wiring.Component):
             with m.Elif(at_start):
                 m.d.sync += [in_wqe.eq(1), blocks_after.eq(head_blocks - 2),
                              wqe_blocks.eq(head_blocks), consumed_with_wqe.eq(consumed + head_blocks),
-                             wqe_index.eq(head_index), block0.eq(head.data), read_err.eq(0)]
+                             wqe_index.eq(head_index), block0.eq(head.data), facts0.eq(head.facts),
+                             read_err.eq(0)]
             with m.Else():
                 m.d.sync += [blocks_after.eq(blocks_after - 1), read_err.eq(read_err | head.bad)]
             with m.If(last):
@@ -334,24 +358,25 @@ class WqeFetcher(wiring.Component):
                      counter.eq(lookahead_sum(m, counter, counted, name=f"{counter.name}_next"))]
 
     @staticmethod
-    def _decode(m, desc, *, block0, block1, bad0, bad_later):
-        """Fields and format checks of the WQE whose first two blocks are ``block0`` and
-        ``block1`` (docs/nic.md's segment table)."""
+    def _facts(m, facts, block0):
+        """The format checks of the WQE whose first block is ``block0`` (docs/nic.md's
+        segment table), into ``facts``."""
         opcode = block0[24:32]
         ds = block0[56:62]
-        raddr_at = _segment(block0, 16)
         word16 = _be(block0, 16, 4)
         word32 = _be(block0, 32, 4)
         word48 = _be(block0, 48, 4)
 
-        ok = Signal()
-        syndrome = Signal(Syndrome, init=Syndrome.LOCAL_QP_OP_ERR)
-        has_raddr = Signal()
-        has_atomic = Signal()
-        has_data = Signal()
-        has_inline = Signal()
-        data_at = Signal(2)         # data segment at byte 16, 32, 48 (1, 2, 3)
-        inline_len = Signal(range(MAX_INLINE_BYTES + 1))
+        ok = facts.ok
+        syndrome = facts.syndrome
+        has_raddr = facts.has_raddr
+        has_atomic = facts.has_atomic
+        has_data = facts.has_data
+        has_inline = facts.has_inline
+        data_at = facts.data_at
+        inline_len = facts.inline_len
+        # Not ok unless a rule below says so; an error is LOCAL_QP_OP_ERR unless it says so.
+        m.d.comb += syndrome.eq(Syndrome.LOCAL_QP_OP_ERR)
 
         def data_or_inline(at, word, base):
             # ``base``: ds of the WQE without its data (the empty form).
@@ -382,6 +407,18 @@ class WqeFetcher(wiring.Component):
                 with m.If((ds == 4) & (word48 != 8)):
                     m.d.comb += syndrome.eq(Syndrome.LOCAL_LENGTH_ERR)
                 m.d.comb += ok.eq((ds == 4) & (word48 == 8))
+
+    @staticmethod
+    def _fields(m, desc, facts, *, block0, block1, bad0, bad_later):
+        """The descriptor fields of the WQE whose first two blocks are ``block0`` and
+        ``block1``, the first's format checks ``facts``."""
+        opcode = block0[24:32]
+        ds = block0[56:62]
+        raddr_at = _segment(block0, 16)
+        ok, syndrome = facts.ok, facts.syndrome
+        has_raddr, has_atomic = facts.has_raddr, facts.has_atomic
+        has_data, has_inline = facts.has_data, facts.has_inline
+        data_at, inline_len = facts.data_at, facts.inline_len
 
         good = Signal()
         m.d.comb += good.eq(ok & ~bad0 & ~bad_later)
