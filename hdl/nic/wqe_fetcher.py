@@ -51,7 +51,8 @@ class WqeFetcher(wiring.Component):
     the ring whatever their count (a fetch longer than the ring reads blocks again). R
     beats are taken in request order; ``r.last`` is not looked at. A request with
     ``blocks`` 0 or above 16, or a ``qpn`` of a QP the NIC does not have, reads nothing
-    and finishes with ``consumed`` 0.
+    and finishes with ``consumed`` 0. ``sq_base`` must be aligned to min(4096, ring
+    bytes), as RESET -> RTS checks: the addresses and cuts are formed on that premise.
 
     Parser: walks the buffered blocks in fetch order, one block per cycle (blocks go back
     to the buffer as they are popped). A WQE's first block gives its length
@@ -63,7 +64,8 @@ class WqeFetcher(wiring.Component):
     later). ``fetch_done`` pulses in the cycle after a fetch's last block was handled (it
     does not wait for the last descriptor to be taken). The request's ``epoch`` (the QP's
     rewind count, docs/nic.md "Doorbells") is copied into every descriptor of the fetch
-    and into its ``fetch_done``; the fetcher itself never looks at it.
+    and into its ``fetch_done``; the fetcher itself never looks at it. The four counters
+    count registered events, a cycle after them.
 
     Descriptor fields: multi-byte fields hold the numeric value of the big-endian bytes in
     memory; ``imm`` is the big-endian value of control-segment bytes 12..15, so sending it
