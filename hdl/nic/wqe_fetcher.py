@@ -369,14 +369,10 @@ class WqeFetcher(wiring.Component):
         word32 = _be(block0, 32, 4)
         word48 = _be(block0, 48, 4)
 
-        ok = facts.ok
-        syndrome = facts.syndrome
-        has_raddr = facts.has_raddr
-        has_atomic = facts.has_atomic
-        has_data = facts.has_data
-        has_inline = facts.has_inline
-        data_at = facts.data_at
-        inline_len = facts.inline_len
+        ok, syndrome = facts.ok, facts.syndrome
+        has_raddr, has_atomic = facts.has_raddr, facts.has_atomic
+        has_data, has_inline = facts.has_data, facts.has_inline
+        data_at, inline_len = facts.data_at, facts.inline_len
         # Not ok unless a rule below says so; an error is LOCAL_QP_OP_ERR unless it says so.
         m.d.comb += syndrome.eq(Syndrome.LOCAL_QP_OP_ERR)
 
