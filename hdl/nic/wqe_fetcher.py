@@ -230,7 +230,7 @@ class WqeFetcher(wiring.Component):
         # free >= k for every k a next at_least can ask: k - 1 + blocks at most.
         limit = 2 * MAX_WQE_BLOCKS
         free_at_least = Signal(limit + 1)
-        m.d.comb += free_at_least.eq(Cat(free >= k for k in range(limit + 1)))
+        m.d.comb += free_at_least.eq(Cat(C(1, 1), *(free >= k for k in range(1, limit + 1))))
         taken, taken_released = Signal.like(at_least), Signal.like(at_least)
         for k in range(MAX_WQE_BLOCKS + 1):
             # free - blocks (+ 1) >= k: free >= k + blocks (- 1).
