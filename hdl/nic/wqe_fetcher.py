@@ -2,6 +2,8 @@ from amaranth import *
 from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
 
+from hdl.arith import lookahead_sum
+
 from hdl.nic.signatures import (
     FETCH_ID, MAX_INLINE_BYTES, MAX_WQE_BLOCKS, QPN_BITS, WQEBB_BYTES, ArLayout,
     ContextReadSignature, FetchDoneLayout, FetchRequestLayout, MlxOpcode, QpConfigLayout,
@@ -21,6 +23,21 @@ def _segment(block, start):
     return block[8 * start:8 * (start + 16)]
 
 
+class _WqeFactsLayout(data.StructLayout):
+    """What a WQE's format checks make of its first block (``WqeFetcher._facts``)."""
+    def __init__(self):
+        super().__init__({
+            "ok": 1,
+            "syndrome": Syndrome,       # when not ok
+            "has_raddr": 1,
+            "has_atomic": 1,
+            "has_data": 1,
+            "has_inline": 1,
+            "data_at": 2,               # data segment at byte 16, 32, 48 (1, 2, 3)
+            "inline_len": range(MAX_INLINE_BYTES + 1),
+        })
+
+
 class WqeFetcher(wiring.Component):
     """Reads mlx5 WQE basic blocks for fetch requests and parses them into WQE descriptors
     (docs/nic.md, "WQE fetch and parse").
@@ -34,7 +51,8 @@ class WqeFetcher(wiring.Component):
     the ring whatever their count (a fetch longer than the ring reads blocks again). R
     beats are taken in request order; ``r.last`` is not looked at. A request with
     ``blocks`` 0 or above 16, or a ``qpn`` of a QP the NIC does not have, reads nothing
-    and finishes with ``consumed`` 0.
+    and finishes with ``consumed`` 0. ``sq_base`` must be aligned to min(4096, ring
+    bytes), as RESET -> RTS checks: the addresses and cuts are formed on that premise.
 
     Parser: walks the buffered blocks in fetch order, one block per cycle (blocks go back
     to the buffer as they are popped). A WQE's first block gives its length
@@ -46,7 +64,8 @@ class WqeFetcher(wiring.Component):
     later). ``fetch_done`` pulses in the cycle after a fetch's last block was handled (it
     does not wait for the last descriptor to be taken). The request's ``epoch`` (the QP's
     rewind count, docs/nic.md "Doorbells") is copied into every descriptor of the fetch
-    and into its ``fetch_done``; the fetcher itself never looks at it.
+    and into its ``fetch_done``; the fetcher itself never looks at it. The four counters
+    count registered events, a cycle after them.
 
     Descriptor fields: multi-byte fields hold the numeric value of the big-endian bytes in
     memory; ``imm`` is the big-endian value of control-segment bytes 12..15, so sending it
@@ -82,7 +101,10 @@ class WqeFetcher(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        block_layout = data.StructLayout({"data": 8 * WQEBB_BYTES, "bad": 1})
+        # Each block is stored with its format checks as a WQE's first block, made as it
+        # arrives, so the parser only chooses between fields.
+        block_layout = data.StructLayout({"data": 8 * WQEBB_BYTES, "bad": 1,
+                                          "facts": _WqeFactsLayout()})
         # In flight between the two halves: every issued fetch (in order) and every block
         # read. The info queue is as deep as the buffer so one-block fetches can fill it.
         m.submodules.info = info = fifo.SyncFIFOBuffered(
@@ -90,73 +112,94 @@ class WqeFetcher(wiring.Component):
         m.submodules.blocks = blocks = fifo.SyncFIFOBuffered(
             width=block_layout.size, depth=self.buffer_blocks)
         free = Signal(range(self.buffer_blocks + 1), init=self.buffer_blocks)
-        reserve = Signal(range(MAX_WQE_BLOCKS + 1))
         release = Signal()
-        m.d.sync += free.eq(free - reserve + release)
+        self._issue(m, info, free, release)
 
-        self._issue(m, info, free, reserve)
-
+        arriving = Signal(_WqeFactsLayout())
+        self._facts(m, arriving, self.r.payload.data)
         m.d.comb += [
             self.r.ready.eq(1),
             blocks.w_en.eq(self.r.valid),
-            blocks.w_data.eq(Cat(self.r.payload.data, self.r.payload.resp != 0)),
+            blocks.w_data.eq(Cat(self.r.payload.data, self.r.payload.resp != 0, arriving)),
         ]
-        with m.If(self.r.valid):
-            m.d.sync += self.wqe_blocks_fetched.eq(self.wqe_blocks_fetched + 1)
-            with m.If(self.r.payload.resp != 0):
-                m.d.sync += self.fetch_read_errors.eq(self.fetch_read_errors + 1)
+        self._count(m, self.wqe_blocks_fetched, self.r.valid)
+        self._count(m, self.fetch_read_errors, self.r.valid & (self.r.payload.resp != 0))
 
         self._parse(m, info, blocks, block_layout, release)
         return m
 
-    def _issue(self, m, info, free, reserve):
+    def _issue(self, m, info, free, release):
         fetch, ar, cfg = self.fetch, self.ar, self.qp_config.data
         held = Signal()
         req = Signal(FetchRequestLayout())
-        at = Signal(16)                             # ring index of the next burst
-        left = Signal(range(MAX_WQE_BLOCKS + 1))    # blocks still to request
-        first = Signal()                            # the fetch has not reserved yet
+        blocks_less_one = Signal(4)     # of the held request, for the reservation
+        # The next burst: its ring position (only the bits below log_sq_size count), whether
+        # one is still to be requested, and how many blocks are left after it.
+        at = Signal(16)
+        requesting = Signal()
+        left_less_one = Signal(4)
+        first = Signal()                # the fetch has not reserved yet
 
-        ring_mask = Signal(16)
-        m.d.comb += ring_mask.eq((Const(1, 17) << cfg.log_sq_size) - 1)
+        # sq_base is aligned to min(4096, ring bytes) (RESET -> RTS checks it), so a ring
+        # of up to 64 blocks lies within one 4 KiB page and a larger one starts and ends on
+        # page boundaries: the next boundary, whichever it is, is the first position after
+        # ``at`` whose bits below min(log_sq_size, 6) are zero, and the ring index's bits
+        # 0..5 are ORed into the base, not added.
+        in_ring = Signal(16)            # bit i: i < log_sq_size
+        m.d.comb += in_ring.eq(Cat(cfg.log_sq_size > i for i in range(16)))
         index = Signal(16)
-        m.d.comb += index.eq(at & ring_mask)
-        addr = Signal(64)
-        m.d.comb += addr.eq(cfg.sq_base + Cat(C(0, 6), index))
-        to_end = Signal(17)
-        m.d.comb += to_end.eq(ring_mask + 1 - index)
-        to_4k = Signal(range(65))
-        m.d.comb += to_4k.eq(64 - addr[6:12])
-        to_end_or_left = Signal(range(MAX_WQE_BLOCKS + 1))
-        m.d.comb += to_end_or_left.eq(Mux(to_end < left, to_end, left))
-        beats = Signal(range(MAX_WQE_BLOCKS + 1))
-        m.d.comb += beats.eq(Mux(to_4k < to_end_or_left, to_4k, to_end_or_left))
+        m.d.comb += index.eq(at & in_ring)
+        to_boundary_less_one = Signal(6)
+        m.d.comb += to_boundary_less_one.eq(~at[:6] & in_ring[:6])
+        # The ring's index reaches into the base's bits 12..21 only: their carry out
+        # chooses between the upper bits and their increment, formed beside it.
+        page_low = lookahead_sum(m, cfg.sq_base[12:22], index[6:], name="sq_page_low")
+        upper = cfg.sq_base[22:]
+        upper_next = lookahead_sum(m, upper, 0, 1, name="sq_page_upper_next")
+        page = Signal(52)
+        m.d.comb += page.eq(Cat(page_low[:10], Mux(page_low[10], upper_next[:len(upper)], upper)))
+        last_burst = Signal()
+        m.d.comb += last_burst.eq(left_less_one <= to_boundary_less_one)
 
+        # at_least[k] is free >= k, kept beside free so the first burst's room check is a
+        # selection by the request's block count.
+        at_least = Signal(MAX_WQE_BLOCKS + 1, init=(1 << (MAX_WQE_BLOCKS + 1)) - 1)
         room = Signal()
-        m.d.comb += room.eq(info.w_rdy & (free >= req.blocks))
+        m.d.comb += room.eq(info.w_rdy & at_least.bit_select(req.blocks, 1))
         m.d.comb += [
-            ar.valid.eq(held & (left != 0) & (~first | room)),
+            ar.valid.eq(held & requesting & (~first | room)),
             ar.payload.id.eq(FETCH_ID),
-            ar.payload.addr.eq(addr),
-            ar.payload.len.eq(beats - 1),
+            ar.payload.addr.eq(Cat(C(0, 6), cfg.sq_base[6:12] | index[:6], page)),
+            ar.payload.len.eq(Mux(last_burst, left_less_one, to_boundary_less_one[:4])),
         ]
         fire = Signal()
         m.d.comb += fire.eq(ar.valid & ar.ready)
-        # A rejected request (left 0 from the start) only has to queue its empty fetch.
+        # A rejected request (nothing to request from the start) only queues its empty fetch.
         empty = Signal()
-        m.d.comb += empty.eq(held & first & (left == 0) & info.w_rdy)
+        m.d.comb += empty.eq(held & first & ~requesting & info.w_rdy)
         finish = Signal()
-        m.d.comb += finish.eq((fire & (left == beats)) | empty)
+        m.d.comb += finish.eq((fire & last_burst) | empty)
+        take = Signal()                 # the fetch's first burst reserves all its blocks
+        m.d.comb += take.eq(fire & first)
+        self._count_free(m, free, at_least, req.blocks, blocks_less_one, take=take,
+                         release=release)
         m.d.comb += [
-            info.w_en.eq((fire & first) | empty),
+            info.w_en.eq(take | empty),
             info.w_data.eq(req),
-            reserve.eq(Mux(fire & first, req.blocks, 0)),
             fetch.ready.eq(~held | finish),
             # The context is read in the accept cycle; holding the address keeps it current.
             self.qp_config.addr.eq(Mux(fetch.ready, fetch.payload.qpn, req.qpn)),
         ]
         with m.If(fire):
-            m.d.sync += [at.eq(at + beats), left.eq(left - beats), first.eq(0)]
+            m.d.sync += first.eq(0)
+            with m.If(last_burst):
+                m.d.sync += requesting.eq(0)
+            with m.Else():
+                # Cut at the boundary: the next burst starts on it.
+                m.d.sync += [
+                    at.eq(Cat(C(0, 6), at[6:] + 1)),
+                    left_less_one.eq(left_less_one + ~to_boundary_less_one[:4]),
+                ]
         with m.If(finish):
             m.d.sync += held.eq(0)
         with m.If(fetch.valid & fetch.ready):
@@ -164,40 +207,89 @@ class WqeFetcher(wiring.Component):
             ok = (p.blocks != 0) & (p.blocks <= MAX_WQE_BLOCKS) & (p.qpn < self.num_qps)
             m.d.sync += [
                 held.eq(1), first.eq(1), at.eq(p.wqe_index),
-                req.eq(p), req.blocks.eq(Mux(ok, p.blocks, 0)), left.eq(Mux(ok, p.blocks, 0)),
+                req.eq(p), req.blocks.eq(Mux(ok, p.blocks, 0)),
+                requesting.eq(ok), left_less_one.eq(p.blocks - 1), blocks_less_one.eq(p.blocks - 1),
             ]
+
+    @staticmethod
+    def _count_free(m, free, at_least, blocks, blocks_less_one, *, take, release):
+        """``free -= blocks`` on ``take``, ``+= 1`` on ``release``, and ``at_least`` with it:
+        every outcome is formed from registers and the strobes only choose between them."""
+        width = len(free)
+        minus = lookahead_sum(m, free, ~Cat(blocks, C(0, width - len(blocks))), 1,
+                              name="free_taken")
+        minus_plus_one = lookahead_sum(m, free, ~Cat(blocks_less_one,
+                                                     C(0, width - len(blocks_less_one))), 1,
+                                       name="free_taken_released")
+        plus_one = lookahead_sum(m, free, 1, name="free_released")
+        with m.If(take):
+            m.d.sync += free.eq(Mux(release, minus_plus_one[:width], minus[:width]))
+        with m.Elif(release):
+            m.d.sync += free.eq(plus_one[:width])
+
+        # free >= k for every k a next at_least can ask: k - 1 + blocks at most.
+        limit = 2 * MAX_WQE_BLOCKS
+        free_at_least = Signal(limit + 1)
+        m.d.comb += free_at_least.eq(Cat(C(1, 1), *(free >= k for k in range(1, limit + 1))))
+        taken, taken_released = Signal.like(at_least), Signal.like(at_least)
+        for k in range(MAX_WQE_BLOCKS + 1):
+            # free - blocks (+ 1) >= k: free >= k + blocks (- 1).
+            with m.Switch(blocks):
+                for b in range(MAX_WQE_BLOCKS + 1):
+                    with m.Case(b):
+                        m.d.comb += [taken[k].eq(free_at_least[k + b]),
+                                     taken_released[k].eq(free_at_least[max(k + b - 1, 0)])]
+        released = Cat(C(1, 1), at_least[:-1])
+        with m.If(take):
+            m.d.sync += at_least.eq(Mux(release, taken_released, taken))
+        with m.Elif(release):
+            m.d.sync += at_least.eq(released)
 
     def _parse(self, m, info, blocks, block_layout, release):
         wqe = self.wqe
         cur = data.View(FetchRequestLayout(), info.r_data)
         head = data.View(block_layout, blocks.r_data)
 
-        pos = Signal(range(MAX_WQE_BLOCKS + 1))         # block of the fetch at the head
+        # Where the head block is in its fetch: its first block (the fetch's own fields
+        # hold then), or as the registers below say.
+        fetch_start = Signal(init=1)
+        remaining_after_start = Signal(range(MAX_WQE_BLOCKS + 1))   # from the head on
+        index_after_start = Signal(16)                  # fetch position (mod 2^16)
         consumed = Signal(range(MAX_WQE_BLOCKS + 1))
         dropping = Signal()                             # the rest of the fetch is dropped
-        part = Signal(range(MAX_WQE_BLOCKS))            # block of the WQE at the head (0: first)
+        in_wqe = Signal()                               # the head is a later block of a WQE
+        blocks_after = Signal(range(MAX_WQE_BLOCKS))    # of that WQE, after the head
         wqe_blocks = Signal(range(MAX_WQE_BLOCKS + 1))
-        wqe_start = Signal(range(MAX_WQE_BLOCKS))
+        consumed_with_wqe = Signal(range(MAX_WQE_BLOCKS + 1))       # consumed + wqe_blocks
+        wqe_index = Signal(16)
         read_err = Signal()                             # a later block of the WQE was bad
         block0 = Signal(8 * WQEBB_BYTES)
+        facts0 = Signal(_WqeFactsLayout())
+
+        remaining = Signal(range(MAX_WQE_BLOCKS + 1))
+        m.d.comb += remaining.eq(Mux(fetch_start, cur.blocks, remaining_after_start))
+        head_index = Signal(16)
+        m.d.comb += head_index.eq(Mux(fetch_start, cur.wqe_index, index_after_start))
+        next_index = lookahead_sum(m, head_index, 0, 1, name="next_index")
 
         ds = head.data[56:62]
+        single = Signal()                               # the WQE at the head is one block
+        m.d.comb += single.eq(head.bad | (ds <= 4))
         head_blocks = Signal(range(MAX_WQE_BLOCKS + 1))
-        m.d.comb += head_blocks.eq(Mux(head.bad | (ds == 0), 1, (ds + 3) >> 2))
+        m.d.comb += head_blocks.eq(Mux(single, 1, (ds + 3) >> 2))
         at_start = Signal()
-        m.d.comb += at_start.eq(~dropping & (part == 0))
-        fits = Signal()
-        m.d.comb += fits.eq(head_blocks <= cur.blocks - pos)
+        m.d.comb += at_start.eq(~dropping & ~in_wqe)
+        fits = Signal()                                 # ceil(ds / 4) <= remaining
+        m.d.comb += fits.eq(single | (ds <= Cat(C(0, 2), remaining)))
         emit = Signal()
-        m.d.comb += emit.eq(Mux(at_start, fits & (head_blocks == 1),
-                                ~dropping & (part == wqe_blocks - 1)))
+        m.d.comb += emit.eq(Mux(at_start, single, ~dropping & (blocks_after == 0)))
         pop = Signal()
         m.d.comb += pop.eq(info.r_rdy & (cur.blocks != 0) & blocks.r_rdy &
                            (~emit | ~wqe.valid | wqe.ready))
         empty_fetch = Signal()
         m.d.comb += empty_fetch.eq(info.r_rdy & (cur.blocks == 0))
         last = Signal()
-        m.d.comb += last.eq(pos == cur.blocks - 1)
+        m.d.comb += last.eq(remaining == 1)
         m.d.comb += [
             blocks.r_en.eq(pop),
             release.eq(pop),
@@ -205,42 +297,50 @@ class WqeFetcher(wiring.Component):
         ]
 
         desc = Signal(WqeDescriptorLayout())
-        self._decode(m, desc,
+        facts = Signal(_WqeFactsLayout())
+        m.d.comb += facts.eq(Mux(at_start, head.facts, facts0))
+        self._fields(m, desc, facts,
                      block0=Mux(at_start, head.data, block0), block1=head.data,
                      bad0=at_start & head.bad, bad_later=~at_start & (read_err | head.bad))
         m.d.comb += [
             desc.qpn.eq(cur.qpn),
             desc.epoch.eq(cur.epoch),
-            desc.wqe_index.eq(cur.wqe_index + Mux(at_start, pos, wqe_start)),
+            desc.wqe_index.eq(Mux(at_start, head_index, wqe_index)),
             desc.wqe_blocks.eq(Mux(at_start, 1, wqe_blocks)),
         ]
 
-        added = Signal(range(MAX_WQE_BLOCKS + 1))       # blocks consumed by this pop
-        m.d.comb += added.eq(Mux(pop & emit, Mux(at_start, 1, wqe_blocks), 0))
+        self._count(m, self.wqes_parsed, wqe.valid & wqe.ready)
+        refetched = Signal()
+        m.d.comb += refetched.eq(pop & (dropping | (at_start & ~fits)))
+        self._count(m, self.wqe_blocks_refetched, refetched)
+
+        consumed_now = Signal(range(MAX_WQE_BLOCKS + 1))   # after this pop
+        m.d.comb += consumed_now.eq(Mux(emit, Mux(at_start, consumed + 1, consumed_with_wqe),
+                                        consumed))
         with m.If(wqe.valid & wqe.ready):
-            m.d.sync += [wqe.valid.eq(0), self.wqes_parsed.eq(self.wqes_parsed + 1)]
+            m.d.sync += wqe.valid.eq(0)
         m.d.sync += self.fetch_done.valid.eq(0)
         with m.If(pop):
-            m.d.sync += pos.eq(pos + 1)
+            m.d.sync += [fetch_start.eq(0), remaining_after_start.eq(remaining - 1),
+                         index_after_start.eq(next_index)]
             with m.If(dropping | (at_start & ~fits)):
-                m.d.sync += [
-                    dropping.eq(1),
-                    self.wqe_blocks_refetched.eq(self.wqe_blocks_refetched + 1),
-                ]
+                m.d.sync += dropping.eq(1)
             with m.Elif(emit):
-                m.d.sync += [wqe.valid.eq(1), wqe.payload.eq(desc), part.eq(0),
-                             consumed.eq(consumed + added), dropping.eq(cur.first_only)]
+                m.d.sync += [wqe.valid.eq(1), wqe.payload.eq(desc), in_wqe.eq(0),
+                             consumed.eq(consumed_now), dropping.eq(cur.first_only)]
             with m.Elif(at_start):
-                m.d.sync += [part.eq(1), wqe_blocks.eq(head_blocks), wqe_start.eq(pos),
-                             block0.eq(head.data), read_err.eq(0)]
+                m.d.sync += [in_wqe.eq(1), blocks_after.eq(head_blocks - 2),
+                             wqe_blocks.eq(head_blocks), consumed_with_wqe.eq(consumed + head_blocks),
+                             wqe_index.eq(head_index), block0.eq(head.data), facts0.eq(head.facts),
+                             read_err.eq(0)]
             with m.Else():
-                m.d.sync += [part.eq(part + 1), read_err.eq(read_err | head.bad)]
+                m.d.sync += [blocks_after.eq(blocks_after - 1), read_err.eq(read_err | head.bad)]
             with m.If(last):
                 m.d.sync += [
-                    pos.eq(0), consumed.eq(0), dropping.eq(0), part.eq(0),
+                    fetch_start.eq(1), consumed.eq(0), dropping.eq(0), in_wqe.eq(0),
                     self.fetch_done.valid.eq(1),
                     self.fetch_done.payload.qpn.eq(cur.qpn),
-                    self.fetch_done.payload.consumed.eq(consumed + added),
+                    self.fetch_done.payload.consumed.eq(consumed_now),
                     self.fetch_done.payload.epoch.eq(cur.epoch),
                 ]
         with m.If(empty_fetch):
@@ -252,24 +352,29 @@ class WqeFetcher(wiring.Component):
             ]
 
     @staticmethod
-    def _decode(m, desc, *, block0, block1, bad0, bad_later):
-        """Fields and format checks of the WQE whose first two blocks are ``block0`` and
-        ``block1`` (docs/nic.md's segment table)."""
+    def _count(m, counter, event):
+        """Counts ``event`` into ``counter`` a cycle after it: the event is registered first,
+        so the 32-bit sum starts from registers."""
+        counted = Signal(name=f"{counter.name}_event")
+        m.d.sync += [counted.eq(event),
+                     counter.eq(lookahead_sum(m, counter, counted, name=f"{counter.name}_next"))]
+
+    @staticmethod
+    def _facts(m, facts, block0):
+        """The format checks of the WQE whose first block is ``block0`` (docs/nic.md's
+        segment table), into ``facts``."""
         opcode = block0[24:32]
         ds = block0[56:62]
-        raddr_at = _segment(block0, 16)
         word16 = _be(block0, 16, 4)
         word32 = _be(block0, 32, 4)
         word48 = _be(block0, 48, 4)
 
-        ok = Signal()
-        syndrome = Signal(Syndrome, init=Syndrome.LOCAL_QP_OP_ERR)
-        has_raddr = Signal()
-        has_atomic = Signal()
-        has_data = Signal()
-        has_inline = Signal()
-        data_at = Signal(2)         # data segment at byte 16, 32, 48 (1, 2, 3)
-        inline_len = Signal(range(MAX_INLINE_BYTES + 1))
+        ok, syndrome = facts.ok, facts.syndrome
+        has_raddr, has_atomic = facts.has_raddr, facts.has_atomic
+        has_data, has_inline = facts.has_data, facts.has_inline
+        data_at, inline_len = facts.data_at, facts.inline_len
+        # Not ok unless a rule below says so; an error is LOCAL_QP_OP_ERR unless it says so.
+        m.d.comb += syndrome.eq(Syndrome.LOCAL_QP_OP_ERR)
 
         def data_or_inline(at, word, base):
             # ``base``: ds of the WQE without its data (the empty form).
@@ -300,6 +405,18 @@ class WqeFetcher(wiring.Component):
                 with m.If((ds == 4) & (word48 != 8)):
                     m.d.comb += syndrome.eq(Syndrome.LOCAL_LENGTH_ERR)
                 m.d.comb += ok.eq((ds == 4) & (word48 == 8))
+
+    @staticmethod
+    def _fields(m, desc, facts, *, block0, block1, bad0, bad_later):
+        """The descriptor fields of the WQE whose first two blocks are ``block0`` and
+        ``block1``, the first's format checks ``facts``."""
+        opcode = block0[24:32]
+        ds = block0[56:62]
+        raddr_at = _segment(block0, 16)
+        ok, syndrome = facts.ok, facts.syndrome
+        has_raddr, has_atomic = facts.has_raddr, facts.has_atomic
+        has_data, has_inline = facts.has_data, facts.has_inline
+        data_at, inline_len = facts.data_at, facts.inline_len
 
         good = Signal()
         m.d.comb += good.eq(ok & ~bad0 & ~bad_later)
