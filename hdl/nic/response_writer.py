@@ -128,10 +128,21 @@ class ResponseWriter(wiring.Component):
     packet's command (after the verdict); a slot from a packet's start beat until it
     has landed.
 
+    **Depth** (docs/fpga.md). Every port keeps the timing above; inside, the decisions read
+    registers: the ring's beats in use (its top bit is "full"), whether the next beat is
+    stored, the packets not landed kept apart from the one whose end beat moved in the
+    cycle before (``ended``, which the slot test and the verdict hit also look at), the
+    head's command itself (formed in the cycle before from the slot tables, or from the
+    verdict arriving for the head after this cycle), and per slot whether its packet waits
+    for a verdict and whether its verdict writes. A verdict's fit to its packet is a
+    carry-save layer and one lookahead sum, done as it arrives.
+
     Resources: the ring (``buffer_beats`` x 512 bits, one write and one read port), two
-    ``slots``-entry tables read asynchronously (packet place: ~26 bits; verdict:
-    ``addr_width`` + 19 bits), a ``slots`` x 2-bit FIFO of burst counts, and the
-    DmaWriter (three 4-deep job queues and a 4-beat data queue).
+    ``slots``-entry tables read asynchronously (packet place: ~26 bits, read at the
+    verdict's slot, the head's and the next; verdict: ``addr_width`` + 21 bits, read at
+    the head's and the next), a ``slots`` x 2-bit FIFO of burst counts, three bits per
+    slot, the head's command, and the DmaWriter (three 4-deep job queues and a 4-beat
+    data queue).
 
     Parameters
     ----------
