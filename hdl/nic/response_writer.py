@@ -133,7 +133,8 @@ class ResponseWriter(wiring.Component):
     stored, the packets not landed kept apart from the one whose end beat moved in the
     cycle before (``ended``, which the slot test and the verdict hit also look at), the
     head's command itself (formed in the cycle before from the slot tables, or from the
-    verdict arriving for the head after this cycle), and per slot whether its packet waits
+    verdict arriving for the head after this cycle, whose fit is then a flip-flop of its
+    own, applied as the command leaves), and per slot whether its packet waits
     for a verdict and whether its verdict writes. A verdict's fit to its packet is a
     carry-save layer and one lookahead sum, done as it arrives.
 
@@ -412,7 +413,8 @@ class ResponseWriter(wiring.Component):
         # arriving for it.
         command = dma.command
         head_judged = Signal()          # judged[head_slot]
-        head_writes = Signal()          # writes[head_slot]
+        head_writes = Signal()          # writes[head_slot], but for the verdict's fit
+        head_fits = Signal()            # ... and that fit
         head_command = Signal(DmaWriteLayout())
         head_bursts = Signal(2)         # command_bursts of the head's command
         # Burst counts of commands given and not landed: at most ``slots`` of them.
@@ -420,7 +422,8 @@ class ResponseWriter(wiring.Component):
         m.d.comb += [
             command.valid.eq(head_judged & landing.w_rdy),
             command.payload.eq(head_command),
-            landing.w_data.eq(head_bursts),
+            command.payload.bytes.eq(Mux(head_fits, head_command.bytes, 0)),
+            landing.w_data.eq(Mux(head_fits, head_bursts, 0)),
             landing.w_en.eq(command.valid & command.ready),
         ]
         dispatch = wire(command.valid & command.ready, "dispatch")
@@ -447,12 +450,13 @@ class ResponseWriter(wiring.Component):
         discard_after = for_head_after(self.discard, self.discard.payload, "discard_after")
         place = packet_layout(Mux(dispatch, packets_n.data, packets_h.data))
         judgement = write_layout(Mux(dispatch, verdicts_n.data, verdicts_h.data))
-        writes_after = wire(Mux(discard_after, 0, Mux(verdict_after, verdict_writes,
+        writes_after = wire(Mux(discard_after, 0, Mux(verdict_after, verdict.write,
                                                       after(writes))),
                             "writes_after")
         m.d.sync += [
             head_judged.eq(after(judged) | verdict_after | discard_after),
             head_writes.eq(writes_after),
+            head_fits.eq(~verdict_after | fits),
             head_command.addr.eq(Mux(verdict_after, verdict.addr[:self.addr_width],
                                      judgement.addr)),
             head_command.bytes.eq(Mux(writes_after, Mux(verdict_after, verdict.bytes,
@@ -468,7 +472,7 @@ class ResponseWriter(wiring.Component):
             with m.If(head_slot == slots - 1):
                 m.d.sync += head_upper_plus1.eq(head_upper_plus1 + 1)
         m.d.sync += self.responses_discarded.eq(self.responses_discarded
-                                                + (dispatch & ~head_writes))
+                                                + (dispatch & ~(head_writes & head_fits)))
         for k in range(slots):
             with m.If(ended & (ended_slot == k)):
                 m.d.sync += awaiting[k].eq(1)
