@@ -24,12 +24,22 @@ AXI_BURST_INCR = 0b01
 AXI_RESP_OKAY = 0b00
 
 
-def command_bursts(addr, nbytes):
+def command_bursts(m, addr, nbytes, *, name="bursts"):
     """The AW bursts (and so B responses) a command of ``nbytes`` bytes to ``addr`` gives:
     none if it writes nothing (0 or more than 4096 bytes), two if it crosses a 4 KiB line,
-    else one. For a block that must know when a command's writes have all been answered."""
+    else one. For a block that must know when a command's writes have all been answered.
+    Combinational logic in ``m``, outside any ``m.If`` (:func:`lookahead_sum`)."""
     writes = (nbytes != 0) & (nbytes <= MAX_WRITE_BYTES)
-    return Mux(writes, 1 + (addr[:12] + nbytes > 4096), 0)
+    # addr[:12] + nbytes > 4096 is the carry out of addr[:12] + nbytes + (2**14 - 4097):
+    # a carry-save layer (a constant third operand), then one lookahead sum.
+    line, nbytes = addr[:12], Value.cast(nbytes)[:14]
+    bias = C((1 << 14) - (MAX_WRITE_BYTES + 1), 14)
+    partial = Signal(14, name=f"{name}_s")
+    carries = Signal(14, name=f"{name}_c")
+    m.d.comb += [partial.eq(line ^ nbytes ^ bias),
+                 carries.eq((line & nbytes) | (line & bias) | (nbytes & bias))]
+    crosses = lookahead_sum(m, partial, Cat(C(0, 1), carries[:13]), name=name)[14]
+    return Mux(writes, 1 + crosses, 0)
 
 
 class _ReadJob(data.StructLayout):

@@ -3,13 +3,14 @@ from amaranth.lib import data, fifo, memory, stream, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
+from hdl.arith import lookahead_sum
 from hdl.ib.headers import AETH, BTH, LRH
 from hdl.link.signatures import BeatLayout, vl_index
 
 from .dma_writer import DmaWriter, command_bursts
 from .signatures import (
     MAX_PACKET_BEATS, READ_DATA_ID, RESPONSE_SEQ_BITS, RX_BUFFER_BEAT_BITS, AxiWriteSignature,
-    ResponseVerdictLayout,
+    DmaWriteLayout, ResponseVerdictLayout,
 )
 
 __all__ = ["ResponseWriter", "MAX_SLOTS"]
@@ -38,9 +39,11 @@ class _PacketLayout(data.StructLayout):
 
 
 class _WriteLayout(data.StructLayout):
-    """The part of a verdict kept until its packet's command goes out."""
+    """The part of a verdict kept until its packet's command goes out, with the AW
+    bursts (:func:`command_bursts`) it gives if it writes."""
     def __init__(self, addr_width):
-        super().__init__({"addr": addr_width, "bytes": range(4096 + 1), "offset": 6})
+        super().__init__({"addr": addr_width, "bytes": range(4096 + 1), "offset": 6,
+                          "bursts": 2})
 
 
 class ResponseWriter(wiring.Component):
@@ -125,10 +128,22 @@ class ResponseWriter(wiring.Component):
     packet's command (after the verdict); a slot from a packet's start beat until it
     has landed.
 
+    **Depth** (docs/fpga.md). Every port keeps the timing above; inside, the decisions read
+    registers: the ring's beats in use (its top bit is "full"), whether the next beat is
+    stored, the packets not landed kept apart from the one whose end beat moved in the
+    cycle before (``ended``, which the slot test and the verdict hit also look at), the
+    head's command itself (formed in the cycle before from the slot tables, or from the
+    verdict arriving for the head after this cycle, whose fit is then a flip-flop of its
+    own, applied as the command leaves), and per slot whether its packet waits
+    for a verdict and whether its verdict writes. A verdict's fit to its packet is a
+    carry-save layer and one lookahead sum, done as it arrives.
+
     Resources: the ring (``buffer_beats`` x 512 bits, one write and one read port), two
-    ``slots``-entry tables read asynchronously (packet place: ~26 bits; verdict:
-    ``addr_width`` + 19 bits), a ``slots`` x 2-bit FIFO of burst counts, and the
-    DmaWriter (three 4-deep job queues and a 4-beat data queue).
+    ``slots``-entry tables read asynchronously (packet place: ~26 bits, read at the
+    verdict's slot, the head's and the next; verdict: ``addr_width`` + 21 bits, read at
+    the head's and the next), a ``slots`` x 2-bit FIFO of burst counts, three bits per
+    slot, the head's command, and the DmaWriter (three 4-deep job queues and a 4-beat
+    data queue).
 
     Parameters
     ----------
@@ -183,6 +198,12 @@ class ResponseWriter(wiring.Component):
         packet_layout = _PacketLayout(beat_bits)
         write_layout = _WriteLayout(self.addr_width)
 
+        def wire(value, name):
+            # An intermediate used more than once: Amaranth would emit the expression again.
+            signal = Signal(len(Value.cast(value)), name=name)
+            m.d.comb += signal.eq(value)
+            return signal
+
         m.submodules.ring = ring = memory.Memory(shape=8 * WIDTH, depth=depth, init=[])
         ring_w = ring.write_port()
         ring_r = ring.read_port(domain="sync")
@@ -197,34 +218,41 @@ class ResponseWriter(wiring.Component):
         ]
 
         seq = Signal(RESPONSE_SEQ_BITS)     # the packet being stored, or the next one
-        head = Signal(RESPONSE_SEQ_BITS)    # the oldest stored packet without its command
+        seq_slot = seq[:slot_bits]
         landed = self.landed
         for v in range(num_vls):
             m.d.comb += self.out_seq[v].eq(seq)
 
-        # Ring pointers carry one bit above the address so that full and empty differ.
-        write_ptr = Signal(beat_bits + 1)
-        tail = Signal(beat_bits + 1)
-        with m.If(dma.release.valid):
-            m.d.sync += tail.eq(tail + dma.release.payload)
-        room = ~(write_ptr - tail)[beat_bits]
-        # A new packet needs a slot: seq .. seq - slots + 1 must not reach a packet that
-        # has not landed, whose slot entries may still be read.
-        slot_free = (seq - landed)[:RESPONSE_SEQ_BITS] < slots
+        # The ring's beats in use (written, not yet released: 0 .. depth) are a register
+        # whose top bit says the ring is full.
+        write_ptr = Signal(beat_bits)
+        used = Signal(beat_bits + 1)
+        room = ~used[beat_bits]
+        # Whether a stored packet's end beat moved in the cycle before, and its slot: the
+        # facts that look at it take it from this register, a cycle late.
+        ended = Signal()
+        ended_slot = Signal(slot_bits)
+        # A new packet needs a slot (seq - landed < slots): a packet's slot entries may be
+        # read until it has landed. Kept as the packets not landed but the one that ended
+        # in the cycle before (0 .. slots), plus ``ended``.
+        unlanded = Signal(slot_bits + 1)
+        slot_free = ~unlanded[slot_bits] & ~(ended & (unlanded == slots - 1))
 
         # --- Ingress: pass-through, and one stored packet at a time ---------------------
         busy = Signal()                     # a stored packet's beats are being taken
         current = Signal(vl_index(num_vls))
         last_grant = Signal(vl_index(num_vls))
         beats_before = Signal(range(MAX_PACKET_BEATS + 1))   # saturates: not stored beyond
+        # Whether the next beat taken is stored (~busy | beats_before < MAX_PACKET_BEATS).
+        stores = Signal(init=1)
         packet_start = Signal(beat_bits)
         # A stored kind's start beat offered on ``out`` but not taken (its ``out`` not
         # ready) keeps the grant, so that its valid stays up until it moves.
         hold = Signal()
         held = Signal(vl_index(num_vls))
 
-        index = Mux(busy, beats_before, 0)
-        stores = index < MAX_PACKET_BEATS
+        index = wire(Mux(busy, beats_before, 0), "index")
+        index_plus1 = wire(Mux(busy, beats_before + 1, 1), "index_plus1")
         pending = Signal(num_vls)
         rr_grant = Signal(vl_index(num_vls))
         rr_granted = Signal()
@@ -238,6 +266,10 @@ class ResponseWriter(wiring.Component):
         go = ~busy & (hold | rr_granted) & room & slot_free
 
         taken = Signal(num_vls)             # a stored packet's beat moves on VL v
+        # Each VL's part of what a taken beat writes, chosen by VL afterwards: its stored
+        # length if it is the end beat, and bytes 24..31 of the start beat (an ATOMIC
+        # ACKNOWLEDGE's original value, reversed into host order).
+        lengths, origs = [], []
         for v in range(num_vls):
             rx, out = self.rx[v], self.out[v]
             opcode = rx.payload.data[8 * OPCODE_BYTE:8 * OPCODE_BYTE + 8]
@@ -262,6 +294,14 @@ class ResponseWriter(wiring.Component):
             ]
             with m.If(rx.valid & rx.ready & ~ours & ~starts & (rx.payload.start | passing)):
                 m.d.sync += passing.eq(~rx.payload.end)
+            # index * 64 + count, the count's top bit added to the index.
+            count = rx.payload.count
+            lengths.append(wire(Mux(stores, Cat(count[:6], Mux(count[6], index_plus1, index)),
+                                    MAX_STORED_BYTES), f"length{v}"))
+            orig = rx.payload.data[8 * ORIG_BYTE:8 * (ORIG_BYTE + ORIG_BYTES)]
+            orig_host = Cat(orig[8 * i:8 * i + 8] for i in reversed(range(ORIG_BYTES)))
+            is_atomic = opcode == ATOMIC_ACKNOWLEDGE
+            origs.append(wire(Mux(~busy & is_atomic, orig_host, orig), f"orig{v}"))
 
         select = Mux(busy, current, grant)
         beat = BeatLayout(WIDTH)(Array(Value.cast(self.rx[v].payload) for v in range(num_vls))[select])
@@ -270,112 +310,202 @@ class ResponseWriter(wiring.Component):
         m.d.sync += held.eq(grant)
 
         first = ~busy
-        orig = beat.data[8 * ORIG_BYTE:8 * (ORIG_BYTE + ORIG_BYTES)]
-        orig_host = Cat(orig[8 * i:8 * i + 8] for i in reversed(range(ORIG_BYTES)))
-        is_atomic = beat.data[8 * OPCODE_BYTE:8 * OPCODE_BYTE + 8] == ATOMIC_ACKNOWLEDGE
         m.d.comb += [
-            ring_w.addr.eq(write_ptr[:beat_bits]),
-            ring_w.data.eq(Mux(first & is_atomic,
-                               Cat(beat.data[:8 * ORIG_BYTE], orig_host,
-                                   beat.data[8 * (ORIG_BYTE + ORIG_BYTES):]),
-                               beat.data)),
+            ring_w.addr.eq(write_ptr),
+            ring_w.data.eq(Cat(beat.data[:8 * ORIG_BYTE], Array(origs)[select],
+                               beat.data[8 * (ORIG_BYTE + ORIG_BYTES):])),
             ring_w.en.eq(take & stores),
         ]
         m.d.sync += write_ptr.eq(write_ptr + (take & stores))
         with m.If(take):
             m.d.sync += [
                 busy.eq(~beat.end),
-                beats_before.eq(Mux(stores, index + 1, index)),
+                beats_before.eq(Mux(stores, index_plus1, index)),
+                stores.eq(beat.end | (stores & (index < MAX_PACKET_BEATS - 1))),
             ]
             with m.If(first):
                 m.d.sync += [current.eq(select), last_grant.eq(select),
-                             packet_start.eq(write_ptr[:beat_bits])]
+                             packet_start.eq(write_ptr)]
+
+        # The ring's use: less what the DmaWriter releases (a register of it), plus the
+        # beat stored now; both outcomes summed from registers, then chosen.
+        released = Signal(range(MAX_PACKET_BEATS + 1))
+        m.d.comb += released.eq(Mux(dma.release.valid, dma.release.payload, 0))
+        not_released = wire(~Cat(released, C(0, beat_bits + 1 - len(released))), "not_released")
+        freed = lookahead_sum(m, used, not_released, 1, name="freed")[:beat_bits + 1]
+        # used - released + 1 = used + ~released + 2: a carry-save layer, then one sum.
+        two = C(2, beat_bits + 1)
+        freed1_s = wire(used ^ not_released ^ two, "freed1_s")
+        freed1_c = wire((used & not_released) | (used & two) | (not_released & two), "freed1_c")
+        freed_plus1 = lookahead_sum(m, freed1_s, Cat(C(0, 1), freed1_c[:beat_bits]),
+                                    name="freed_plus1")[:beat_bits + 1]
+        m.d.sync += used.eq(Mux(take & stores, freed_plus1, freed))
 
         # Where each stored packet lies, by seq, written as its end beat moves.
         m.submodules.packets = packets = memory.Memory(shape=packet_layout, depth=slots, init=[])
         packets_w = packets.write_port()
-        packets_r = packets.read_port(domain="comb")
         ends = take & beat.end
         m.d.comb += [
-            packets_w.addr.eq(seq[:slot_bits]),
+            packets_w.addr.eq(seq_slot),
             packets_w.en.eq(ends),
-            packets_w.data.start.eq(Mux(first, write_ptr[:beat_bits], packet_start)),
-            packets_w.data.beats.eq(Mux(stores, index + 1, index)),
-            packets_w.data.length.eq(Mux(stores, index * WIDTH + beat.count, MAX_STORED_BYTES)),
+            packets_w.data.start.eq(Mux(first, write_ptr, packet_start)),
+            packets_w.data.beats.eq(Mux(stores, index_plus1, index)),
+            packets_w.data.length.eq(Array(lengths)[select]),
         ]
-        m.d.sync += seq.eq(seq + ends)
+        with m.If(ends):
+            m.d.sync += seq.eq(seq + 1)
+        m.d.sync += [ended.eq(ends), ended_slot.eq(seq_slot)]
 
         # --- Verdicts: by slot, a judged flag, the write flag and the write itself ---------
-        judged = Signal(slots)
-        writes = Signal(slots)
+        head = Signal(RESPONSE_SEQ_BITS)    # the oldest stored packet without its command
+        head_slot, head_upper = head[:slot_bits], head[slot_bits:]
+        head_plus1 = Signal(RESPONSE_SEQ_BITS, init=1)
+        next_slot = head_plus1[:slot_bits]
+        head_upper_plus1 = Signal(RESPONSE_SEQ_BITS - slot_bits, init=1)    # head_upper + 1
+        awaiting = Signal(slots)    # the slot's packet ended (before ``ended``), no verdict yet
+        judged = Signal(slots)      # ... has its verdict and no command yet
+        writes = Signal(slots)      # ... and the verdict writes (a write that fits)
         m.submodules.verdicts = verdicts = memory.Memory(shape=write_layout, depth=slots, init=[])
         verdicts_w = verdicts.write_port()
-        verdicts_r = verdicts.read_port(domain="comb")
-        waiting = (seq - head)[:RESPONSE_SEQ_BITS]      # stored, and without a command yet
 
-        def hit(stream_, number):
-            """The slot a verdict input names, if its packet is waiting for a verdict."""
-            slot = number[:slot_bits]
-            valid = (stream_.valid & ((number - head)[:RESPONSE_SEQ_BITS] < waiting)
-                     & ~judged.bit_select(slot, 1))
+        def slot_bit(bits, slot):
+            """Bit ``slot`` of a per-slot vector, as a multiplexer (a shifter maps deeper)."""
+            return Array(bits[k] for k in range(slots))[slot]
+
+        def waits(slot):
+            """Whether the slot's packet has ended and has no verdict yet."""
+            return slot_bit(awaiting, slot) | (ended & (slot == ended_slot))
+
+        def hit(stream_, number, name):
+            """The slot a verdict input names, if its packet is waiting for a verdict. The
+            packets waiting are head .. head + slots - 1, so one in a slot below head's has
+            head's upper bits plus one."""
+            slot, upper = number[:slot_bits], number[slot_bits:]
+            in_window = Mux(slot < head_slot, upper == head_upper_plus1, upper == head_upper)
+            valid = wire(stream_.valid & waits(slot) & in_window, name)
             return valid, slot
 
         verdict = self.verdict.payload
-        verdict_valid, verdict_slot = hit(self.verdict, verdict.seq)
-        discard_valid, discard_slot = hit(self.discard, self.discard.payload)
+        verdict_valid, verdict_slot = hit(self.verdict, verdict.seq, "verdict_hit")
+        discard_valid, discard_slot = hit(self.discard, self.discard.payload, "discard_hit")
+        # Whether the write fits the stored packet (offset + bytes <= length): no carry out
+        # of offset + bytes + ~length, a carry-save layer and one sum.
+        packets_v = packets.read_port(domain="comb")
+        m.d.comb += packets_v.addr.eq(verdict_slot)
+        fit_a, fit_b = verdict.offset, verdict.bytes
+        fit_c = ~Cat(packets_v.data.length, C(0, 15 - len(packets_v.data.length)))
+        fit_s = wire(fit_a ^ fit_b ^ fit_c, "fit_s")
+        fit_k = wire((fit_a & fit_b) | (fit_a & fit_c) | (fit_b & fit_c), "fit_k")
+        fits = ~lookahead_sum(m, fit_s[:15], Cat(C(0, 1), fit_k[:14]), name="fit_sum")[15]
+        verdict_writes = wire(verdict.write & fits, "verdict_writes")
         m.d.comb += [
             verdicts_w.addr.eq(verdict_slot),
             verdicts_w.en.eq(verdict_valid),
             verdicts_w.data.addr.eq(verdict.addr[:self.addr_width]),
             verdicts_w.data.bytes.eq(verdict.bytes),
             verdicts_w.data.offset.eq(verdict.offset),
+            verdicts_w.data.bursts.eq(command_bursts(m, verdict.addr, verdict.bytes)),
         ]
 
         # --- Commands, oldest packet first ------------------------------------------------
-        head_slot = head[:slot_bits]
-        m.d.comb += [packets_r.addr.eq(head_slot), verdicts_r.addr.eq(head_slot)]
-        place, judgement = packets_r.data, verdicts_r.data
-        fits = judgement.offset + judgement.bytes <= place.length
-        writes_head = writes.bit_select(head_slot, 1) & fits
+        # The head's command is a register, formed in the cycle before from its slot's
+        # entries (head's, or the next slot's if the head moves on) or from the verdict
+        # arriving for it.
         command = dma.command
-        nbytes = Mux(writes_head, judgement.bytes, 0)
+        head_judged = Signal()          # judged[head_slot]
+        head_writes = Signal()          # writes[head_slot], but for the verdict's fit
+        head_fits = Signal()            # ... and that fit
+        head_command = Signal(DmaWriteLayout())
+        head_bursts = Signal(2)         # command_bursts of the head's command
         # Burst counts of commands given and not landed: at most ``slots`` of them.
         m.submodules.landing = landing = fifo.SyncFIFO(width=2, depth=slots)
         m.d.comb += [
-            command.valid.eq((waiting != 0) & judged.bit_select(head_slot, 1) & landing.w_rdy),
-            command.payload.addr.eq(judgement.addr),
-            command.payload.bytes.eq(nbytes),
-            command.payload.src_beat.eq(place.start),
-            command.payload.src_offset.eq(judgement.offset),
-            command.payload.release_beats.eq(place.beats),
-            landing.w_data.eq(command_bursts(judgement.addr, nbytes)),
+            command.valid.eq(head_judged & landing.w_rdy),
+            command.payload.eq(head_command),
+            command.payload.bytes.eq(Mux(head_fits, head_command.bytes, 0)),
+            landing.w_data.eq(Mux(head_fits, head_bursts, 0)),
             landing.w_en.eq(command.valid & command.ready),
         ]
-        dispatch = command.valid & command.ready
+        dispatch = wire(command.valid & command.ready, "dispatch")
+
+        packets_h, packets_n = packets.read_port(domain="comb"), packets.read_port(domain="comb")
+        verdicts_h, verdicts_n = verdicts.read_port(domain="comb"), verdicts.read_port(domain="comb")
+        m.d.comb += [packets_h.addr.eq(head_slot), verdicts_h.addr.eq(head_slot),
+                     packets_n.addr.eq(next_slot), verdicts_n.addr.eq(next_slot)]
+
+        def after(bits):
+            """A slot's bit of the head after this cycle (the next slot's if it moves on)."""
+            return Mux(dispatch, slot_bit(bits, next_slot), slot_bit(bits, head_slot))
+
+        # A verdict or discard for the head after this cycle: its number, and the head's
+        # packet waiting (the same as a hit on its slot, without the window's compares).
+        waits_head = wire(waits(head_slot), "waits_head")
+        waits_next = wire(waits(next_slot), "waits_next")
+
+        def for_head_after(stream_, number, name):
+            return wire(stream_.valid & Mux(dispatch, (number == head_plus1) & waits_next,
+                                            (number == head) & waits_head), name)
+
+        verdict_after = for_head_after(self.verdict, verdict.seq, "verdict_after")
+        discard_after = for_head_after(self.discard, self.discard.payload, "discard_after")
+        place = packet_layout(Mux(dispatch, packets_n.data, packets_h.data))
+        judgement = write_layout(Mux(dispatch, verdicts_n.data, verdicts_h.data))
+        writes_after = wire(Mux(discard_after, 0, Mux(verdict_after, verdict.write,
+                                                      after(writes))),
+                            "writes_after")
         m.d.sync += [
-            head.eq(head + dispatch),
-            self.responses_discarded.eq(self.responses_discarded + (dispatch & ~writes_head)),
+            head_judged.eq(after(judged) | verdict_after | discard_after),
+            head_writes.eq(writes_after),
+            head_fits.eq(~verdict_after | fits),
+            head_command.addr.eq(Mux(verdict_after, verdict.addr[:self.addr_width],
+                                     judgement.addr)),
+            head_command.bytes.eq(Mux(writes_after, Mux(verdict_after, verdict.bytes,
+                                                        judgement.bytes), 0)),
+            head_command.src_beat.eq(place.start),
+            head_command.src_offset.eq(Mux(verdict_after, verdict.offset, judgement.offset)),
+            head_command.release_beats.eq(place.beats),
+            head_bursts.eq(Mux(writes_after, Mux(verdict_after, verdicts_w.data.bursts,
+                                                 judgement.bursts), 0)),
         ]
+        with m.If(dispatch):
+            m.d.sync += [head.eq(head_plus1), head_plus1.eq(head_plus1 + 1)]
+            with m.If(head_slot == slots - 1):
+                m.d.sync += head_upper_plus1.eq(head_upper_plus1 + 1)
+        m.d.sync += self.responses_discarded.eq(self.responses_discarded
+                                                + (dispatch & ~(head_writes & head_fits)))
         for k in range(slots):
+            with m.If(ended & (ended_slot == k)):
+                m.d.sync += awaiting[k].eq(1)
             with m.If(dispatch & (head_slot == k)):
                 m.d.sync += judged[k].eq(0)
             with m.If(verdict_valid & (verdict_slot == k)):
-                m.d.sync += [judged[k].eq(1), writes[k].eq(verdict.write)]
+                m.d.sync += [awaiting[k].eq(0), judged[k].eq(1), writes[k].eq(verdict_writes)]
             with m.If(discard_valid & (discard_slot == k)):
-                m.d.sync += [judged[k].eq(1), writes[k].eq(0)]
+                m.d.sync += [awaiting[k].eq(0), judged[k].eq(1), writes[k].eq(0)]
 
         # --- Landing: a command is done once released and its B responses are all in ---
         axi = self.axi
         unanswered = Signal(range(2 * slots + 1))   # AW bursts accepted, B not yet come
         answers = Signal(range(2 * slots + 1))      # B responses not yet matched to commands
         releases = Signal(range(slots + 1))         # releases not yet matched to commands
-        answer = axi.bvalid & axi.bready & (unanswered != 0)
-        pop = landing.r_rdy & (releases != 0) & (answers >= landing.r_data)
+        answer = wire(axi.bvalid & axi.bready & (unanswered != 0), "answer")
+        pop = wire(landing.r_rdy & (releases != 0) & (answers >= landing.r_data), "pop")
         m.d.comb += landing.r_en.eq(pop)
-        m.d.sync += [
-            unanswered.eq(unanswered + (axi.awvalid & axi.awready) - answer),
-            answers.eq(answers + answer - Mux(pop, landing.r_data, 0)),
-            releases.eq(releases + dma.release.valid - pop),
-            landed.eq(landed + pop),
-        ]
+        m.d.sync += unanswered.eq(unanswered + (axi.awvalid & axi.awready) - answer)
+        # The B responses left with and without the oldest command's, summed beforehand.
+        answers_popped = wire(answers - landing.r_data, "answers_popped")
+        with m.If(pop):
+            m.d.sync += answers.eq(answers_popped + answer)
+        with m.Else():
+            m.d.sync += answers.eq(answers + answer)
+        with m.If(dma.release.valid & ~pop):
+            m.d.sync += releases.eq(releases + 1)
+        with m.Elif(pop & ~dma.release.valid):
+            m.d.sync += releases.eq(releases - 1)
+        with m.If(pop):
+            m.d.sync += landed.eq(landed + 1)
+        with m.If(ended & ~pop):
+            m.d.sync += unlanded.eq(unlanded + 1)
+        with m.Elif(pop & ~ended):
+            m.d.sync += unlanded.eq(unlanded - 1)
         return m
