@@ -401,7 +401,7 @@ def test_two_vls():
          one_beat, long], seed=1)
     assert all(first == last for first, last in one_beat.spans)
     assert back_to_back(one_beat)
-    assert one_beat.spans[0][0] == one_beat.accepted[0] + 1    # descriptor in t, beat out t + 1
+    assert one_beat.spans[0][0] == one_beat.accepted[0] + 3    # descriptor in t, beat out t + 3
     assert back_to_back(long), long.spans
 
 

@@ -1,9 +1,12 @@
-from amaranth import C, Cat, Const, Module, Mux, Signal
+from amaranth import Array, C, Cat, Const, Module, Mux, Signal
 from amaranth.lib import fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
-from hdl.crc.icrc_engine import IcrcEngine
+from hdl.crc.algorithms import ICRC
+from hdl.crc.icrc_engine import variant_masks
+from hdl.crc.matrices import advance_columns, data_matrix, rows, xor_nodes, xor_tree
+from hdl.ib.headers import LRH, from_wire
 from hdl.link.signatures import BeatLayout, vl_index
 from hdl.nic.signatures import (MAX_HEADER_BYTES, MAX_INLINE_BYTES, PacketDescriptorLayout,
                                 PayloadSource, RBeatLayout)
@@ -169,15 +172,12 @@ class PacketAssembler(wiring.Component):
 
         can_start = Signal()
         m.d.comb += can_start.eq((buffered >= dma_left) & (window_count >= cur_need))
-        out_valid = Signal()
-        m.d.comb += out_valid.eq(loaded & (~first | can_start))
-        out_ready = Signal()
-        for vl, port in enumerate(self.data_out):
-            m.d.comb += port.valid.eq(out_valid & (cur_vl == vl))
-            with m.If(cur_vl == vl):
-                m.d.comb += out_ready.eq(port.ready)
+        offered = Signal()            # a beat of the current packet is on offer to the CRC stage
+        m.d.comb += offered.eq(loaded & (~first | can_start))
+        out_ready = Signal()        # the output stage's VL stream takes its beat
+        beat_ready = Signal()       # the CRC stage takes the beat on offer
         sent = Signal()
-        m.d.comb += sent.eq(out_valid & out_ready)
+        m.d.comb += sent.eq(offered & beat_ready)
 
         is_end = Signal()
         m.d.comb += is_end.eq(body_left <= WIDTH - 4)
@@ -274,31 +274,135 @@ class PacketAssembler(wiring.Component):
                 Mux(payload_lanes[lane], shifted.word_select(lane, 8), 0))
             for lane in range(WIDTH)))
 
-        m.submodules.icrc = icrc = IcrcEngine(WIDTH, "generate")
+        # The packet's ICRC variant bits (LRH.VL, BTH.resv8a, GRH fields), all in the start beat.
+        variant = Signal(beat_bits)
+        lnh = from_wire(LRH, cur_header[:8 * LRH.size_bytes]).lnh
+        with m.If(first):
+            with m.Switch(lnh):
+                for kind, packet_mask in variant_masks().items():
+                    with m.Default() if kind is None else m.Case(kind):
+                        m.d.comb += variant.eq(packet_mask)
+
+        # --- two output stages: the CRC stage, then the beat on data_out with its ICRC ---
+        # The CRC stage feeds its beat, zeros past the body, through the full-width data
+        # matrix: after an end beat of k body bytes the state holds A^(8·(64-k)) times the
+        # true CRC register, and the output stage multiplies it by the registered inverse.
+        crc_valid, crc_data, crc_variant = Signal(), Signal(beat_bits), Signal(beat_bits)
+        crc_start, crc_end, crc_end_bad = Signal(), Signal(), Signal()
+        crc_has_body = Signal()     # the beat carries body bytes (not the spilled ICRC's beat)
+        crc_body_words = Signal(range(WIDTH // 4 + 1))  # 4-byte words of body in the beat
+        crc_count = Signal(range(WIDTH + 1))
+        crc_icrc_lane = Signal(WIDTH // 4)  # one-hot: the word the ICRC takes on the end beat
+        crc_vl = Signal(vl_index(self.num_vls))
+        out_beat_valid, out_data = Signal(), Signal(beat_bits)
+        out_end, out_start, out_end_bad = Signal(), Signal(), Signal()
+        out_count = Signal(range(WIDTH + 1))
+        out_icrc_lane = Signal(WIDTH // 4)
+        out_vl = Signal(vl_index(self.num_vls))
+        crc_state = Signal(ICRC.crc_width, init=ICRC.initial_crc)
+        crc_fix = Signal(ICRC.crc_width ** 2)   # row-major: bit crc_width·row + column
+
+        for vl, port in enumerate(self.data_out):
+            m.d.comb += port.valid.eq(out_beat_valid & (out_vl == vl))
+            with m.If(out_vl == vl):
+                m.d.comb += out_ready.eq(port.ready)
+        out_moves = Signal()        # the output stage takes the CRC stage's beat (or nothing)
+        crc_moves = Signal()        # the CRC stage takes the beat on offer (or nothing)
+        m.d.comb += [
+            out_moves.eq(~out_beat_valid | out_ready),
+            crc_moves.eq(~crc_valid | out_moves),
+            beat_ready.eq(crc_moves),
+        ]
+
         body_ends = Signal()
         m.d.comb += body_ends.eq((body_left != 0) & (body_left <= WIDTH))
-        m.d.comb += [
-            icrc.valid.eq(sent & (body_left != 0)),
-            icrc.start.eq(first),
-            icrc.end.eq(body_ends),
-            icrc.count.eq(Mux(body_ends, body_left, WIDTH)),
-            icrc.data.eq(body),
-        ]
-        icrc_kept = Signal(32)      # for an ICRC that spills into the next beat
-        with m.If(sent & body_ends):
-            m.d.sync += icrc_kept.eq(icrc.icrc)
-        icrc_now = Mux(body_left == 0, icrc_kept, icrc.icrc)
-        icrc_lane = body_left[2:6]
-        beat_data = Cat(
-            Mux(is_end & (icrc_lane == word), icrc_now, body.word_select(word, 32))
-            for word in range(WIDTH // 4))
+        with m.If(crc_moves):
+            m.d.sync += [
+                crc_valid.eq(offered),
+                crc_data.eq(body),
+                crc_variant.eq(variant),
+                crc_start.eq(first),
+                crc_end.eq(is_end),
+                crc_end_bad.eq(is_end & (bad | popped_bad)),
+                crc_has_body.eq(body_left != 0),
+                crc_body_words.eq(Mux(body_ends, body_left[2:], WIDTH // 4)),
+                crc_count.eq(Mux(is_end, body_left + 4, WIDTH)),
+                crc_icrc_lane.eq(Mux(is_end, 1 << body_left[2:6], 0)),
+                crc_vl.eq(cur_vl),
+            ]
+
+        crc_width = ICRC.crc_width
+        following = Signal(crc_width)
+        data_bits = crc_data | crc_variant
+        full_beat = rows(advance_columns(ICRC, 8 * WIDTH), crc_width)
+        for row, indices in enumerate(data_matrix(ICRC, WIDTH)):
+            name = f"crc_following{row}"
+            data = xor_nodes(m, [data_bits[index] for index in indices], 6, name=f"{name}_data")
+            # the start beat's source is the initial value, all ones
+            carried = xor_nodes(m, [crc_state[column] | crc_start for column in full_beat[row]], 3,
+                                name=f"{name}_state")
+            m.d.comb += following[row].eq(xor_tree(m, data + carried, name=name))
+        with m.If(out_moves):
+            m.d.sync += [
+                out_beat_valid.eq(crc_valid),
+                out_data.eq(crc_data),
+                out_start.eq(crc_start),
+                out_end.eq(crc_end),
+                out_end_bad.eq(crc_end_bad),
+                out_count.eq(crc_count),
+                out_icrc_lane.eq(crc_icrc_lane),
+                out_vl.eq(crc_vl),
+            ]
+            with m.If(crc_valid & crc_has_body):
+                m.d.sync += [
+                    crc_state.eq(following),
+                    crc_fix.eq(Array(_unpad_matrices())[crc_body_words]),
+                ]
+
+        register = Signal(crc_width)
+        for row in range(crc_width):
+            products = xor_nodes(m, [crc_fix[crc_width * row + column] & crc_state[column]
+                                     for column in range(crc_width)], 3, name=f"icrc{row}_state")
+            m.d.comb += register[row].eq(xor_tree(m, products, name=f"icrc{row}"))
+        icrc = Signal(crc_width)
+        m.d.comb += icrc.eq((register[::-1] if ICRC.reflect_output else register) ^ ICRC.xor_output)
+        beat_data = Cat(Mux(out_icrc_lane[word], icrc, out_data.word_select(word, 32))
+                        for word in range(WIDTH // 4))
 
         for port in self.data_out:
             m.d.comb += [
                 port.payload.data.eq(beat_data),
-                port.payload.start.eq(first),
-                port.payload.end.eq(is_end),
-                port.payload.count.eq(Mux(is_end, body_left + 4, WIDTH)),
-                port.payload.end_bad.eq(is_end & (bad | popped_bad)),
+                port.payload.start.eq(out_start),
+                port.payload.end.eq(out_end),
+                port.payload.count.eq(out_count),
+                port.payload.end_bad.eq(out_end_bad),
             ]
         return m
+
+
+def _unpad_matrices():
+    """``A^-(8·(64 - 4·n))`` by ``n``, the 4-byte words of body in an end beat (index 0
+    unused): what undoes the zero bytes the full-width matrix took after the body."""
+    crc_width = ICRC.crc_width
+    matrices = [C(0, crc_width ** 2)]
+    for words in range(1, WIDTH // 4 + 1):
+        inverse = _inverse(advance_columns(ICRC, 8 * (WIDTH - 4 * words)), crc_width)
+        matrices.append(C(sum((inverse[column] >> row & 1) << (crc_width * row + column)
+                              for row in range(crc_width) for column in range(crc_width)),
+                          crc_width ** 2))
+    return matrices
+
+
+def _inverse(columns, size):
+    """The columns of the inverse of a GF(2) matrix given by its columns (Gauss-Jordan)."""
+    rows_ = [sum((columns[column] >> row & 1) << column for column in range(size)) | 1 << (size + row)
+             for row in range(size)]
+    for pivot in range(size):
+        found = next(row for row in range(pivot, size) if rows_[row] >> pivot & 1)
+        rows_[pivot], rows_[found] = rows_[found], rows_[pivot]
+        for row in range(size):
+            if row != pivot and rows_[row] >> pivot & 1:
+                rows_[row] ^= rows_[pivot]
+    inverse_rows = [row >> size for row in rows_]
+    return [sum((inverse_rows[row] >> column & 1) << row for row in range(size))
+            for column in range(size)]
