@@ -3,6 +3,7 @@ from amaranth.lib import fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
+from hdl.arith import lookahead_sum
 from hdl.crc.algorithms import ICRC
 from hdl.crc.icrc_engine import variant_masks
 from hdl.crc.matrices import advance_columns, data_matrix, rows, xor_nodes, xor_tree
@@ -119,38 +120,17 @@ class PacketAssembler(wiring.Component):
             buffer.w_en.eq(self.payload.valid),
             self.payload.ready.eq(buffer.w_rdy),
         ]
-        with m.If(accepted_in & read_error):
-            m.d.sync += self.payload_read_errors.eq(self.payload_read_errors + 1)
-
-        window = [Signal(beat_bits + 1, name=f"window{i}") for i in range(WINDOW_BEATS)]
-        window_count = Signal(range(WINDOW_BEATS + 1))
-        pops = Signal(range(3))             # source beats leaving the window this cycle
-        # Beats written more than a cycle ago and not yet popped from the window: a FIFO
-        # entry becomes readable two cycles after its write, so counting it only then
-        # guarantees a started packet finds each of its beats in time.
-        buffered = Signal(range(self.payload_buffer_beats + WINDOW_BEATS + 2))
-        wrote = Signal()
-        m.d.sync += wrote.eq(accepted_in)
-        m.d.sync += buffered.eq(buffered + wrote - pops)
-
-        kept = Signal(range(WINDOW_BEATS + 1))
-        m.d.comb += kept.eq(window_count - pops)
-        refill = Signal()
-        m.d.comb += [
-            refill.eq(buffer.r_rdy & (kept < WINDOW_BEATS)),
-            buffer.r_en.eq(refill),
-            self.payload_freed.eq(refill),
+        # The counters count registered events, a cycle after them: a 32-bit sum is deep
+        # enough on its own.
+        read_error_event = Signal()
+        bad_descriptor_event = Signal()
+        m.d.sync += [
+            read_error_event.eq(accepted_in & read_error),
+            self.payload_read_errors.eq(lookahead_sum(m, self.payload_read_errors, read_error_event,
+                                                      name="payload_read_errors_next")),
+            self.bad_descriptors.eq(lookahead_sum(m, self.bad_descriptors, bad_descriptor_event,
+                                                  name="bad_descriptors_next")),
         ]
-        m.d.sync += window_count.eq(kept + refill)
-        for index, entry in enumerate(window):
-            with m.If(index < kept):
-                with m.Switch(pops):
-                    for popped in range(1, 3):
-                        if index + popped < WINDOW_BEATS:
-                            with m.Case(popped):
-                                m.d.sync += entry.eq(window[index + popped])
-            with m.Elif(index == kept):
-                m.d.sync += entry.eq(buffer.r_data)
 
         # --- the packet being sent ---
         loaded = Signal()           # cur_* hold a good descriptor, sent or waiting for payload
@@ -165,37 +145,74 @@ class PacketAssembler(wiring.Component):
         cur_need = Signal(range(3)) # window beats needed to start
         dma_left = Signal(range(MAX_DMA_BEATS + 1))  # source beats of this packet still in the buffer
         payload_left = Signal(range(-WIDTH, MAX_HEADER_BYTES + MAX_PAYLOAD_BYTES + 1))
+        payload_fills = Signal()    # payload_left >= 64: the beat is payload up to its last lane
+        payload_done = Signal()     # payload_left <= 0: no payload lane in the beat
         body_left = Signal(range(MAX_HEADER_BYTES + MAX_PAYLOAD_BYTES + 4))  # LRH .. pad, from this beat on
+        is_end = Signal()           # body_left <= 60: the ICRC fits in this beat
         bad = Signal()              # a source beat of this packet had a read error
         draining = Signal()
         drain_left = Signal(range(MAX_DMA_BEATS + 1))
 
+        window = [Signal(beat_bits + 1, name=f"window{i}") for i in range(WINDOW_BEATS)]
+        window_count = Signal(range(WINDOW_BEATS + 1))
+        # Beats written more than a cycle ago and not yet popped from the window: a FIFO
+        # entry becomes readable two cycles after its write, so counting it only then
+        # guarantees a started packet finds each of its beats in time.
+        buffered = Signal(range(self.payload_buffer_beats + WINDOW_BEATS + 2))
+        wrote = Signal()
+        m.d.sync += wrote.eq(accepted_in)
+
         can_start = Signal()
         m.d.comb += can_start.eq((buffered >= dma_left) & (window_count >= cur_need))
-        offered = Signal()            # a beat of the current packet is on offer to the CRC stage
+        offered = Signal()          # a beat of the current packet is on offer to the CRC stage
         m.d.comb += offered.eq(loaded & (~first | can_start))
         out_ready = Signal()        # the output stage's VL stream takes its beat
         beat_ready = Signal()       # the CRC stage takes the beat on offer
         sent = Signal()
         m.d.comb += sent.eq(offered & beat_ready)
-
-        is_end = Signal()
-        m.d.comb += is_end.eq(body_left <= WIDTH - 4)
         finishing = Signal()
         m.d.comb += finishing.eq(sent & is_end)
 
         # Source beats the window drops: one per output beat while this packet has some,
-        # except on a late packet's first beat; all that are left on the end beat.
-        with m.If(draining):
-            m.d.comb += pops.eq(window_count != 0)
-        with m.Elif(finishing):
-            m.d.comb += pops.eq(dma_left)
-        with m.Elif(sent & (dma_left != 0) & (~first | ~cur_late)):
-            m.d.comb += pops.eq(1)
-        popped_bad = Signal()
-        m.d.comb += popped_bad.eq(((pops != 0) & window[0][-1]) | ((pops == 2) & window[1][-1]))
+        # except on a late packet's first beat; all that are left on the end beat; one per
+        # cycle while draining (never while a packet is loaded). Every next state is chosen
+        # by `sent` between the outcomes of the two pop counts, both from registers.
+        pops_if_sent = Signal(range(3))
+        pops_if_idle = Signal(range(3))
+        m.d.comb += [
+            pops_if_sent.eq(Mux(is_end, dma_left, (dma_left != 0) & (~first | ~cur_late))),
+            pops_if_idle.eq(draining & (window_count != 0)),
+        ]
 
-        with m.If(draining & (pops != 0)):
+        def by_pops(outcome):
+            return Mux(sent, Array(outcome(p) for p in range(3))[pops_if_sent],
+                       Array(outcome(p) for p in range(3))[pops_if_idle])
+
+        def room(p):        # the window has room for a refill after p pops
+            return (window_count < WINDOW_BEATS) | (p != 0)
+
+        refill = Signal()
+        m.d.comb += [
+            refill.eq(buffer.r_rdy & by_pops(room)),
+            buffer.r_en.eq(refill),
+            self.payload_freed.eq(refill),
+        ]
+        m.d.sync += [
+            buffered.eq(by_pops(lambda p: buffered + wrote - p)),
+            window_count.eq(by_pops(lambda p: window_count - p + (buffer.r_rdy & room(p)))),
+        ]
+        for index, entry in enumerate(window):
+            def moved(p, index=index, entry=entry):
+                taken = window[index + p] if index + p < WINDOW_BEATS else entry
+                return Mux(index + p < window_count, taken,
+                           Mux(index + p == window_count, buffer.r_data, entry))
+            m.d.sync += entry.eq(by_pops(moved))
+
+        popped_bad = Signal()       # a source beat the sent beat pops had a read error
+        m.d.comb += popped_bad.eq(((pops_if_sent != 0) & window[0][-1])
+                                  | ((pops_if_sent == 2) & window[1][-1]))
+
+        with m.If(pops_if_idle != 0):
             m.d.sync += drain_left.eq(drain_left - 1)
             with m.If(drain_left == 1):
                 m.d.sync += draining.eq(0)
@@ -204,8 +221,11 @@ class PacketAssembler(wiring.Component):
             m.d.sync += [
                 first.eq(0),
                 payload_left.eq(payload_left - WIDTH),
+                payload_fills.eq(payload_left >= 2 * WIDTH),
+                payload_done.eq(payload_left <= WIDTH),
                 body_left.eq(body_left - WIDTH),
-                dma_left.eq(dma_left - pops),
+                is_end.eq(body_left <= 2 * WIDTH - 4),
+                dma_left.eq(Array([dma_left, dma_left - 1, dma_left - 2])[pops_if_sent]),
                 bad.eq(bad | popped_bad),
             ]
         with m.If(finishing):
@@ -227,30 +247,37 @@ class PacketAssembler(wiring.Component):
                | (source == PayloadSource.INLINE) & (desc.payload_bytes <= MAX_INLINE_BYTES)
                | is_dma & (desc.dma_beats == Mux(desc.payload_bytes == 0, 0,
                                                  (desc.offset + desc.payload_bytes + WIDTH - 1) >> exact_log2(WIDTH)))))
-        with m.If(self.packet.valid & self.packet.ready):
-            with m.If(good):
-                late = source_offset < desc.header_bytes
-                m.d.sync += [
-                    loaded.eq(1),
-                    first.eq(1),
-                    cur_vl.eq(desc.vl),
-                    cur_header.eq(desc.header),
-                    cur_header_bytes.eq(desc.header_bytes),
-                    cur_inline.eq(source == PayloadSource.INLINE),
-                    cur_inline_data.eq(desc.inline_data),
-                    cur_shift.eq(source_offset - desc.header_bytes),
-                    cur_late.eq(late),
-                    cur_need.eq(Mux(is_dma & (desc.dma_beats != 0),
-                                    Mux(late | (desc.dma_beats == 1), 1, 2), 0)),
-                    dma_left.eq(Mux(is_dma, desc.dma_beats, 0)),
-                    payload_left.eq(desc.header_bytes + desc.payload_bytes),
-                    body_left.eq((desc.header_bytes + desc.payload_bytes + 3) & ~3),
-                    bad.eq(0),
-                ]
-            with m.Else():
-                m.d.sync += self.bad_descriptors.eq(self.bad_descriptors + 1)
-                with m.If(is_dma & (desc.dma_beats != 0)):
-                    m.d.sync += [draining.eq(1), drain_left.eq(desc.dma_beats)]
+        accept = Signal()
+        m.d.comb += accept.eq(self.packet.valid & self.packet.ready)
+        m.d.sync += bad_descriptor_event.eq(accept & ~good)
+        # A dropped descriptor's fields are taken too: `loaded` stays low, so they are unused.
+        with m.If(accept):
+            late = source_offset < desc.header_bytes
+            # header + payload bytes against 64 and 60, from the payload's low six bits
+            low_sum = desc.payload_bytes[:6] + desc.header_bytes
+            payload_high = desc.payload_bytes[6:] != 0
+            m.d.sync += [
+                loaded.eq(good),
+                first.eq(1),
+                cur_vl.eq(desc.vl),
+                cur_header.eq(desc.header),
+                cur_header_bytes.eq(desc.header_bytes),
+                cur_inline.eq(source == PayloadSource.INLINE),
+                cur_inline_data.eq(desc.inline_data),
+                cur_shift.eq(source_offset - desc.header_bytes),
+                cur_late.eq(late),
+                cur_need.eq(Mux(is_dma & (desc.dma_beats != 0),
+                                Mux(late | (desc.dma_beats == 1), 1, 2), 0)),
+                dma_left.eq(Mux(is_dma, desc.dma_beats, 0)),
+                payload_left.eq(desc.header_bytes + desc.payload_bytes),
+                payload_fills.eq(payload_high | (low_sum >= WIDTH)),
+                payload_done.eq(0),     # header_bytes >= 20
+                body_left.eq((desc.header_bytes + desc.payload_bytes + 3) & ~3),
+                is_end.eq(~payload_high & (low_sum <= WIDTH - 4)),
+                bad.eq(0),
+            ]
+            with m.If(~good & is_dma & (desc.dma_beats != 0)):
+                m.d.sync += [draining.eq(1), drain_left.eq(desc.dma_beats)]
 
         # --- the beat on offer ---
         low = Mux(cur_inline, cur_inline_data, window[0][:beat_bits])
@@ -262,7 +289,7 @@ class PacketAssembler(wiring.Component):
         payload_end = Signal(range(WIDTH + 1))    # lanes below (and not header) are payload
         m.d.comb += [
             header_end.eq(Mux(first, cur_header_bytes, 0)),
-            payload_end.eq(Mux(payload_left >= WIDTH, WIDTH, Mux(payload_left < 0, 0, payload_left))),
+            payload_end.eq(Mux(payload_fills, WIDTH, Mux(payload_done, 0, payload_left[:6]))),
         ]
         ones = Const((1 << WIDTH) - 1, WIDTH)
         header_lanes = ~(ones << header_end)[:WIDTH]
