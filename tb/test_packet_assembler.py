@@ -22,8 +22,8 @@ the next (:class:`Phase`):
 * trickle: descriptors waiting for slow payload beats (a packet starts right after its
   last beat arrives, which must be readable in time);
 * bad descriptors: each kind twice between good packets (their DMA beats drained);
-* one-beat back to back: one 1-beat packet per cycle, first beat the cycle after the
-  descriptor;
+* one-beat back to back: one 1-beat packet per cycle, first beat three cycles after the
+  descriptor (its two output stages);
 * long back to back: multi-beat packets with no idle cycle between them.
 
 A second simulation uses the smallest buffer (65 beats) with an eager payload source
@@ -337,7 +337,7 @@ def alignment_phase(rng):
 
 def one_beat_phase(rng):
     """1-beat packets (DMA within one source beat, inline, none), payload buffered first:
-    one packet per cycle, the first one the cycle after its descriptor."""
+    one packet per cycle, the first one three cycles after its descriptor."""
     descriptors = []
     for _ in range(40):
         header_bytes = rng.choice(range(20, 49, 4))

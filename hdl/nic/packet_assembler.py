@@ -75,10 +75,26 @@ class PacketAssembler(wiring.Component):
     stream). The AXI ``last`` flag of payload beats is not used: ``dma_beats`` counts
     them. A dropped DMA descriptor's beats leave the window at one per cycle.
 
+    Output stages: each beat, as cut from the window (header, shifted payload, zero pad),
+    goes through two registers on its way to ``data_out``. The CRC stage feeds its beat
+    (zeros past the body, the ICRC's variant bits as ones) through the full-width data
+    matrix into the CRC state; after an end beat of ``k`` body bytes that state is
+    ``A^(8·(64-k))`` times the true CRC register, so the output stage multiplies it by the
+    inverse, a matrix registered with the beat, and puts the ICRC in its word of the end
+    beat (or of the beat after, when the body fills its last beat). The stages move
+    together while the output stage is empty or its VL stream takes its beat: a stall on
+    one VL holds the beats behind it, as one stream for both VLs did before.
+
     Latency: a descriptor accepted in cycle t whose payload is already buffered has its
-    first beat on ``data_out`` in t + 1; the descriptor of the next packet is accepted
-    in the cycle the previous packet's end beat leaves, so packets follow back to back
-    (``packet.ready`` depends on the ``ready`` of the current packet's VL stream).
+    first beat on ``data_out`` in t + 3 (t + 1 before the output stages); the descriptor
+    of the next packet is accepted in the cycle the previous packet's end beat enters the
+    CRC stage, so packets follow back to back. The counters count a cycle after their
+    event.
+
+    Depth (docs/fpga.md): 6 LUT levels alone. Every next state of the window, the buffer
+    count and the packet's counters is chosen by ``sent`` between two outcomes computed
+    from registers (the pops if a beat is sent and if not); the end flag and the payload
+    lanes' bounds are registered a beat ahead.
 
     Ports
     -----
