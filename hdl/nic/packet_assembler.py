@@ -1,5 +1,5 @@
 from amaranth import Array, C, Cat, Const, Module, Mux, Signal
-from amaranth.lib import fifo, stream, wiring
+from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
@@ -330,30 +330,26 @@ class PacketAssembler(wiring.Component):
         # The CRC stage feeds its beat, zeros past the body, through the full-width data
         # matrix: after an end beat of k body bytes the state holds A^(8·(64-k)) times the
         # true CRC register, and the output stage multiplies it by the registered inverse.
-        crc_valid, crc_data, crc_variant = Signal(), Signal(beat_bits), Signal(beat_bits)
-        crc_start, crc_end, crc_end_bad = Signal(), Signal(), Signal()
+        # What a stage holds of its beat; the ICRC goes into word `icrc_lane` (one-hot).
+        stage_layout = data.StructLayout({
+            "valid": 1, "data": beat_bits, "start": 1, "end": 1, "end_bad": 1,
+            "count": range(WIDTH + 1), "icrc_lane": WIDTH // 4, "vl": vl_index(self.num_vls)})
+        crc_beat, out_beat = Signal(stage_layout), Signal(stage_layout)
+        crc_variant = Signal(beat_bits)
         crc_has_body = Signal()     # the beat carries body bytes (not the spilled ICRC's beat)
         crc_body_words = Signal(range(WIDTH // 4 + 1))  # 4-byte words of body in the beat
-        crc_count = Signal(range(WIDTH + 1))
-        crc_icrc_lane = Signal(WIDTH // 4)  # one-hot: the word the ICRC takes on the end beat
-        crc_vl = Signal(vl_index(self.num_vls))
-        out_beat_valid, out_data = Signal(), Signal(beat_bits)
-        out_end, out_start, out_end_bad = Signal(), Signal(), Signal()
-        out_count = Signal(range(WIDTH + 1))
-        out_icrc_lane = Signal(WIDTH // 4)
-        out_vl = Signal(vl_index(self.num_vls))
         crc_state = Signal(ICRC.crc_width, init=ICRC.initial_crc)
         crc_fix = Signal(ICRC.crc_width ** 2)   # row-major: bit crc_width·row + column
 
         for vl, port in enumerate(self.data_out):
-            m.d.comb += port.valid.eq(out_beat_valid & (out_vl == vl))
-            with m.If(out_vl == vl):
+            m.d.comb += port.valid.eq(out_beat.valid & (out_beat.vl == vl))
+            with m.If(out_beat.vl == vl):
                 m.d.comb += out_ready.eq(port.ready)
         out_moves = Signal()        # the output stage takes the CRC stage's beat (or nothing)
         crc_moves = Signal()        # the CRC stage takes the beat on offer (or nothing)
         m.d.comb += [
-            out_moves.eq(~out_beat_valid | out_ready),
-            crc_moves.eq(~crc_valid | out_moves),
+            out_moves.eq(~out_beat.valid | out_ready),
+            crc_moves.eq(~crc_beat.valid | out_moves),
             beat_ready.eq(crc_moves),
         ]
 
@@ -361,42 +357,33 @@ class PacketAssembler(wiring.Component):
         m.d.comb += body_ends.eq((body_left != 0) & (body_left <= WIDTH))
         with m.If(crc_moves):
             m.d.sync += [
-                crc_valid.eq(offered),
-                crc_data.eq(body),
+                crc_beat.valid.eq(offered),
+                crc_beat.data.eq(body),
+                crc_beat.start.eq(first),
+                crc_beat.end.eq(is_end),
+                crc_beat.end_bad.eq(is_end & (bad | popped_bad)),
+                crc_beat.count.eq(Mux(is_end, body_left + 4, WIDTH)),
+                crc_beat.icrc_lane.eq(Mux(is_end, 1 << body_left[2:6], 0)),
+                crc_beat.vl.eq(cur_vl),
                 crc_variant.eq(variant),
-                crc_start.eq(first),
-                crc_end.eq(is_end),
-                crc_end_bad.eq(is_end & (bad | popped_bad)),
                 crc_has_body.eq(body_left != 0),
                 crc_body_words.eq(Mux(body_ends, body_left[2:], WIDTH // 4)),
-                crc_count.eq(Mux(is_end, body_left + 4, WIDTH)),
-                crc_icrc_lane.eq(Mux(is_end, 1 << body_left[2:6], 0)),
-                crc_vl.eq(cur_vl),
             ]
 
         crc_width = ICRC.crc_width
         following = Signal(crc_width)
-        data_bits = crc_data | crc_variant
+        data_bits = crc_beat.data | crc_variant
         full_beat = rows(advance_columns(ICRC, 8 * WIDTH), crc_width)
         for row, indices in enumerate(data_matrix(ICRC, WIDTH)):
             name = f"crc_following{row}"
-            data = xor_nodes(m, [data_bits[index] for index in indices], 6, name=f"{name}_data")
+            data_terms = xor_nodes(m, [data_bits[index] for index in indices], 6, name=f"{name}_data")
             # the start beat's source is the initial value, all ones
-            carried = xor_nodes(m, [crc_state[column] | crc_start for column in full_beat[row]], 3,
+            carried = xor_nodes(m, [crc_state[column] | crc_beat.start for column in full_beat[row]], 3,
                                 name=f"{name}_state")
-            m.d.comb += following[row].eq(xor_tree(m, data + carried, name=name))
+            m.d.comb += following[row].eq(xor_tree(m, data_terms + carried, name=name))
         with m.If(out_moves):
-            m.d.sync += [
-                out_beat_valid.eq(crc_valid),
-                out_data.eq(crc_data),
-                out_start.eq(crc_start),
-                out_end.eq(crc_end),
-                out_end_bad.eq(crc_end_bad),
-                out_count.eq(crc_count),
-                out_icrc_lane.eq(crc_icrc_lane),
-                out_vl.eq(crc_vl),
-            ]
-            with m.If(crc_valid & crc_has_body):
+            m.d.sync += out_beat.eq(crc_beat)
+            with m.If(crc_beat.valid & crc_has_body):
                 m.d.sync += [
                     crc_state.eq(following),
                     crc_fix.eq(Array(_unpad_matrices())[crc_body_words]),
@@ -409,16 +396,16 @@ class PacketAssembler(wiring.Component):
             m.d.comb += register[row].eq(xor_tree(m, products, name=f"icrc{row}"))
         icrc = Signal(crc_width)
         m.d.comb += icrc.eq((register[::-1] if ICRC.reflect_output else register) ^ ICRC.xor_output)
-        beat_data = Cat(Mux(out_icrc_lane[word], icrc, out_data.word_select(word, 32))
+        beat_data = Cat(Mux(out_beat.icrc_lane[word], icrc, out_beat.data.word_select(word, 32))
                         for word in range(WIDTH // 4))
 
         for port in self.data_out:
             m.d.comb += [
                 port.payload.data.eq(beat_data),
-                port.payload.start.eq(out_start),
-                port.payload.end.eq(out_end),
-                port.payload.count.eq(out_count),
-                port.payload.end_bad.eq(out_end_bad),
+                port.payload.start.eq(out_beat.start),
+                port.payload.end.eq(out_beat.end),
+                port.payload.count.eq(out_beat.count),
+                port.payload.end_bad.eq(out_beat.end_bad),
             ]
         return m
 
