@@ -31,7 +31,8 @@ A second simulation uses the smallest buffer (65 beats) with an eager payload so
 Bugs planted once to see them caught: popping on a late packet's first beat, no spill
 ICRC register, end_bad missing the end beat's pops, counting beats before the FIFO can
 give them, starting without the window beats, popping one beat on the end beat, header
-length check, no drain of a dropped packet's beats.
+length check, no drain of a dropped packet's beats, the CRC state taking the spilled
+ICRC's empty beat.
 """
 import random
 from collections import deque
