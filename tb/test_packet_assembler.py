@@ -22,8 +22,8 @@ the next (:class:`Phase`):
 * trickle: descriptors waiting for slow payload beats (a packet starts right after its
   last beat arrives, which must be readable in time);
 * bad descriptors: each kind twice between good packets (their DMA beats drained);
-* one-beat back to back: one 1-beat packet per cycle, first beat the cycle after the
-  descriptor;
+* one-beat back to back: one 1-beat packet per cycle, first beat three cycles after the
+  descriptor (its two output stages);
 * long back to back: multi-beat packets with no idle cycle between them.
 
 A second simulation uses the smallest buffer (65 beats) with an eager payload source
@@ -31,7 +31,8 @@ A second simulation uses the smallest buffer (65 beats) with an eager payload so
 Bugs planted once to see them caught: popping on a late packet's first beat, no spill
 ICRC register, end_bad missing the end beat's pops, counting beats before the FIFO can
 give them, starting without the window beats, popping one beat on the end beat, header
-length check, no drain of a dropped packet's beats.
+length check, no drain of a dropped packet's beats, the CRC state taking the spilled
+ICRC's empty beat.
 """
 import random
 from collections import deque
@@ -337,7 +338,7 @@ def alignment_phase(rng):
 
 def one_beat_phase(rng):
     """1-beat packets (DMA within one source beat, inline, none), payload buffered first:
-    one packet per cycle, the first one the cycle after its descriptor."""
+    one packet per cycle, the first one three cycles after its descriptor."""
     descriptors = []
     for _ in range(40):
         header_bytes = rng.choice(range(20, 49, 4))
@@ -401,7 +402,7 @@ def test_two_vls():
          one_beat, long], seed=1)
     assert all(first == last for first, last in one_beat.spans)
     assert back_to_back(one_beat)
-    assert one_beat.spans[0][0] == one_beat.accepted[0] + 1    # descriptor in t, beat out t + 1
+    assert one_beat.spans[0][0] == one_beat.accepted[0] + 3    # descriptor in t, beat out t + 3
     assert back_to_back(long), long.spans
 
 

@@ -1,9 +1,13 @@
-from amaranth import C, Cat, Const, Module, Mux, Signal
-from amaranth.lib import fifo, stream, wiring
+from amaranth import Array, C, Cat, Const, Module, Mux, Signal
+from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
-from hdl.crc.icrc_engine import IcrcEngine
+from hdl.arith import lookahead_sum
+from hdl.crc.algorithms import ICRC
+from hdl.crc.icrc_engine import variant_masks
+from hdl.crc.matrices import advance_columns, data_matrix, rows, xor_nodes, xor_tree
+from hdl.ib.headers import LRH, from_wire
 from hdl.link.signatures import BeatLayout, vl_index
 from hdl.nic.signatures import (MAX_HEADER_BYTES, MAX_INLINE_BYTES, PacketDescriptorLayout,
                                 PayloadSource, RBeatLayout)
@@ -71,10 +75,26 @@ class PacketAssembler(wiring.Component):
     stream). The AXI ``last`` flag of payload beats is not used: ``dma_beats`` counts
     them. A dropped DMA descriptor's beats leave the window at one per cycle.
 
+    Output stages: each beat, as cut from the window (header, shifted payload, zero pad),
+    goes through two registers on its way to ``data_out``. The CRC stage feeds its beat
+    (zeros past the body, the ICRC's variant bits as ones) through the full-width data
+    matrix into the CRC state; after an end beat of ``k`` body bytes that state is
+    ``A^(8·(64-k))`` times the true CRC register, so the output stage multiplies it by the
+    inverse, a matrix registered with the beat, and puts the ICRC in its word of the end
+    beat (or of the beat after, when the body fills its last beat). The stages move
+    together while the output stage is empty or its VL stream takes its beat: a stall on
+    one VL holds the beats behind it, as one stream for both VLs did before.
+
     Latency: a descriptor accepted in cycle t whose payload is already buffered has its
-    first beat on ``data_out`` in t + 1; the descriptor of the next packet is accepted
-    in the cycle the previous packet's end beat leaves, so packets follow back to back
-    (``packet.ready`` depends on the ``ready`` of the current packet's VL stream).
+    first beat on ``data_out`` in t + 3 (t + 1 before the output stages); the descriptor
+    of the next packet is accepted in the cycle the previous packet's end beat enters the
+    CRC stage, so packets follow back to back. The counters count a cycle after their
+    event.
+
+    Depth (docs/fpga.md): 6 LUT levels alone. Every next state of the window, the buffer
+    count and the packet's counters is chosen by ``sent`` between two outcomes computed
+    from registers (the pops if a beat is sent and if not); the end flag and the payload
+    lanes' bounds are registered a beat ahead.
 
     Ports
     -----
@@ -116,38 +136,17 @@ class PacketAssembler(wiring.Component):
             buffer.w_en.eq(self.payload.valid),
             self.payload.ready.eq(buffer.w_rdy),
         ]
-        with m.If(accepted_in & read_error):
-            m.d.sync += self.payload_read_errors.eq(self.payload_read_errors + 1)
-
-        window = [Signal(beat_bits + 1, name=f"window{i}") for i in range(WINDOW_BEATS)]
-        window_count = Signal(range(WINDOW_BEATS + 1))
-        pops = Signal(range(3))             # source beats leaving the window this cycle
-        # Beats written more than a cycle ago and not yet popped from the window: a FIFO
-        # entry becomes readable two cycles after its write, so counting it only then
-        # guarantees a started packet finds each of its beats in time.
-        buffered = Signal(range(self.payload_buffer_beats + WINDOW_BEATS + 2))
-        wrote = Signal()
-        m.d.sync += wrote.eq(accepted_in)
-        m.d.sync += buffered.eq(buffered + wrote - pops)
-
-        kept = Signal(range(WINDOW_BEATS + 1))
-        m.d.comb += kept.eq(window_count - pops)
-        refill = Signal()
-        m.d.comb += [
-            refill.eq(buffer.r_rdy & (kept < WINDOW_BEATS)),
-            buffer.r_en.eq(refill),
-            self.payload_freed.eq(refill),
+        # The counters count registered events, a cycle after them: a 32-bit sum is deep
+        # enough on its own.
+        read_error_event = Signal()
+        bad_descriptor_event = Signal()
+        m.d.sync += [
+            read_error_event.eq(accepted_in & read_error),
+            self.payload_read_errors.eq(lookahead_sum(m, self.payload_read_errors, read_error_event,
+                                                      name="payload_read_errors_next")),
+            self.bad_descriptors.eq(lookahead_sum(m, self.bad_descriptors, bad_descriptor_event,
+                                                  name="bad_descriptors_next")),
         ]
-        m.d.sync += window_count.eq(kept + refill)
-        for index, entry in enumerate(window):
-            with m.If(index < kept):
-                with m.Switch(pops):
-                    for popped in range(1, 3):
-                        if index + popped < WINDOW_BEATS:
-                            with m.Case(popped):
-                                m.d.sync += entry.eq(window[index + popped])
-            with m.Elif(index == kept):
-                m.d.sync += entry.eq(buffer.r_data)
 
         # --- the packet being sent ---
         loaded = Signal()           # cur_* hold a good descriptor, sent or waiting for payload
@@ -162,40 +161,74 @@ class PacketAssembler(wiring.Component):
         cur_need = Signal(range(3)) # window beats needed to start
         dma_left = Signal(range(MAX_DMA_BEATS + 1))  # source beats of this packet still in the buffer
         payload_left = Signal(range(-WIDTH, MAX_HEADER_BYTES + MAX_PAYLOAD_BYTES + 1))
+        payload_fills = Signal()    # payload_left >= 64: the beat is payload up to its last lane
+        payload_done = Signal()     # payload_left <= 0: no payload lane in the beat
         body_left = Signal(range(MAX_HEADER_BYTES + MAX_PAYLOAD_BYTES + 4))  # LRH .. pad, from this beat on
+        is_end = Signal()           # body_left <= 60: the ICRC fits in this beat
         bad = Signal()              # a source beat of this packet had a read error
         draining = Signal()
         drain_left = Signal(range(MAX_DMA_BEATS + 1))
 
+        window = [Signal(beat_bits + 1, name=f"window{i}") for i in range(WINDOW_BEATS)]
+        window_count = Signal(range(WINDOW_BEATS + 1))
+        # Beats written more than a cycle ago and not yet popped from the window: a FIFO
+        # entry becomes readable two cycles after its write, so counting it only then
+        # guarantees a started packet finds each of its beats in time.
+        buffered = Signal(range(self.payload_buffer_beats + WINDOW_BEATS + 2))
+        wrote = Signal()
+        m.d.sync += wrote.eq(accepted_in)
+
         can_start = Signal()
         m.d.comb += can_start.eq((buffered >= dma_left) & (window_count >= cur_need))
-        out_valid = Signal()
-        m.d.comb += out_valid.eq(loaded & (~first | can_start))
-        out_ready = Signal()
-        for vl, port in enumerate(self.data_out):
-            m.d.comb += port.valid.eq(out_valid & (cur_vl == vl))
-            with m.If(cur_vl == vl):
-                m.d.comb += out_ready.eq(port.ready)
+        offered = Signal()          # a beat of the current packet is on offer to the CRC stage
+        m.d.comb += offered.eq(loaded & (~first | can_start))
+        out_ready = Signal()        # the output stage's VL stream takes its beat
+        beat_ready = Signal()       # the CRC stage takes the beat on offer
         sent = Signal()
-        m.d.comb += sent.eq(out_valid & out_ready)
-
-        is_end = Signal()
-        m.d.comb += is_end.eq(body_left <= WIDTH - 4)
+        m.d.comb += sent.eq(offered & beat_ready)
         finishing = Signal()
         m.d.comb += finishing.eq(sent & is_end)
 
         # Source beats the window drops: one per output beat while this packet has some,
-        # except on a late packet's first beat; all that are left on the end beat.
-        with m.If(draining):
-            m.d.comb += pops.eq(window_count != 0)
-        with m.Elif(finishing):
-            m.d.comb += pops.eq(dma_left)
-        with m.Elif(sent & (dma_left != 0) & (~first | ~cur_late)):
-            m.d.comb += pops.eq(1)
-        popped_bad = Signal()
-        m.d.comb += popped_bad.eq(((pops != 0) & window[0][-1]) | ((pops == 2) & window[1][-1]))
+        # except on a late packet's first beat; all that are left on the end beat; one per
+        # cycle while draining (never while a packet is loaded). Every next state is chosen
+        # by `sent` between the outcomes of the two pop counts, both from registers.
+        pops_if_sent = Signal(range(3))
+        pops_if_idle = Signal(range(3))
+        m.d.comb += [
+            pops_if_sent.eq(Mux(is_end, dma_left, (dma_left != 0) & (~first | ~cur_late))),
+            pops_if_idle.eq(draining & (window_count != 0)),
+        ]
 
-        with m.If(draining & (pops != 0)):
+        def by_pops(outcome):
+            return Mux(sent, Array(outcome(p) for p in range(3))[pops_if_sent],
+                       Array(outcome(p) for p in range(3))[pops_if_idle])
+
+        def room(p):        # the window has room for a refill after p pops
+            return (window_count < WINDOW_BEATS) | (p != 0)
+
+        refill = Signal()
+        m.d.comb += [
+            refill.eq(buffer.r_rdy & by_pops(room)),
+            buffer.r_en.eq(refill),
+            self.payload_freed.eq(refill),
+        ]
+        m.d.sync += [
+            buffered.eq(by_pops(lambda p: buffered + wrote - p)),
+            window_count.eq(by_pops(lambda p: window_count - p + (buffer.r_rdy & room(p)))),
+        ]
+        for index, entry in enumerate(window):
+            def moved(p, index=index, entry=entry):
+                taken = window[index + p] if index + p < WINDOW_BEATS else entry
+                return Mux(index + p < window_count, taken,
+                           Mux(index + p == window_count, buffer.r_data, entry))
+            m.d.sync += entry.eq(by_pops(moved))
+
+        popped_bad = Signal()       # a source beat the sent beat pops had a read error
+        m.d.comb += popped_bad.eq(((pops_if_sent != 0) & window[0][-1])
+                                  | ((pops_if_sent == 2) & window[1][-1]))
+
+        with m.If(pops_if_idle != 0):
             m.d.sync += drain_left.eq(drain_left - 1)
             with m.If(drain_left == 1):
                 m.d.sync += draining.eq(0)
@@ -204,8 +237,11 @@ class PacketAssembler(wiring.Component):
             m.d.sync += [
                 first.eq(0),
                 payload_left.eq(payload_left - WIDTH),
+                payload_fills.eq(payload_left >= 2 * WIDTH),
+                payload_done.eq(payload_left <= WIDTH),
                 body_left.eq(body_left - WIDTH),
-                dma_left.eq(dma_left - pops),
+                is_end.eq(body_left <= 2 * WIDTH - 4),
+                dma_left.eq(Array([dma_left, dma_left - 1, dma_left - 2])[pops_if_sent]),
                 bad.eq(bad | popped_bad),
             ]
         with m.If(finishing):
@@ -227,30 +263,37 @@ class PacketAssembler(wiring.Component):
                | (source == PayloadSource.INLINE) & (desc.payload_bytes <= MAX_INLINE_BYTES)
                | is_dma & (desc.dma_beats == Mux(desc.payload_bytes == 0, 0,
                                                  (desc.offset + desc.payload_bytes + WIDTH - 1) >> exact_log2(WIDTH)))))
-        with m.If(self.packet.valid & self.packet.ready):
-            with m.If(good):
-                late = source_offset < desc.header_bytes
-                m.d.sync += [
-                    loaded.eq(1),
-                    first.eq(1),
-                    cur_vl.eq(desc.vl),
-                    cur_header.eq(desc.header),
-                    cur_header_bytes.eq(desc.header_bytes),
-                    cur_inline.eq(source == PayloadSource.INLINE),
-                    cur_inline_data.eq(desc.inline_data),
-                    cur_shift.eq(source_offset - desc.header_bytes),
-                    cur_late.eq(late),
-                    cur_need.eq(Mux(is_dma & (desc.dma_beats != 0),
-                                    Mux(late | (desc.dma_beats == 1), 1, 2), 0)),
-                    dma_left.eq(Mux(is_dma, desc.dma_beats, 0)),
-                    payload_left.eq(desc.header_bytes + desc.payload_bytes),
-                    body_left.eq((desc.header_bytes + desc.payload_bytes + 3) & ~3),
-                    bad.eq(0),
-                ]
-            with m.Else():
-                m.d.sync += self.bad_descriptors.eq(self.bad_descriptors + 1)
-                with m.If(is_dma & (desc.dma_beats != 0)):
-                    m.d.sync += [draining.eq(1), drain_left.eq(desc.dma_beats)]
+        accept = Signal()
+        m.d.comb += accept.eq(self.packet.valid & self.packet.ready)
+        m.d.sync += bad_descriptor_event.eq(accept & ~good)
+        # A dropped descriptor's fields are taken too: `loaded` stays low, so they are unused.
+        with m.If(accept):
+            late = source_offset < desc.header_bytes
+            # header + payload bytes against 64 and 60, from the payload's low six bits
+            low_sum = desc.payload_bytes[:6] + desc.header_bytes
+            payload_high = desc.payload_bytes[6:] != 0
+            m.d.sync += [
+                loaded.eq(good),
+                first.eq(1),
+                cur_vl.eq(desc.vl),
+                cur_header.eq(desc.header),
+                cur_header_bytes.eq(desc.header_bytes),
+                cur_inline.eq(source == PayloadSource.INLINE),
+                cur_inline_data.eq(desc.inline_data),
+                cur_shift.eq(source_offset - desc.header_bytes),
+                cur_late.eq(late),
+                cur_need.eq(Mux(is_dma & (desc.dma_beats != 0),
+                                Mux(late | (desc.dma_beats == 1), 1, 2), 0)),
+                dma_left.eq(Mux(is_dma, desc.dma_beats, 0)),
+                payload_left.eq(desc.header_bytes + desc.payload_bytes),
+                payload_fills.eq(payload_high | (low_sum >= WIDTH)),
+                payload_done.eq(0),     # header_bytes >= 20
+                body_left.eq((desc.header_bytes + desc.payload_bytes + 3) & ~3),
+                is_end.eq(~payload_high & (low_sum <= WIDTH - 4)),
+                bad.eq(0),
+            ]
+            with m.If(~good & is_dma & (desc.dma_beats != 0)):
+                m.d.sync += [draining.eq(1), drain_left.eq(desc.dma_beats)]
 
         # --- the beat on offer ---
         low = Mux(cur_inline, cur_inline_data, window[0][:beat_bits])
@@ -262,7 +305,7 @@ class PacketAssembler(wiring.Component):
         payload_end = Signal(range(WIDTH + 1))    # lanes below (and not header) are payload
         m.d.comb += [
             header_end.eq(Mux(first, cur_header_bytes, 0)),
-            payload_end.eq(Mux(payload_left >= WIDTH, WIDTH, Mux(payload_left < 0, 0, payload_left))),
+            payload_end.eq(Mux(payload_fills, WIDTH, Mux(payload_done, 0, payload_left[:6]))),
         ]
         ones = Const((1 << WIDTH) - 1, WIDTH)
         header_lanes = ~(ones << header_end)[:WIDTH]
@@ -274,31 +317,122 @@ class PacketAssembler(wiring.Component):
                 Mux(payload_lanes[lane], shifted.word_select(lane, 8), 0))
             for lane in range(WIDTH)))
 
-        m.submodules.icrc = icrc = IcrcEngine(WIDTH, "generate")
+        # The packet's ICRC variant bits (LRH.VL, BTH.resv8a, GRH fields), all in the start beat.
+        variant = Signal(beat_bits)
+        lnh = from_wire(LRH, cur_header[:8 * LRH.size_bytes]).lnh
+        with m.If(first):
+            with m.Switch(lnh):
+                for kind, packet_mask in variant_masks().items():
+                    with m.Default() if kind is None else m.Case(kind):
+                        m.d.comb += variant.eq(packet_mask)
+
+        # --- two output stages: the CRC stage, then the beat on data_out with its ICRC ---
+        # The CRC stage feeds its beat, zeros past the body, through the full-width data
+        # matrix: after an end beat of k body bytes the state holds A^(8·(64-k)) times the
+        # true CRC register, and the output stage multiplies it by the registered inverse.
+        # What a stage holds of its beat; the ICRC goes into word `icrc_lane` (one-hot).
+        stage_layout = data.StructLayout({
+            "valid": 1, "data": beat_bits, "start": 1, "end": 1, "end_bad": 1,
+            "count": range(WIDTH + 1), "icrc_lane": WIDTH // 4, "vl": vl_index(self.num_vls)})
+        crc_beat, out_beat = Signal(stage_layout), Signal(stage_layout)
+        crc_variant = Signal(beat_bits)
+        crc_has_body = Signal()     # the beat carries body bytes (not the spilled ICRC's beat)
+        crc_body_words = Signal(range(WIDTH // 4 + 1))  # 4-byte words of body in the beat
+        crc_state = Signal(ICRC.crc_width, init=ICRC.initial_crc)
+        crc_fix = Signal(ICRC.crc_width ** 2)   # row-major: bit crc_width·row + column
+
+        for vl, port in enumerate(self.data_out):
+            m.d.comb += port.valid.eq(out_beat.valid & (out_beat.vl == vl))
+            with m.If(out_beat.vl == vl):
+                m.d.comb += out_ready.eq(port.ready)
+        out_moves = Signal()        # the output stage takes the CRC stage's beat (or nothing)
+        crc_moves = Signal()        # the CRC stage takes the beat on offer (or nothing)
+        m.d.comb += [
+            out_moves.eq(~out_beat.valid | out_ready),
+            crc_moves.eq(~crc_beat.valid | out_moves),
+            beat_ready.eq(crc_moves),
+        ]
+
         body_ends = Signal()
         m.d.comb += body_ends.eq((body_left != 0) & (body_left <= WIDTH))
-        m.d.comb += [
-            icrc.valid.eq(sent & (body_left != 0)),
-            icrc.start.eq(first),
-            icrc.end.eq(body_ends),
-            icrc.count.eq(Mux(body_ends, body_left, WIDTH)),
-            icrc.data.eq(body),
-        ]
-        icrc_kept = Signal(32)      # for an ICRC that spills into the next beat
-        with m.If(sent & body_ends):
-            m.d.sync += icrc_kept.eq(icrc.icrc)
-        icrc_now = Mux(body_left == 0, icrc_kept, icrc.icrc)
-        icrc_lane = body_left[2:6]
-        beat_data = Cat(
-            Mux(is_end & (icrc_lane == word), icrc_now, body.word_select(word, 32))
-            for word in range(WIDTH // 4))
+        with m.If(crc_moves):
+            m.d.sync += [
+                crc_beat.valid.eq(offered),
+                crc_beat.data.eq(body),
+                crc_beat.start.eq(first),
+                crc_beat.end.eq(is_end),
+                crc_beat.end_bad.eq(is_end & (bad | popped_bad)),
+                crc_beat.count.eq(Mux(is_end, body_left + 4, WIDTH)),
+                crc_beat.icrc_lane.eq(Mux(is_end, 1 << body_left[2:6], 0)),
+                crc_beat.vl.eq(cur_vl),
+                crc_variant.eq(variant),
+                crc_has_body.eq(body_left != 0),
+                crc_body_words.eq(Mux(body_ends, body_left[2:], WIDTH // 4)),
+            ]
+
+        crc_width = ICRC.crc_width
+        following = Signal(crc_width)
+        data_bits = crc_beat.data | crc_variant
+        full_beat = rows(advance_columns(ICRC, 8 * WIDTH), crc_width)
+        for row, indices in enumerate(data_matrix(ICRC, WIDTH)):
+            name = f"crc_following{row}"
+            data_terms = xor_nodes(m, [data_bits[index] for index in indices], 6, name=f"{name}_data")
+            # the start beat's source is the initial value, all ones
+            carried = xor_nodes(m, [crc_state[column] | crc_beat.start for column in full_beat[row]], 3,
+                                name=f"{name}_state")
+            m.d.comb += following[row].eq(xor_tree(m, data_terms + carried, name=name))
+        with m.If(out_moves):
+            m.d.sync += out_beat.eq(crc_beat)
+            with m.If(crc_beat.valid & crc_has_body):
+                m.d.sync += [
+                    crc_state.eq(following),
+                    crc_fix.eq(Array(_unpad_matrices())[crc_body_words]),
+                ]
+
+        register = Signal(crc_width)
+        for row in range(crc_width):
+            products = xor_nodes(m, [crc_fix[crc_width * row + column] & crc_state[column]
+                                     for column in range(crc_width)], 3, name=f"icrc{row}_state")
+            m.d.comb += register[row].eq(xor_tree(m, products, name=f"icrc{row}"))
+        icrc = Signal(crc_width)
+        m.d.comb += icrc.eq((register[::-1] if ICRC.reflect_output else register) ^ ICRC.xor_output)
+        beat_data = Cat(Mux(out_beat.icrc_lane[word], icrc, out_beat.data.word_select(word, 32))
+                        for word in range(WIDTH // 4))
 
         for port in self.data_out:
             m.d.comb += [
                 port.payload.data.eq(beat_data),
-                port.payload.start.eq(first),
-                port.payload.end.eq(is_end),
-                port.payload.count.eq(Mux(is_end, body_left + 4, WIDTH)),
-                port.payload.end_bad.eq(is_end & (bad | popped_bad)),
+                port.payload.start.eq(out_beat.start),
+                port.payload.end.eq(out_beat.end),
+                port.payload.count.eq(out_beat.count),
+                port.payload.end_bad.eq(out_beat.end_bad),
             ]
         return m
+
+
+def _unpad_matrices():
+    """``A^-(8·(64 - 4·n))`` by ``n``, the 4-byte words of body in an end beat (index 0
+    unused): what undoes the zero bytes the full-width matrix took after the body."""
+    crc_width = ICRC.crc_width
+    matrices = [C(0, crc_width ** 2)]
+    for words in range(1, WIDTH // 4 + 1):
+        inverse = _inverse(advance_columns(ICRC, 8 * (WIDTH - 4 * words)), crc_width)
+        matrices.append(C(sum((inverse[column] >> row & 1) << (crc_width * row + column)
+                              for row in range(crc_width) for column in range(crc_width)),
+                          crc_width ** 2))
+    return matrices
+
+
+def _inverse(columns, size):
+    """The columns of the inverse of a GF(2) matrix given by its columns (Gauss-Jordan)."""
+    rows_ = [sum((columns[column] >> row & 1) << column for column in range(size)) | 1 << (size + row)
+             for row in range(size)]
+    for pivot in range(size):
+        found = next(row for row in range(pivot, size) if rows_[row] >> pivot & 1)
+        rows_[pivot], rows_[found] = rows_[found], rows_[pivot]
+        for row in range(size):
+            if row != pivot and rows_[row] >> pivot & 1:
+                rows_[row] ^= rows_[pivot]
+    inverse_rows = [row >> size for row in rows_]
+    return [sum((inverse_rows[row] >> column & 1) << row for row in range(size))
+            for column in range(size)]

@@ -145,8 +145,8 @@ class WqeFetcher(wiring.Component):
         # page boundaries: the next boundary, whichever it is, is the first position after
         # ``at`` whose bits below min(log_sq_size, 6) are zero, and the ring index's bits
         # 0..5 are ORed into the base, not added.
-        in_ring = Signal(16)            # bit i: i < log_sq_size
-        m.d.comb += in_ring.eq(Cat(cfg.log_sq_size > i for i in range(16)))
+        in_ring = Signal(16)            # bit i: i < log_sq_size (at most 15: bit 15 never)
+        m.d.comb += in_ring.eq(Cat(cfg.log_sq_size > i for i in range(15)))
         index = Signal(16)
         m.d.comb += index.eq(at & in_ring)
         to_boundary_less_one = Signal(6)
