@@ -116,6 +116,10 @@ register("tf_switch_4p", lambda: _switch(ports=4),
          "Cut-through switch, 4 ports, 64-byte beats, 2 data VLs, MTU 4096, VOQ input buffers "
          "of 132 blocks per VL, 1024-entry forwarding table, AXI4-Lite control "
          "(docs/switch.md, docs/switch-registers.md)", index_labels=_SWITCH_LABELS)
+register("tf_switch_4p_pipelined", lambda: _switch(ports=4, allocator="pipelined"),
+         "Cut-through switch as tf_switch_4p, with the pipelined allocator (SwitchAllocator: "
+         "credit test, output VL pick and iSLIP in three registered stages; hop 8 cycles)",
+         index_labels=_SWITCH_LABELS)
 register("tf_switch_8p", lambda: _switch(ports=8),
          "Cut-through switch, 8 ports, 64-byte beats, 2 data VLs, MTU 4096, VOQ input buffers "
          "of 132 blocks per VL, 1024-entry forwarding table, AXI4-Lite control "

@@ -38,8 +38,8 @@ WIRE_FIELDS = tuple(WireSignature(8).members)
 
 class SwitchTop(wiring.Component):
     def __init__(self, *, ports=4, num_vls=2, width=64, mtu=4096, buffer_blocks=None, lids=1024,
-                 mode="voq", islip_iterations=1, fc_period=1024, fc_min_interval=64,
-                 fc_batch_blocks=64, addr_width=16, wire_delay=2, tb_ports=(),
+                 mode="voq", islip_iterations=1, allocator="islip", fc_period=1024,
+                 fc_min_interval=64, fc_batch_blocks=64, addr_width=16, wire_delay=2, tb_ports=(),
                  host_buffer_blocks=None, host_cut_through=True):
         from hdl.switch.switch import Switch
         if not 0 <= wire_delay <= 4096:
@@ -54,7 +54,8 @@ class SwitchTop(wiring.Component):
         self.tb_ports = tb_ports
         self.switch = Switch(ports=ports, num_vls=num_vls, width=width, mtu=mtu,
                              buffer_blocks=buffer_blocks, lids=lids, mode=mode,
-                             islip_iterations=islip_iterations, fc_period=fc_period,
+                             islip_iterations=islip_iterations, allocator=allocator,
+                             fc_period=fc_period,
                              fc_min_interval=fc_min_interval, fc_batch_blocks=fc_batch_blocks,
                              addr_width=addr_width)
         self.hosts = [LinkPort(width=width, num_vls=num_vls, mtu=mtu,

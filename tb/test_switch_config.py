@@ -19,6 +19,7 @@ from hdl.switch.voq_buffer import VoqBuffer
     (dict(mode="oq"), "mode"),
     (dict(islip_iterations=0), "iSLIP"),
     (dict(islip_iterations=5), "iSLIP"),
+    (dict(allocator="wavefront"), "allocator"),
     (dict(fc_period=8), "Flow-control period"),
     (dict(addr_width=8), "Address width"),
 ])
@@ -29,8 +30,8 @@ def test_switch_rejects(kwargs, words):
 
 def test_switch_defaults():
     switch = Switch(ports=2)
-    assert (switch.num_vls, switch.width, switch.mtu, switch.buffer_blocks, switch.mode) == \
-        (2, 64, 4096, 132, "voq")
+    assert (switch.num_vls, switch.width, switch.mtu, switch.buffer_blocks, switch.mode,
+            switch.allocator, switch.hop_latency_cycles) == (2, 64, 4096, 132, "voq", "islip", 6)
 
 
 @pytest.mark.parametrize("kwargs,words", [

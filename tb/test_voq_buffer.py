@@ -16,7 +16,8 @@ One testbench drives the buffer cycle by cycle:
 
 The reference checks, every cycle: ``room`` per VL exactly; ``heads[q]`` (valid, port, VL,
 blocks from LRH.PktLen) against a per-queue FIFO of descriptors (a start beat written in
-cycle t heads its queue in t + 1); ``active``, ``sending``, ``out_port``/``out_vl``; every
+cycle t heads its queue in t + 1, and shows in ``arriving[q]`` in t when the queue was
+empty); ``active``, ``sending``, ``out_port``/``out_vl``; every
 presented beat byte-exact (LRH.VL rewritten to the output VL), start on the first beat
 only, end on the last, never presented before the writer wrote it (cut-through), end beat
 only once the verdict is in, ``end_bad`` iff the verdict was bad, valid and payload held
@@ -304,6 +305,13 @@ class Bench:
             self._set(ctx, store.verdict_vl, pkt.in_vl)
             self._set(ctx, store.verdict_bad, int(verdict[0]))
             self._set(ctx, store.verdict_blocks, verdict[1])
+        # A start beat queued into an empty queue shows as arriving in its write cycle.
+        for k, arriving in enumerate(dut.arriving):
+            enters = beat is not None and bool(beat[1]) and pkt.queue == k and not self.queues[k]
+            assert ctx.get(arriving.valid) == enters, (t, k, "arriving", pkt)
+            if enters:
+                got = (ctx.get(arriving.port), ctx.get(arriving.vl), ctx.get(arriving.blocks))
+                assert got == (pkt.port, pkt.vl, pkt.blocks), (t, k, got, pkt)
 
         await ctx.tick()
 

@@ -1,22 +1,28 @@
 from amaranth import *
+from amaranth.utils import exact_log2
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
 from hdl.link.link_port import LinkPort
 from hdl.link.link_receiver import ROUTED_DROP_REASONS
 from hdl.link.signatures import (
-    FCCL_BITS, LinkState, WireSignature, check_mtu, check_width, lrh_wire_bytes, vl_index,
+    BLOCK_BYTES, FCCL_BITS, LinkState, WireSignature, blocks_of, check_mtu, check_width,
+    lrh_pktlen, lrh_wire_bytes, max_wire_bytes, vl_index,
 )
 from hdl.switch.forwarding_table import ForwardingTable
 from hdl.switch.islip_allocator import IslipAllocator
 from hdl.switch.register_map import HOQ_TICK_CYCLES, check_config
+from hdl.switch.switch_allocator import ALLOC_STAGES, SwitchAllocator
 from hdl.switch.switch_registers import AxiLiteSignature, SwitchRegisters
 from hdl.switch.voq_buffer import QUEUE_MODES, VoqBuffer
 
-__all__ = ["Switch", "HOP_LATENCY_CYCLES"]
+__all__ = ["Switch", "HOP_LATENCY_CYCLES", "ALLOCATORS"]
 
-# Start beat on an input wire to start beat on an output wire, zero load (docs/switch.md).
-HOP_LATENCY_CYCLES = 6
+ALLOCATORS = ("islip", "pipelined")
+
+# Start beat on an input wire to start beat on an output wire, zero load, per allocator
+# (docs/switch.md).
+HOP_LATENCY_CYCLES = {"islip": 6, "pipelined": 8}
 
 
 def _or_all(values):
@@ -50,13 +56,20 @@ class Switch(wiring.Component):
     ``mode="fifo"`` keeps one queue per input and VL instead of one per output and VL, to
     show head-of-line blocking.
 
-    Zero-load hop latency: :data:`HOP_LATENCY_CYCLES` cycles from the start beat on an
-    input's ``wire_in`` to the start beat on an output's ``wire_out``.
+    ``allocator="pipelined"`` makes the same decisions in :class:`SwitchAllocator`'s three
+    registered stages instead of in the grant cycle: ports are offered ahead of the end of
+    their current packet, a match waits as pending until both ports are free, and a
+    descriptor entering an empty queue is credit-tested in its enqueue cycle
+    (docs/switch.md, Pipelined allocator). ``islip_iterations`` applies to ``"islip"`` only
+    (the pipelined allocator makes one iteration).
+
+    Zero-load hop latency: :data:`HOP_LATENCY_CYCLES` cycles (per allocator) from the start
+    beat on an input's ``wire_in`` to the start beat on an output's ``wire_out``.
     """
 
     def __init__(self, *, ports=8, num_vls=2, width=64, mtu=4096, buffer_blocks=None, lids=1024,
-                 mode="voq", islip_iterations=1, fc_period=1024, fc_min_interval=64,
-                 fc_batch_blocks=64, addr_width=16):
+                 mode="voq", islip_iterations=1, allocator="islip", fc_period=1024,
+                 fc_min_interval=64, fc_batch_blocks=64, addr_width=16):
         check_config(ports, num_vls, lids)
         check_width(width)
         check_mtu(mtu)
@@ -64,6 +77,8 @@ class Switch(wiring.Component):
             raise ValueError(f"Switch mode must be one of {QUEUE_MODES}, not {mode!r}")
         if not isinstance(islip_iterations, int) or not 1 <= islip_iterations <= 4:
             raise ValueError(f"iSLIP iterations must be 1 to 4, not {islip_iterations!r}")
+        if allocator not in ALLOCATORS:
+            raise ValueError(f"Switch allocator must be one of {ALLOCATORS}, not {allocator!r}")
         self.ports = ports
         self.num_vls = num_vls
         self.width = width
@@ -71,6 +86,10 @@ class Switch(wiring.Component):
         self.lids = lids
         self.mode = mode
         self.islip_iterations = islip_iterations
+        self.allocator = allocator
+        self.hop_latency_cycles = HOP_LATENCY_CYCLES[allocator]
+        # Blocks of the largest packet the receiver keeps (it drops longer ones).
+        self.max_blocks = blocks_of(max_wire_bytes(mtu))
         self.link_ports = [
             LinkPort(width=width, num_vls=num_vls, mtu=mtu, buffer_blocks=buffer_blocks,
                      cut_through=True, fc_period=fc_period, fc_min_interval=fc_min_interval,
@@ -144,7 +163,101 @@ class Switch(wiring.Component):
             m.d.comb += out_busy[o].eq(Cat(
                 buffer.sending & (buffer.out_port == o) & ~buffer.finishing
                 for buffer in self.buffers).any())
+        # connected[o]: the input that feeds output o (the crossbar select).
+        connected = [Signal(range(P), name=f"connected{o}") for o in range(P)]
+        hoq_drop = [Signal(name=f"hoq_drop{i}") for i in range(P)]
+        if self.allocator == "islip":
+            matching, waiting = self._islip_allocation(
+                m, regs, txs, enabled, in_free, out_busy, connected)
+        else:
+            matching, waiting = self._pipelined_allocation(
+                m, regs, txs, enabled, out_busy, connected, hoq_drop)
 
+        # Head-of-queue lifetime: every queue head's age, in ticks of HOQ_TICK_CYCLES. An
+        # input that is free and has no match under way drops one expired head instead.
+        tick_count = Signal(range(HOQ_TICK_CYCLES))
+        tick = Signal()
+        m.d.sync += tick_count.eq(tick_count + 1)
+        m.d.comb += tick.eq(tick_count == HOQ_TICK_CYCLES - 1)
+        lifetime = regs.hoq_lifetime
+        hoq_head = [Signal(range(max(buffer.num_queues, 2)), name=f"hoq_queue{i}")
+                    for i, buffer in enumerate(self.buffers)]
+        for i, buffer in enumerate(self.buffers):
+            expired = Signal(buffer.num_queues, name=f"hoq_expired{i}")
+            for q in range(buffer.num_queues):
+                age = Signal(16, name=f"hoq_age{i}_{q}")
+                dequeued = buffer.grant_valid & (buffer.grant_queue == q)
+                with m.If(~buffer.heads[q].valid | dequeued):
+                    m.d.sync += age.eq(0)
+                with m.Elif(tick & (age != 0xFFFF)):
+                    m.d.sync += age.eq(age + 1)
+                m.d.comb += expired[q].eq(buffer.heads[q].valid & (lifetime != 0)
+                                          & (age >= lifetime))
+            for q in reversed(range(buffer.num_queues)):
+                with m.If(expired[q]):
+                    m.d.comb += hoq_head[i].eq(q)
+            m.d.comb += hoq_drop[i].eq(in_free[i] & ~matching[i] & expired.any())
+            with m.If(hoq_drop[i]):
+                m.d.comb += [buffer.grant_valid.eq(1), buffer.grant_queue.eq(hoq_head[i]),
+                             buffer.grant_discard.eq(1)]
+        # --- crossbar --------------------------------------------------------------------
+        buffers = Array(self.buffers)
+        for o, tx in enumerate(txs):
+            src_valid = Signal(name=f"xbar{o}_valid")
+            src_vl = Signal(vl_index(V), name=f"xbar{o}_vl")
+            src_payload = Signal.like(self.buffers[0].out.payload, name=f"xbar{o}_payload")
+            selected = buffers[connected[o]]
+            m.d.comb += [
+                src_valid.eq(selected.out.valid & selected.sending & (selected.out_port == o)),
+                src_vl.eq(selected.out_vl),
+                src_payload.eq(selected.out.payload),
+            ]
+            for v in range(V):
+                m.d.comb += [
+                    self.link_ports[o].data_in[v].valid.eq(src_valid & (src_vl == v)),
+                    self.link_ports[o].data_in[v].payload.eq(src_payload),
+                ]
+        for i, buffer in enumerate(self.buffers):
+            ready = Array(Array(port.data_in[v].ready for v in range(V)) for port in self.link_ports)
+            connected_here = Array(connected)[buffer.out_port] == i
+            m.d.comb += buffer.out.ready.eq(ready[buffer.out_port][buffer.out_vl] & connected_here)
+
+        # --- counters --------------------------------------------------------------------
+        for p in range(P):
+            rx, tx, buffer = rxs[p], txs[p], self.buffers[p]
+            store = rx.store
+            for v in range(V):
+                counters = regs.counters[p][v]
+
+                def bump(name, amount=1, *, when):
+                    counter = getattr(counters, name)
+                    with m.If(when):
+                        m.d.sync += counter.eq(counter + amount)
+
+                started = store.write_valid & store.write.start & (store.write_vl == v)
+                bump("packets_in", when=started)
+                bump("bytes_in", lrh_wire_bytes(store.write.data) - 2, when=started)
+                egress = self.link_ports[p].data_in[v]
+                sent = egress.valid & egress.ready & egress.payload.start
+                bump("packets_out", when=sent)
+                bump("bytes_out", lrh_wire_bytes(egress.payload.data) - 2, when=sent)
+                bump("credit_stall_cycles", when=waiting[p][v])
+                # Discarded heads count at the output and VL they were waiting for.
+                bump("drop_hoq_lifetime", when=Cat(
+                    hoq_drop[i] & (Array(buffer.heads[q].port for q in range(buffer.num_queues))
+                                   [hoq_head[i]] == p)
+                    & (Array(buffer.heads[q].vl for q in range(buffer.num_queues))
+                       [hoq_head[i]] == v)
+                    for i, buffer in enumerate(self.buffers)).any())
+                for k, reason in enumerate(ROUTED_DROP_REASONS):
+                    bump(f"drop_{reason}", when=rx.drop_event.reasons[k] & (rx.drop_event.vl == v))
+        return m
+
+    def _islip_allocation(self, m, regs, txs, enabled, in_free, out_busy, connected):
+        """Single-cycle allocation: credit test, output VL pick and iSLIP on the queue heads,
+        the grant starting the packet in the same cycle. Returns the inputs matched in this
+        cycle and, per output, the VLs with a head waiting only for credit."""
+        P, V = self.ports, self.num_vls
         # Downstream space per output and VL, and whether a head packet fits in it.
         space = [[Signal(FCCL_BITS, name=f"space{o}_{v}") for v in range(V)] for o in range(P)]
         for o, tx in enumerate(txs):
@@ -217,37 +330,7 @@ class Switch(wiring.Component):
                     eligible[i][o].bit_select(vl_pick[o], 1))
         m.d.comb += allocator.enable.eq(1)
 
-        # Head-of-queue lifetime: every queue head's age, in ticks of HOQ_TICK_CYCLES. An
-        # input that is free and matched to no output drops one expired head instead.
-        tick_count = Signal(range(HOQ_TICK_CYCLES))
-        tick = Signal()
-        m.d.sync += tick_count.eq(tick_count + 1)
-        m.d.comb += tick.eq(tick_count == HOQ_TICK_CYCLES - 1)
-        lifetime = regs.hoq_lifetime
-        hoq_drop = [Signal(name=f"hoq_drop{i}") for i in range(P)]
-        hoq_head = [Signal(range(max(buffer.num_queues, 2)), name=f"hoq_queue{i}")
-                    for i, buffer in enumerate(self.buffers)]
-        for i, buffer in enumerate(self.buffers):
-            expired = Signal(buffer.num_queues, name=f"hoq_expired{i}")
-            for q in range(buffer.num_queues):
-                age = Signal(16, name=f"hoq_age{i}_{q}")
-                dequeued = buffer.grant_valid & (buffer.grant_queue == q)
-                with m.If(~buffer.heads[q].valid | dequeued):
-                    m.d.sync += age.eq(0)
-                with m.Elif(tick & (age != 0xFFFF)):
-                    m.d.sync += age.eq(age + 1)
-                m.d.comb += expired[q].eq(buffer.heads[q].valid & (lifetime != 0)
-                                          & (age >= lifetime))
-            for q in reversed(range(buffer.num_queues)):
-                with m.If(expired[q]):
-                    m.d.comb += hoq_head[i].eq(q)
-            m.d.comb += hoq_drop[i].eq(in_free[i] & ~allocator.grant_valid[i] & expired.any())
-            with m.If(hoq_drop[i]):
-                m.d.comb += [buffer.grant_valid.eq(1), buffer.grant_queue.eq(hoq_head[i]),
-                             buffer.grant_discard.eq(1)]
-
         # Matched inputs start their packets; matched outputs remember their input.
-        connected = [Signal(range(P), name=f"connected{o}") for o in range(P)]
         for i, buffer in enumerate(self.buffers):
             row = allocator.grant[i * P:(i + 1) * P]
             for o in range(P):
@@ -270,56 +353,91 @@ class Switch(wiring.Component):
                                         Mux(vl_budget[o] > blocks, vl_budget[o] - blocks, 0),
                                         Mux(weight > blocks, weight - blocks, 0))),
                 ]
+        return allocator.grant_valid, waiting
 
-        # --- crossbar --------------------------------------------------------------------
-        buffers = Array(self.buffers)
-        for o, tx in enumerate(txs):
-            src_valid = Signal(name=f"xbar{o}_valid")
-            src_vl = Signal(vl_index(V), name=f"xbar{o}_vl")
-            src_payload = Signal.like(self.buffers[0].out.payload, name=f"xbar{o}_payload")
-            selected = buffers[connected[o]]
-            m.d.comb += [
-                src_valid.eq(selected.out.valid & selected.sending & (selected.out_port == o)),
-                src_vl.eq(selected.out_vl),
-                src_payload.eq(selected.out.payload),
-            ]
-            for v in range(V):
-                m.d.comb += [
-                    self.link_ports[o].data_in[v].valid.eq(src_valid & (src_vl == v)),
-                    self.link_ports[o].data_in[v].payload.eq(src_payload),
-                ]
+    def _pipelined_allocation(self, m, regs, txs, enabled, out_busy, connected, hoq_drop):
+        """Allocation by :class:`SwitchAllocator` (three registered stages, docs/switch.md):
+        ports are offered while their current packet has at most :data:`ALLOC_STAGES` beats
+        left, a match waits as pending until both its ports are free, and then starts.
+        Returns the inputs with a match under way (the head-of-queue lifetime leaves their
+        heads alone) and, per output, the VLs with a head waiting only for credit."""
+        P, V, width = self.ports, self.num_vls, self.width
+        alloc = m.submodules.allocator = SwitchAllocator(P, V, max_blocks=self.max_blocks)
         for i, buffer in enumerate(self.buffers):
-            ready = Array(Array(port.data_in[v].ready for v in range(V)) for port in self.link_ports)
-            connected_here = Array(connected)[buffer.out_port] == i
-            m.d.comb += buffer.out.ready.eq(ready[buffer.out_port][buffer.out_vl] & connected_here)
-
-        # --- counters --------------------------------------------------------------------
-        for p in range(P):
-            rx, tx, buffer = rxs[p], txs[p], self.buffers[p]
-            store = rx.store
+            for q in range(buffer.num_queues):
+                head, arriving = buffer.heads[q], buffer.arriving[q]
+                # A descriptor entering an empty queue has its credit test (stage E) in its
+                # enqueue cycle, one cycle before it heads the queue: the hop stays at 8.
+                present = Signal(name=f"present{i}_{q}")
+                blocks = Signal(FCCL_BITS, name=f"present_blocks{i}_{q}")
+                m.d.comb += [present.eq(head.valid | arriving.valid),
+                             blocks.eq(Mux(head.valid, head.blocks, arriving.blocks))]
+                if self.mode == "voq":
+                    o, v = divmod(q, V)
+                    pairs = [(o, v, present)]
+                else:
+                    port = Mux(head.valid, head.port, arriving.port)
+                    pairs = [(o, q, present & (port == o)) for o in range(P)]
+                for o, v, valid in pairs:
+                    m.d.comb += [alloc.head_valid[(i * P + o) * V + v].eq(valid),
+                                 alloc.head_blocks[i][o][v].eq(blocks)]
+        for o, tx in enumerate(txs):
             for v in range(V):
-                counters = regs.counters[p][v]
+                m.d.comb += [alloc.credit_limit[o][v].eq(tx.credit_limit[v]),
+                             alloc.fctbs[o][v].eq(tx.fctbs[v]),
+                             alloc.vl_weight[o][v].eq(regs.vl_weight[o][v])]
 
-                def bump(name, amount=1, *, when):
-                    counter = getattr(counters, name)
-                    with m.If(when):
-                        m.d.sync += counter.eq(counter + amount)
+        # Beats of the current packet not yet handed to the crossbar: estimated from its
+        # credit blocks when it starts, exact from LRH.PktLen once its start beat leaves.
+        beat_bytes_log2 = exact_log2(width)
+        beats_left = [Signal(16, name=f"beats_left{i}") for i in range(P)]
+        near_end = Signal(P)
+        started = Signal(P)     # the input started a pending match in the previous cycle
+        m.d.sync += started.eq(alloc.start)
+        for i, buffer in enumerate(self.buffers):
+            row = alloc.pend[i * P:(i + 1) * P]
+            # The pending packet still heads its queue: its blocks, for the estimate.
+            pending_blocks = Signal(FCCL_BITS, name=f"pending_blocks{i}")
+            m.d.comb += pending_blocks.eq(_or_all([
+                Mux(row[o], Array(alloc.head_blocks[i][o])[alloc.pend_vl[o]], 0)
+                for o in range(P)]))
+            m.d.comb += alloc.start[i].eq(row.any() & (~buffer.active | buffer.finishing)
+                                          & ~(row & out_busy).any())
+            for o in range(P):
+                with m.If(alloc.start[i] & row[o]):
+                    m.d.comb += [buffer.grant_valid.eq(1),
+                                 buffer.grant_queue.eq(buffer.queue_of(o, alloc.pend_vl[o]))]
+                    m.d.sync += connected[o].eq(i)
+            handed = buffer.out.valid & buffer.out.ready
+            stored_bytes = lrh_pktlen(buffer.out.payload.data) * 4    # the VCRC is not stored
+            with m.If(alloc.start[i]):
+                m.d.sync += beats_left[i].eq(
+                    pending_blocks << (exact_log2(BLOCK_BYTES) - beat_bytes_log2)
+                    if width <= BLOCK_BYTES else
+                    (pending_blocks + width // BLOCK_BYTES - 1)
+                    >> (beat_bytes_log2 - exact_log2(BLOCK_BYTES)))
+            with m.Elif(hoq_drop[i]):
+                # Skipped unsent: the input is offered again once it is idle.
+                m.d.sync += beats_left[i].eq(0xFFFF)
+            with m.Elif(handed & buffer.out.payload.start):
+                m.d.sync += beats_left[i].eq(((stored_bytes + width - 1) >> beat_bytes_log2) - 1)
+            with m.Elif(handed):
+                m.d.sync += beats_left[i].eq(beats_left[i] - 1)
+            m.d.comb += near_end[i].eq(beats_left[i] <= ALLOC_STAGES)
 
-                started = store.write_valid & store.write.start & (store.write_vl == v)
-                bump("packets_in", when=started)
-                bump("bytes_in", lrh_wire_bytes(store.write.data) - 2, when=started)
-                egress = self.link_ports[p].data_in[v]
-                sent = egress.valid & egress.ready & egress.payload.start
-                bump("packets_out", when=sent)
-                bump("bytes_out", lrh_wire_bytes(egress.payload.data) - 2, when=sent)
-                bump("credit_stall_cycles", when=waiting[p][v])
-                # Discarded heads count at the output and VL they were waiting for.
-                bump("drop_hoq_lifetime", when=Cat(
-                    hoq_drop[i] & (Array(buffer.heads[q].port for q in range(buffer.num_queues))
-                                   [hoq_head[i]] == p)
-                    & (Array(buffer.heads[q].vl for q in range(buffer.num_queues))
-                       [hoq_head[i]] == v)
-                    for i, buffer in enumerate(self.buffers)).any())
-                for k, reason in enumerate(ROUTED_DROP_REASONS):
-                    bump(f"drop_{reason}", when=rx.drop_event.reasons[k] & (rx.drop_event.vl == v))
-        return m
+        for i, buffer in enumerate(self.buffers):
+            m.d.comb += alloc.in_ready[i].eq(enabled[i] & (~buffer.active | near_end[i]))
+        for o, port in enumerate(self.link_ports):
+            m.d.comb += [
+                alloc.out_ready[o].eq(enabled[o] & ~Cat(
+                    buffer.sending & (buffer.out_port == o) & ~near_end[i]
+                    for i, buffer in enumerate(self.buffers)).any()),
+                # The transmitter took the start beat (its FCTBS counts the packet from the
+                # next cycle), or the started packet turned out bad and is skipped unsent.
+                alloc.counted[o].eq(
+                    Cat(port.data_in[v].valid & port.data_in[v].ready & port.data_in[v].payload.start
+                        for v in range(V)).any()
+                    | Cat(started[i] & ~buffer.sending & (buffer.out_port == o)
+                          for i, buffer in enumerate(self.buffers)).any()),
+            ]
+        return alloc.in_flight, alloc.credit_wait

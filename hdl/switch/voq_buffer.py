@@ -38,7 +38,9 @@ class VoqBuffer(wiring.Component):
     Queues: with ``mode="voq"`` one per (output port, output VL), so a packet waiting for a
     busy or credit-starved output never holds up packets of this input to other outputs;
     with ``mode="fifo"`` one per output VL, whatever the output (head-of-line blocking, to
-    compare against). ``heads[q]`` shows each queue's head packet to the allocator.
+    compare against). ``heads[q]`` shows each queue's head packet to the allocator;
+    ``arriving[q]`` shows the descriptor being queued in this cycle into queue q while it is
+    empty, the cycle before it heads the queue (so the allocator can start on it at once).
 
     Reading: ``grant_valid``/``grant_queue`` (from the allocator, only while the reader is
     free or ``finishing``) start the head packet of that queue. Its beats stream on
@@ -88,6 +90,7 @@ class VoqBuffer(wiring.Component):
             "route_port": In(range(ports)),
             "route_vl": In(vl_index(num_vls)),
             "heads": Out(HeadSignature(ports, num_vls)).array(self.num_queues),
+            "arriving": Out(HeadSignature(ports, num_vls)).array(self.num_queues),
             "grant_valid": In(1),
             "grant_queue": In(range(max(self.num_queues, 2))),
             "grant_discard": In(1),     # ... to be dropped unsent (its lifetime ran out)
@@ -189,7 +192,14 @@ class VoqBuffer(wiring.Component):
         ]
         target = self.queue_of(self.route_port, self.route_vl)
         for q, queue in enumerate(queues):
-            m.d.comb += [queue.w_data.eq(entry), queue.w_en.eq(starting & (target == q))]
+            m.d.comb += [
+                queue.w_data.eq(entry),
+                queue.w_en.eq(starting & (target == q)),
+                self.arriving[q].valid.eq(queue.w_en & ~queue.r_rdy),
+                self.arriving[q].port.eq(entry.port),
+                self.arriving[q].vl.eq(entry.vl),
+                self.arriving[q].blocks.eq(entry.blocks),
+            ]
 
         verdict_wp = verdict_mem.write_port()
         m.d.comb += [
