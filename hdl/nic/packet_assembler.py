@@ -219,9 +219,15 @@ class PacketAssembler(wiring.Component):
         ]
         for index, entry in enumerate(window):
             def moved(p, index=index, entry=entry):
-                taken = window[index + p] if index + p < WINDOW_BEATS else entry
-                return Mux(index + p < window_count, taken,
-                           Mux(index + p == window_count, buffer.r_data, entry))
+                at = index + p      # the window position that moves here
+                if at < WINDOW_BEATS:
+                    return Mux(at < window_count, window[at],
+                               Mux(at == window_count, buffer.r_data, entry))
+                # Past the window (window_count is at most WINDOW_BEATS): only the refill,
+                # into a full window's next position. No compare the count's range decides.
+                if at == WINDOW_BEATS:
+                    return Mux(window_count == WINDOW_BEATS, buffer.r_data, entry)
+                return entry
             m.d.sync += entry.eq(by_pops(moved))
 
         popped_bad = Signal()       # a source beat the sent beat pops had a read error
