@@ -137,7 +137,6 @@ SWITCH_LARGE_BUFFER = 2047          # blocks per input VL (the link maximum) for
 SWITCH_RUN = dict(payload=SWITCH_PAYLOAD, warmup=20000, cycles=60000, sweep_warmup=5000,
                   sweep_cycles=20000, incast_cycles=40000, latency_payloads=[0, 256, 4096],
                   loads=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
-SWITCH_VERILATOR_ARGS = ["--no-public-flat-rw", "--public-depth", "1"]
 
 
 def switch_bench_top(**params):
@@ -157,7 +156,6 @@ def run_switch(testcase, expect_tests, run=None, **params):
     began = time.time()
     runner.run(module="tb.bench_switch", toplevel="switch_bench_top", factory=switch_bench_top,
                params=params, testcase=testcase, expect_tests=expect_tests,
-               build_args=SWITCH_VERILATOR_ARGS,
                extra_env={"BENCH_RECORDS": str(records), "BENCH_SETTINGS": json.dumps(settings)})
     print(f"switch bench {testcase or 'all'} {tag}: {time.time() - began:.0f} s (build included)",
           flush=True)

@@ -285,7 +285,7 @@ async def saturate(dut, one_vl=False):
     record("switch.sim_cycles_per_s" + (".fifo" if tb.params["mode"] == "fifo" else "") + tag,
            round(rate), "cycles/s",
            tb.config(traffic="uniform saturated", payload_bytes=payload, mode=tb.params["mode"],
-                     build="Verilator, --no-public-flat-rw --public-depth 1, GPI clock"))
+                     build="Verilator, top module public only, GPI clock"))
     dut._log.info(f"{name}: throughput {mean:.4f} per port {result['throughput']}, p50 "
                   f"{result['p50']} p99 {result['p99']}, {sent} packets, {rate:,.0f} cycles/s")
 

@@ -186,38 +186,12 @@ def fabric_top(**params):
     return FabricTop(**params)
 
 
-# The NIC and switch modules are built with their insides private: cocotb's runner asks
-# Verilator for --public-flat-rw (every signal of the design reachable from Python), which
-# keeps every internal signal of every block as a variable of its own. The testbench only
-# reaches the top's ports, so the top alone stays public (PUBLIC_TOP). Measured on the
-# default fabric: the NIC block's C++ 38.4 MB -> 14.5 MB, a 4-port switch's about 21 ->
-# 8.5 MB, and the default MoE step simulated in 12 s instead of 70 to 75 s, cycle for cycle
-# the same (docs/fabric.md, Build).
-BUILD_ARGS = ["-Wno-UNOPTFLAT", "--no-public-flat-rw"]
-PUBLIC_TOP = '`verilator_config\npublic_flat_rw -module "fabric_top" -var "*"\n'
-
-
-def public_top_config():
-    """The Verilator control file that keeps the top's signals public (written into the
-    build tree once, atomically: builds under pytest-xdist may read it meanwhile; rewritten
-    only if its text changes, so no rebuild follows)."""
-    import os
-    from tb import runner
-    path = runner.BUILD / "fabric_top" / "public_top.vlt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists() or path.read_text() != PUBLIC_TOP:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(PUBLIC_TOP)
-        tmp.replace(path)
-    return path
-
-
 def run_fabric(*, module, params, hierarchical=True, **kwargs):
     """Build and run ``module``'s cocotb tests on the fabric top (:func:`tb.runner.run`),
     its separately built modules each a hierarchical block unless ``hierarchical`` is
-    False, private but for the top (:data:`BUILD_ARGS`)."""
+    False."""
     from tb import runner
+    from tb.nic_top import BUILD_ARGS
     return runner.run(module=module, toplevel="fabric_top", factory=fabric_top, params=params,
                       hierarchical=hierarchical,
-                      build_args=[*BUILD_ARGS, str(public_top_config()),
-                                  *kwargs.pop("build_args", ())], **kwargs)
+                      build_args=[*BUILD_ARGS, *kwargs.pop("build_args", ())], **kwargs)

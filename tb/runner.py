@@ -70,9 +70,23 @@ def source_digest():
     return digest.hexdigest()
 
 
+def public_top_config(toplevel):
+    """The Verilator control file that keeps ``toplevel``'s own signals public in a private
+    build (:func:`run`) (written once, atomically: builds under pytest-xdist may read it meanwhile;
+    rewritten only if its text changes, so no rebuild follows)."""
+    text = f'`verilator_config\npublic_flat_rw -module "{toplevel}" -var "*"\n'
+    path = BUILD / toplevel / "public_top.vlt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return path
+
+
 def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
         expect_tests=None, extra_env=None, build_args=(), waves=None, log_to_file=True,
-        hierarchical=True):
+        hierarchical=True, public=False):
     """Elaborate ``factory(**params)``, build it with Verilator, run ``module``'s cocotb tests.
 
     Returns the run's directory (its log, results and whatever the tests wrote there).
@@ -85,6 +99,12 @@ def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
     The top's separately built modules (its ``hier_blocks``, :func:`tb.hier_build.modules_of`)
     are each a hierarchical block unless ``hierarchical`` is False
     (:func:`tb.hier_build.build_inputs`).
+
+    Only the top's own signals are reachable from Python unless ``public``: cocotb's
+    runner asks Verilator for --public-flat-rw, which keeps every internal signal of every
+    block as a variable of its own (the NIC block's C++ 5 times larger, its simulation up to
+    19 times slower: docs/verilog.md, Simulation builds); a private build takes that back
+    and keeps the top public by a control file (:func:`public_top_config`).
     """
     from cocotb_tools.check_results import get_results
     from cocotb_tools.runner import get_runner
@@ -96,7 +116,10 @@ def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
     # Tracing needs zlib and lz4 headers (liblz4-dev, zlib1g-dev): only waveform runs build with it.
     # One build per design and parameter set, shared by every module that tests it.
     design = f"{factory.__module__}.{factory.__qualname__}"
-    flavour = ("_waves" if waves else "") + ("" if hierarchical else "_flat")
+    flavour = ("_waves" if waves else "") + ("" if hierarchical else "_flat") + \
+        ("_public" if public else "")
+    if not public:
+        build_args = ["--no-public-flat-rw", str(public_top_config(toplevel)), *build_args]
     build_dir = BUILD / toplevel / (param_tag(params, design) + flavour)
     build_dir.mkdir(parents=True, exist_ok=True)
     source = build_dir / f"{toplevel}.v"
@@ -119,9 +142,7 @@ def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
             stamp.write_text(digest)
         specs = json.loads(declared.read_text())
         module_sources, module_args = hier_build.build_inputs(specs, build_dir, hierarchical)
-        # Private blocks (FabricTop) compile other objects than public ones: own turns.
-        private = "_private" if "--no-public-flat-rw" in build_args else ""
-        with hier_build.build_lock(specs, flavour + private):
+        with hier_build.build_lock(specs, flavour):
             runner.build(
                 sources=[source, *module_sources],
                 hdl_toplevel=toplevel,

@@ -116,7 +116,7 @@ class SwitchBenchTop(wiring.Component):
         super().__init__(members)
 
     def elaborate(self, platform):
-        # Everything one level down: the bench builds with --public-depth 1.
+        # Everything one level down: only the top module's signals are public (tb.runner.run).
         m = Module()
         m.submodules.core = _Core(self)
         return m

@@ -365,7 +365,8 @@ def fuzz_packet(tb, rng):
         body = bytearray(packet[:-4])
         for _ in range(rng.randrange(1, 4)):
             body[rng.randrange(len(body))] ^= 1 << rng.randrange(8)
-        if rng.random() < 0.2:
+        # Cut to a random length of at least 24 bytes (a packet of no more has nothing to cut).
+        if rng.random() < 0.2 and len(body) > 24:
             del body[rng.randrange(24, len(body) + 1) & ~3:]
         # The link port checks LRH.VL and LRH.PktLen before anything else sees the
         # packet (tested with the link): keep those two consistent, so every mutation

@@ -44,10 +44,6 @@ from tb.gateware.packet_generator import (OVERHEAD_BYTES, PacketGenerator, core_
                                           registered)
 
 CLOCK_NS = 2.5
-# cocotb builds with --public-flat-rw: every signal of the design is then writable through VPI,
-# and Verilator re-evaluates all logic that reads one on every eval() (both clock edges). Only
-# the top module's signals need to be visible; with the design below it, this is 4x faster.
-VERILATOR_ARGS = ["--no-public-flat-rw", "--public-depth", "1"]
 NUM_VLS = 2
 SOURCES = 16
 
@@ -89,7 +85,7 @@ class GatewareTop(wiring.Component):
         super().__init__(members)
 
     def elaborate(self, platform):
-        # Everything below one level: the launcher builds with --public-depth 1 (see VERILATOR_ARGS).
+        # Everything below one level: only the top module's signals are public (tb.runner.run).
         m = Module()
         m.submodules.core = _TopCore(self)
         return m
@@ -509,11 +505,9 @@ def factory(width):
 def test_packet_gateware(width):
     t0 = time.monotonic()
     test_dir = runner.run(module="tb.test_packet_gateware", toplevel="packet_gateware_top",
-                          factory=factory, params={"width": width}, expect_tests=6,
-                          build_args=VERILATOR_ARGS)
+                          factory=factory, params={"width": width}, expect_tests=6)
     speed = json.loads((test_dir / "speed.json").read_text())
     print(f"packet gateware width {width}: {time.monotonic() - t0:.1f} s; {speed}")
-    assert speed["cycles_per_s"] > 50_000
 
 
 @pytest.mark.parametrize("kwargs", [dict(width=12), dict(num_vls=0), dict(num_vls=16)])

@@ -12,10 +12,10 @@ both widths running at once under ``pytest -n 2``). An empty design under the sa
 cocotb clock runs ~500k cycles/s, the ceiling here. Two things make it that fast,
 and a bench using these blocks needs both:
 
-* Build with ``build_args=["--no-public-flat-rw", "--public-depth", "1"]`` and keep
-  the design one level below the top module. cocotb passes ``--public-flat-rw``,
-  which makes every signal VPI-writable, and Verilator then re-evaluates all logic
-  reading any of them on every ``eval()``: 41k cycles/s at 64-byte beats, not 119k.
+* Keep the design one level below the top module: :func:`tb.runner.run` keeps only
+  the top module's signals public. cocotb passes ``--public-flat-rw``, which makes
+  every signal VPI-writable, and Verilator then re-evaluates all logic reading any of
+  them on every ``eval()``: 41k cycles/s at 64-byte beats, not 119k.
 * ``Clock(..., impl="gpi")`` and waiting with ``Timer`` (no Python coroutine per
   cycle): the Python clock's two wake-ups per cycle took an early version of this
   design from 26k to 20k cycles/s.
