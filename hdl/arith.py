@@ -1,14 +1,15 @@
-"""Adders built for LUT depth.
+"""Adders and reductions built for LUT depth.
 
 Yosys maps ``a + b`` to a carry-lookahead tree that ABC9, in a generic 6-input-LUT
 mapping (docs/fpga.md), turns into 5 LUT levels at 13 bits, 7 at 32 and 8 at 64.
 :func:`lookahead_sum` writes the carries out instead: every 3 bits' generate and
 propagate in one LUT each, a radix-3 prefix over those groups, each sum bit from its
 group's carry-in: 3 levels at 13 bits, 4 at 32 (5 with a carry in), 5 at 64.
+:func:`or_all` ORs values as a balanced tree, not the chain a loop writes.
 """
 from amaranth import C, Cat, Const, Signal, Value
 
-__all__ = ["lookahead_sum"]
+__all__ = ["lookahead_sum", "or_all"]
 
 _GROUP = 3          # bits per group: a group's generate reads 6 inputs, one LUT
 _RADIX = 3          # groups joined per prefix level: 3 (G, P) pairs, one LUT
@@ -72,3 +73,14 @@ def lookahead_sum(m, a, b, carry=0, *, name="sum"):
             bits.append(propagate[i] ^ into)
             into = generate[i] | (propagate[i] & into)
     return Cat(*bits, group_g[-1])
+
+
+def or_all(values):
+    """The OR of ``values`` (at least one) as a balanced tree: log2(n) deep, not n."""
+    values = list(values)
+    if not values:
+        raise ValueError("or_all needs at least one value")
+    while len(values) > 1:
+        values = [values[i] | values[i + 1] if i + 1 < len(values) else values[i]
+                  for i in range(0, len(values), 2)]
+    return values[0]

@@ -1,6 +1,7 @@
 """The depth-built arithmetic against Python integers, in Amaranth's simulator:
 ``hdl.arith.lookahead_sum`` (every operand pair of up to 5 bits with each carry in, and
-random and edge operands at the widths the NIC uses), and ``hdl.nic.payload_reads``'
+random and edge operands at the widths the NIC uses), ``hdl.arith.or_all`` (1 to 9 values,
+its tree's depth), and ``hdl.nic.payload_reads``'
 ``payload_words`` and ``payload_bursts`` against the burst arithmetic they replace
 (``beats = (offset + length + 63) >> 6``, ``page_left = 64 - addr[6:12]``, two bursts when
 ``beats > page_left``), for every offset and every length up to 4096 on pages' edges.
@@ -12,7 +13,7 @@ import pytest
 from amaranth.hdl import Module, Signal
 from amaranth.sim import Simulator
 
-from hdl.arith import lookahead_sum
+from hdl.arith import lookahead_sum, or_all
 from hdl.nic.payload_reads import payload_bursts, payload_words
 
 
@@ -69,6 +70,39 @@ def reference_bursts(addr, length):
         "ar0_addr": addr & ~63, "ar0_len": ((page_left if two else beats) - 1) % 256,
         "ar1_addr": ((addr >> 12) + 1) % (1 << 52) << 12, "ar1_len": (beats - page_left - 1) % 256,
     }
+
+
+@pytest.mark.parametrize("count", range(1, 10))
+def test_or_all(count):
+    """The OR of ``count`` 8-bit values, as a tree of ceil(log2(count)) ORs."""
+    m = Module()
+    values = [Signal(8, name=f"v{i}") for i in range(count)]
+    result = Signal(8)
+    tree = or_all(values)
+    m.d.comb += result.eq(tree)
+
+    def depth(value):
+        operands = getattr(value, "operands", ())
+        return 1 + max(map(depth, operands)) if operands else 0
+    assert depth(tree) == (count - 1).bit_length()
+    rng = random.Random(count)
+
+    async def testbench(ctx):
+        for _ in range(50):
+            words = [rng.choice([0, 1 << rng.randrange(8), rng.getrandbits(8)]) for _ in values]
+            for signal, word in zip(values, words):
+                ctx.set(signal, word)
+            want = 0
+            for word in words:
+                want |= word
+            assert ctx.get(result) == want, words
+
+    run_comb(m, testbench)
+
+
+def test_or_all_refuses_nothing():
+    with pytest.raises(ValueError, match="at least one"):
+        or_all([])
 
 
 def test_payload_bursts():

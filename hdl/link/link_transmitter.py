@@ -1,10 +1,9 @@
-import operator
-from functools import reduce
 
 from amaranth import *
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
+from ..arith import or_all
 from ..crc.aligned_crc import AlignedCRC, advance_and_seed, align
 from ..crc.algorithms import VCRC
 from ..switch.islip_allocator import next_mask, round_robin_pick
@@ -526,7 +525,7 @@ def _choose(select, a, b):
 
 def _one_hot_mux(select, values):
     """The value whose bit in ``select`` is set (at most one is); zero when none is."""
-    return reduce(operator.or_, (Mux(select[i], value, 0) for i, value in enumerate(values)))
+    return or_all(Mux(select[i], value, 0) for i, value in enumerate(values))
 
 
 def _thermometer(one_hot, n):

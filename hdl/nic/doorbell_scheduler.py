@@ -2,6 +2,7 @@ from amaranth import *
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
+from hdl.arith import or_all
 from hdl.nic.signatures import (
     COUNTERS, EPOCH_BITS, MAX_WQE_BLOCKS, DoorbellLayout, EventSignature, FetchDoneLayout,
     FetchRequestLayout, QpState, RetireLayout, RewindLayout,
@@ -11,15 +12,6 @@ __all__ = ["DoorbellScheduler"]
 
 INDEX_BITS = 16
 HALF_RING = 1 << (INDEX_BITS - 1)
-
-
-def _or_all(values):
-    """Balanced OR of ``values``."""
-    values = list(values)
-    while len(values) > 1:
-        values = [values[i] | values[i + 1] if i + 1 < len(values) else values[i]
-                  for i in range(0, len(values), 2)]
-    return values[0]
 
 
 class DoorbellScheduler(wiring.Component):
@@ -279,9 +271,9 @@ class DoorbellScheduler(wiring.Component):
         chosen_index = Signal(INDEX_BITS)
         chosen_epoch = Signal(EPOCH_BITS)
         m.d.comb += [
-            chosen.eq(_or_all(Mux(grant[q], plans[q].as_value(), 0) for q in range(n))),
-            chosen_index.eq(_or_all(Mux(grant[q], fetch_pi[q], 0) for q in range(n))),
-            chosen_epoch.eq(_or_all(Mux(grant[q], epoch[q], 0) for q in range(n))),
+            chosen.eq(or_all(Mux(grant[q], plans[q].as_value(), 0) for q in range(n))),
+            chosen_index.eq(or_all(Mux(grant[q], fetch_pi[q], 0) for q in range(n))),
+            chosen_epoch.eq(or_all(Mux(grant[q], epoch[q], 0) for q in range(n))),
         ]
 
         with m.If(grant != 0):

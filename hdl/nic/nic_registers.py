@@ -1,11 +1,10 @@
-import operator
-from functools import reduce
 
 from amaranth import *
 from amaranth.lib import stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
+from hdl.arith import or_all
 from hdl.axi_lite import AxiLiteHandshake
 from hdl.nic.register_map import (ADDRESS_BITS, LINK_FIELDS, MAX_ENTRIES, OKAY, OWN_COUNTERS,
                                   SLVERR, UAR_BASE, UAR_SIZE, register_map)
@@ -226,8 +225,8 @@ class NicRegisters(wiring.Component):
         held_value = Signal(64)     # the held register addressed, or 0
         refused = Signal()          # SLVERR for the address or value alone
         m.d.sync += [
-            held_value.eq(reduce(operator.or_, (Mux(hits[r.name], read_value(r), 0)
-                                                for r in regs if held(r)))),
+            held_value.eq(or_all(Mux(hits[r.name], read_value(r), 0)
+                                 for r in regs if held(r))),
             refused.eq(~Cat(hits.values()).any()
                        | is_write & Cat(hits[r.name] & ~write_ok(r) for r in regs).any()),
         ]
@@ -329,10 +328,10 @@ class NicRegisters(wiring.Component):
 
         # A read is refused only when unmapped, and then picks nothing: its data is 0.
         value = Signal(64)
-        m.d.comb += value.eq(reduce(operator.or_, (
+        m.d.comb += value.eq(or_all(
             [held_value, Mux(pick["qp", 0], now, 0)]
             + [Mux(pick[r.name], read_value(r), 0) for r in regs if not held(r)]
-            + [Mux(p, word_value, 0) for p, word_value in reads])))
+            + [Mux(p, word_value, 0) for p, word_value in reads]))
 
         # --- AXI4-Lite slave, one transaction at a time ----------------------------------
         bus = AxiLiteHandshake(m, axi)

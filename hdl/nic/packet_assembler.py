@@ -9,7 +9,7 @@ from hdl.crc.icrc_engine import variant_masks
 from hdl.crc.matrices import advance_columns, data_matrix, rows, xor_nodes, xor_tree
 from hdl.ib.headers import LRH, from_wire
 from hdl.link.signatures import BeatLayout, vl_index
-from hdl.nic.signatures import (MAX_HEADER_BYTES, MAX_INLINE_BYTES, PacketDescriptorLayout,
+from hdl.nic.signatures import (MAX_NIC_HEADER_BYTES, MAX_INLINE_BYTES, PacketDescriptorLayout,
                                 PayloadSource, RBeatLayout)
 
 __all__ = ["PacketAssembler", "MAX_DMA_BEATS", "MIN_HEADER_BYTES", "expected_dma_beats"]
@@ -152,18 +152,18 @@ class PacketAssembler(wiring.Component):
         loaded = Signal()           # cur_* hold a good descriptor, sent or waiting for payload
         first = Signal()            # the beat on offer is the start beat
         cur_vl = Signal(vl_index(self.num_vls))
-        cur_header = Signal(8 * MAX_HEADER_BYTES)
-        cur_header_bytes = Signal(range(MAX_HEADER_BYTES + 1))
+        cur_header = Signal(8 * MAX_NIC_HEADER_BYTES)
+        cur_header_bytes = Signal(range(MAX_NIC_HEADER_BYTES + 1))
         cur_inline = Signal()
         cur_inline_data = Signal(8 * MAX_INLINE_BYTES)
         cur_shift = Signal(6)       # (source offset - header_bytes) mod 64
         cur_late = Signal()         # source offset < header_bytes: beat 0 uses one source beat
         cur_need = Signal(range(3)) # window beats needed to start
         dma_left = Signal(range(MAX_DMA_BEATS + 1))  # source beats of this packet still in the buffer
-        payload_left = Signal(range(-WIDTH, MAX_HEADER_BYTES + MAX_PAYLOAD_BYTES + 1))
+        payload_left = Signal(range(-WIDTH, MAX_NIC_HEADER_BYTES + MAX_PAYLOAD_BYTES + 1))
         payload_fills = Signal()    # payload_left >= 64: the beat is payload up to its last lane
         payload_done = Signal()     # payload_left <= 0: no payload lane in the beat
-        body_left = Signal(range(MAX_HEADER_BYTES + MAX_PAYLOAD_BYTES + 4))  # LRH .. pad, from this beat on
+        body_left = Signal(range(MAX_NIC_HEADER_BYTES + MAX_PAYLOAD_BYTES + 4))  # LRH .. pad, from this beat on
         is_end = Signal()           # body_left <= 60: the ICRC fits in this beat
         bad = Signal()              # a source beat of this packet had a read error
         draining = Signal()
@@ -263,7 +263,7 @@ class PacketAssembler(wiring.Component):
         m.d.comb += good.eq(
             (desc.vl < self.num_vls)
             & (desc.header_bytes[:2] == 0)
-            & (desc.header_bytes >= MIN_HEADER_BYTES) & (desc.header_bytes <= MAX_HEADER_BYTES)
+            & (desc.header_bytes >= MIN_HEADER_BYTES) & (desc.header_bytes <= MAX_NIC_HEADER_BYTES)
             & (desc.payload_bytes <= MAX_PAYLOAD_BYTES)
             & ((source == PayloadSource.NONE) & (desc.payload_bytes == 0)
                | (source == PayloadSource.INLINE) & (desc.payload_bytes <= MAX_INLINE_BYTES)

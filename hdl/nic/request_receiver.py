@@ -11,7 +11,7 @@ from hdl.crc.icrc_engine import variant_masks
 from hdl.ib.headers import (ATOMIC_ETH, BTH, ICRC_BYTES, IMMDT, LNH_IBA_LOCAL, LRH, RETH,
                             from_wire)
 from hdl.link.signatures import BeatLayout, vl_index
-from hdl.nic.signatures import (MAX_HEADER_BYTES, MAX_PACKET_BEATS, RX_BUFFER_BEAT_BITS,
+from hdl.nic.signatures import (MAX_NIC_HEADER_BYTES, MAX_PACKET_BEATS, RX_BUFFER_BEAT_BITS,
                                 ContextReadSignature, RequestDescriptorLayout)
 
 __all__ = ["RequestReceiver", "DESCRIPTOR_DEPTH"]
@@ -99,7 +99,7 @@ class RequestReceiver(wiring.Component):
         num_vls = self._num_vls
         depth = self._buffer_beats
         addr_bits = exact_log2(depth)
-        header_bits = 8 * MAX_HEADER_BYTES
+        header_bits = 8 * MAX_NIC_HEADER_BYTES
 
         m.submodules.buffer = buffer = Memory(shape=unsigned(8 * WIDTH), depth=depth, init=[])
         write = buffer.write_port()

@@ -1,12 +1,10 @@
-import operator
-from functools import reduce
 
 from amaranth import *
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
-from hdl.arith import lookahead_sum
+from hdl.arith import lookahead_sum, or_all
 from hdl.nic.signatures import (
     PSN_BITS, Access, AtomicRequestLayout, AtomicResultLayout, ContextReadSignature,
     DmaWriteLayout, EventSignature, MkeyLayout, QpConfigLayout, QpState, RecvCqeOpcode,
@@ -370,8 +368,8 @@ class ResponderEngine(wiring.Component):
 
         # PSNs are distinct, so at most one hits.
         saved_orig = Signal(64)
-        m.d.comb += saved_orig.eq(reduce(operator.or_, (Mux(f_saved_hit[i], row.atom_orig[i], 0)
-                                                        for i in range(SAVED_ATOMICS))))
+        m.d.comb += saved_orig.eq(or_all(Mux(f_saved_hit[i], row.atom_orig[i], 0)
+                                         for i in range(SAVED_ATOMICS)))
 
         # Registered outputs of the decision.
         cmd = Signal(DmaWriteLayout())

@@ -34,7 +34,7 @@ __all__ = [
     "RESPONSE_ID", "RECV_ID", "ATOMIC_ID", "CQE_ID", "DMA_WRITE_ID", "RX_BUFFER_BEAT_BITS",
     "MAX_PACKET_BEATS",
     "QPN_BITS", "CQN_BITS", "PSN_BITS", "WQEBB_BYTES", "MAX_WQE_BLOCKS", "MAX_INLINE_BYTES",
-    "MAX_HEADER_BYTES", "MAX_OUTSTANDING_BLOCKS", "MAX_MESSAGE_BYTES",
+    "MAX_NIC_HEADER_BYTES", "MAX_OUTSTANDING_BLOCKS", "MAX_MESSAGE_BYTES",
     "FETCH_ID", "PAYLOAD_ID", "AXI_ID_BITS", "COUNTERS",
 ]
 
@@ -44,7 +44,7 @@ PSN_BITS = 24
 WQEBB_BYTES = 64             # mlx5 WQE basic block
 MAX_WQE_BLOCKS = 16          # ds is 6 bits of 16-byte units: at most 63 * 16 B = 16 blocks
 MAX_INLINE_BYTES = 64        # inline data a WQE may carry (larger: LOCAL_LENGTH error CQE)
-MAX_HEADER_BYTES = 48        # LRH + BTH + AtomicETH, the longest header the requester sends
+MAX_NIC_HEADER_BYTES = 48    # LRH + BTH + AtomicETH: the longest header the NIC sends or takes (no GRH)
 MAX_OUTSTANDING_BLOCKS = 64  # per-QP window of fetched, not yet completed WQE basic blocks
 MAX_MESSAGE_BYTES = 1 << 31  # IBA maximum message size
 
@@ -383,8 +383,8 @@ class PacketDescriptorLayout(data.StructLayout):
     def __init__(self):
         super().__init__({
             "vl": 4,
-            "header": 8 * MAX_HEADER_BYTES,
-            "header_bytes": range(MAX_HEADER_BYTES + 1),
+            "header": 8 * MAX_NIC_HEADER_BYTES,
+            "header_bytes": range(MAX_NIC_HEADER_BYTES + 1),
             "payload_bytes": range(4096 + 1),
             "source": PayloadSource,
             "offset": 6,
@@ -490,7 +490,7 @@ class RequestDescriptorLayout(data.StructLayout):
             "swap_add": 64,                      # AtomicETH
             "compare": 64,                       # AtomicETH
             "imm": 32,                           # ImmDt
-            "header_bytes": range(MAX_HEADER_BYTES + 1),
+            "header_bytes": range(MAX_NIC_HEADER_BYTES + 1),
             "payload_bytes": range(4096 + 1),
             "buffer_beat": RX_BUFFER_BEAT_BITS,  # the packet's first beat in the buffer
             "beats": range(MAX_PACKET_BEATS + 1),  # buffer beats the packet holds

@@ -9,7 +9,7 @@ from hdl.ib.headers import (
 )
 from hdl.nic.payload_reads import dma_payload, payload_bursts, payload_read_stage, payload_words
 from hdl.nic.signatures import (
-    EPOCH_BITS, MAX_HEADER_BYTES, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, PAYLOAD_ID, PSN_BITS,
+    EPOCH_BITS, MAX_NIC_HEADER_BYTES, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, PAYLOAD_ID, PSN_BITS,
     Access, ArLayout, CompletionRecordLayout, CompletionStatus, ContextReadSignature,
     EventSignature, MkeyLayout, MlxOpcode, PacketDescriptorLayout, PayloadSource,
     QpConfigLayout, QpState, RewindLayout, Syndrome, WqeDescriptorLayout,
@@ -30,7 +30,7 @@ SOLICITED = 0x02             # fm_ce_se bit: solicited event on the message's la
 CQ_UPDATE = 0x08             # fm_ce_se bit: write a CQE on success
 BEAT_BYTES = 64
 MAX_PAYLOAD_BEATS = 4096 // BEAT_BYTES + 1    # a packet's payload words, unaligned
-EXT_BYTES = MAX_HEADER_BYTES - LRH_BYTES - BTH_BYTES
+EXT_BYTES = MAX_NIC_HEADER_BYTES - LRH_BYTES - BTH_BYTES
 
 
 class _JobLayout(data.StructLayout):
@@ -464,7 +464,7 @@ class WqeExecutor(wiring.Component):
 
         with_reth = job.read | (job.write & first)
         with_immdt = segmented & job.with_imm & last
-        header_bytes = Signal(range(MAX_HEADER_BYTES + 1))
+        header_bytes = Signal(range(MAX_NIC_HEADER_BYTES + 1))
         m.d.comb += header_bytes.eq(
             LRH_BYTES + BTH_BYTES + Mux(with_reth, RETH_BYTES, 0) + Mux(with_immdt, IMMDT_BYTES, 0)
             + Mux(job.atomic, ATOMIC_ETH_BYTES, 0))

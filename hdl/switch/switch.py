@@ -3,6 +3,7 @@ from amaranth.utils import exact_log2
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
+from hdl.arith import or_all
 from hdl.link.link_port import LinkPort
 from hdl.link.link_receiver import ROUTED_DROP_REASONS
 from hdl.link.signatures import (
@@ -23,13 +24,6 @@ ALLOCATORS = ("islip", "pipelined")
 # Start beat on an input wire to start beat on an output wire, zero load, per allocator
 # (docs/switch.md).
 HOP_LATENCY_CYCLES = {"islip": 6, "pipelined": 8}
-
-
-def _or_all(values):
-    result = values[0]
-    for value in values[1:]:
-        result = result | value
-    return result
 
 
 class Switch(wiring.Component):
@@ -302,7 +296,7 @@ class Switch(wiring.Component):
                         Cat(Cat(*ready_terms[o, v]).any() for v in range(V))
                         & (in_free[i] & ~out_busy[o] & enabled[o]).replicate(V)),
                     # At most one queue heads with a packet for (o, v): OR is a mux.
-                    head_blocks[i][o].eq(_or_all(block_terms[o])),
+                    head_blocks[i][o].eq(or_all(block_terms[o])),
                 ]
         for o in range(P):
             m.d.comb += waiting[o].eq(Cat(Cat(*wait_terms[o, v]).any() for v in range(V)))
@@ -313,7 +307,7 @@ class Switch(wiring.Component):
         vl_budget = [Signal(16, name=f"vl_budget{o}") for o in range(P)]
         vl_stay = Signal(P)
         for o in range(P):
-            m.d.comb += vl_any[o].eq(_or_all([eligible[i][o] for i in range(P)]))
+            m.d.comb += vl_any[o].eq(or_all([eligible[i][o] for i in range(P)]))
             m.d.comb += vl_stay[o].eq(vl_any[o].bit_select(vl_pointer[o], 1) & (vl_budget[o] != 0))
             with m.If(vl_stay[o]):
                 m.d.comb += vl_pick[o].eq(vl_pointer[o])
@@ -398,7 +392,7 @@ class Switch(wiring.Component):
             row = alloc.pend[i * P:(i + 1) * P]
             # The pending packet still heads its queue: its blocks, for the estimate.
             pending_blocks = Signal(FCCL_BITS, name=f"pending_blocks{i}")
-            m.d.comb += pending_blocks.eq(_or_all([
+            m.d.comb += pending_blocks.eq(or_all([
                 Mux(row[o], Array(alloc.head_blocks[i][o])[alloc.pend_vl[o]], 0)
                 for o in range(P)]))
             m.d.comb += alloc.start[i].eq(row.any() & (~buffer.active | buffer.finishing)

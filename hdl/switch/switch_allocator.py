@@ -1,12 +1,11 @@
 """Pipelined switch allocator: credit test, output VL pick and one iSLIP iteration, one
 registered stage each (docs/switch.md, Allocation)."""
-import operator
-from functools import reduce
 
 from amaranth import *
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
+from hdl.arith import or_all
 from hdl.link.signatures import FCCL_BITS, vl_index
 from hdl.switch.islip_allocator import next_mask, round_robin_pick
 
@@ -213,7 +212,7 @@ class SwitchAllocator(wiring.Component):
             # The matched packet still heads its queue (it starts in this cycle at the earliest).
             terms = [Mux(column[i], Array(self.head_blocks[i][o])[self.pend_vl[o]]
                          if V > 1 else self.head_blocks[i][o][0], 0) for i in range(P)]
-            m.d.comb += blocks.eq(reduce(operator.or_, terms))
+            m.d.comb += blocks.eq(or_all(terms))
             with m.If(self.counted[o]):
                 m.d.sync += hold_valid[o].eq(0)
             with m.If(column.any()):
