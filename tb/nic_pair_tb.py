@@ -29,6 +29,7 @@ mirror byte for byte and checks that every completion came exactly once;
 the retransmission counters against what was lost.
 """
 import dataclasses
+import hashlib
 from collections import defaultdict, deque
 
 from cocotb.triggers import RisingEdge
@@ -289,6 +290,23 @@ class NicPairTB(RcTB):
         # simulation may have left them losing packets.
         for side in self.sides:
             self.set_faults(side, 0)
+
+    def traffic_record(self):
+        """What the run put on the cables, and when: the cycle now and, per side, the count
+        and a digest of the data packets (start cycle, end-bad, bytes) and link packets
+        (cycle, bytes) on its wire. Every build of the same design must give the same
+        record (tb/test_nic_pair.py, ``test_build_flavours_agree``)."""
+        record = {"cycle": self.loop.cycle}
+        for name, side in self.sides.items():
+            digest = hashlib.sha1()
+            for packet, end_bad, cycle in side.wire.data_packets:
+                digest.update(f"data {cycle} {int(end_bad)} {packet.hex()}\n".encode())
+            for packet, cycle in side.wire.link_packets:
+                digest.update(f"link {cycle} {packet.hex()}\n".encode())
+            record[name] = {"data_packets": len(side.wire.data_packets),
+                            "link_packets": len(side.wire.link_packets),
+                            "digest": digest.hexdigest()}
+        return record
 
     @property
     def nodes(self):
