@@ -18,7 +18,10 @@ named by ``BENCH_RECORDS``. Simulated cycles at 64-byte beats, 400 MHz
   to the last CQE) under loss, as a fraction of the loss-free figure measured the same
   way on the same QPs; with the faults injected and the retransmissions counted. With
   ``RC_TRACE`` set to a path, the lossy phase's recovery trace (:mod:`tb.rc_trace`: every
-  fault, NAK and rewind with its cause) is written there.
+  fault, NAK and resend with its cause) is written there, from the wire monitors (the
+  run stays cycle-identical); with ``RC_TRACE_COUNTERS`` set as well, merged with the
+  changes of A's ``TRACED_COUNTERS``, read every 256 cycles (the reads share the register
+  port with the doorbells, so the run's cycles change).
 """
 import os
 import random
@@ -215,12 +218,14 @@ async def goodput_under_loss(dut):
     marks = tb.marks()
     trace_path = os.environ.get("RC_TRACE")
     counter_log = []
-    if trace_path:
+    watch = None
+    if trace_path and os.environ.get("RC_TRACE_COUNTERS"):
         watch = cocotb.start_soon(tb.watch_counters("a", TRACED_COUNTERS, counter_log))
     lossy, lossy_cycles = await goodput_phase(tb, rounds=ROUNDS)
     await tb.check_clean()
-    if trace_path:
+    if watch is not None:
         watch.cancel()
+    if trace_path:
         write_trace(tb, marks, counter_log, trace_path)
     after = await tb.a.host.counters()
     faults = tb.faults("a") + tb.faults("b") - faults_before

@@ -12,8 +12,8 @@ records into the events of recovery, per QP pair (QP q of A talks to QP q of B):
   it, modelled on its rules (docs/nic-reliability.md, and ``CompletionUnit``'s docstring):
   ``lost``; ``dropped`` when its PSN is not in ``(ack_psn, sent_psn]``, where ``sent_psn``
   is the last PSN of the newest message whose last packet went out (the executor emits a
-  WQE's record with its last packet); ``ignored`` after a restart without progress
-  (``gap_seen``); else ``taken``;
+  WQE's record with its last packet); ``ignored`` after a NAK or timeout resend without
+  progress since (``gap_seen``); else ``taken``;
 - ``resend``: the requester sending again, seen as a request whose PSN is below the
   highest it sent on that QP and not the successor of the one it sent last: the PSN it
   resumed from, the message that PSN starts, and the cause: ``NAK`` when a sequence NAK
@@ -213,8 +213,10 @@ def trace(sent, wire_delay, timeout_cycles):
                                     cause=cause, timer_since=since))
                 last_restart[q] = cycle
                 nak_taken.discard(q)
-                gap_seen.add(q)
-                acked[q] = psn_add(p.psn, -1)
+                if cause != "skip":
+                    # A rewind of the completion unit (a skip is the scheduler's alone).
+                    gap_seen.add(q)
+                    acked[q] = psn_add(p.psn, -1)
             if q not in highest or psn_lt(highest[q], p.psn):
                 highest[q] = p.psn
             last_sent[q] = p.psn

@@ -5,7 +5,8 @@ ACK. The cases: a lost last request exposed by the next message (sequence NAK ta
 resend); a lost first request whose NAK comes back before the message's last packet went
 out (dropped: past ``sent_psn``; a timeout resend); a lost last request with nothing after
 it (timeout, timer from the last progress); a lost NAK; a restart soon after progress
-(skip); the counter lines; and the decoding of real packet bytes.
+(skip), after which a NAK still counts; the counter lines; and the decoding of real packet
+bytes.
 """
 from models.ib import AETH, BTH, Opcode
 from models.packet import build_packet, wire_packet
@@ -75,6 +76,17 @@ def test_lost_nak_then_a_skip():
     table = rc_trace.table(events + rc_trace.counter_events([(5090, "a", "wqes_squashed", 3)]))
     assert "| 5,000 | resend | a | 1 | 0x00000c | timeout | 23 (4,977) |" in table
     assert "| 5,090 | counter | a |  |  |  |  | wqes_squashed = 3 |" in table
+
+
+def test_a_nak_after_a_skip_is_taken():
+    # A skip is no rewind of the completion unit: no gap_seen, the NAK of a later loss counts.
+    events = run([request(0, FIRST, 10), request(10, LAST, 11), request(20, FIRST, 12),
+                  request(30, FIRST, 12), request(40, LAST, 13), request(50, FIRST, 14),
+                  request(60, LAST, 15, lost=True), request(70, FIRST, 16),
+                  request(200, FIRST, 14), request(210, LAST, 15)],
+                 [answer(15, 11), answer(75, 15, SEQ_NAK)])
+    assert kinds(events) == [("resend", 30, 12, "skip"), ("fault", 60, 15, ""),
+                             ("nak", 75, 15, "taken"), ("resend", 200, 14, "NAK")]
 
 
 def test_decode_reads_the_headers_of_wire_bytes():
