@@ -16,15 +16,23 @@ named by ``BENCH_RECORDS``. Simulated cycles at 64-byte beats, 400 MHz
   then with 1 in 1000 data packets corrupted on both cables (B's link drops them, go-back-N
   sends them again): message bytes completed per cycle (first request packet on A's wire
   to the last CQE) under loss, as a fraction of the loss-free figure measured the same
-  way on the same QPs; with the faults injected and the retransmissions counted.
+  way on the same QPs; with the faults injected and the retransmissions counted. With
+  ``RC_TRACE`` set to a path, the lossy phase's recovery trace (:mod:`tb.rc_trace`: every
+  fault, NAK and resend with its cause) is written there, from the wire monitors (the
+  run stays cycle-identical); with ``RC_TRACE_COUNTERS`` set as well, merged with the
+  changes of A's ``TRACED_COUNTERS``, read every 256 cycles (the reads share the register
+  port with the doorbells, so the run's cycles change).
 """
+import os
 import random
 import statistics
+from pathlib import Path
 
 import cocotb
 
+from hdl.nic.completion_unit import TIMER_TICK_CYCLES
 from models import mlx5
-from tb import runner
+from tb import rc_trace, runner
 from tb.bench_nic import config
 from tb.nic_pair_tb import CLOCK_NS, SOURCE_REGION, NicPairTB
 from tb.runner import bench_record as record
@@ -167,6 +175,30 @@ async def goodput_phase(tb, rounds=4, qps=4, per_qp=4, size=64 * 1024):
 ROUNDS = 16
 
 
+# A's counters the trace follows over time: NAKs taken and dropped, rewinds by cause, what
+# they cost.
+TRACED_COUNTERS = ("naks_received", "rx_dropped_unexpected", "retransmits_nak",
+                   "retransmits_timeout", "wqes_squashed", "packets_resent")
+ACK_TIMEOUT = 4                 # 2**4 ticks of 1,638 cycles: 65.5 us
+
+
+def write_trace(tb, marks, counter_log, path):
+    """Write the lossy phase's recovery trace (:meth:`NicPairTB.recovery_trace`, the packets
+    sent since ``marks``, merged with the changes of A's ``TRACED_COUNTERS`` but
+    ``packets_resent`` in ``counter_log``) to ``path`` as a Markdown table, cycles from the
+    phase's first packet, with its counts; every packet's headers to ``path`` +
+    ``.packets``."""
+    start = tb.a.wire.data_packets[marks["a"]][2]
+    sent = tb.sent_packets(marks, start)
+    # A timeout fires 2**n ticks after a scan armed it, at a tick: at least 2**n - 1 ticks.
+    events = tb.recovery_trace(sent, ((1 << ACK_TIMEOUT) - 1) * TIMER_TICK_CYCLES)
+    counters = [(cycle - start, side, name, value) for cycle, side, name, value in counter_log
+                if name != "packets_resent"]
+    merged = sorted(events + rc_trace.counter_events(counters), key=lambda e: e.cycle)
+    Path(path).write_text(f"{rc_trace.summary(events)}\n\n{rc_trace.table(merged)}\n")
+    Path(path + ".packets").write_text(rc_trace.packet_log(sent))
+
+
 @cocotb.test()
 async def goodput_under_loss(dut):
     tb = NicPairTB(dut, memory_latency=200)
@@ -175,7 +207,7 @@ async def goodput_under_loss(dut):
     for side, seed in seeds.items():
         tb.set_faults(side, 0, seed=seed)
     await tb.reset()
-    await tb.setup(qps=4, mtu=5, ack_timeout=4)
+    await tb.setup(qps=4, mtu=5, ack_timeout=ACK_TIMEOUT)
     # 16 MiB a phase: about 4,000 request packets and as many ACKs, so about 8 losses.
     clean, clean_cycles = await goodput_phase(tb, rounds=ROUNDS)
     await tb.check_clean()
@@ -183,8 +215,18 @@ async def goodput_under_loss(dut):
     faults_before = tb.faults("a") + tb.faults("b")
     for side, seed in seeds.items():
         tb.set_faults(side, 66, seed=seed)              # 66 / 65536 = 1.0e-3
+    marks = tb.marks()
+    trace_path = os.environ.get("RC_TRACE")
+    counter_log = []
+    watch = None
+    if trace_path and os.environ.get("RC_TRACE_COUNTERS"):
+        watch = cocotb.start_soon(tb.watch_counters("a", TRACED_COUNTERS, counter_log))
     lossy, lossy_cycles = await goodput_phase(tb, rounds=ROUNDS)
     await tb.check_clean()
+    if watch is not None:
+        watch.cancel()
+    if trace_path:
+        write_trace(tb, marks, counter_log, trace_path)
     after = await tb.a.host.counters()
     faults = tb.faults("a") + tb.faults("b") - faults_before
     assert faults > 0, "nothing was lost: the lossy phase would measure no loss"

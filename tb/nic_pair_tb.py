@@ -32,7 +32,7 @@ import dataclasses
 import hashlib
 from collections import defaultdict, deque
 
-from cocotb.triggers import RisingEdge
+from cocotb.triggers import ClockCycles, RisingEdge
 
 from hdl.link.link_receiver import DROP_REASONS
 from hdl.link.signatures import LinkState
@@ -427,7 +427,14 @@ class NicPairTB(RcTB):
         return totals
 
     def lost_packets(self, side):
-        """The data packets NIC ``side`` sent that did not reach the other end intact:
+        """The data packets NIC ``side`` sent that did not reach the other end intact
+        (:meth:`lost_entries`)."""
+        wire = self.sides[side].wire.data_packets
+        return [wire[k][0] for k in self.lost_entries(side)]
+
+    def lost_entries(self, side):
+        """The indices in NIC ``side``'s ``wire.data_packets`` of the data packets it sent
+        that did not reach the other end intact:
         what left its pins against what arrived intact at the peer's, in order per service
         level (a cable keeps the order; a switch keeps it per VL, and a VL is a function of
         the SL, but may interleave VLs differently from the sender). A corrupted packet that
@@ -446,16 +453,55 @@ class NicPairTB(RcTB):
                 arrived[sl(packet)].append(key(packet))
         taken = defaultdict(int)
         lost = []
-        for packet, _, _ in self.sides[side].wire.data_packets:
+        for index, (packet, _, _) in enumerate(self.sides[side].wire.data_packets):
             sent, level = key(packet), sl(packet)
             queue = arrived[level]
             if taken[level] < len(queue) and queue[taken[level]] == sent:
                 taken[level] += 1
             else:
-                lost.append(packet)
+                lost.append(index)
         extra = sum(len(queue) - taken[level] for level, queue in arrived.items())
         assert extra == 0, f"{side}: {extra} packets arrived never sent"
         return lost
+
+    def marks(self):
+        """Where each side's record of sent packets stands now: the start of a
+        :meth:`recovery_trace` window."""
+        return {name: len(side.wire.data_packets) for name, side in self.sides.items()}
+
+    async def watch_counters(self, side, names, log, every=256):
+        """Read NIC ``side``'s counters ``names`` every ``every`` cycles until cancelled,
+        appending each change to ``log`` as ``(cycle, side, name, value)``: when a
+        rewind or a squash happened, to within ``every`` cycles. Off unless started: the
+        reads share the AXI4-Lite port with the doorbells."""
+        host = self.sides[side].host
+        last = {}
+        while True:
+            for name in names:
+                value = await host.counter(name)
+                if last.get(name) != value:
+                    log.append((self.loop.cycle, side, name, value))
+                    last[name] = value
+            await ClockCycles(self.dut.clk, every)
+
+    def sent_packets(self, marks, start=0):
+        """``{side: [tb.rc_trace.Packet]}``: the headers of the data packets each side sent
+        since ``marks`` (:meth:`marks`), each marked lost or not, cycles counted from
+        ``start``; after a drained run."""
+        from tb import rc_trace
+        sent = {}
+        for name, side in self.sides.items():
+            lost = set(self.lost_entries(name))
+            wire = side.wire.data_packets
+            sent[name] = [rc_trace.decode(wire[k], name, k in lost, start)
+                          for k in range(marks[name], len(wire))]
+        return sent
+
+    def recovery_trace(self, sent, timeout_cycles):
+        """The loss-recovery events (:func:`tb.rc_trace.trace`) of ``sent``
+        (:meth:`sent_packets`): faults, NAKs, resends and their causes, per QP pair."""
+        from tb import rc_trace
+        return rc_trace.trace(sent, runner.tb_params()["wire_delay"], timeout_cycles)
 
     async def check_loss(self):
         """After a drained run: every injected fault is one lost packet, counted where the
