@@ -213,7 +213,11 @@ class VoqBuffer(wiring.Component):
 
         # --- reader ----------------------------------------------------------------------
         cell_rp = cell_mem.read_port(transparent_for=())
-        verdict_rp = verdict_mem.read_port(domain="comb")
+        # The packet's verdict and whether it is in are registers, formed in the cycle before
+        # from the writer's next state and the reader's next packet (depth: no memory read or
+        # sequence compare in front of the reader's decisions). Each holds, in every cycle,
+        # the value a combinational read at rd_seq would give (docs/switch.md).
+        verdict_rp = verdict_mem.read_port(transparent_for=(verdict_wp,))
         rd_checked = Signal()       # the known-bad check was made for this packet
         rd_skip = Signal()
         rd_seq = Signal(self.seq_bits)
@@ -225,10 +229,21 @@ class VoqBuffer(wiring.Component):
         beat = cell_rp.data
 
         known = Signal()            # the packet's verdict is in
-        m.d.comb += [
-            known.eq(~(wr_open & (wr_seq == rd_seq))),
-            verdict_rp.addr.eq(rd_seq),
-        ]
+        # Only the newest packet can still wait for its verdict, and a packet starting now is
+        # never the one being read or granted (it heads its queue a cycle later): the verdict
+        # of packet s is out next cycle iff no start, no verdict now, and s is the open one.
+        still_open = Signal()
+        m.d.comb += still_open.eq(~starting & ~store.verdict_valid & wr_open)
+        granted = data.View(descriptor, Array(queue.r_data for queue in queues)[self.grant_queue])
+        open_head = Signal(self.num_queues)
+        for q, queue in enumerate(queues):
+            m.d.comb += open_head[q].eq(data.View(descriptor, queue.r_data).seq == wr_seq)
+        with m.If(self.grant_valid):
+            m.d.comb += verdict_rp.addr.eq(granted.seq)
+            m.d.sync += known.eq(~(still_open & open_head.bit_select(self.grant_queue, 1)))
+        with m.Else():
+            m.d.comb += verdict_rp.addr.eq(rd_seq)
+            m.d.sync += known.eq(~(still_open & (wr_seq == rd_seq)))
         bad = verdict_rp.data.bad
         skip = Signal()
         m.d.comb += skip.eq(Mux(rd_checked, rd_skip, known & bad))
@@ -282,7 +297,6 @@ class VoqBuffer(wiring.Component):
         with m.If(self.finishing):
             m.d.sync += self.active.eq(0)
         with m.If(self.grant_valid):
-            granted = data.View(descriptor, Array(queue.r_data for queue in queues)[self.grant_queue])
             for q, queue in enumerate(queues):
                 m.d.comb += queue.r_en.eq(self.grant_queue == q)
             # The head cell is read in the grant cycle itself (the port is idle: the reader
