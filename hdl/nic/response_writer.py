@@ -316,7 +316,10 @@ class ResponseWriter(wiring.Component):
                                beat.data[8 * (ORIG_BYTE + ORIG_BYTES):])),
             ring_w.en.eq(take & stores),
         ]
-        m.d.sync += write_ptr.eq(write_ptr + (take & stores))
+        # Sums of registers, chosen by the ingress handshake afterwards.
+        write_ptr_next = lookahead_sum(m, write_ptr, 0, 1, name="write_ptr_next")[:beat_bits]
+        with m.If(take & stores):
+            m.d.sync += write_ptr.eq(write_ptr_next)
         with m.If(take):
             m.d.sync += [
                 busy.eq(~beat.end),
@@ -352,8 +355,9 @@ class ResponseWriter(wiring.Component):
             packets_w.data.beats.eq(Mux(stores, index_plus1, index)),
             packets_w.data.length.eq(Array(lengths)[select]),
         ]
+        seq_next = lookahead_sum(m, seq, 0, 1, name="seq_next")[:RESPONSE_SEQ_BITS]
         with m.If(ends):
-            m.d.sync += seq.eq(seq + 1)
+            m.d.sync += seq.eq(seq_next)
         m.d.sync += [ended.eq(ends), ended_slot.eq(seq_slot)]
 
         # --- Verdicts: by slot, a judged flag, the write flag and the write itself ---------
@@ -414,16 +418,18 @@ class ResponseWriter(wiring.Component):
         command = dma.command
         head_judged = Signal()          # judged[head_slot]
         head_writes = Signal()          # writes[head_slot], but for the verdict's fit
-        head_fits = Signal()            # ... and that fit
+        head_verdict = Signal()         # the verdict arrived for the head: its fit applies
+        head_fits = Signal()            # ... that fit
         head_command = Signal(DmaWriteLayout())
         head_bursts = Signal(2)         # command_bursts of the head's command
         # Burst counts of commands given and not landed: at most ``slots`` of them.
         m.submodules.landing = landing = fifo.SyncFIFO(width=2, depth=slots)
+        head_fit = wire(~head_verdict | head_fits, "head_fit")
         m.d.comb += [
             command.valid.eq(head_judged & landing.w_rdy),
             command.payload.eq(head_command),
-            command.payload.bytes.eq(Mux(head_fits, head_command.bytes, 0)),
-            landing.w_data.eq(Mux(head_fits, head_bursts, 0)),
+            command.payload.bytes.eq(Mux(head_fit, head_command.bytes, 0)),
+            landing.w_data.eq(Mux(head_fit, head_bursts, 0)),
             landing.w_en.eq(command.valid & command.ready),
         ]
         dispatch = wire(command.valid & command.ready, "dispatch")
@@ -456,7 +462,8 @@ class ResponseWriter(wiring.Component):
         m.d.sync += [
             head_judged.eq(after(judged) | verdict_after | discard_after),
             head_writes.eq(writes_after),
-            head_fits.eq(~verdict_after | fits),
+            head_verdict.eq(verdict_after),
+            head_fits.eq(fits),
             head_command.addr.eq(Mux(verdict_after, verdict.addr[:self.addr_width],
                                      judgement.addr)),
             head_command.bytes.eq(Mux(writes_after, Mux(verdict_after, verdict.bytes,
@@ -467,12 +474,18 @@ class ResponseWriter(wiring.Component):
             head_bursts.eq(Mux(writes_after, Mux(verdict_after, verdicts_w.data.bursts,
                                                  judgement.bursts), 0)),
         ]
+        head_plus2 = lookahead_sum(m, head_plus1, 0, 1, name="head_plus2")[:RESPONSE_SEQ_BITS]
         with m.If(dispatch):
-            m.d.sync += [head.eq(head_plus1), head_plus1.eq(head_plus1 + 1)]
+            m.d.sync += [head.eq(head_plus1), head_plus1.eq(head_plus2)]
             with m.If(head_slot == slots - 1):
                 m.d.sync += head_upper_plus1.eq(head_upper_plus1 + 1)
-        m.d.sync += self.responses_discarded.eq(self.responses_discarded
-                                                + (dispatch & ~(head_writes & head_fits)))
+        # Counted a cycle after the command is taken: a registered event, then the sum.
+        discarded = Signal()
+        m.d.sync += [
+            discarded.eq(dispatch & ~(head_writes & head_fit)),
+            self.responses_discarded.eq(lookahead_sum(m, self.responses_discarded, discarded,
+                                                      name="responses_discarded_next")),
+        ]
         for k in range(slots):
             with m.If(ended & (ended_slot == k)):
                 m.d.sync += awaiting[k].eq(1)
@@ -502,8 +515,9 @@ class ResponseWriter(wiring.Component):
             m.d.sync += releases.eq(releases + 1)
         with m.Elif(pop & ~dma.release.valid):
             m.d.sync += releases.eq(releases - 1)
+        landed_next = lookahead_sum(m, landed, 0, 1, name="landed_next")[:RESPONSE_SEQ_BITS]
         with m.If(pop):
-            m.d.sync += landed.eq(landed + 1)
+            m.d.sync += landed.eq(landed_next)
         with m.If(ended & ~pop):
             m.d.sync += unlanded.eq(unlanded + 1)
         with m.Elif(pop & ~ended):
