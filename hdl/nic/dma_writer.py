@@ -61,6 +61,7 @@ class _BurstJob(data.StructLayout):
             "first_less1": range(PAGE_BEATS),       # beats of the burst before the 4 KiB line
             "crosses": 1,                           # a second burst from the next line
             "second_less1": range(PAGE_BEATS),
+            "next_line": addr_width - 12,           # the line after the first burst's
         })
 
 
@@ -183,6 +184,7 @@ class DmaWriter(wiring.Component):
             src_less1.eq((cmd.src_offset + cmd.bytes - 1) >> 6),
             last_in_line.eq(cmd.addr[:12] + cmd.bytes - 1),
         ]
+        next_line = lookahead_sum(m, cmd.addr[12:self.addr_width], 1, name="next_line")
         read_job = data.View(read_layout, read_jobs.w_data)
         burst_job = data.View(burst_layout, burst_jobs.w_data)
         write_job = data.View(write_layout, write_jobs.w_data)
@@ -196,6 +198,7 @@ class DmaWriter(wiring.Component):
             burst_job.first_less1.eq(Mux(crosses, ~cmd.addr[6:12], dst_less1)),
             burst_job.crosses.eq(crosses),
             burst_job.second_less1.eq(last_in_line[6:12]),
+            burst_job.next_line.eq(next_line),
             write_job.dst_less1.eq(dst_less1),
             write_job.first_less1.eq(burst_job.first_less1),
             write_job.src_beats.eq(src_beats),
@@ -285,7 +288,6 @@ class DmaWriter(wiring.Component):
             with m.If(~aw_crosses):
                 m.d.sync += aw_active.eq(0)
         aw_job = data.View(burst_layout, burst_jobs.r_data)
-        job_next_line = lookahead_sum(m, aw_job.beat_addr[6:], 1, name="job_next_line")
         with m.If(burst_jobs.r_rdy & (~aw_active | (present & ~aw_crosses))):
             m.d.comb += burst_jobs.r_en.eq(1)
             m.d.sync += [
@@ -294,7 +296,7 @@ class DmaWriter(wiring.Component):
                 aw_less1.eq(aw_job.first_less1),
                 aw_crosses.eq(aw_job.crosses),
                 aw_second_less1.eq(aw_job.second_less1),
-                aw_next_line.eq(Cat(C(0, 6), job_next_line)),
+                aw_next_line.eq(Cat(C(0, 6), aw_job.next_line)),
             ]
 
         # --- Realigner and W ---------------------------------------------------------------

@@ -122,7 +122,8 @@ class ResponseWriter(wiring.Component):
     ``response_write_errors``: B responses not OKAY (the DmaWriter's
     ``dma_write_errors``, stray ones included, in the cycle after the B); ``responses_discarded``: stored packets whose command writes
     nothing because of a discard, a verdict with ``write`` = 0 or a refused write (a
-    write of 0 bytes is not a discard), counted when the command is taken.
+    write of 0 bytes is not a discard), counted in the cycle after the command is taken
+    (a registered event; it counted in the command's own cycle before 2026-12-06).
 
     A ring beat is taken from a packet's beat until the DmaWriter has read it for the
     packet's command (after the verdict); a slot from a packet's start beat until it
@@ -133,15 +134,17 @@ class ResponseWriter(wiring.Component):
     stored, the packets not landed kept apart from the one whose end beat moved in the
     cycle before (``ended``, which the slot test and the verdict hit also look at), the
     head's command itself (formed in the cycle before from the slot tables, or from the
-    verdict arriving for the head after this cycle, whose fit is then a flip-flop of its
-    own, applied as the command leaves), and per slot whether its packet waits
-    for a verdict and whether its verdict writes. A verdict's fit to its packet is a
-    carry-save layer and one lookahead sum, done as it arrives.
+    verdict arriving for the head after this cycle), its fit (the head slot's, or that
+    arriving verdict's: two flip-flops and which applies, chosen as the command leaves),
+    and per slot whether its packet waits for a verdict, whether its verdict writes and
+    whether the write fits. A verdict's fit to its packet is found as it arrives, split
+    at bit 6: compares of bytes' and length's 64-byte parts, the low parts where those
+    are equal (2026-12-06; one carry-save layer and a lookahead sum before).
 
     Resources: the ring (``buffer_beats`` x 512 bits, one write and one read port), two
     ``slots``-entry tables read asynchronously (packet place: ~26 bits, read at the
     verdict's slot, the head's and the next; verdict: ``addr_width`` + 21 bits, read at
-    the head's and the next), a ``slots`` x 2-bit FIFO of burst counts, three bits per
+    the head's and the next), a ``slots`` x 2-bit FIFO of burst counts, four bits per
     slot, the head's command, and the DmaWriter (three 4-deep job queues and a 4-beat
     data queue).
 
@@ -316,7 +319,10 @@ class ResponseWriter(wiring.Component):
                                beat.data[8 * (ORIG_BYTE + ORIG_BYTES):])),
             ring_w.en.eq(take & stores),
         ]
-        m.d.sync += write_ptr.eq(write_ptr + (take & stores))
+        # Sums of registers, chosen by the ingress handshake afterwards.
+        write_ptr_next = lookahead_sum(m, write_ptr, 0, 1, name="write_ptr_next")[:beat_bits]
+        with m.If(take & stores):
+            m.d.sync += write_ptr.eq(write_ptr_next)
         with m.If(take):
             m.d.sync += [
                 busy.eq(~beat.end),
@@ -352,8 +358,9 @@ class ResponseWriter(wiring.Component):
             packets_w.data.beats.eq(Mux(stores, index_plus1, index)),
             packets_w.data.length.eq(Array(lengths)[select]),
         ]
+        seq_next = lookahead_sum(m, seq, 0, 1, name="seq_next")[:RESPONSE_SEQ_BITS]
         with m.If(ends):
-            m.d.sync += seq.eq(seq + 1)
+            m.d.sync += seq.eq(seq_next)
         m.d.sync += [ended.eq(ends), ended_slot.eq(seq_slot)]
 
         # --- Verdicts: by slot, a judged flag, the write flag and the write itself ---------
@@ -364,7 +371,8 @@ class ResponseWriter(wiring.Component):
         head_upper_plus1 = Signal(RESPONSE_SEQ_BITS - slot_bits, init=1)    # head_upper + 1
         awaiting = Signal(slots)    # the slot's packet ended (before ``ended``), no verdict yet
         judged = Signal(slots)      # ... has its verdict and no command yet
-        writes = Signal(slots)      # ... and the verdict writes (a write that fits)
+        writes = Signal(slots)      # ... and the verdict writes
+        fit = Signal(slots)         # ... and fits the stored packet
         m.submodules.verdicts = verdicts = memory.Memory(shape=write_layout, depth=slots, init=[])
         verdicts_w = verdicts.write_port()
 
@@ -388,16 +396,25 @@ class ResponseWriter(wiring.Component):
         verdict = self.verdict.payload
         verdict_valid, verdict_slot = hit(self.verdict, verdict.seq, "verdict_hit")
         discard_valid, discard_slot = hit(self.discard, self.discard.payload, "discard_hit")
-        # Whether the write fits the stored packet (offset + bytes <= length): no carry out
-        # of offset + bytes + ~length, a carry-save layer and one sum.
+        # Whether the write fits the stored packet, offset + bytes <= length, split at bit
+        # 6 (the offset lies below it): the verdict's own low sum gives a carry into the
+        # beats; bytes' beats (plus that carry) against length's are compares of two
+        # operands, and where they are equal the low parts decide.
         packets_v = packets.read_port(domain="comb")
         m.d.comb += packets_v.addr.eq(verdict_slot)
-        fit_a, fit_b = verdict.offset, verdict.bytes
-        fit_c = ~Cat(packets_v.data.length, C(0, 15 - len(packets_v.data.length)))
-        fit_s = wire(fit_a ^ fit_b ^ fit_c, "fit_s")
-        fit_k = wire((fit_a & fit_b) | (fit_a & fit_c) | (fit_b & fit_c), "fit_k")
-        fits = ~lookahead_sum(m, fit_s[:15], Cat(C(0, 1), fit_k[:14]), name="fit_sum")[15]
-        verdict_writes = wire(verdict.write & fits, "verdict_writes")
+        length = packets_v.data.length
+        low = lookahead_sum(m, verdict.offset, verdict.bytes[:6], name="fit_low")
+        carry, rest = low[6], low[:6]
+        bytes_hi, length_hi = verdict.bytes[6:13], length[6:13]
+        not_length_hi = wire(~length_hi, "fit_not_length_hi")
+        above = lookahead_sum(m, bytes_hi, not_length_hi, name="fit_above")[7]       # >
+        at_least = lookahead_sum(m, bytes_hi, not_length_hi, 1, name="fit_at_least")[7]
+        equal = bytes_hi == length_hi
+        bytes_hi_plus1 = lookahead_sum(m, bytes_hi, 0, 1, name="fit_bytes_hi_plus1")[:7]
+        equal_less1 = bytes_hi_plus1 == length_hi
+        rest_above = lookahead_sum(m, rest, ~length[:6], name="fit_rest_above")[6]
+        fits = wire(~Mux(carry, at_least | (equal_less1 & rest_above),
+                         above | (equal & rest_above)), "fits")
         m.d.comb += [
             verdicts_w.addr.eq(verdict_slot),
             verdicts_w.en.eq(verdict_valid),
@@ -413,17 +430,20 @@ class ResponseWriter(wiring.Component):
         # arriving for it.
         command = dma.command
         head_judged = Signal()          # judged[head_slot]
-        head_writes = Signal()          # writes[head_slot], but for the verdict's fit
-        head_fits = Signal()            # ... and that fit
+        head_writes = Signal()          # writes[head_slot]
+        head_verdict = Signal()         # the verdict arrived for the head: its fit applies
+        head_fits = Signal()            # ... that fit
+        head_slot_fits = Signal()       # else fit[head_slot]
         head_command = Signal(DmaWriteLayout())
         head_bursts = Signal(2)         # command_bursts of the head's command
         # Burst counts of commands given and not landed: at most ``slots`` of them.
         m.submodules.landing = landing = fifo.SyncFIFO(width=2, depth=slots)
+        head_fit = wire(Mux(head_verdict, head_fits, head_slot_fits), "head_fit")
         m.d.comb += [
             command.valid.eq(head_judged & landing.w_rdy),
             command.payload.eq(head_command),
-            command.payload.bytes.eq(Mux(head_fits, head_command.bytes, 0)),
-            landing.w_data.eq(Mux(head_fits, head_bursts, 0)),
+            command.payload.bytes.eq(Mux(head_fit, head_command.bytes, 0)),
+            landing.w_data.eq(Mux(head_fit, head_bursts, 0)),
             landing.w_en.eq(command.valid & command.ready),
         ]
         dispatch = wire(command.valid & command.ready, "dispatch")
@@ -456,7 +476,9 @@ class ResponseWriter(wiring.Component):
         m.d.sync += [
             head_judged.eq(after(judged) | verdict_after | discard_after),
             head_writes.eq(writes_after),
-            head_fits.eq(~verdict_after | fits),
+            head_verdict.eq(verdict_after),
+            head_fits.eq(fits),
+            head_slot_fits.eq(after(fit)),
             head_command.addr.eq(Mux(verdict_after, verdict.addr[:self.addr_width],
                                      judgement.addr)),
             head_command.bytes.eq(Mux(writes_after, Mux(verdict_after, verdict.bytes,
@@ -467,19 +489,26 @@ class ResponseWriter(wiring.Component):
             head_bursts.eq(Mux(writes_after, Mux(verdict_after, verdicts_w.data.bursts,
                                                  judgement.bursts), 0)),
         ]
+        head_plus2 = lookahead_sum(m, head_plus1, 0, 1, name="head_plus2")[:RESPONSE_SEQ_BITS]
         with m.If(dispatch):
-            m.d.sync += [head.eq(head_plus1), head_plus1.eq(head_plus1 + 1)]
+            m.d.sync += [head.eq(head_plus1), head_plus1.eq(head_plus2)]
             with m.If(head_slot == slots - 1):
                 m.d.sync += head_upper_plus1.eq(head_upper_plus1 + 1)
-        m.d.sync += self.responses_discarded.eq(self.responses_discarded
-                                                + (dispatch & ~(head_writes & head_fits)))
+        # Counted a cycle after the command is taken: a registered event, then the sum.
+        discarded = Signal()
+        m.d.sync += [
+            discarded.eq(dispatch & ~(head_writes & head_fit)),
+            self.responses_discarded.eq(lookahead_sum(m, self.responses_discarded, discarded,
+                                                      name="responses_discarded_next")),
+        ]
         for k in range(slots):
             with m.If(ended & (ended_slot == k)):
                 m.d.sync += awaiting[k].eq(1)
             with m.If(dispatch & (head_slot == k)):
                 m.d.sync += judged[k].eq(0)
             with m.If(verdict_valid & (verdict_slot == k)):
-                m.d.sync += [awaiting[k].eq(0), judged[k].eq(1), writes[k].eq(verdict_writes)]
+                m.d.sync += [awaiting[k].eq(0), judged[k].eq(1), writes[k].eq(verdict.write),
+                             fit[k].eq(fits)]
             with m.If(discard_valid & (discard_slot == k)):
                 m.d.sync += [awaiting[k].eq(0), judged[k].eq(1), writes[k].eq(0)]
 
@@ -502,8 +531,9 @@ class ResponseWriter(wiring.Component):
             m.d.sync += releases.eq(releases + 1)
         with m.Elif(pop & ~dma.release.valid):
             m.d.sync += releases.eq(releases - 1)
+        landed_next = lookahead_sum(m, landed, 0, 1, name="landed_next")[:RESPONSE_SEQ_BITS]
         with m.If(pop):
-            m.d.sync += landed.eq(landed + 1)
+            m.d.sync += landed.eq(landed_next)
         with m.If(ended & ~pop):
             m.d.sync += unlanded.eq(unlanded + 1)
         with m.Elif(pop & ~ended):

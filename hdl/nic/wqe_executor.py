@@ -2,7 +2,7 @@ from amaranth import *
 from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from hdl.arith import lookahead_sum
+from hdl.arith import lookahead_sum, or_all
 from hdl.ib.headers import (
     ATOMIC_ETH, ATOMIC_ETH_BYTES, BTH_BYTES, IMMDT, IMMDT_BYTES, LRH_BYTES, RETH, RETH_BYTES,
     VL15, iba_local_headers, to_wire,
@@ -51,6 +51,47 @@ class _JobLayout(data.StructLayout):
         })
 
 
+class _WqeFactsLayout(data.StructLayout):
+    """What a WQE descriptor says on its own, registered as it is taken."""
+    def __init__(self):
+        super().__init__({
+            "is_write": 1, "is_send": 1, "is_read": 1, "is_fetch_add": 1, "is_atomic": 1,
+            "with_imm": 1,
+            "length": 32,                   # 0 without a data or inline segment
+            "end": 65,                      # laddr + byte_count
+            "packets_less_one_at": PSN_BITS,    # (length - 1) >> 8
+            "empty": 1,                     # length 0
+            "fits_mtu": 5,                  # bit k - 1: length <= the MTU of code k
+            "qpn_bad": 1,
+            "uses_key": 1,
+            "inconsistent": 1,
+            "bad_length": 1,
+            "wqe_end": 16,                  # wqe_index + wqe_blocks
+        })
+
+
+class _ContextFactsLayout(data.StructLayout):
+    """What stage 0 found for a WQE in its contexts and its QP's state (stage 1 decides
+    from these registers)."""
+    def __init__(self):
+        super().__init__({
+            "qp": QpConfigLayout(),
+            "vl": 4,
+            "early_error": 1,               # an error reported before the key's
+            "early_syndrome": 8,            # ... and its syndrome
+            "key_refused": 1,               # key, PD or local rights do not match
+            "room_ok": 1,                   # end <= base + length
+            "above_base": 1,                # laddr >= base
+            "wraps": 1,                     # end past 2**64
+            "packets_less_one": PSN_BITS,   # at the QP's MTU, if it is sent
+            "fits": 1,                      # in one packet, if it is sent
+            "first_psn": PSN_BITS,
+            "recorded": 16,                 # the QP's ``recorded``
+            "flushing": 1,                  # the QP is not in RTS or has its error bit
+            "stale": 1,                     # epoch differed, or a rewind or skip came since
+        })
+
+
 class _ItemLayout(data.StructLayout):
     """One packet (or, for a failed or flushed WQE, none) with the payload reads it needs
     and, on a message's last packet, the WQE's completion record (unless suppressed);
@@ -74,10 +115,13 @@ class WqeExecutor(wiring.Component):
 
     Pipeline, each stage a register that moves on when the next one takes it:
 
-    1. the WQE descriptor, while its QP context and memory key are read (the read ports
+    0. the WQE descriptor, while its QP context and memory key are read (the read ports
        are addressed by the incoming WQE in the cycle it is accepted, so their data is
-       there in the next cycle); the checks, the per-QP next PSN and the local error bit
-       are evaluated on it and it moves to
+       there in the next cycle): what the contexts say (the key check's parts, the VL,
+       the packet count at the QP's MTU) and its QP's state (next PSN, ``recorded``,
+       whether it flushes, whether the WQE is stale) are registered as it moves to
+    1. the check stage, which decides the WQE's status from those registers, sets the
+       per-QP next PSN, ``recorded`` and the local error bit, and passes it to
     2. the segmenter, which cuts the message at the path MTU and builds one packet per
        cycle (headers, payload location, AXI bursts, the completion record on the last);
     3. the read stage, which reserves the packet's beats of the assembler's payload buffer
@@ -85,13 +129,20 @@ class WqeExecutor(wiring.Component):
     4. the output stage: the packet descriptor, and the completion record into a small
        FIFO as the message's last descriptor leaves (so the record always comes after it).
 
+    Stage 1 moves on exactly when stage 0 moves up (or is empty), so the QP state stage 0
+    registers is exact but for what stage 1 changes in that same cycle, which it takes
+    from stage 1 (a WQE of the same QP: its PSNs, ``recorded``, an error); while a WQE
+    waits in stage 1, a rewind or skip of its QP makes it stale, and its QP's
+    ``qp_state`` is looked at as it was in the cycle before (a QP's epoch changes only
+    with a rewind or skip, ``qp_reset`` comes only for an idle QP).
+
     A failed or flushed WQE goes through the same stages without a packet, so completion
     records and packets come out in WQE order over all QPs. A stream of one-packet WQEs
     runs at one per cycle while the outputs are ready; a packet whose payload crosses
     4 KiB (two bursts) takes two cycles of the read stage. A WQE accepted in cycle t has
-    its first burst on ``ar`` in t + 3 at the earliest, its first descriptor on
-    ``packet`` in t + 4 and its record on ``completion`` one cycle after its last
-    descriptor left.
+    its first burst on ``ar`` in t + 4 at the earliest, its first descriptor on
+    ``packet`` in t + 5 and its record on ``completion`` one cycle after its last
+    descriptor left (stage 0 added a cycle on 2026-12-06: t + 3 and t + 4 before).
 
     Records: ``byte_count`` is the message length (8 for an atomic) and ``first_psn`` /
     ``last_psn`` its PSNs for ``SENT``; an ``ERROR`` or ``FLUSH`` record has
@@ -117,9 +168,9 @@ class WqeExecutor(wiring.Component):
     completion unit and the scheduler in the same cycle, the scheduler's epoch changing
     one cycle after its rewind strobe):
 
-    * stage 1 squashes a WQE whose ``epoch`` differs from ``qp_epoch[qpn]`` or whose QP
-      has a ``rewind`` in that cycle (so there is no window: a WQE leaving stage 1 in
-      the rewind's cycle is squashed too). A squashed WQE has no effect at all (no PSN,
+    * stage 1 squashes a WQE whose ``epoch`` differed from ``qp_epoch[qpn]`` as it left
+      stage 0 or whose QP had a ``rewind`` or ``skip`` since, that cycle included (so
+      there is no window: a WQE leaving stage 1 in the rewind's cycle is squashed too). A squashed WQE has no effect at all (no PSN,
       no error bit, no ``qp_error``, no record), and it leaves stage 1 only when the
       segmenter could take it, so the epoch compare stays off the ``wqe.ready`` path.
     * the segmenter registers a rewind of its job's QP (``job_stale``): a SENT job stops
@@ -201,14 +252,26 @@ class WqeExecutor(wiring.Component):
         rewind = self.rewind.p
         skip = self.skip.p
 
-        # --- stage 1: the WQE and its contexts ------------------------------------------------
+        # --- stage 0: the WQE while its contexts are read --------------------------------------
+        # The context read ports are addressed by the incoming WQE in the cycle it is taken,
+        # so their data is there while it is in stage 0; stage 0 registers what the contexts
+        # say (the key check's parts, the VL, the PSN arithmetic's inputs) and the per-QP
+        # state of its QP, and stage 1 decides from registers.
+        r0_valid = Signal()
+        r0 = Signal(WqeDescriptorLayout())
+        f0 = Signal(_WqeFactsLayout())
         r1_valid = Signal()
         r1 = Signal(WqeDescriptorLayout())
+        f1 = Signal(_WqeFactsLayout())
+        c1 = Signal(_ContextFactsLayout())
         r1_advance = Signal()
-        m.d.comb += self.wqe.ready.eq(~r1_valid | r1_advance)
+        to_r1 = Signal()
+        m.d.comb += [
+            to_r1.eq(r0_valid & (~r1_valid | r1_advance)),
+            self.wqe.ready.eq(~r0_valid | ~r1_valid | r1_advance),
+        ]
 
-        # Facts of the WQE alone, registered as it is taken, so that stage 1 decides from
-        # registers and the contexts' data only.
+        # Facts of the WQE alone, registered as it is taken.
         w = self.wqe.payload
         w_opcode = w.opcode
         w_is_write = ((w_opcode == MlxOpcode.RDMA_WRITE.value)
@@ -226,60 +289,63 @@ class WqeExecutor(wiring.Component):
         w_end = lookahead_sum(m, w.laddr, w.byte_count, name="end_sum")
         # The message's packets less one at MTU code k: (length - 1) >> (k + 7).
         w_length_less_one = lookahead_sum(m, w.byte_count, C(-1, 32), name="length_less_one")
-        is_write, is_send, is_read, is_fetch_add, is_atomic, with_imm = (
-            Signal(name=name) for name in
-            ("is_write", "is_send", "is_read", "is_fetch_add", "is_atomic", "with_imm"))
-        length = Signal(32)
-        end = Signal(65)
-        packets_less_one_at = Signal(PSN_BITS)     # (length - 1) >> 8
-        empty = Signal()                           # length 0
-        fits_mtu = Signal(5)                       # bit k - 1: length <= the MTU of code k
-        qpn_bad = Signal()
-        uses_key = Signal()
-        inconsistent = Signal()
-        bad_length = Signal()
+        w_wqe_end = lookahead_sum(m, w.wqe_index, w.wqe_blocks, name="wqe_end")[:16]
         with m.If(self.wqe.valid & self.wqe.ready):
             m.d.sync += [
-                r1_valid.eq(1), r1.eq(w),
-                is_write.eq(w_is_write), is_send.eq(w_is_send), is_read.eq(w_is_read),
-                is_fetch_add.eq(w_is_fetch_add), is_atomic.eq(w_is_atomic),
-                with_imm.eq(w_with_imm),
-                length.eq(w_length),
-                end.eq(w_end),
-                packets_less_one_at.eq(w_length_less_one[8:8 + PSN_BITS]),
-                empty.eq(w_length == 0),
-                fits_mtu.eq(Cat(~w_has_length | (w.byte_count <= (128 << k)) for k in range(1, 6))),
-                qpn_bad.eq(w.qpn >= num_qps),
-                uses_key.eq(w.has_data & ~w.inline & (w.byte_count != 0)),
-                inconsistent.eq(~(w_is_write | w_is_send | w_is_read | w_is_atomic)
-                                | (w.inline & (w.has_data | w_is_read | w_is_atomic))
-                                | (w_is_atomic & ~w.has_data)),
-                bad_length.eq((w.inline & (w.byte_count > MAX_INLINE_BYTES))
-                              | (w_is_atomic & (w.byte_count != 8))
-                              | (w_length > MAX_MESSAGE_BYTES)),
+                r0_valid.eq(1), r0.eq(w),
+                f0.is_write.eq(w_is_write), f0.is_send.eq(w_is_send), f0.is_read.eq(w_is_read),
+                f0.is_fetch_add.eq(w_is_fetch_add), f0.is_atomic.eq(w_is_atomic),
+                f0.with_imm.eq(w_with_imm),
+                f0.length.eq(w_length),
+                f0.end.eq(w_end),
+                f0.packets_less_one_at.eq(w_length_less_one[8:8 + PSN_BITS]),
+                f0.empty.eq(w_length == 0),
+                f0.fits_mtu.eq(Cat(~w_has_length | (w.byte_count <= (128 << k))
+                                   for k in range(1, 6))),
+                f0.qpn_bad.eq(w.qpn >= num_qps),
+                f0.uses_key.eq(w.has_data & ~w.inline & (w.byte_count != 0)),
+                f0.inconsistent.eq(~(w_is_write | w_is_send | w_is_read | w_is_atomic)
+                                   | (w.inline & (w.has_data | w_is_read | w_is_atomic))
+                                   | (w_is_atomic & ~w.has_data)),
+                f0.bad_length.eq((w.inline & (w.byte_count > MAX_INLINE_BYTES))
+                                 | (w_is_atomic & (w.byte_count != 8))
+                                 | (w_length > MAX_MESSAGE_BYTES)),
+                f0.wqe_end.eq(w_wqe_end),
             ]
-        with m.Elif(r1_advance):
-            m.d.sync += r1_valid.eq(0)
-        read_from = Mux(self.wqe.ready, self.wqe.payload, r1)
+        with m.Elif(to_r1):
+            m.d.sync += r0_valid.eq(0)
+        read_from = Mux(self.wqe.ready, self.wqe.payload, r0)
         read_from = WqeDescriptorLayout()(read_from)
         m.d.comb += [
             self.qp_config.addr.eq(read_from.qpn),
             self.mkey.addr.eq((read_from.lkey >> 8) % self.num_mkeys),
         ]
-        qp = self.qp_config.data
+        qp0 = self.qp_config.data
         mk = self.mkey.data
 
-        opcode = r1.opcode
-        vl = Signal(4)
-        m.d.comb += vl.eq(Array(self.sl_to_vl)[qp.sl])
-        no_vl = (vl == VL15) | (vl >= self.num_vls) | (qp.mtu < 1) | (qp.mtu > 5)
-        key_ok = mk.valid & (mk.key == r1.lkey) & (mk.pd == qp.pd)
-        wraps = end[64] & (end[:64] != 0)      # ending exactly at 2**64 is fine
+        vl0 = Signal(4)
+        m.d.comb += vl0.eq(Array(self.sl_to_vl)[qp0.sl])
+        no_vl = (vl0 == VL15) | (vl0 >= self.num_vls) | (qp0.mtu < 1) | (qp0.mtu > 5)
+        # The errors found before the key's, in the order they are reported.
+        early_syndrome = Signal(8)
+        with m.If(r0.format_error):
+            m.d.comb += early_syndrome.eq(r0.syndrome)
+        with m.Elif(f0.inconsistent):
+            m.d.comb += early_syndrome.eq(Syndrome.LOCAL_QP_OP_ERR)
+        with m.Elif(f0.bad_length):
+            m.d.comb += early_syndrome.eq(Syndrome.LOCAL_LENGTH_ERR)
+        with m.Else():
+            m.d.comb += early_syndrome.eq(Syndrome.LOCAL_QP_OP_ERR)
+        # The memory key rule, in parts that each end in a register: the key, its PD and
+        # rights; the range, base <= laddr and end <= base + length, with end not past 2**64.
+        local_write = (mk.access.as_value() & Access.LOCAL_WRITE.value) != 0
+        key_refused = ((mk.key != r0.lkey) | (mk.pd != qp0.pd) | ~mk.valid
+                       | ((f0.is_read | f0.is_atomic) & ~local_write))
         # end <= base + length as the sign of base + length - end: one carry-save layer
         # and one lookahead sum, not a sum and then a compare.
         wide = 66
         addends = [Cat(mk.base, C(0, wide - 64)), Cat(mk.length, C(0, wide - 64)),
-                   ~Cat(end, C(0, wide - 65))]
+                   ~Cat(f0.end, C(0, wide - 65))]
         partial = Signal(wide)
         carries = Signal(wide)
         m.d.comb += [
@@ -288,48 +354,57 @@ class WqeExecutor(wiring.Component):
                        | (addends[1] & addends[2])),
         ]
         room_sum = lookahead_sum(m, partial, Cat(C(0, 1), carries[:wide - 1]), 1, name="room_sum")
-        above_base = lookahead_sum(m, r1.laddr, ~mk.base, 1, name="above_base_sum")[64]
-        in_range = above_base & ~room_sum[wide - 1] & ~wraps
-        local_write = (mk.access.as_value() & Access.LOCAL_WRITE.value) != 0
+        above_base = lookahead_sum(m, r0.laddr, ~mk.base, 1, name="above_base_sum")[64]
+        # The message's packets less one and whether it fits one packet, at the QP's MTU.
+        packets_less_one0 = Signal(PSN_BITS)
+        fits0 = Signal()
+        with m.Switch(qp0.mtu):
+            for code in range(1, 6):
+                with m.Case(code):
+                    m.d.comb += [
+                        packets_less_one0.eq(Mux(f0.empty, 0, f0.packets_less_one_at >> (code - 1))),
+                        fits0.eq(f0.fits_mtu[code - 1]),
+                    ]
 
+        # --- stage 1: the decision, from registers ------------------------------------------
+        qp = c1.qp
+        vl = c1.vl
+        opcode = r1.opcode
+        is_write, is_send, is_read, is_fetch_add, is_atomic, with_imm = (
+            f1.is_write, f1.is_send, f1.is_read, f1.is_fetch_add, f1.is_atomic, f1.with_imm)
+        length, empty, qpn_bad = f1.length, f1.empty, f1.qpn_bad
+        error = (c1.early_error | (f1.uses_key & (c1.key_refused | ~c1.room_ok
+                                                   | ~c1.above_base | c1.wraps)))
         status = Signal(CompletionStatus)
         syndrome = Signal(8)        # a Syndrome; 0 (none) while the WQE is good
-        flushing = (qp_states[r1.qpn] != QpState.RTS.value) | local_error[r1.qpn]
-        with m.If(flushing):
+        with m.If(c1.flushing):
             m.d.comb += [status.eq(CompletionStatus.FLUSH), syndrome.eq(Syndrome.WR_FLUSH_ERR)]
-        with m.Elif(r1.format_error):
-            m.d.comb += [status.eq(CompletionStatus.ERROR), syndrome.eq(r1.syndrome)]
-        with m.Elif(inconsistent):
-            m.d.comb += [status.eq(CompletionStatus.ERROR), syndrome.eq(Syndrome.LOCAL_QP_OP_ERR)]
-        with m.Elif(bad_length):
-            m.d.comb += [status.eq(CompletionStatus.ERROR), syndrome.eq(Syndrome.LOCAL_LENGTH_ERR)]
-        with m.Elif(no_vl):
-            m.d.comb += [status.eq(CompletionStatus.ERROR), syndrome.eq(Syndrome.LOCAL_QP_OP_ERR)]
-        with m.Elif(uses_key & (~key_ok | ~in_range | ((is_read | is_atomic) & ~local_write))):
-            m.d.comb += [status.eq(CompletionStatus.ERROR), syndrome.eq(Syndrome.LOCAL_PROT_ERR)]
+        with m.Elif(error):
+            m.d.comb += [status.eq(CompletionStatus.ERROR),
+                         syndrome.eq(Mux(c1.early_error, c1.early_syndrome,
+                                         Syndrome.LOCAL_PROT_ERR))]
         with m.Else():
             m.d.comb += status.eq(CompletionStatus.SENT)
         sent = status == CompletionStatus.SENT
 
-        # Go-back-N: the WQE was fetched before a rewind of its QP (docs/nic.md).
-        stale = Signal()
-        m.d.comb += stale.eq((r1.epoch != qp_epochs[r1.qpn]) |
-                             (self.rewind.valid & (rewind.qpn == r1.qpn)))
-        since_recorded = Signal(16)
-        m.d.comb += since_recorded.eq(r1.wqe_index - recorded[r1.qpn])
-        resent = since_recorded[-1]         # before ``recorded``: its record was emitted
+        # A rewind or skip of the QP of a WQE in stage 0 or 1, in this cycle. A QPN's bits
+        # above a QP index are compared with 0 on the input alone: for a WQE whose own are
+        # not 0 (``qpn_bad``), whether it is stale does not matter.
+        qp_bits = max(1, (num_qps - 1).bit_length())
 
-        first_psn = Signal(PSN_BITS)
-        packets_less_one = Signal(PSN_BITS)     # the message's packets less one, if it is sent
-        fits = Signal()                         # in one packet, if it is sent
-        m.d.comb += first_psn.eq(Mux(psn_loaded[r1.qpn], next_psn[r1.qpn], qp.sq_psn))
-        with m.Switch(qp.mtu):
-            for code in range(1, 6):
-                with m.Case(code):
-                    m.d.comb += [
-                        packets_less_one.eq(Mux(empty, 0, packets_less_one_at >> (code - 1))),
-                        fits.eq(fits_mtu[code - 1]),
-                    ]
+        def hits(qpn):
+            return or_all(event.valid & (event.p.qpn[:qp_bits] == qpn[:qp_bits])
+                          & (event.p.qpn[qp_bits:] == 0) for event in (self.rewind, self.skip))
+
+        # Go-back-N: the WQE was fetched before a rewind of its QP (docs/nic.md): its epoch
+        # differed when it entered stage 1, or a rewind or skip of its QP came since.
+        stale = Signal()
+        m.d.comb += stale.eq(c1.stale | hits(r1.qpn))
+        resent = lookahead_sum(m, r1.wqe_index, ~c1.recorded, 1, name="since_recorded")[15]
+
+        first_psn = c1.first_psn
+        packets_less_one = c1.packets_less_one  # the message's packets less one, if it is sent
+        fits = c1.fits                          # in one packet, if it is sent
         last_psn = lookahead_sum(m, first_psn, packets_less_one, name="last_psn")[:PSN_BITS]
         after_psn = lookahead_sum(m, first_psn, packets_less_one, 1, name="after_psn")[:PSN_BITS]
         # The words holding a DMA payload: its last packet's (those of the whole message
@@ -339,6 +414,42 @@ class WqeExecutor(wiring.Component):
         mtu_words = Signal(7)
         m.d.comb += mtu_words.eq(Const(2, 7) << qp.mtu)
         unaligned = r1.laddr[:6] != 0
+
+        # --- stage 0 to stage 1 ------------------------------------------------------------
+        # The per-QP state of the WQE's QP as stage 1 leaves it: stage 1 moves on in the
+        # cycle its WQE moves up (or is empty), and a WQE of the same QP leaving it for the
+        # segmenter updates that state in that cycle.
+        commit_same = Signal()
+        m.d.comb += commit_same.eq(r1_valid & ~qpn_bad & ~stale & (r1.qpn == r0.qpn))
+        with m.If(to_r1):
+            m.d.sync += [
+                r1_valid.eq(1), r1.eq(r0), f1.eq(f0),
+                c1.qp.eq(qp0),
+                c1.vl.eq(vl0),
+                c1.early_error.eq(r0.format_error | f0.inconsistent | f0.bad_length | no_vl),
+                c1.early_syndrome.eq(early_syndrome),
+                c1.key_refused.eq(key_refused),
+                c1.room_ok.eq(~room_sum[wide - 1]),
+                c1.above_base.eq(above_base),
+                c1.wraps.eq(f0.end[64] & (f0.end[:64] != 0)),   # ending at 2**64 is fine
+                c1.packets_less_one.eq(packets_less_one0),
+                c1.fits.eq(fits0),
+                c1.first_psn.eq(Mux(commit_same & sent, after_psn,
+                                    Mux(psn_loaded[r0.qpn], next_psn[r0.qpn], qp0.sq_psn))),
+                c1.recorded.eq(Mux(commit_same & ~resent, f1.wqe_end, recorded[r0.qpn])),
+                c1.flushing.eq((qp_states[r0.qpn] != QpState.RTS.value) | local_error[r0.qpn]
+                               | (commit_same & (status == CompletionStatus.ERROR))),
+                c1.stale.eq((r0.epoch != qp_epochs[r0.qpn]) | hits(r0.qpn)),
+            ]
+        with m.Elif(r1_advance):
+            m.d.sync += r1_valid.eq(0)
+        with m.Elif(r1_valid):
+            # A WQE waiting in stage 1: the QP state as it was in the cycle before, and the
+            # rewinds and skips of its QP (an epoch changes only with one of them).
+            m.d.sync += [
+                c1.flushing.eq(c1.flushing | (qp_states[r1.qpn] != QpState.RTS.value)),
+                c1.stale.eq(stale),
+            ]
 
         # --- stage 2: segmenter ------------------------------------------------------------
         j_valid = Signal()
