@@ -1045,7 +1045,7 @@ def random_items(bench, rng, count, qps, env=None):
         yield d
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1, pytest.param(2, marks=pytest.mark.full)])
 def test_random(seed):
     """Random traffic on 6 of 8 QPs (+ unknown QP numbers) with backpressure on every
     output, random receive/atomic latencies and dma_idle; qp_reset of QPs in ERR."""
