@@ -3,29 +3,36 @@ simulator.
 
 The reference keeps every QP's ``db_pi``, ``fetch_pi``, ``done_ci``, in-flight and waiting
 flags and applies docs/nic.md's doorbell checks and scheduling rules to them. It mirrors the
-scheduler's timing (plans: the rules applied to the previous cycle's state; a QP granted
-or reset last cycle sits out one arbitration; round robin after the last grant; request
-registered one cycle after its grant), so every cycle is checked exactly: ``fetch`` valid
-and payload, ``qp_busy``, all seven counters. Independently of that timing, every grant is
-checked against the state of the grant cycle (the QP is in RTS or ERR and eligible by the
-rules, ``blocks`` within its pending blocks and its window, ``first_only`` only with
-nothing outstanding), and fairness: a QP that stays eligible sees at most ``num_qps``
-grants to others.
+scheduler's pipeline stage by stage (docs/nic.md, "Pipeline (400 MHz)": a doorbell read
+(D0) and checked (D1) a cycle later, against the doorbell ahead of it when that one was
+for the same QP; plans from the facts of the previous cycle's indices (P1) and this
+cycle's flags (P2); a QP touched last cycle has no plan and is not picked; a pick
+registered and granted in the next cycle unless its QP was touched or is reset; round
+robin after the last grant; request registered one cycle after its grant; skips read
+(S0), decided (S1) and applied (S2); counters two cycles after their event), so every
+cycle is checked exactly: ``fetch`` valid and payload, ``qp_busy``, ``qp_epoch``,
+``skip``, all seven counters. Independently of that timing, every grant is checked
+against the state of the grant cycle (the QP is in RTS or ERR and eligible by the rules,
+``blocks`` within its pending blocks and its window, ``first_only`` only with nothing
+outstanding; a grant of a QP whose ``done_ci`` a retire moved past ``fetch_pi`` only
+while its skip is on its way, which makes it stale), and fairness: a QP that stays
+eligible sees at most ``num_qps`` grants to others.
 
 The reference also keeps each QP's epoch: ``fetch.epoch`` and ``qp_epoch`` are checked
 every cycle, a ``fetch_done`` of an older epoch (or beside a rewind) leaves ``fetch_pi``,
-a rewind sets ``fetch_pi``, bumps the epoch, clears the wait and keeps the QP out of
-that cycle's and the next cycle's arbitration.
+a rewind sets ``fetch_pi``, bumps the epoch (a grant in its cycle goes out stale), clears
+the wait and touches the QP.
 
 Random runs: doorbells (accepted, duplicate, stale, backwards, too far, random, bad QPN,
 QPs in RESET), a fetch consumer with random ``ready`` that answers each accepted request
 after a random delay with ``consumed`` in 0..blocks (0 included) and the request's epoch,
 retires of random sizes up to the furthest block fetched (so after a rewind a retire can
-pass ``fetch_pi``: a skip, checked to happen; ``fetch_pi`` never lags ``done_ci``), rewinds
+pass ``fetch_pi``: a skip, checked to happen), rewinds
 to a random block from ``done_ci`` on (past the blocks a retire of the same cycle frees)
 (and to QP numbers the scheduler lacks), QPs moving RTS -> ERR -> RESET (with
 ``qp_reset``, when idle) -> RTS with a new random context, everything possibly in the
-same cycle for the same QP. Rewinds and stale fetch dones are checked to happen.
+same cycle for the same QP. Rewinds and stale fetch dones are checked to happen;
+``fetch_pi`` lags ``done_ci`` only while a skip is on its way.
 Directed: the window limit, ``first_only`` and a window overrun by it, waiting after
 ``consumed == 0`` until an accepted doorbell or a retire, the 16-bit index wrap-around,
 the ERR state, all events in one cycle for one QP (``qp_reset`` wins), rewinds (stale
