@@ -5,11 +5,13 @@ mapping (docs/fpga.md), turns into 5 LUT levels at 13 bits, 7 at 32 and 8 at 64.
 :func:`lookahead_sum` writes the carries out instead: every 3 bits' generate and
 propagate in one LUT each, a radix-3 prefix over those groups, each sum bit from its
 group's carry-in: 3 levels at 13 bits, 4 at 32 (5 with a carry in), 5 at 64.
+:func:`sum3` adds three operands with one carry-save layer before that sum, not two sums.
+:func:`count_registered` counts an event from a register, so its adder starts from flip-flops.
 :func:`or_all` ORs values as a balanced tree, not the chain a loop writes.
 """
 from amaranth import C, Cat, Const, Signal, Value
 
-__all__ = ["lookahead_sum", "or_all"]
+__all__ = ["count_registered", "lookahead_sum", "or_all", "sum3"]
 
 _GROUP = 3          # bits per group: a group's generate reads 6 inputs, one LUT
 _RADIX = 3          # groups joined per prefix level: 3 (G, P) pairs, one LUT
@@ -73,6 +75,28 @@ def lookahead_sum(m, a, b, carry=0, *, name="sum"):
             bits.append(propagate[i] ^ into)
             into = generate[i] | (propagate[i] & into)
     return Cat(*bits, group_g[-1])
+
+
+def sum3(m, a, b, c, width, *, plus_one=False, name="sum3"):
+    """``(a + b + c + plus_one) mod 2^width``: one carry-save layer (a LUT level), then
+    :func:`lookahead_sum`; ``plus_one`` takes the carry vector's free low bit. Driven in
+    ``m.d.comb`` like :func:`lookahead_sum`. An ``int`` operand is taken modulo 2^width
+    (so -16 is a constant that subtracts 16); a value is zero-extended."""
+    a, b, c = (C(x % (1 << width), width) if isinstance(x, int) else
+               Cat(Value.cast(x), C(0, width))[:width] for x in (a, b, c))
+    partial = Signal(width, name=f"{name}_s")
+    carries = Signal(width, name=f"{name}_c")
+    m.d.comb += [partial.eq(a ^ b ^ c), carries.eq((a & b) | (a & c) | (b & c))]
+    return lookahead_sum(m, partial, Cat(C(int(plus_one), 1), carries[:width - 1]),
+                         name=name)[:width]
+
+
+def count_registered(m, counter, event):
+    """``counter`` counts ``event`` a cycle after it: the event is registered first, so the
+    sum starts from flip-flops."""
+    counted = Signal(name=f"{counter.name}_event")
+    m.d.sync += [counted.eq(event),
+                 counter.eq(lookahead_sum(m, counter, counted, name=f"{counter.name}_next"))]
 
 
 def or_all(values):

@@ -1,6 +1,8 @@
 """The depth-built arithmetic against Python integers, in Amaranth's simulator:
 ``hdl.arith.lookahead_sum`` (every operand pair of up to 5 bits with each carry in, and
-random and edge operands at the widths the NIC uses), ``hdl.arith.or_all`` (1 to 9 values,
+random and edge operands at the widths the NIC uses), ``hdl.arith.sum3`` (every triple of
+4-bit operands, with and without the extra one, and with a negative constant at 16 bits),
+``hdl.arith.or_all`` (1 to 9 values,
 its tree's depth), and ``hdl.nic.payload_reads``'
 ``payload_words`` and ``payload_bursts`` against the burst arithmetic they replace
 (``beats = (offset + length + 63) >> 6``, ``page_left = 64 - addr[6:12]``, two bursts when
@@ -13,7 +15,7 @@ import pytest
 from amaranth.hdl import Module, Signal
 from amaranth.sim import Simulator
 
-from hdl.arith import lookahead_sum, or_all
+from hdl.arith import lookahead_sum, or_all, sum3
 from hdl.nic.payload_reads import payload_bursts, payload_words
 
 
@@ -46,6 +48,40 @@ def test_lookahead_exhaustive(carry):
     for width_a, width_b in itertools.product(range(1, 6), repeat=2):
         check_sums(width_a, width_b,
                    itertools.product(range(1 << width_a), range(1 << width_b), (0, 1)), carry)
+
+
+@pytest.mark.parametrize("plus_one", [False, True])
+def test_sum3_exhaustive(plus_one):
+    m = Module()
+    a, b, c = Signal(4), Signal(4), Signal(4)
+    total = sum3(m, a, b, c, 4, plus_one=plus_one)
+    assert len(total) == 4
+
+    async def testbench(ctx):
+        for x, y, z in itertools.product(range(16), repeat=3):
+            ctx.set(a, x)
+            ctx.set(b, y)
+            ctx.set(c, z)
+            assert ctx.get(total) == (x + y + z + plus_one) % 16, (x, y, z, ctx.get(total))
+
+    run_comb(m, testbench)
+
+
+def test_sum3_negative_constant():
+    """A constant operand is taken modulo 2^width: db - fp - 17 as db + ~fp - 16."""
+    m = Module()
+    db, fp = Signal(16), Signal(16)
+    total = sum3(m, db, ~fp, -16, 16)
+    rng = random.Random(3)
+
+    async def testbench(ctx):
+        for _ in range(300):
+            x, y = rng.getrandbits(16), rng.getrandbits(16)
+            ctx.set(db, x)
+            ctx.set(fp, y)
+            assert ctx.get(total) == (x - y - 17) % (1 << 16), (x, y)
+
+    run_comb(m, testbench)
 
 
 @pytest.mark.parametrize("width", [7, 11, 13, 32, 52, 64])

@@ -3,29 +3,36 @@ simulator.
 
 The reference keeps every QP's ``db_pi``, ``fetch_pi``, ``done_ci``, in-flight and waiting
 flags and applies docs/nic.md's doorbell checks and scheduling rules to them. It mirrors the
-scheduler's timing (plans: the rules applied to the previous cycle's state; a QP granted
-or reset last cycle sits out one arbitration; round robin after the last grant; request
-registered one cycle after its grant), so every cycle is checked exactly: ``fetch`` valid
-and payload, ``qp_busy``, all seven counters. Independently of that timing, every grant is
-checked against the state of the grant cycle (the QP is in RTS or ERR and eligible by the
-rules, ``blocks`` within its pending blocks and its window, ``first_only`` only with
-nothing outstanding), and fairness: a QP that stays eligible sees at most ``num_qps``
-grants to others.
+scheduler's pipeline stage by stage (docs/nic.md, "Pipeline (400 MHz)": a doorbell read
+(D0) and checked (D1) a cycle later, against the doorbell ahead of it when that one was
+for the same QP; plans from the facts of the previous cycle's indices (P1) and this
+cycle's flags (P2); a QP touched last cycle has no plan and is not picked; a pick
+registered and granted in the next cycle unless its QP was touched or is reset; round
+robin after the last grant; request registered one cycle after its grant; skips read
+(S0), decided (S1) and applied (S2); counters two cycles after their event), so every
+cycle is checked exactly: ``fetch`` valid and payload, ``qp_busy``, ``qp_epoch``,
+``skip``, all seven counters. Independently of that timing, every grant is checked
+against the state of the grant cycle (the QP is in RTS or ERR and eligible by the rules,
+``blocks`` within its pending blocks and its window, ``first_only`` only with nothing
+outstanding; a grant of a QP whose ``done_ci`` a retire moved past ``fetch_pi`` only
+while its skip is on its way, which makes it stale), and fairness: a QP that stays
+eligible sees at most ``num_qps`` grants to others.
 
 The reference also keeps each QP's epoch: ``fetch.epoch`` and ``qp_epoch`` are checked
 every cycle, a ``fetch_done`` of an older epoch (or beside a rewind) leaves ``fetch_pi``,
-a rewind sets ``fetch_pi``, bumps the epoch, clears the wait and keeps the QP out of
-that cycle's and the next cycle's arbitration.
+a rewind sets ``fetch_pi``, bumps the epoch (a grant in its cycle goes out stale), clears
+the wait and touches the QP.
 
 Random runs: doorbells (accepted, duplicate, stale, backwards, too far, random, bad QPN,
 QPs in RESET), a fetch consumer with random ``ready`` that answers each accepted request
 after a random delay with ``consumed`` in 0..blocks (0 included) and the request's epoch,
 retires of random sizes up to the furthest block fetched (so after a rewind a retire can
-pass ``fetch_pi``: a skip, checked to happen; ``fetch_pi`` never lags ``done_ci``), rewinds
+pass ``fetch_pi``: a skip, checked to happen), rewinds
 to a random block from ``done_ci`` on (past the blocks a retire of the same cycle frees)
 (and to QP numbers the scheduler lacks), QPs moving RTS -> ERR -> RESET (with
 ``qp_reset``, when idle) -> RTS with a new random context, everything possibly in the
-same cycle for the same QP. Rewinds and stale fetch dones are checked to happen.
+same cycle for the same QP. Rewinds and stale fetch dones are checked to happen;
+``fetch_pi`` lags ``done_ci`` only while a skip is on its way.
 Directed: the window limit, ``first_only`` and a window overrun by it, waiting after
 ``consumed == 0`` until an accepted doorbell or a retire, the 16-bit index wrap-around,
 the ERR state, all events in one cycle for one QP (``qp_reset`` wins), rewinds (stale
@@ -55,18 +62,20 @@ class Qp:
         self.state = QpState.RESET
         self.log_sq_size = 6
         self.max_out = 64
+        self.recent = self.recent2 = self.db_event = False
+        self.replay_end = 0
         self.clear()
 
     def clear(self):
+        """What ``qp_reset`` clears."""
         self.db = self.fp = self.dc = 0
         self.epoch = 0
         self.granted = False        # a fetch went out with the current epoch
         self.in_flight = False
         self.waiting = False
-        # A doorbell or retire the request in flight was not planned with (from the cycle
-        # before its grant on), and whether one came in the last cycle.
+        self.replaying = False      # rewound, fetching again up to replay_end
+        # A doorbell or retire the request in flight was not planned with.
         self.unseen = False
-        self.recent = False
 
     @property
     def pending(self):
@@ -81,33 +90,40 @@ class Qp:
         return self.fp != self.dc or self.in_flight
 
 
-def plan(qp):
-    """docs/nic.md's request for ``qp`` as ``(blocks, first_only)``, or None when it is not
-    eligible (its state aside)."""
-    pending, outstanding = qp.pending, qp.outstanding
-    if pending == 0 or qp.in_flight or qp.waiting:
+def rules(db, fp, dc, max_out):
+    """docs/nic.md's request for these indices as ``(blocks, first_only)``, or None when
+    there is none (flags and state aside)."""
+    pending, outstanding = (db - fp) & MASK, (fp - dc) & MASK
+    if pending == 0:
         return None
     want = min(pending, 16)
-    if qp.max_out - outstanding >= want:
+    if max_out - outstanding >= want:
         return (want, 0)
     if outstanding == 0:
         return (want, 1)
-    if outstanding < qp.max_out:
-        return (qp.max_out - outstanding, 0)
+    if outstanding < max_out:
+        return (max_out - outstanding, 0)
     return None
 
 
-def check_doorbell(qp, n, qpn, pi):
+def plan(qp):
+    """The rules on ``qp``'s state now, its flags included."""
+    if qp.in_flight or qp.waiting:
+        return None
+    return rules(qp.db, qp.fp, qp.dc, qp.max_out)
+
+
+def verdict(n, qpn, pi, db, dc, state, log_sq_size):
     """The counter a doorbell goes to, in docs/nic.md's order."""
     if qpn >= n:
         return "doorbells_bad_qpn"
-    if qp.state == QpState.RESET:
+    if state == QpState.RESET:
         return "doorbells_not_ready"
-    if pi == qp.db:
+    if pi == db:
         return "doorbells_duplicate"
-    if (pi - qp.db) & MASK >= 1 << 15:
+    if (pi - db) & MASK >= 1 << 15:
         return "doorbells_backwards"
-    if (pi - qp.dc) & MASK > 1 << qp.log_sq_size:
+    if (pi - dc) & MASK > 1 << log_sq_size:
         return "doorbells_too_far"
     return "doorbells_accepted"
 
@@ -127,48 +143,77 @@ class Inputs:
 
 
 class Reference:
-    """The scheduler, cycle by cycle."""
+    """The scheduler, cycle by cycle, stage by stage (docs/nic.md, "Doorbells")."""
 
     def __init__(self, n):
         self.n = n
         self.qps = [Qp() for _ in range(n)]
-        self.plans = [None] * n         # registered: plan() of the previous cycle's state
-        self.touched = set()            # QPs whose state changed in the previous cycle
+        self.facts = [(0, 0, 0, 64)] * n  # P1: (db, fp, dc, max_out) of the previous cycle
+        self.plans = [None] * n         # P2: the request from those facts and this cycle's flags
+        self.touched = set()            # QPs granted, answered, reset, rewound, skipped last cycle
+        self.pick = None                # the QP picked last cycle, granted in this one if free
         self.last = None                # last granted QP
+        self.doorbell = None            # in D1: the doorbell of the previous cycle, as read
+        self.applied = None             # (qpn, pi) of the doorbell that set db_pi last cycle
+        self.s1 = None                  # a retire's skip check, read (S0) last cycle
+        self.s2 = None                  # (qpn, wqe_index, psn): a skip decided (S1) last cycle
         self.out = None                 # (qpn, wqe_index, blocks, first_only) offered on fetch
         self.out_epoch = None           # and its epoch
         self.stale_dones = 0            # fetch_done of an old epoch seen
         self.skip = None                # (qpn, wqe_index, psn) on ``skip``
         self.skips = 0
+        self.stale_grants = 0           # grants between a retire past fetch_pi and its skip
         self.counters = dict.fromkeys(COUNTER_NAMES, 0)
+        self.counted = []               # this cycle's events: they show two cycles later
         self.passed = [0] * n           # grants to others while this QP stayed eligible
         self.grants = 0
+
+    def skip_pending(self, q):
+        """A skip of ``q`` decided or being decided: ``fetch_pi`` may lag ``done_ci``."""
+        return (self.s1 is not None and self.s1["qpn"] == q) or \
+            (self.s2 is not None and self.s2[0] == q)
 
     def step(self, ins, t):
         """One clock edge; returns the request the consumer accepted in this cycle, if any."""
         n, qps = self.n, self.qps
-        usable = [q for q in range(n)
-                  if self.plans[q] is not None and q not in self.touched
-                  and qps[q].state in ACTIVE and q != ins.reset
-                  and (ins.rewind is None or q != ins.rewind[0])]
+        for name in self.counted:
+            self.counters[name] += 1
+        self.counted = []
+        reset_q = ins.reset if ins.reset is not None and ins.reset < n else None
+        rewind_q = ins.rewind[0] if ins.rewind is not None and ins.rewind[0] < n else None
+        done_q = ins.fetch_done[0] if ins.fetch_done is not None and ins.fetch_done[0] < n \
+            else None
+        retire_q = ins.retire[0] if ins.retire is not None and ins.retire[0] < n else None
+
+        # Grant (last cycle's pick) and the next pick.
+        load = self.out is None or ins.ready
         grant = None
-        if self.out is None or ins.ready:
-            above = [q for q in usable if self.last is not None and q > self.last]
-            if above or usable:
-                grant = (above or usable)[0]
+        if load and self.pick is not None and self.pick not in self.touched \
+                and self.pick != reset_q:
+            grant = self.pick
+        usable = [q for q in range(n) if self.plans[q] is not None and q not in self.touched
+                  and not (load and q == self.pick)]
+        above = [q for q in usable if self.last is not None and q > self.last]
+        pick = (above or usable)[0] if usable else None
         accepted = self.out if self.out is not None and ins.ready else None
         if accepted is not None:
-            self.counters["wqe_fetches"] += 1
+            self.counted.append("wqe_fetches")
             self.accepted_epoch = self.out_epoch
 
         # The documented rules, on this cycle's state, whatever the pipelining.
         eligible = {q for q in range(n) if qps[q].state in ACTIVE and plan(qps[q]) is not None}
         if grant is not None:
-            # The rules applied to the previous cycle's state (self.plans): never more than
-            # this cycle's state allows.
             qp = qps[grant]
-            assert grant in eligible, (t, "granted a QP the rules make ineligible", grant)
             blocks, first_only = self.plans[grant]
+        if grant is not None and qp.outstanding >= 1 << 15:
+            # A retire passed fetch_pi: the skip on its way makes this request stale.
+            assert self.skip_pending(grant), (t, "granted a QP behind done_ci", grant)
+            self.stale_grants += 1
+            self.grants += 1
+            request = (grant, qp.fp, blocks, first_only)
+            request_epoch = qp.epoch
+        elif grant is not None:
+            assert grant in eligible, (t, "granted a QP the rules make ineligible", grant)
             assert 1 <= blocks <= min(16, qp.pending), (t, grant, blocks, qp.pending)
             if first_only:
                 assert qp.outstanding == 0, (t, grant)
@@ -184,89 +229,121 @@ class Reference:
             elif q not in eligible or grant == q:
                 self.passed[q] = 0
 
-        self.plans = [plan(qp) for qp in qps]
+        # P2 from last cycle's facts and this cycle's flags; P1 from this cycle's indices.
+        plans = []
+        for q, qp in enumerate(qps):
+            ok = qp.state in ACTIVE and not qp.in_flight and not qp.waiting \
+                and q not in self.touched
+            plans.append(rules(*self.facts[q]) if ok else None)
+        self.plans = plans
+        self.facts = [(qp.db, qp.fp, qp.dc, qp.max_out) for qp in qps]
 
-        db_hit = done_hit = retire_hit = rewind_hit = None
-        consumed_none = fresh = False
+        # Doorbells: D1 checks the one read last cycle (the one ahead of it forwarded).
+        db_write = None
+        applied = None
+        if self.doorbell is not None:
+            d = self.doorbell
+            base = d["db"]
+            if self.applied is not None and d["qpn"] == self.applied[0]:
+                base = self.applied[1]
+            name = verdict(n, d["qpn"], d["pi"], base, d["dc"], d["state"], d["log_sq_size"])
+            self.counted.append(name)
+            if name == "doorbells_accepted" and not d["killed"]:
+                db_write, db_write_pi = d["qpn"], d["pi"]
+                if d["qpn"] != reset_q:
+                    applied = (d["qpn"], d["pi"])
+        self.applied = applied
+        self.doorbell = None
         if ins.doorbell is not None:
             qpn, pi = ins.doorbell
-            verdict = check_doorbell(qps[qpn] if qpn < n else None, n, qpn, pi)
-            self.counters[verdict] += 1
-            if verdict == "doorbells_accepted":
-                db_hit = qpn
-        if ins.rewind is not None and ins.rewind[0] < n:
-            rewind_hit = ins.rewind[0]
-        if ins.fetch_done is not None and ins.fetch_done[0] < n:
-            done_hit, consumed = ins.fetch_done[:2]
-            epoch = ins.fetch_done[2] if len(ins.fetch_done) > 2 else qps[done_hit].epoch
-            # An older epoch's answer, or one beside a rewind: fetch_pi stays.
-            fresh = epoch == qps[done_hit].epoch and done_hit != rewind_hit
-            self.stale_dones += epoch != qps[done_hit].epoch
-            consumed_none = consumed == 0 and fresh and not qps[done_hit].unseen
-        if ins.retire is not None and ins.retire[0] < n:
-            retire_hit = ins.retire[0]
-        # A retire past fetch_pi: the QP goes on from done_ci (unless rewound or reset).
-        skip = None
-        if retire_hit is not None and retire_hit not in (rewind_hit, ins.reset):
-            qp = qps[retire_hit]
-            done = (qp.dc + ins.retire[1]) & MASK
-            fetched = qp.fp
-            if fresh and done_hit == retire_hit:
-                fetched = (qp.fp + ins.fetch_done[1]) & MASK
-            if (fetched - done) & MASK >= 1 << 15:
-                skip = (retire_hit, done, ins.retire[2] if len(ins.retire) > 2 else 0)
-                self.skips += 1
+            qp = qps[qpn] if qpn < n else Qp()
+            self.doorbell = dict(qpn=qpn, pi=pi, db=qp.db, dc=qp.dc, state=qp.state,
+                                 log_sq_size=qp.log_sq_size, killed=qpn == ins.reset)
 
-        events = {q for q in (db_hit, retire_hit) if q is not None}
-        for q, qp in enumerate(qps):
-            qp.unseen = ((qp.unseen and grant != q) or (grant == q and qp.recent)
-                         or (q in events and (qp.in_flight or grant == q)))
-            qp.recent = q in events
-        if db_hit is not None:
-            qps[db_hit].db = ins.doorbell[1]
-        if done_hit is not None:
-            qp = qps[done_hit]
-            if fresh and (skip is None or skip[0] != done_hit):
-                qp.fp = (qp.fp + ins.fetch_done[1]) & MASK
-            qp.in_flight = False
-            if consumed_none:
-                qp.waiting = True
-        # A new epoch only if the current one went out with a fetch (this cycle's too).
-        if rewind_hit is not None:
-            qp = qps[rewind_hit]
-            qp.fp = ins.rewind[1]
-            if qp.granted or grant == rewind_hit:
-                qp.epoch = (qp.epoch + 1) & EPOCH_MASK
-            qp.granted = False
-            qp.waiting = False
+        # fetch_done: an older epoch's answer, or one beside a rewind, leaves fetch_pi.
+        fresh = consumed_none = False
+        done_epoch = None
+        if done_q is not None:
+            consumed = ins.fetch_done[1]
+            done_epoch = ins.fetch_done[2] if len(ins.fetch_done) > 2 else qps[done_q].epoch
+            fresh = done_epoch == qps[done_q].epoch and done_q != rewind_q
+            self.stale_dones += done_epoch != qps[done_q].epoch
+            consumed_none = consumed == 0 and fresh and not qps[done_q].unseen
+
+        # Skips: S2 applies the one decided last cycle, S1 decides, S0 reads this retire. A
+        # skip of the same QP applying (seen by S0) or decided (seen by S1) ahead of a
+        # retire is where its fetch_pi stands.
+        decided = self.s2
+        skip = decided if decided is not None and decided[0] not in (rewind_q, reset_q) \
+            else None
         if skip is not None:
-            qp = qps[skip[0]]
-            qp.fp = skip[1]
-            if qp.granted or grant == skip[0]:
+            self.skips += 1
+        self.s2 = None
+        if self.s1 is not None and self.s1["qpn"] not in (rewind_q, reset_q):
+            r = self.s1
+            done = (r["dc"] + r["blocks"]) & MASK
+            if r["after"] and decided is not None:
+                lag = r["blocks"] != 0
+            else:
+                fetched = r["fp"] + (r["consumed"] if r["fresh"] else 0)
+                lag = (fetched - done) & MASK >= 1 << 15
+            if lag:
+                self.s2 = (r["qpn"], done, r["psn"])
+        after = self.s1 is not None
+        ahead = self.s1["qpn"] if after else None
+        self.s1 = None
+        if retire_q is not None and retire_q not in (rewind_q, reset_q) \
+                and qps[retire_q].replaying:
+            qp = qps[retire_q]
+            forwarded = skip is not None and skip[0] == retire_q
+            same = done_q == retire_q and done_epoch == qp.epoch and not forwarded
+            self.s1 = dict(qpn=retire_q, fp=skip[1] if forwarded else qp.fp, dc=qp.dc,
+                           blocks=ins.retire[1], psn=ins.retire[2] if len(ins.retire) > 2 else 0,
+                           fresh=same, consumed=ins.fetch_done[1] if same else 0,
+                           after=ahead == retire_q)
+
+        # Per-QP state, every next value from this cycle's.
+        for q, qp in enumerate(qps):
+            granting = grant == q
+            event = qp.db_event or retire_q == q
+            rewound, skipped = rewind_q == q, skip is not None and skip[0] == q
+            unseen = ((qp.unseen and not granting) or (granting and (qp.recent or qp.recent2))
+                      or (event and (qp.in_flight or granting)))
+            waiting = (qp.waiting or (done_q == q and consumed_none)) and not event \
+                and not rewound
+            in_flight = (qp.in_flight and done_q != q) or granting
+            granted = (qp.granted or granting) and not (rewound or skipped)
+            if rewound or skipped:
+                qp.replaying, qp.replay_end = True, qp.db
+            elif (qp.fp - qp.replay_end) & MASK < 1 << 15:
+                qp.replaying = False
+            if (rewound or skipped) and (qp.granted or granting):
                 qp.epoch = (qp.epoch + 1) & EPOCH_MASK
-            qp.granted = False
-        if retire_hit is not None:
-            qp = qps[retire_hit]
-            qp.dc = (qp.dc + ins.retire[1]) & MASK
-        # A doorbell or retire in the same cycle as consumed == 0 cancels the wait.
-        for q in (db_hit, retire_hit):
-            if q is not None:
-                qps[q].waiting = False
+            if rewound:
+                qp.fp = ins.rewind[1]
+            elif skipped:
+                qp.fp = skip[1]
+            elif done_q == q and fresh:
+                qp.fp = (qp.fp + ins.fetch_done[1]) & MASK
+            if retire_q == q:
+                qp.dc = (qp.dc + ins.retire[1]) & MASK
+            if db_write == q:
+                qp.db = db_write_pi
+            qp.unseen, qp.waiting, qp.in_flight, qp.granted = unseen, waiting, in_flight, granted
+            qp.recent2, qp.recent = qp.recent, event
+            qp.db_event = db_write == q and reset_q != q
         if grant is not None:
-            qps[grant].in_flight = True
-            qps[grant].granted = grant not in (rewind_hit, skip and skip[0])
             self.last = grant
-        if ins.reset is not None and ins.reset < n:
-            qps[ins.reset].clear()
-        self.touched = {q for q in (ins.reset, grant, rewind_hit, skip and skip[0])
+        if reset_q is not None:
+            qps[reset_q].clear()
+        self.touched = {q for q in (reset_q, grant, rewind_q, skip and skip[0], done_q)
                         if q is not None}
         self.skip = skip
+        self.pick = pick
 
-        if grant is not None:
-            self.out = request
-            self.out_epoch = request_epoch
-        elif ins.ready:
-            self.out = None
+        if load:
+            self.out = request if grant is not None else None
+            self.out_epoch = request_epoch if grant is not None else None
         return accepted
 
 
@@ -503,7 +580,8 @@ class Traffic:
                     self.high[q] = 0
                 elif 0 < (qp.fp - self.high[q]) & MASK < 1 << 15:
                     self.high[q] = qp.fp
-                assert (qp.fp - qp.dc) & MASK < 1 << 15, (bench.t, q, "done_ci past fetch_pi")
+                assert (qp.fp - qp.dc) & MASK < 1 << 15 or bench.ref.skip_pending(q), \
+                    (bench.t, q, "done_ci past fetch_pi with no skip on its way")
 
 
 def counters_never_hit(ref):
@@ -593,6 +671,7 @@ def test_window_limit():
         assert await next_request(bench) == (0, 12, 3, 0)       # pending 8, room 3
         await bench.cycle(Inputs(fetch_done=(0, 3), retire=(0, 6)))
         assert await next_request(bench) == (0, 15, 5, 0)       # pending 5 fits
+        await run_for(bench, 2)                                 # counters count a cycle late
         assert bench.ref.counters["wqe_fetches"] == 6
 
     simulate(2, body)
@@ -633,8 +712,11 @@ def test_waiting_after_nothing_consumed():
         assert await run_for(bench, 10) == []
         await bench.cycle(Inputs(retire=(0, 3)))                # a retire ends the wait
         assert await next_request(bench) == (0, 3, 2, 0)
-        # consumed == 0 in the cycle of an accepted doorbell: no wait.
-        await bench.cycle(Inputs(fetch_done=(0, 0), doorbell=(0, 8)))
+        # consumed == 0 in the cycle an accepted doorbell counts (two cycles after it
+        # arrives): no wait.
+        await bench.cycle(Inputs(doorbell=(0, 8)))
+        await bench.cycle(Inputs())
+        await bench.cycle(Inputs(fetch_done=(0, 0)))
         assert not bench.ref.qps[0].waiting
         assert await next_request(bench) == (0, 3, 5, 0)
         # ... and in the cycle of a retire.
@@ -664,12 +746,16 @@ def test_nothing_consumed_after_a_retire_it_did_not_see():
         assert await next_request(bench) == (0, 3, 2, 0)
         await bench.cycle(Inputs(fetch_done=(0, 2)))
         await bench.cycle(Inputs(retire=(0, 2)))
-        # The retire in the cycle before the grant: 3 outstanding again, then a retire of
-        # 1 block right before a 1-block request is granted.
+        # The retire in the cycle before the grant (its plan's facts are from the cycle
+        # before that): 3 outstanding again, then a retire of 1 block right before a
+        # 1-block request is granted.
         await bench.cycle(Inputs(doorbell=(0, 8)))
         assert await next_request(bench) == (0, 5, 3, 0)
         await bench.cycle(Inputs(fetch_done=(0, 3)))
         await bench.cycle(Inputs(doorbell=(0, 10)))
+        while bench.ref.pick is None:
+            assert bench.t < 200
+            await bench.cycle(Inputs())
         await bench.cycle(Inputs(retire=(0, 1)))
         request = await next_request(bench)
         assert request[:2] == (0, 8), request
@@ -711,9 +797,10 @@ def test_wrap_around_doorbell_checks():
         await bench.cycle(Inputs(doorbell=(0, 0x7FF0)))         # exactly the ring: accepted
         assert await next_request(bench) == (0, 0x0010, 16, 0)
         await bench.cycle(Inputs(fetch_done=(0, 16)))
-        assert await run_for(bench, 4) == [(0, 0x0020, 16, 0)]  # window 64 - 48
+        assert await run_for(bench, 6) == [(0, 0x0020, 16, 0)]  # window 64 - 48
         await bench.cycle(Inputs(fetch_done=(0, 16)))
-        assert await run_for(bench, 4) == []                    # window full
+        assert await run_for(bench, 6) == []                    # window full
+        await run_for(bench, 2)                                 # counters count a cycle late
         c = bench.ref.counters
         assert (c["doorbells_backwards"], c["doorbells_too_far"], c["doorbells_accepted"]) == (3, 1, 6)
 
@@ -729,6 +816,7 @@ def test_err_and_reset_states():
         assert await next_request(bench) == (0, 0, 4, 0)
         await bench.cycle(Inputs(doorbell=(2, 4)))              # no such QP
         await bench.cycle(Inputs(doorbell=(0xFFFFFF, 4)))
+        await run_for(bench, 3)                                 # checked, then counted
         c = bench.ref.counters
         assert (c["doorbells_not_ready"], c["doorbells_accepted"], c["doorbells_bad_qpn"]) == (1, 1, 2)
         # A QP leaving RTS/ERR for RESET is not granted even with its plan ready.
@@ -753,24 +841,27 @@ def test_everything_in_one_cycle():
         await bench.cycle(Inputs(doorbell=(1, 10), ready=False))
         await run_for(bench, 6, lambda: Inputs(ready=False))    # QP 0's request held
         assert bench.ref.out == (0, 0, 10, 0)
-        assert await run_for(bench, 1) == [(0, 0, 10, 0)]       # then QP 1's is loaded
-        assert bench.ref.out == (1, 0, 10, 0)
-        got = await bench.cycle(Inputs(doorbell=(0, 20), fetch_done=(0, 5), retire=(0, 2)))
+        # A doorbell sets db_pi in the cycle after it arrives: then with the rest.
+        assert await bench.cycle(Inputs(doorbell=(0, 20))) == (0, 0, 10, 0)
+        assert bench.ref.out == (1, 0, 10, 0)                   # then QP 1's is loaded
+        got = await bench.cycle(Inputs(fetch_done=(0, 5), retire=(0, 2)))
         assert got == (1, 0, 10, 0)
         qp = bench.ref.qps[0]
         assert (qp.db, qp.fp, qp.dc, qp.in_flight) == (20, 5, 2, False)
         assert await next_request(bench) == (0, 5, 15, 0)
         # qp_reset with all other events for the same QP: the reset wins.
-        await bench.cycle(Inputs(doorbell=(0, 30), fetch_done=(0, 0), retire=(0, 3), reset=0))
+        await bench.cycle(Inputs(doorbell=(0, 30)))
+        await bench.cycle(Inputs(fetch_done=(0, 0), retire=(0, 3), reset=0))
         qp = bench.ref.qps[0]
         assert (qp.db, qp.fp, qp.dc, qp.in_flight, qp.waiting) == (0, 0, 0, False, False)
         # A reset in the cycle the QP would be granted keeps it from the grant.
         await bench.cycle(Inputs(doorbell=(0, 4)))
-        await bench.cycle(Inputs())
-        assert bench.ref.plans[0] == (4, 0) and 0 not in bench.ref.touched
+        while bench.ref.pick != 0:
+            assert bench.t < 200
+            await bench.cycle(Inputs())
         await bench.cycle(Inputs(reset=0))
         assert bench.ref.out is None or bench.ref.out[0] != 0
-        assert await run_for(bench, 5) == []
+        assert await run_for(bench, 8) == []
 
     simulate(2, body)
 
@@ -778,8 +869,8 @@ def test_everything_in_one_cycle():
 def test_rewind():
     """Rewinds: fetch_pi and the epoch, a stale fetch_done (fetch_pi stays, the fetch ends),
     the wait cleared, a rewind beside a fresh fetch_done (the rewind wins) and in the
-    cycle of a grant (no grant, the QP sits out one more cycle), done_ci past fetch_pi
-    (an empty window), the epoch wrapping, qp_reset clearing it."""
+    cycle of a grant (the request goes out stale), done_ci past fetch_pi (a skip, two
+    cycles after the retire; an empty window), the epoch wrapping, qp_reset clearing it."""
     async def body(bench):
         ref = bench.ref
         qp = ref.qps[0]
@@ -809,15 +900,18 @@ def test_rewind():
         await bench.cycle(Inputs(rewind=(0, 3)))
         await bench.cycle(Inputs(fetch_done=(0, 0, 3)))
         assert not qp.waiting and qp.fp == 3
-        # A rewind in the cycle the QP would be granted: no grant then or in the next cycle.
-        await bench.cycle(Inputs())
-        assert ref.plans[0] is not None and 0 not in ref.touched
+        # A rewind in the cycle the QP is granted: the request goes out with the old epoch
+        # (stale), and the epoch moves on.
+        while ref.pick != 0:
+            assert bench.t < 500
+            await bench.cycle(Inputs())
         await bench.cycle(Inputs(rewind=(0, 5)))
-        assert ref.out is None and 0 in ref.touched
-        await bench.cycle(Inputs())
-        assert ref.out is None
-        # (no fetch went out with epoch 4: this rewind keeps it)
-        assert await next_request(bench) == (0, 5, 16, 0) and ref.accepted_epoch == 4
+        assert ref.out == (0, 3, 16, 0) and (ref.out_epoch, qp.epoch) == (4, 5)
+        await run_for(bench, 1)
+        await bench.cycle(Inputs(fetch_done=(0, 16, 4)))        # stale
+        assert (qp.fp, qp.in_flight) == (5, False)
+        # (no fetch went out with epoch 5 yet: a rewind now would keep it)
+        assert await next_request(bench) == (0, 5, 16, 0) and ref.accepted_epoch == 5
         # Retired past fetch_pi after a rewind (late acknowledgements): skip to done_ci.
         await bench.cycle(Inputs(fetch_done=(0, 16)))
         await bench.cycle(Inputs(retire=(0, 12)))
@@ -825,29 +919,38 @@ def test_rewind():
         assert await next_request(bench) == (0, 12, 16, 0)
         bench.configure(0, max_out=8)                                 # (while in flight)
         await bench.cycle(Inputs(retire=(0, 9, 0x123456)))            # done_ci 21 > fetch_pi 12
-        assert (qp.fp, qp.epoch, ref.skip) == (21, 6, (0, 21, 0x123456))
-        await bench.cycle(Inputs(fetch_done=(0, 16, 5)))              # stale
+        assert (qp.fp, qp.epoch) == (12, 6)
+        await run_for(bench, 2)                                       # decided, applied
+        assert (qp.fp, qp.epoch, ref.skip) == (21, 7, (0, 21, 0x123456))
+        await bench.cycle(Inputs(fetch_done=(0, 16, 6)))              # stale
         assert ref.skip is None and qp.fp == 21
         await bench.cycle(Inputs(doorbell=(0, 60)))
-        assert await next_request(bench) == (0, 21, 16, 1) and ref.accepted_epoch == 6
+        assert await next_request(bench) == (0, 21, 16, 1) and ref.accepted_epoch == 7
         await bench.cycle(Inputs(fetch_done=(0, 16)))
-        assert await run_for(bench, 4) == []                          # window 8 full
+        assert await run_for(bench, 6) == []                          # window 8 full
+        skips = ref.skips
         await bench.cycle(Inputs(retire=(0, 10)))                     # done_ci 31 <= 37: no skip
-        assert ref.skip is None
         assert await next_request(bench) == (0, 37, 2, 0)             # window 8 - 6
+        assert ref.skips == skips
         # A retire past fetch_pi beside a rewind (to a WQE at or past the new done_ci):
         # the rewind wins, no skip; beside a reset: the reset wins.
         await bench.cycle(Inputs(rewind=(0, 31)))
-        await bench.cycle(Inputs(fetch_done=(0, 2, 6)))               # stale
+        await bench.cycle(Inputs(fetch_done=(0, 2, 7)))               # stale
         await bench.cycle(Inputs(retire=(0, 4), rewind=(0, 36)))      # done_ci 35 > 31
-        assert (qp.fp, qp.dc, ref.skip) == (36, 35, None)
+        assert (qp.fp, qp.dc) == (36, 35)
+        await run_for(bench, 1)                                       # (before a pick)
         await bench.cycle(Inputs(rewind=(0, 35)))
         await bench.cycle(Inputs(retire=(0, 1)))                      # done_ci 36 > 35: skip
+        await run_for(bench, 2)
         assert ref.skip == (0, 36, 0) and qp.fp == 36
+        assert ref.skips == skips + 1                                 # none beside the rewind
         assert await next_request(bench) == (0, 36, 16, 1) and ref.accepted_epoch == qp.epoch
         await bench.cycle(Inputs(rewind=(0, 36)))
+        skips = ref.skips
         await bench.cycle(Inputs(retire=(0, 1), reset=0))
-        assert ref.skip is None and (qp.fp, qp.dc, qp.epoch) == (0, 0, 0)
+        assert (qp.fp, qp.dc, qp.epoch) == (0, 0, 0)
+        await run_for(bench, 3)
+        assert ref.skips == skips
         # Rewinds with no fetch between them keep the epoch (nothing carries the current
         # one), so a run of them cannot wrap it onto a fetch still in flight; a reset
         # clears it.

@@ -75,7 +75,7 @@ async def zero_load_latency(dut):
         nic_cycles.append(t["nic"])
         dut._log.info(f"trial {trial}: doorbell -> wire {t['total']} cycles = NIC {t['nic']} "
                       f"(doorbell -> AR {t['to_ar']}) + memory {t['memory']}")
-    assert max(nic_cycles) <= 24, f"NIC cycles {nic_cycles} (budget 24)"
+    assert max(nic_cycles) <= 27, f"NIC cycles {nic_cycles} (budget 27)"
     await tb.check_clean()
 
 
@@ -285,6 +285,7 @@ async def qp_states(dut):
     fields = dict(opcode=Op.RDMA_WRITE, byte_count=4096, lkey=tb.data_key, laddr=DATA_REGION,
                   raddr=0, rkey=1, fm_ce_se=mlx5.CTRL_CQ_UPDATE)
     await tb.gpu.post(0, 1, tb.builder(0, **fields), last=True)
+    await tb.cycles(16)     # its fetch granted (docs/nic.md: offered 6 cycles after the doorbell)
     await tb.set_qp_state(0, RESET, expect_error=True)
     await tb.drain()
     # Host moves QP 0 to ERR: its next WQEs are flushed.

@@ -1,90 +1,28 @@
+"""Per-QP doorbell, fetch and completion indices, doorbell checks and round-robin WQE fetch
+scheduling, pipelined for 400 MHz: docs/nic.md, "Doorbells", gives every rule and cycle."""
 from amaranth import *
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from hdl.arith import or_all
+from hdl.arith import count_registered, lookahead_sum, or_all, sum3
 from hdl.nic.signatures import (
     COUNTERS, EPOCH_BITS, MAX_WQE_BLOCKS, DoorbellLayout, EventSignature, FetchDoneLayout,
     FetchRequestLayout, QpState, RetireLayout, RewindLayout,
 )
+from hdl.switch.islip_allocator import next_mask, round_robin_pick
 
 __all__ = ["DoorbellScheduler"]
 
 INDEX_BITS = 16
-HALF_RING = 1 << (INDEX_BITS - 1)
+WANT_BITS = range(MAX_WQE_BLOCKS + 1)
 
 
 class DoorbellScheduler(wiring.Component):
-    """Per-QP producer/fetch/completion indices, doorbell checks and round-robin WQE fetch
-    scheduling (docs/nic.md, "Doorbells").
-
-    Per QP: ``db_pi`` (newest accepted doorbell), ``fetch_pi`` (next basic block to fetch),
-    ``done_ci`` (next basic block to complete), ``in_flight`` (a fetch request granted and
-    not yet answered by ``fetch_done``; offered and not yet accepted counts) and
-    ``waiting`` (its last fetch consumed nothing although no doorbell or retire came
-    after the state its request was planned on; cleared by an accepted doorbell or a
-    retire). Indices compare modulo 2^16. ``epoch`` (``qp_epoch``) counts the QP's rewinds
-    modulo 2^EPOCH_BITS; every fetch request carries it. A rewind or skip moves it on only
-    if a fetch was granted with the current epoch (in that cycle too); otherwise nothing
-    carries the current epoch and keeping it is safe. So a run of skips or rewinds with
-    no fetch between them (late acknowledgements retiring rewound WQEs one by one) cannot
-    wrap the epoch back onto a fetch still in flight. Below, "``epoch += 1``" means that.
-
-    ``rewind`` (go-back-N, from the completion unit): ``fetch_pi := wqe_index``, ``epoch +=
-    1``, ``waiting`` clears; a fetch in flight stays in flight (its ``fetch_done`` still
-    comes, with the old epoch, and then only clears ``in_flight``: a ``fetch_done`` whose
-    epoch is not the QP's current one never moves ``fetch_pi`` nor sets ``waiting``). Same
-    cycle, same QP: the rewind's ``fetch_pi`` wins over a ``fetch_done`` (which still ends
-    the fetch in flight; its epoch is compared with the epoch before the rewind), a
-    doorbell and a retire apply as usual, ``qp_reset`` wins over the rewind, and the QP
-    is masked from that cycle's arbitration (a grant would fetch from the old index with
-    the old epoch) and sits out the next one (its plan is from before the rewind, and a
-    rewind may move ``fetch_pi`` forward, past blocks completed meanwhile). A request granted before and still offered on ``fetch`` keeps its
-    old epoch: it is stale and its descriptors are squashed by the executor.
-
-    Skip: after a rewind the completion unit may still retire the rewound WQEs (late
-    acknowledgements of their first transmission) before they are fetched again. While
-    the QP is *replaying* (from a rewind until ``fetch_pi`` reaches the ``db_pi`` the
-    rewind found: everything before it may have been fetched before the rewind), a
-    retire that moves ``done_ci`` past ``fetch_pi`` (with a ``fetch_done`` of the same
-    cycle counted) makes the QP go on from ``done_ci``
-    (the retired WQEs' ring slots may already hold new WQEs): ``fetch_pi := done_ci``,
-    ``epoch += 1``, as a rewind there, and in the next cycle a ``skip`` strobe ``(qpn,
-    done_ci, retire.next_psn)`` tells the executor where the QP's PSNs stand (together
-    with the new epoch on ``qp_epoch``). A rewind of the QP in the same cycle wins (it
-    goes back to a WQE not yet retired, at or past the new ``done_ci``); a grant of the
-    QP in that cycle goes out with the old epoch (stale). So a rewound QP never fetches a
-    WQE that already retired. Outside replays a retire may pass ``fetch_pi`` too (a WQE of
-    a fetch completes before the fetch's ``fetch_done``), which is harmless and no skip.
-
-    Doorbells are checked in the documented order against the QP's indices at the start
-    of the cycle (a retire of the same cycle does not yet count for ``doorbells_too_far``).
-    ``fetch_done`` and ``retire`` come from the NIC's own blocks and are applied as given;
-    ones for a QP number the scheduler does not have are ignored. ``qp_reset`` zeroes the
-    QP's indices and flags and wins over every other event of its cycle for that QP,
-    including a grant (the QP is masked from arbitration in that cycle). A request already
-    offered on ``fetch`` stays offered (a stream may not withdraw it): the register block
-    resets only idle QPs, and an offered request makes its QP busy. ``qp_busy``: a fetch in
-    flight, or fetched WQE blocks not yet retired (rung, unfetched WQEs do not count).
-
-    Timing (400 MHz, 64 QPs): each QP's eligibility and request size ("plan") is
-    recomputed every cycle from its registered indices and registered again; the
-    arbiter works on those registered plans, so the 16-bit subtractions (64 x 2) and the
-    64-wide round-robin pick sit in different cycles. A plan is one cycle old, and that
-    is always safe: within one cycle a QP's pending count and window room only grow
-    (doorbells, retires), and what shrinks them (``fetch_done``, waiting) happens only
-    while the QP is in flight, when its plan is not eligible. So a request follows the
-    documented rules on the QP's state of the cycle before its grant; it may be smaller
-    than the newest state would allow, never larger. Only a grant, a reset or a rewind
-    (or skip) makes a plan wrong, and the QP then sits out the next arbitration. Tracking an
-    eligible bit incrementally instead would need the same subtractions at every event
-    port plus forwarding between same-cycle events, for no saving. A doorbell in cycle t
-    can be granted in t + 2, offered on ``fetch`` from t + 3; a rewind in cycle t shows
-    on ``qp_epoch`` from t + 1, and the QP's refetch (once no fetch of it is in flight)
-    can be granted in t + 2, offered from t + 3. QP context fields
-    (``qp_log_sq_size``, ``qp_max_outstanding``) are assumed to change only while their
-    QP is in RESET.
-    """
+    """Doorbells checked in two cycles (read, then check and apply); per-QP plans in two
+    (facts of the indices, then the request); a round-robin pick registered a cycle before
+    its grant. Skips (a retire past ``fetch_pi`` while replaying) decided in two cycles and
+    applied in the third, with the ``skip`` strobe. ``qp_log_sq_size`` and
+    ``qp_max_outstanding`` may change only while their QP is in RESET."""
 
     def __init__(self, num_qps=64):
         if not isinstance(num_qps, int) or not 1 <= num_qps <= 256:
@@ -113,245 +51,300 @@ class DoorbellScheduler(wiring.Component):
         n = self.num_qps
         qp_bits = max(1, (n - 1).bit_length())
 
+        def wire(value, name, width=None):
+            signal = Signal(width if width is not None else len(Value.cast(value)), name=name)
+            m.d.comb += signal.eq(value)
+            return signal
+
+        def sign(value):
+            return Value.cast(value)[INDEX_BITS - 1]
+
+        def decode(valid, qpn, name):
+            """One bit per QP: ``valid`` and ``qpn`` names that QP (none for a bad qpn)."""
+            return wire(Mux(valid & (qpn < n), 1 << qpn[:qp_bits], 0), name, n)
+
+        def same_qp(valid, a, b):
+            return valid & (a == b)
+
         db_pi = [Signal(INDEX_BITS, name=f"db_pi{q}") for q in range(n)]
         fetch_pi = [Signal(INDEX_BITS, name=f"fetch_pi{q}") for q in range(n)]
         done_ci = [Signal(INDEX_BITS, name=f"done_ci{q}") for q in range(n)]
         epoch = [Signal(EPOCH_BITS, name=f"epoch{q}") for q in range(n)]
+        replay_end = [Signal(INDEX_BITS, name=f"replay_end{q}") for q in range(n)]
         in_flight = Signal(n)
         waiting = Signal(n)
         granted = Signal(n)                 # a fetch went out with the current epoch
         replaying = Signal(n)               # rewound, fetching again what it fetched before
-        replay_end = [Signal(INDEX_BITS, name=f"replay_end{q}") for q in range(n)]
+        touched = Signal(n)                 # fetch_pi, a flag or a grant changed last cycle
         m.d.comb += [self.qp_epoch[q].eq(epoch[q]) for q in range(n)]
 
-        def decode(valid, qpn):
-            """One bit per QP: ``valid`` and ``qpn`` names that QP (none for a bad qpn)."""
-            vector = Signal(n)
-            m.d.comb += vector.eq(Mux(valid & (qpn < n), 1 << qpn[:qp_bits], 0))
-            return vector
+        reset, rewind, done, retire = self.qp_reset, self.rewind, self.fetch_done, self.retire
+        reset_hit = decode(reset.valid, reset.qpn, "reset_hit")
+        rewind_hit = decode(rewind.valid, rewind.p.qpn, "rewind_hit")
+        done_hit = decode(done.valid, done.p.qpn, "done_hit")
+        retire_hit = decode(retire.valid, retire.p.qpn, "retire_hit")
+        # A fetch_done of an older epoch answers a fetch from before a rewind; one beside a
+        # rewind is overruled by it.
+        fresh = wire(Cat(done_hit[q] & (done.p.epoch == epoch[q]) & ~rewind_hit[q]
+                         for q in range(n)), "fresh")
 
-        def counter(name, enable):
-            m.d.sync += getattr(self, name).eq(getattr(self, name) + enable)
-
-        # --- doorbell checks ----------------------------------------------------------------
+        # --- doorbells: D0 reads the QP's indices, D1 checks and applies -------------------
         db = self.doorbell.p
-        db_qp = db.qpn[:qp_bits]
-        db_good_qpn = db.qpn < n
-        db_state = Array(self.qp_state)[db_qp]
-        ahead = Signal(INDEX_BITS)          # pi - db_pi
-        span = Signal(INDEX_BITS)           # pi - done_ci
-        m.d.comb += [
-            ahead.eq(db.pi - Array(db_pi)[db_qp]),
-            span.eq(db.pi - Array(done_ci)[db_qp]),
-        ]
-        bad_qpn = ~db_good_qpn
-        not_ready = db_good_qpn & (db_state == QpState.RESET)
-        checked = db_good_qpn & (db_state != QpState.RESET)
-        duplicate = checked & (ahead == 0)
-        backwards = checked & (ahead >= HALF_RING)
-        too_far = checked & (ahead != 0) & (ahead < HALF_RING) & \
-            (span > (1 << Array(self.qp_log_sq_size)[db_qp]))
-        accept = Signal()
-        m.d.comb += accept.eq(checked & (ahead != 0) & (ahead < HALF_RING) &
-                              (span <= (1 << Array(self.qp_log_sq_size)[db_qp])))
-        fire = self.doorbell.valid
-        counter("doorbells_bad_qpn", fire & bad_qpn)
-        counter("doorbells_not_ready", fire & not_ready)
-        counter("doorbells_duplicate", fire & duplicate)
-        counter("doorbells_backwards", fire & backwards)
-        counter("doorbells_too_far", fire & too_far)
-        counter("doorbells_accepted", fire & accept)
-
-        db_hit = decode(fire & accept, db.qpn)
-        done_hit = decode(self.fetch_done.valid, self.fetch_done.p.qpn)
-        retire_hit = decode(self.retire.valid, self.retire.p.qpn)
-        reset_hit = decode(self.qp_reset.valid, self.qp_reset.qpn)
-        rewind_hit = decode(self.rewind.valid, self.rewind.p.qpn)
-        # A fetch_done of an older epoch answers a fetch from before a rewind: its blocks
-        # are not the QP's current stream.
-        done_fresh = Signal()
-        m.d.comb += done_fresh.eq(
-            self.fetch_done.p.epoch == Array(epoch)[self.fetch_done.p.qpn[:qp_bits]])
-        fresh_hit = Signal(n)
-        m.d.comb += fresh_hit.eq(Mux(done_fresh, done_hit, 0) & ~rewind_hit)
-
-        # One shared adder per event port: the event's QP is selected, not 64 adders built.
-        new_fetch_pi = Signal(INDEX_BITS)
-        new_done_ci = Signal(INDEX_BITS)
-        m.d.comb += [
-            new_fetch_pi.eq(Array(fetch_pi)[self.fetch_done.p.qpn[:qp_bits]] +
-                            self.fetch_done.p.consumed),
-            new_done_ci.eq(Array(done_ci)[self.retire.p.qpn[:qp_bits]] + self.retire.p.blocks),
-        ]
-
-        # Skip: the retire moves done_ci past fetch_pi (see the class description).
-        retire_qp = self.retire.p.qpn[:qp_bits]
-        fetched = Signal(INDEX_BITS)        # the QP's fetch_pi after this cycle's fetch_done
-        m.d.comb += fetched.eq(Mux(done_fresh & self.fetch_done.valid &
-                                   (self.fetch_done.p.qpn == self.retire.p.qpn),
-                                   new_fetch_pi, Array(fetch_pi)[retire_qp]))
-        lag = Signal(INDEX_BITS)            # fetch_pi - new done_ci
-        m.d.comb += lag.eq(fetched - new_done_ci)
-        # Only while a rewound QP fetches again what it had fetched before: in any fetch a
-        # WQE may complete and retire before the fetch's own fetch_done moves fetch_pi.
-        skip = Signal()
-        m.d.comb += skip.eq(self.retire.valid & (self.retire.p.qpn < n) & lag[-1] &
-                            replaying.bit_select(retire_qp, 1) &
-                            ~(self.rewind.valid & (self.rewind.p.qpn == self.retire.p.qpn)))
-        skip_hit = decode(skip, self.retire.p.qpn)
+        d0_qp = db.qpn[:qp_bits]
+        d0_good = db.qpn < n
+        d1_valid, d1_good, d1_not_ready = Signal(), Signal(), Signal()
+        d1_qp = Signal(qp_bits)
+        d1_pi, d1_db = Signal(INDEX_BITS), Signal(INDEX_BITS)
+        d1_writes = Signal(n)               # its QP, if in RTS or ERR and not reset in D0
+        d1_killed = Signal()                # a qp_reset of the QP in its D0 cycle
+        d1_follows = Signal()               # same QP as the doorbell ahead of it
+        d1_dup_ahead, d1_back_ahead = Signal(), Signal()
+        d1_far_s, d1_far_c = Signal(INDEX_BITS), Signal(INDEX_BITS)
+        applied = Signal()                  # the doorbell in D1 sets db_pi this cycle
+        applied_last, pi_last = Signal(), Signal(INDEX_BITS)
+        log_size = Array(self.qp_log_sq_size)[d0_qp]
+        # (pi - done_ci - 1 - 2^log_sq_size) as a carry-save pair (the sum is taken in D1):
+        # not negative exactly when the doorbell is too far (docs/nic.md).
+        not_done = ~Array(done_ci)[d0_qp]
+        not_ring = ~Cat(log_size == i for i in range(INDEX_BITS))
+        d0_not_ready = Array(self.qp_state)[d0_qp] == QpState.RESET
+        d0_killed = same_qp(reset.valid, reset.qpn, db.qpn)
         m.d.sync += [
-            self.skip.valid.eq(skip & ~(self.qp_reset.valid &
-                                        (self.qp_reset.qpn == self.retire.p.qpn))),
-            self.skip.p.qpn.eq(self.retire.p.qpn),
-            self.skip.p.wqe_index.eq(new_done_ci),
-            self.skip.p.psn.eq(self.retire.p.next_psn),
+            d1_valid.eq(self.doorbell.valid),
+            d1_good.eq(d0_good),
+            d1_not_ready.eq(d0_not_ready),
+            d1_qp.eq(d0_qp),
+            d1_pi.eq(db.pi),
+            d1_db.eq(Array(db_pi)[d0_qp]),
+            d1_writes.eq(Mux(d0_not_ready | d0_killed, 0,
+                             decode(self.doorbell.valid, db.qpn, "d0_hit"))),
+            d1_killed.eq(d0_killed),
+            d1_follows.eq(d1_valid & d1_good & d0_good & (d1_qp == d0_qp)),
+            d1_dup_ahead.eq(db.pi == d1_pi),
+            d1_back_ahead.eq(sign(lookahead_sum(m, db.pi, ~d1_pi, 1, name="back_ahead"))),
+            d1_far_s.eq(db.pi ^ not_done ^ not_ring),
+            d1_far_c.eq(Cat(C(1, 1), ((db.pi & not_done) | (db.pi & not_ring) |
+                                      (not_done & not_ring))[:INDEX_BITS - 1])),
+            applied_last.eq(applied),
+            pi_last.eq(d1_pi),
+        ]
+        # The doorbell ahead of this one set db_pi after this one read it.
+        forward = wire(d1_follows & applied_last, "forward")
+        duplicate = wire(Mux(forward, d1_dup_ahead, d1_pi == d1_db), "duplicate")
+        backwards = wire(Mux(forward, d1_back_ahead,
+                             sign(lookahead_sum(m, d1_pi, ~d1_db, 1, name="backwards_sum"))),
+                         "backwards")
+        too_far = wire(~sign(lookahead_sum(m, d1_far_s, d1_far_c, name="too_far_sum")),
+                       "too_far")
+        checked = d1_valid & d1_good & ~d1_not_ready
+        accept = wire(checked & ~duplicate & ~backwards & ~too_far, "accept")
+        m.d.comb += applied.eq(accept & ~d1_killed & ~same_qp(reset.valid, reset.qpn, d1_qp))
+        db_write = wire(Mux(~duplicate & ~backwards & ~too_far, d1_writes, 0), "db_write")
+        count_registered(m, self.doorbells_bad_qpn, d1_valid & ~d1_good)
+        count_registered(m, self.doorbells_not_ready, d1_valid & d1_good & d1_not_ready)
+        count_registered(m, self.doorbells_duplicate, checked & duplicate)
+        count_registered(m, self.doorbells_backwards, checked & ~duplicate & backwards)
+        count_registered(m, self.doorbells_too_far,
+                         checked & ~duplicate & ~backwards & too_far)
+        count_registered(m, self.doorbells_accepted, accept)
+
+        # --- skips: S0 reads the retiring QP, S1 decides, S2 applies with the strobe --------
+        # A skip of the QP ahead in S2 (applying now, seen by S0) or decided in S2 (seen by
+        # S1) sets fetch_pi to the done_ci this retire starts from: the retire then passes
+        # fetch_pi if it retires anything.
+        r_qp = retire.p.qpn[:qp_bits]
+        s1_valid, s1_fresh, s1_forwarded, s1_after, s1_some = (Signal() for _ in range(5))
+        s1_qp = Signal(qp_bits)
+        s1_fetch, s1_done = Signal(INDEX_BITS), Signal(INDEX_BITS)
+        s1_blocks = Signal(WANT_BITS)
+        s1_psn = Signal.like(retire.p.next_psn)
+        # -blocks, and consumed - blocks for a fresh fetch_done of the QP in the same cycle
+        s1_less, s1_less_done = Signal(6), Signal(6)
+        s2_base, s2_lag, s2_after = Signal(), Signal(), Signal()
+        s2_qp = Signal(qp_bits)
+        s2_hit = Signal(n)
+        s2_index = Signal(INDEX_BITS)
+        s2_psn = Signal.like(retire.p.next_psn)
+        decided = wire(s2_base & (s2_lag | s2_after), "decided")
+        skipping = wire(decided & ~same_qp(rewind.valid, rewind.p.qpn, s2_qp) &
+                        ~same_qp(reset.valid, reset.qpn, s2_qp), "skipping")
+        forwarded = wire(skipping & (s2_qp == r_qp), "forwarded")
+        m.d.sync += [
+            s1_valid.eq(retire.valid & (retire.p.qpn < n) & replaying.bit_select(r_qp, 1) &
+                        ~same_qp(rewind.valid, rewind.p.qpn, retire.p.qpn) &
+                        ~same_qp(reset.valid, reset.qpn, retire.p.qpn)),
+            s1_fresh.eq(same_qp(done.valid, done.p.qpn, retire.p.qpn) &
+                        (done.p.epoch == Array(epoch)[r_qp])),
+            s1_forwarded.eq(forwarded),
+            s1_after.eq(s1_valid & (s1_qp == r_qp)),
+            s1_some.eq(retire.p.blocks != 0),
+            s1_qp.eq(r_qp),
+            s1_fetch.eq(Mux(forwarded, s2_index, Array(fetch_pi)[r_qp])),
+            s1_done.eq(Array(done_ci)[r_qp]),
+            s1_blocks.eq(retire.p.blocks),
+            s1_psn.eq(retire.p.next_psn),
+            s1_less.eq(-retire.p.blocks),
+            s1_less_done.eq(done.p.consumed - retire.p.blocks),
+        ]
+        # fetch_pi - (done_ci + blocks) < 0, with or without the same cycle's fetch_done
+        # (a skip applying in that cycle overrules it).
+        not_done_r = ~s1_done
+
+        def lags(less, name):
+            return sign(sum3(m, s1_fetch, not_done_r, Cat(less, less[-1].replicate(10)),
+                             INDEX_BITS, plus_one=True, name=name))
+        lag = wire(Mux(s1_fresh & ~s1_forwarded, lags(s1_less_done, "lag_done"),
+                       lags(s1_less, "lag")), "lag")
+        m.d.sync += [
+            s2_base.eq(s1_valid & ~same_qp(rewind.valid, rewind.p.qpn, s1_qp) &
+                       ~same_qp(reset.valid, reset.qpn, s1_qp)),
+            s2_lag.eq(lag),
+            s2_after.eq(s1_after & decided & s1_some),
+            s2_qp.eq(s1_qp),
+            s2_hit.eq(Mux(s1_valid, 1 << s1_qp, 0)),
+            s2_index.eq(lookahead_sum(m, s1_done, s1_blocks, name="skip_index")[:INDEX_BITS]),
+            s2_psn.eq(s1_psn),
+        ]
+        # A rewind or reset of the QP in this cycle wins over the skip where both act.
+        skip_hit = wire(Mux(decided, s2_hit, 0), "skip_hit")
+        m.d.sync += [
+            self.skip.valid.eq(skipping),
+            self.skip.p.qpn.eq(s2_qp),
+            self.skip.p.wqe_index.eq(s2_index),
+            self.skip.p.psn.eq(s2_psn),
         ]
 
-        # --- per-QP plans, registered -------------------------------------------------------
+        # --- plans: P1 registers facts of each QP's indices, P2 the request ----------------
         plan_layout = data.StructLayout({
-            "eligible": 1, "blocks": range(MAX_WQE_BLOCKS + 1), "first_only": 1})
+            "eligible": 1, "blocks": WANT_BITS, "first_only": 1})
         plans = [Signal(plan_layout, name=f"plan{q}") for q in range(n)]
         for q in range(n):
-            pending = Signal(INDEX_BITS, name=f"pending{q}")
-            outstanding = Signal(INDEX_BITS, name=f"outstanding{q}")
-            want = Signal(range(MAX_WQE_BLOCKS + 1), name=f"want{q}")
             max_out = self.qp_max_outstanding[q]
-            # max_out - outstanding, negative when a first_only fetch overran the window.
-            room = Signal(signed(INDEX_BITS + 2), name=f"room{q}")
-            m.d.comb += [
-                pending.eq(db_pi[q] - fetch_pi[q]),
-                outstanding.eq(fetch_pi[q] - done_ci[q]),
-                want.eq(Mux(pending > MAX_WQE_BLOCKS, MAX_WQE_BLOCKS, pending)),
-                room.eq(max_out - outstanding),
-            ]
-            idle_qp = (pending != 0) & ~in_flight[q] & ~waiting[q]
-            with m.If(~idle_qp):
-                m.d.sync += plans[q].eligible.eq(0)
-            with m.Elif(room >= want):
-                m.d.sync += plans[q].eq(plan_layout.const({"eligible": 1}))
-                m.d.sync += plans[q].blocks.eq(want)
-            with m.Elif(outstanding == 0):
-                m.d.sync += plans[q].eq(plan_layout.const({"eligible": 1, "first_only": 1}))
-                m.d.sync += plans[q].blocks.eq(want)
-            with m.Elif(room > 0):
-                m.d.sync += plans[q].eq(plan_layout.const({"eligible": 1}))
-                m.d.sync += plans[q].blocks.eq(room)
-            with m.Else():
-                m.d.sync += plans[q].eligible.eq(0)
-
-        # --- round-robin grant --------------------------------------------------------------
-        touched = Signal(n)                 # QPs granted or reset last cycle
-        active = Signal(n)
-        m.d.comb += active.eq(Cat((s == QpState.RTS) | (s == QpState.ERR) for s in self.qp_state))
-        usable = Signal(n)
-        m.d.comb += usable.eq(Cat(p.eligible for p in plans) & ~touched & active &
-                              ~(reset_hit | rewind_hit))
-
-        above = Signal(n)                   # QPs after the last granted one
-        first_above = Signal(n)
-        first_any = Signal(n)
-        m.d.comb += [
-            first_above.eq((usable & above) & -(usable & above)),
-            first_any.eq(usable & -usable),
-        ]
-        grant = Signal(n)
-        load = Signal()
-        m.d.comb += [
-            load.eq(~self.fetch.valid | self.fetch.ready),
-            grant.eq(Mux(load, Mux(first_above != 0, first_above, first_any), 0)),
-        ]
-        with m.If(grant != 0):
-            m.d.sync += above.eq(~(grant | (grant - 1)))
-
-        grant_qpn = Signal(qp_bits)
-        m.d.comb += grant_qpn.eq(
-            Cat(Cat(grant[q] for q in range(n) if q >> b & 1).any() for b in range(qp_bits)))
-        # AND-OR over the one-hot grant: a balanced OR tree, not a 64-deep priority chain.
-        chosen = Signal(plan_layout)
-        chosen_index = Signal(INDEX_BITS)
-        chosen_epoch = Signal(EPOCH_BITS)
-        m.d.comb += [
-            chosen.eq(or_all(Mux(grant[q], plans[q].as_value(), 0) for q in range(n))),
-            chosen_index.eq(or_all(Mux(grant[q], fetch_pi[q], 0) for q in range(n))),
-            chosen_epoch.eq(or_all(Mux(grant[q], epoch[q], 0) for q in range(n))),
-        ]
-
-        with m.If(grant != 0):
+            not_fetch = ~fetch_pi[q]
+            not_done = ~done_ci[q]
+            f_pending = Signal(name=f"f_pending{q}")    # db_pi != fetch_pi
+            f_big = Signal(name=f"f_big{q}")            # pending > 16
+            f_pend = Signal(5, name=f"f_pend{q}")       # pending mod 32
+            f_empty = Signal(name=f"f_empty{q}")        # fetch_pi == done_ci
+            f_lag = Signal(name=f"f_lag{q}")            # done_ci past fetch_pi
+            f_small = Signal(name=f"f_small{q}")        # outstanding < 128 (if not lagging)
+            f_room = Signal(8, name=f"f_room{q}")       # max_out - outstanding, mod 256
+            f_all_fit = Signal(name=f"f_all_fit{q}")    # db_pi - done_ci <= max_out
             m.d.sync += [
-                self.fetch.valid.eq(1),
-                self.fetch.p.qpn.eq(grant_qpn),
-                self.fetch.p.wqe_index.eq(chosen_index),
+                f_pending.eq(db_pi[q] != fetch_pi[q]),
+                f_big.eq(~sign(sum3(m, db_pi[q], not_fetch, -MAX_WQE_BLOCKS, INDEX_BITS,
+                                    name=f"big{q}"))),
+                f_pend.eq(lookahead_sum(m, db_pi[q][:5], not_fetch[:5], 1, name=f"pend{q}")),
+                f_empty.eq(fetch_pi[q] == done_ci[q]),
+                f_lag.eq(sign(lookahead_sum(m, fetch_pi[q], not_done, 1, name=f"lag{q}"))),
+                f_small.eq(sign(sum3(m, fetch_pi[q], not_done, -128, INDEX_BITS,
+                                     plus_one=True, name=f"small{q}"))),
+                f_room.eq(sum3(m, max_out, done_ci[q][:8], not_fetch[:8], 8, plus_one=True,
+                               name=f"room{q}")),
+                f_all_fit.eq(sign(sum3(m, db_pi[q], not_done, ~Cat(max_out, C(0, 9)),
+                                       INDEX_BITS, plus_one=True, name=f"all_fit{q}"))),
+            ]
+            small = f_small & ~f_lag
+            room_sign = f_room[7]
+            # room >= min(pending, 16): room >= 16, or all pending blocks fit the window.
+            fits = wire(small & (f_all_fit | (~room_sign & (f_room[4:7] != 0))), f"fits{q}")
+            some_room = small & ~room_sign & (f_room[:7] != 0)
+            want = Mux(f_big, MAX_WQE_BLOCKS, f_pend)
+            state = self.qp_state[q]
+            active = (state == QpState.RTS) | (state == QpState.ERR)
+            m.d.sync += [
+                plans[q].eligible.eq(f_pending & active & ~in_flight[q] & ~waiting[q] &
+                                     ~touched[q] & (fits | f_empty | some_room)),
+                plans[q].blocks.eq(Mux(fits | f_empty, want, f_room[:5])),
+                plans[q].first_only.eq(~fits & f_empty),
+            ]
+
+        # --- pick (registered), then grant ----------------------------------------------
+        pick = Signal(n)
+        rr_mask = Signal(n, init=(1 << n) - 1)      # round robin: from after the last grant
+        load = wire(~self.fetch.valid | self.fetch.ready, "load")
+        requests = wire(Cat(p.eligible for p in plans) & ~touched & ~Mux(load, pick, 0),
+                        "requests")
+        picked = Signal()                   # pick != 0
+        m.d.sync += [pick.eq(round_robin_pick(m, requests, rr_mask, n, name="pick")),
+                     picked.eq(requests.any())]
+        grant = wire(Mux(load, pick & ~touched & ~reset_hit, 0), "grant")
+        pick_qpn = wire(Cat(Cat(pick[q] for q in range(n) if q >> b & 1).any()
+                            for b in range(qp_bits)), "pick_qpn")
+        granting = wire(load & picked & ~(pick & touched).any() &
+                        ~same_qp(reset.valid, reset.qpn, pick_qpn), "granting")
+        with m.If(granting):
+            m.d.sync += rr_mask.eq(next_mask(pick, n))
+        # AND-OR over the one-hot pick: a balanced OR tree.
+        chosen = wire(or_all(Mux(pick[q], plans[q].as_value(), 0) for q in range(n)),
+                      "chosen", len(plans[0].as_value()))
+        chosen = plan_layout(chosen)
+        m.d.sync += self.fetch.valid.eq(granting | (self.fetch.valid & ~self.fetch.ready))
+        with m.If(load):
+            m.d.sync += [
+                self.fetch.p.qpn.eq(pick_qpn),
+                self.fetch.p.wqe_index.eq(or_all(Mux(pick[q], fetch_pi[q], 0)
+                                                 for q in range(n))),
                 self.fetch.p.blocks.eq(chosen.blocks),
                 self.fetch.p.first_only.eq(chosen.first_only),
-                self.fetch.p.epoch.eq(chosen_epoch),
+                self.fetch.p.epoch.eq(or_all(Mux(pick[q], epoch[q], 0) for q in range(n))),
             ]
-        with m.Elif(self.fetch.ready):
-            m.d.sync += self.fetch.valid.eq(0)
-        counter("wqe_fetches", self.fetch.valid & self.fetch.ready)
+        count_registered(m, self.wqe_fetches, self.fetch.valid & self.fetch.ready)
 
-        # --- per-QP state updates -----------------------------------------------------------
+        # --- per-QP state -------------------------------------------------------------------
         for q in range(n):
-            # Replaying: from a rewind until fetch_pi reaches the doorbell index the rewind
-            # found (everything before it may have been fetched before the rewind).
-            caught_up = Signal(INDEX_BITS, name=f"caught_up{q}")
-            m.d.comb += caught_up.eq(fetch_pi[q] - replay_end[q])
+            fetched = lookahead_sum(m, fetch_pi[q], done.p.consumed, name=f"fetched{q}")
+            completed = lookahead_sum(m, done_ci[q], retire.p.blocks, name=f"completed{q}")
+            caught_up = lookahead_sum(m, fetch_pi[q], ~replay_end[q], 1, name=f"caught_up{q}")
             with m.If(reset_hit[q]):
                 m.d.sync += [db_pi[q].eq(0), fetch_pi[q].eq(0), done_ci[q].eq(0), epoch[q].eq(0),
                              replaying[q].eq(0)]
             with m.Else():
-                with m.If(rewind_hit[q]):
+                # A skip may move fetch_pi back (a fetch_done after the retire moved it on):
+                # from there the QP replays as after a rewind.
+                with m.If(rewind_hit[q] | skip_hit[q]):
                     m.d.sync += [replaying[q].eq(1), replay_end[q].eq(db_pi[q])]
-                with m.Elif(~caught_up[-1]):
+                with m.Elif(~sign(caught_up)):
                     m.d.sync += replaying[q].eq(0)
-                with m.If(db_hit[q]):
-                    m.d.sync += db_pi[q].eq(db.pi)
+                with m.If(db_write[q]):
+                    m.d.sync += db_pi[q].eq(d1_pi)
                 # A new epoch only when the current one was handed out (a fetch granted
-                # since the last change, this cycle's included): otherwise nothing carries
-                # it yet. So a run of skips (late acknowledgements retiring the rewound
-                # WQEs one by one) cannot wrap the epoch back to that of a fetch in flight.
-                bump = granted[q] | grant[q]
+                # since the last change, this cycle's included).
+                with m.If((rewind_hit[q] | skip_hit[q]) & (granted[q] | grant[q])):
+                    m.d.sync += epoch[q].eq(epoch[q] + 1)
                 with m.If(rewind_hit[q]):
-                    m.d.sync += fetch_pi[q].eq(self.rewind.p.wqe_index)
-                    with m.If(bump):
-                        m.d.sync += epoch[q].eq(epoch[q] + 1)
+                    m.d.sync += fetch_pi[q].eq(rewind.p.wqe_index)
                 with m.Elif(skip_hit[q]):
-                    m.d.sync += fetch_pi[q].eq(new_done_ci)
-                    with m.If(bump):
-                        m.d.sync += epoch[q].eq(epoch[q] + 1)
-                with m.Elif(fresh_hit[q]):
-                    m.d.sync += fetch_pi[q].eq(new_fetch_pi)
+                    m.d.sync += fetch_pi[q].eq(s2_index)
+                with m.Elif(fresh[q]):
+                    m.d.sync += fetch_pi[q].eq(fetched[:INDEX_BITS])
                 with m.If(retire_hit[q]):
-                    m.d.sync += done_ci[q].eq(new_done_ci)
+                    m.d.sync += done_ci[q].eq(completed[:INDEX_BITS])
 
-        # A consumed == 0 answer means "wait for more" only if nothing came that the
-        # fetch's request was not sized with. The request is planned on the state of the
-        # cycle before its grant, so a doorbell or retire from that cycle until the answer
-        # (``unseen``) brings blocks or window room it did not have: without this, a retire
-        # that freed the window while a too-small fetch was in flight left the QP waiting
-        # for a retire that would never come. One in the answer's own cycle cancels the
-        # wait below.
-        event = Signal(n)
-        recent = Signal(n)                  # a doorbell or retire last cycle
+        # consumed == 0 means "wait for more" only if no doorbell or retire came that the
+        # request was not planned with: its facts are from two cycles before its grant,
+        # and a doorbell counts here from the cycle after it set db_pi.
+        db_event = Signal(n)
+        event = wire(db_event | retire_hit, "event")
+        recent = Signal(n)                  # an event last cycle
+        recent2 = Signal(n)                 # and the cycle before
         unseen = Signal(n)
-        m.d.comb += event.eq(db_hit | retire_hit)
         m.d.sync += [
+            db_event.eq(db_write),
             recent.eq(event),
-            unseen.eq(((unseen & ~grant) | (grant & recent) | (event & (in_flight | grant))) &
-                      ~reset_hit),
+            recent2.eq(recent),
+            unseen.eq(((unseen & ~grant) | (grant & (recent | recent2)) |
+                       (event & (in_flight | grant))) & ~reset_hit),
         ]
-        consumed_none = Signal(n)
-        m.d.comb += consumed_none.eq(Mux(self.fetch_done.p.consumed == 0, fresh_hit & ~unseen, 0))
+        consumed_none = wire(Mux(done.p.consumed == 0, fresh & ~unseen, 0), "consumed_none")
         m.d.sync += [
             in_flight.eq((in_flight & ~done_hit | grant) & ~reset_hit),
-            waiting.eq((waiting | consumed_none) & ~db_hit & ~retire_hit & ~reset_hit &
-                       ~rewind_hit),
-            touched.eq(reset_hit | grant | rewind_hit | skip_hit),
+            waiting.eq((waiting | consumed_none) & ~event & ~reset_hit & ~rewind_hit),
+            touched.eq(reset_hit | grant | rewind_hit | skip_hit | done_hit),
             granted.eq((granted | grant) & ~(rewind_hit | skip_hit | reset_hit)),
         ]
 
-        # Rung but unfetched WQEs do not count: a move to RESET drops them without
-        # completions, as IBA's transition to RESET does, so a QP whose doorbell cut a WQE
-        # on a full ring (it waits for a doorbell that can never be accepted) can be reset.
+        # Rung but unfetched WQEs do not count (a move to RESET drops them).
         m.d.comb += self.qp_busy.eq(
             Cat(fetch_pi[q] != done_ci[q] for q in range(n)) | in_flight)
         return m

@@ -2,7 +2,7 @@ from amaranth import *
 from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from hdl.arith import lookahead_sum
+from hdl.arith import count_registered, lookahead_sum
 
 from hdl.nic.signatures import (
     FETCH_ID, MAX_INLINE_BYTES, MAX_WQE_BLOCKS, QPN_BITS, WQEBB_BYTES, ArLayout,
@@ -122,8 +122,8 @@ class WqeFetcher(wiring.Component):
             blocks.w_en.eq(self.r.valid),
             blocks.w_data.eq(Cat(self.r.payload.data, self.r.payload.resp != 0, arriving)),
         ]
-        self._count(m, self.wqe_blocks_fetched, self.r.valid)
-        self._count(m, self.fetch_read_errors, self.r.valid & (self.r.payload.resp != 0))
+        count_registered(m, self.wqe_blocks_fetched, self.r.valid)
+        count_registered(m, self.fetch_read_errors, self.r.valid & (self.r.payload.resp != 0))
 
         self._parse(m, info, blocks, block_layout, release)
         return m
@@ -309,10 +309,10 @@ class WqeFetcher(wiring.Component):
             desc.wqe_blocks.eq(Mux(at_start, 1, wqe_blocks)),
         ]
 
-        self._count(m, self.wqes_parsed, wqe.valid & wqe.ready)
+        count_registered(m, self.wqes_parsed, wqe.valid & wqe.ready)
         refetched = Signal()
         m.d.comb += refetched.eq(pop & (dropping | (at_start & ~fits)))
-        self._count(m, self.wqe_blocks_refetched, refetched)
+        count_registered(m, self.wqe_blocks_refetched, refetched)
 
         consumed_now = Signal(range(MAX_WQE_BLOCKS + 1))   # after this pop
         m.d.comb += consumed_now.eq(Mux(emit, Mux(at_start, consumed + 1, consumed_with_wqe),
@@ -350,14 +350,6 @@ class WqeFetcher(wiring.Component):
                 self.fetch_done.payload.consumed.eq(0),
                 self.fetch_done.payload.epoch.eq(cur.epoch),
             ]
-
-    @staticmethod
-    def _count(m, counter, event):
-        """Counts ``event`` into ``counter`` a cycle after it: the event is registered first,
-        so the 32-bit sum starts from registers."""
-        counted = Signal(name=f"{counter.name}_event")
-        m.d.sync += [counted.eq(event),
-                     counter.eq(lookahead_sum(m, counter, counted, name=f"{counter.name}_next"))]
 
     @staticmethod
     def _facts(m, facts, block0):
