@@ -8,10 +8,11 @@ group's carry-in: 3 levels at 13 bits, 4 at 32 (5 with a carry in), 5 at 64.
 :func:`sum3` adds three operands with one carry-save layer before that sum, not two sums.
 :func:`count_registered` counts an event from a register, so its adder starts from flip-flops.
 :func:`or_all` ORs values as a balanced tree, not the chain a loop writes.
+:func:`named` gives an expression used more than once a signal of its own.
 """
 from amaranth import C, Cat, Const, Signal, Value
 
-__all__ = ["count_registered", "lookahead_sum", "or_all", "sum3"]
+__all__ = ["count_registered", "lookahead_sum", "named", "or_all", "sum3"]
 
 _GROUP = 3          # bits per group: a group's generate reads 6 inputs, one LUT
 _RADIX = 3          # groups joined per prefix level: 3 (G, P) pairs, one LUT
@@ -97,6 +98,14 @@ def count_registered(m, counter, event):
     counted = Signal(name=f"{counter.name}_event")
     m.d.sync += [counted.eq(event),
                  counter.eq(lookahead_sum(m, counter, counted, name=f"{counter.name}_next"))]
+
+
+def named(m, value, name, width=None):
+    """``value`` as a combinational signal ``name`` (``width`` bits, default its own): an
+    expression used more than once is emitted once, where Amaranth writes it at every use."""
+    signal = Signal(len(Value.cast(value)) if width is None else width, name=name)
+    m.d.comb += signal.eq(value)
+    return signal
 
 
 def or_all(values):

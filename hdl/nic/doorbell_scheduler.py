@@ -4,7 +4,7 @@ from amaranth import *
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from hdl.arith import count_registered, lookahead_sum, or_all, sum3
+from hdl.arith import count_registered, lookahead_sum, named, or_all, sum3
 from hdl.nic.signatures import (
     COUNTERS, EPOCH_BITS, MAX_WQE_BLOCKS, DoorbellLayout, EventSignature, FetchDoneLayout,
     FetchRequestLayout, QpState, RetireLayout, RewindLayout,
@@ -51,17 +51,12 @@ class DoorbellScheduler(wiring.Component):
         n = self.num_qps
         qp_bits = max(1, (n - 1).bit_length())
 
-        def wire(value, name, width=None):
-            signal = Signal(width if width is not None else len(Value.cast(value)), name=name)
-            m.d.comb += signal.eq(value)
-            return signal
-
         def sign(value):
             return Value.cast(value)[INDEX_BITS - 1]
 
         def decode(valid, qpn, name):
             """One bit per QP: ``valid`` and ``qpn`` names that QP (none for a bad qpn)."""
-            return wire(Mux(valid & (qpn < n), 1 << qpn[:qp_bits], 0), name, n)
+            return named(m, Mux(valid & (qpn < n), 1 << qpn[:qp_bits], 0), name, n)
 
         def same_qp(valid, a, b):
             return valid & (a == b)
@@ -85,7 +80,7 @@ class DoorbellScheduler(wiring.Component):
         retire_hit = decode(retire.valid, retire.p.qpn, "retire_hit")
         # A fetch_done of an older epoch answers a fetch from before a rewind; one beside a
         # rewind is overruled by it.
-        fresh = wire(Cat(done_hit[q] & (done.p.epoch == epoch[q]) & ~rewind_hit[q]
+        fresh = named(m, Cat(done_hit[q] & (done.p.epoch == epoch[q]) & ~rewind_hit[q]
                          for q in range(n)), "fresh")
 
         # --- doorbells: D0 reads the QP's indices, D1 checks and applies -------------------
@@ -129,17 +124,17 @@ class DoorbellScheduler(wiring.Component):
             pi_last.eq(d1_pi),
         ]
         # The doorbell ahead of this one set db_pi after this one read it.
-        forward = wire(d1_follows & applied_last, "forward")
-        duplicate = wire(Mux(forward, d1_dup_ahead, d1_pi == d1_db), "duplicate")
-        backwards = wire(Mux(forward, d1_back_ahead,
+        forward = named(m, d1_follows & applied_last, "forward")
+        duplicate = named(m, Mux(forward, d1_dup_ahead, d1_pi == d1_db), "duplicate")
+        backwards = named(m, Mux(forward, d1_back_ahead,
                              sign(lookahead_sum(m, d1_pi, ~d1_db, 1, name="backwards_sum"))),
                          "backwards")
-        too_far = wire(~sign(lookahead_sum(m, d1_far_s, d1_far_c, name="too_far_sum")),
+        too_far = named(m, ~sign(lookahead_sum(m, d1_far_s, d1_far_c, name="too_far_sum")),
                        "too_far")
         checked = d1_valid & d1_good & ~d1_not_ready
-        accept = wire(checked & ~duplicate & ~backwards & ~too_far, "accept")
+        accept = named(m, checked & ~duplicate & ~backwards & ~too_far, "accept")
         m.d.comb += applied.eq(accept & ~d1_killed & ~same_qp(reset.valid, reset.qpn, d1_qp))
-        db_write = wire(Mux(~duplicate & ~backwards & ~too_far, d1_writes, 0), "db_write")
+        db_write = named(m, Mux(~duplicate & ~backwards & ~too_far, d1_writes, 0), "db_write")
         count_registered(m, self.doorbells_bad_qpn, d1_valid & ~d1_good)
         count_registered(m, self.doorbells_not_ready, d1_valid & d1_good & d1_not_ready)
         count_registered(m, self.doorbells_duplicate, checked & duplicate)
@@ -165,10 +160,10 @@ class DoorbellScheduler(wiring.Component):
         s2_hit = Signal(n)
         s2_index = Signal(INDEX_BITS)
         s2_psn = Signal.like(retire.p.next_psn)
-        decided = wire(s2_base & (s2_lag | s2_after), "decided")
-        skipping = wire(decided & ~same_qp(rewind.valid, rewind.p.qpn, s2_qp) &
+        decided = named(m, s2_base & (s2_lag | s2_after), "decided")
+        skipping = named(m, decided & ~same_qp(rewind.valid, rewind.p.qpn, s2_qp) &
                         ~same_qp(reset.valid, reset.qpn, s2_qp), "skipping")
-        forwarded = wire(skipping & (s2_qp == r_qp), "forwarded")
+        forwarded = named(m, skipping & (s2_qp == r_qp), "forwarded")
         m.d.sync += [
             s1_valid.eq(retire.valid & (retire.p.qpn < n) & replaying.bit_select(r_qp, 1) &
                         ~same_qp(rewind.valid, rewind.p.qpn, retire.p.qpn) &
@@ -193,7 +188,7 @@ class DoorbellScheduler(wiring.Component):
         def lags(less, name):
             return sign(sum3(m, s1_fetch, not_done_r, Cat(less, less[-1].replicate(10)),
                              INDEX_BITS, plus_one=True, name=name))
-        lag = wire(Mux(s1_fresh & ~s1_forwarded, lags(s1_less_done, "lag_done"),
+        lag = named(m, Mux(s1_fresh & ~s1_forwarded, lags(s1_less_done, "lag_done"),
                        lags(s1_less, "lag")), "lag")
         m.d.sync += [
             s2_base.eq(s1_valid & ~same_qp(rewind.valid, rewind.p.qpn, s1_qp) &
@@ -206,7 +201,7 @@ class DoorbellScheduler(wiring.Component):
             s2_psn.eq(s1_psn),
         ]
         # A rewind or reset of the QP in this cycle wins over the skip where both act.
-        skip_hit = wire(Mux(decided, s2_hit, 0), "skip_hit")
+        skip_hit = named(m, Mux(decided, s2_hit, 0), "skip_hit")
         m.d.sync += [
             self.skip.valid.eq(skipping),
             self.skip.p.qpn.eq(s2_qp),
@@ -247,7 +242,7 @@ class DoorbellScheduler(wiring.Component):
             small = f_small & ~f_lag
             room_sign = f_room[7]
             # room >= min(pending, 16): room >= 16, or all pending blocks fit the window.
-            fits = wire(small & (f_all_fit | (~room_sign & (f_room[4:7] != 0))), f"fits{q}")
+            fits = named(m, small & (f_all_fit | (~room_sign & (f_room[4:7] != 0))), f"fits{q}")
             some_room = small & ~room_sign & (f_room[:7] != 0)
             want = Mux(f_big, MAX_WQE_BLOCKS, f_pend)
             state = self.qp_state[q]
@@ -262,21 +257,21 @@ class DoorbellScheduler(wiring.Component):
         # --- pick (registered), then grant ----------------------------------------------
         pick = Signal(n)
         rr_mask = Signal(n, init=(1 << n) - 1)      # round robin: from after the last grant
-        load = wire(~self.fetch.valid | self.fetch.ready, "load")
-        requests = wire(Cat(p.eligible for p in plans) & ~touched & ~Mux(load, pick, 0),
+        load = named(m, ~self.fetch.valid | self.fetch.ready, "load")
+        requests = named(m, Cat(p.eligible for p in plans) & ~touched & ~Mux(load, pick, 0),
                         "requests")
         picked = Signal()                   # pick != 0
         m.d.sync += [pick.eq(round_robin_pick(m, requests, rr_mask, n, name="pick")),
                      picked.eq(requests.any())]
-        grant = wire(Mux(load, pick & ~touched & ~reset_hit, 0), "grant")
-        pick_qpn = wire(Cat(Cat(pick[q] for q in range(n) if q >> b & 1).any()
+        grant = named(m, Mux(load, pick & ~touched & ~reset_hit, 0), "grant")
+        pick_qpn = named(m, Cat(Cat(pick[q] for q in range(n) if q >> b & 1).any()
                             for b in range(qp_bits)), "pick_qpn")
-        granting = wire(load & picked & ~(pick & touched).any() &
+        granting = named(m, load & picked & ~(pick & touched).any() &
                         ~same_qp(reset.valid, reset.qpn, pick_qpn), "granting")
         with m.If(granting):
             m.d.sync += rr_mask.eq(next_mask(pick, n))
         # AND-OR over the one-hot pick: a balanced OR tree.
-        chosen = wire(or_all(Mux(pick[q], plans[q].as_value(), 0) for q in range(n)),
+        chosen = named(m, or_all(Mux(pick[q], plans[q].as_value(), 0) for q in range(n)),
                       "chosen", len(plans[0].as_value()))
         chosen = plan_layout(chosen)
         m.d.sync += self.fetch.valid.eq(granting | (self.fetch.valid & ~self.fetch.ready))
@@ -325,7 +320,7 @@ class DoorbellScheduler(wiring.Component):
         # request was not planned with: its facts are from two cycles before its grant,
         # and a doorbell counts here from the cycle after it set db_pi.
         db_event = Signal(n)
-        event = wire(db_event | retire_hit, "event")
+        event = named(m, db_event | retire_hit, "event")
         recent = Signal(n)                  # an event last cycle
         recent2 = Signal(n)                 # and the cycle before
         unseen = Signal(n)
@@ -336,7 +331,7 @@ class DoorbellScheduler(wiring.Component):
             unseen.eq(((unseen & ~grant) | (grant & (recent | recent2)) |
                        (event & (in_flight | grant))) & ~reset_hit),
         ]
-        consumed_none = wire(Mux(done.p.consumed == 0, fresh & ~unseen, 0), "consumed_none")
+        consumed_none = named(m, Mux(done.p.consumed == 0, fresh & ~unseen, 0), "consumed_none")
         m.d.sync += [
             in_flight.eq((in_flight & ~done_hit | grant) & ~reset_hit),
             waiting.eq((waiting | consumed_none) & ~event & ~reset_hit & ~rewind_hit),

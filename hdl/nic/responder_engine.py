@@ -4,7 +4,7 @@ from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
-from hdl.arith import lookahead_sum, or_all
+from hdl.arith import lookahead_sum, named, or_all
 from hdl.nic.signatures import (
     PSN_BITS, Access, AtomicRequestLayout, AtomicResultLayout, ContextReadSignature,
     DmaWriteLayout, EventSignature, MkeyLayout, QpConfigLayout, QpState, RecvCqeOpcode,
@@ -193,12 +193,6 @@ class ResponderEngine(wiring.Component):
         def onehot(index, en):
             return Mux(en, (Const(1, num_qps) << index)[:num_qps], 0)
 
-        def wire(value, name):
-            # A reused expression gets a signal: Amaranth emits an expression at every use.
-            signal = Signal(len(Value.cast(value)), name=name)
-            m.d.comb += signal.eq(value)
-            return signal
-
         # Memories keep their contents through a reset, so every row starts fresh.
         fresh = Signal(num_qps, init=(1 << num_qps) - 1)
         killed = Signal()           # a qp_reset of this descriptor's QP after its row was read
@@ -214,7 +208,7 @@ class ResponderEngine(wiring.Component):
         p_is_read = p_op == READ_REQUEST
         p_is_atomic = (p_op == COMPARE_SWAP) | (p_op == FETCH_ADD)
         p_dmalen_nonzero = p.dmalen != 0
-        minus_pl = wire(~Cat(p_pl, C(0, 32 - len(p_pl))), "minus_pl_ones")
+        minus_pl = named(m, ~Cat(p_pl, C(0, 32 - len(p_pl))), "minus_pl_ones")
         facts = {
             "is_send": (p_op <= SEND_ONLY_IMM, 1),
             "is_write": (p_is_write, 1),
@@ -263,7 +257,7 @@ class ResponderEngine(wiring.Component):
         wraps = Signal()            # ending exactly at 2^64 is not a wrap
         # The QP's next PSN after an executed READ, for each valid MTU (1..5).
         read_epsns = [Signal(PSN_BITS, name=f"read_epsn_mtu{k}") for k in range(8)]
-        end_now = wire(Mux(is_atomic, f["end_atomic"], f["end_dmalen"]), "end_now")
+        end_now = named(m, Mux(is_atomic, f["end_atomic"], f["end_dmalen"]), "end_now")
         m.d.sync += [end.eq(end_now), wraps.eq(end_now[64] & (end_now[:64] != 0))]
         for k in range(1, 6):
             m.d.sync += read_epsns[k].eq(lookahead_sum(m, d.psn, f["dmalen_less1"] >> (k + 7), 1,
@@ -327,8 +321,8 @@ class ResponderEngine(wiring.Component):
         base = Cat(mk.base, C(0, 2))
         length = Cat(mk.length, C(0, 2))
         not_end = ~Cat(end, C(0, 1))
-        room_s = wire(base ^ length ^ not_end, "key_room_s")
-        room_c = wire((base & length) | (base & not_end) | (length & not_end), "key_room_c")
+        room_s = named(m, base ^ length ^ not_end, "key_room_s")
+        room_c = named(m, (base & length) | (base & not_end) | (length & not_end), "key_room_c")
         in_limit = lookahead_sum(m, room_s, Cat(C(0, 1), room_c[:65]), 1,
                                  name="key_room_sum")[66]
         key_ok = (mk.valid & (mk.key == d.rkey) & (mk.pd == cfg.pd)

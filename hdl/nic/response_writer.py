@@ -3,7 +3,7 @@ from amaranth.lib import data, fifo, memory, stream, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
-from hdl.arith import lookahead_sum
+from hdl.arith import lookahead_sum, named
 from hdl.ib.headers import AETH, BTH, LRH
 from hdl.link.signatures import BeatLayout, vl_index
 
@@ -201,12 +201,6 @@ class ResponseWriter(wiring.Component):
         packet_layout = _PacketLayout(beat_bits)
         write_layout = _WriteLayout(self.addr_width)
 
-        def wire(value, name):
-            # An intermediate used more than once: Amaranth would emit the expression again.
-            signal = Signal(len(Value.cast(value)), name=name)
-            m.d.comb += signal.eq(value)
-            return signal
-
         m.submodules.ring = ring = memory.Memory(shape=8 * WIDTH, depth=depth, init=[])
         ring_w = ring.write_port()
         ring_r = ring.read_port(domain="sync")
@@ -254,8 +248,8 @@ class ResponseWriter(wiring.Component):
         hold = Signal()
         held = Signal(vl_index(num_vls))
 
-        index = wire(Mux(busy, beats_before, 0), "index")
-        index_plus1 = wire(Mux(busy, beats_before + 1, 1), "index_plus1")
+        index = named(m, Mux(busy, beats_before, 0), "index")
+        index_plus1 = named(m, Mux(busy, beats_before + 1, 1), "index_plus1")
         pending = Signal(num_vls)
         rr_grant = Signal(vl_index(num_vls))
         rr_granted = Signal()
@@ -299,12 +293,12 @@ class ResponseWriter(wiring.Component):
                 m.d.sync += passing.eq(~rx.payload.end)
             # index * 64 + count, the count's top bit added to the index.
             count = rx.payload.count
-            lengths.append(wire(Mux(stores, Cat(count[:6], Mux(count[6], index_plus1, index)),
+            lengths.append(named(m, Mux(stores, Cat(count[:6], Mux(count[6], index_plus1, index)),
                                     MAX_STORED_BYTES), f"length{v}"))
             orig = rx.payload.data[8 * ORIG_BYTE:8 * (ORIG_BYTE + ORIG_BYTES)]
             orig_host = Cat(orig[8 * i:8 * i + 8] for i in reversed(range(ORIG_BYTES)))
             is_atomic = opcode == ATOMIC_ACKNOWLEDGE
-            origs.append(wire(Mux(~busy & is_atomic, orig_host, orig), f"orig{v}"))
+            origs.append(named(m, Mux(~busy & is_atomic, orig_host, orig), f"orig{v}"))
 
         select = Mux(busy, current, grant)
         beat = BeatLayout(WIDTH)(Array(Value.cast(self.rx[v].payload) for v in range(num_vls))[select])
@@ -337,12 +331,12 @@ class ResponseWriter(wiring.Component):
         # beat stored now; both outcomes summed from registers, then chosen.
         released = Signal(range(MAX_PACKET_BEATS + 1))
         m.d.comb += released.eq(Mux(dma.release.valid, dma.release.payload, 0))
-        not_released = wire(~Cat(released, C(0, beat_bits + 1 - len(released))), "not_released")
+        not_released = named(m, ~Cat(released, C(0, beat_bits + 1 - len(released))), "not_released")
         freed = lookahead_sum(m, used, not_released, 1, name="freed")[:beat_bits + 1]
         # used - released + 1 = used + ~released + 2: a carry-save layer, then one sum.
         two = C(2, beat_bits + 1)
-        freed1_s = wire(used ^ not_released ^ two, "freed1_s")
-        freed1_c = wire((used & not_released) | (used & two) | (not_released & two), "freed1_c")
+        freed1_s = named(m, used ^ not_released ^ two, "freed1_s")
+        freed1_c = named(m, (used & not_released) | (used & two) | (not_released & two), "freed1_c")
         freed_plus1 = lookahead_sum(m, freed1_s, Cat(C(0, 1), freed1_c[:beat_bits]),
                                     name="freed_plus1")[:beat_bits + 1]
         m.d.sync += used.eq(Mux(take & stores, freed_plus1, freed))
@@ -390,7 +384,7 @@ class ResponseWriter(wiring.Component):
             head's upper bits plus one."""
             slot, upper = number[:slot_bits], number[slot_bits:]
             in_window = Mux(slot < head_slot, upper == head_upper_plus1, upper == head_upper)
-            valid = wire(stream_.valid & waits(slot) & in_window, name)
+            valid = named(m, stream_.valid & waits(slot) & in_window, name)
             return valid, slot
 
         verdict = self.verdict.payload
@@ -406,14 +400,14 @@ class ResponseWriter(wiring.Component):
         low = lookahead_sum(m, verdict.offset, verdict.bytes[:6], name="fit_low")
         carry, rest = low[6], low[:6]
         bytes_hi, length_hi = verdict.bytes[6:13], length[6:13]
-        not_length_hi = wire(~length_hi, "fit_not_length_hi")
+        not_length_hi = named(m, ~length_hi, "fit_not_length_hi")
         above = lookahead_sum(m, bytes_hi, not_length_hi, name="fit_above")[7]       # >
         at_least = lookahead_sum(m, bytes_hi, not_length_hi, 1, name="fit_at_least")[7]
         equal = bytes_hi == length_hi
         bytes_hi_plus1 = lookahead_sum(m, bytes_hi, 0, 1, name="fit_bytes_hi_plus1")[:7]
         equal_less1 = bytes_hi_plus1 == length_hi
         rest_above = lookahead_sum(m, rest, ~length[:6], name="fit_rest_above")[6]
-        fits = wire(~Mux(carry, at_least | (equal_less1 & rest_above),
+        fits = named(m, ~Mux(carry, at_least | (equal_less1 & rest_above),
                          above | (equal & rest_above)), "fits")
         m.d.comb += [
             verdicts_w.addr.eq(verdict_slot),
@@ -438,7 +432,7 @@ class ResponseWriter(wiring.Component):
         head_bursts = Signal(2)         # command_bursts of the head's command
         # Burst counts of commands given and not landed: at most ``slots`` of them.
         m.submodules.landing = landing = fifo.SyncFIFO(width=2, depth=slots)
-        head_fit = wire(Mux(head_verdict, head_fits, head_slot_fits), "head_fit")
+        head_fit = named(m, Mux(head_verdict, head_fits, head_slot_fits), "head_fit")
         m.d.comb += [
             command.valid.eq(head_judged & landing.w_rdy),
             command.payload.eq(head_command),
@@ -446,7 +440,7 @@ class ResponseWriter(wiring.Component):
             landing.w_data.eq(Mux(head_fit, head_bursts, 0)),
             landing.w_en.eq(command.valid & command.ready),
         ]
-        dispatch = wire(command.valid & command.ready, "dispatch")
+        dispatch = named(m, command.valid & command.ready, "dispatch")
 
         packets_h, packets_n = packets.read_port(domain="comb"), packets.read_port(domain="comb")
         verdicts_h, verdicts_n = verdicts.read_port(domain="comb"), verdicts.read_port(domain="comb")
@@ -459,18 +453,18 @@ class ResponseWriter(wiring.Component):
 
         # A verdict or discard for the head after this cycle: its number, and the head's
         # packet waiting (the same as a hit on its slot, without the window's compares).
-        waits_head = wire(waits(head_slot), "waits_head")
-        waits_next = wire(waits(next_slot), "waits_next")
+        waits_head = named(m, waits(head_slot), "waits_head")
+        waits_next = named(m, waits(next_slot), "waits_next")
 
         def for_head_after(stream_, number, name):
-            return wire(stream_.valid & Mux(dispatch, (number == head_plus1) & waits_next,
+            return named(m, stream_.valid & Mux(dispatch, (number == head_plus1) & waits_next,
                                             (number == head) & waits_head), name)
 
         verdict_after = for_head_after(self.verdict, verdict.seq, "verdict_after")
         discard_after = for_head_after(self.discard, self.discard.payload, "discard_after")
         place = packet_layout(Mux(dispatch, packets_n.data, packets_h.data))
         judgement = write_layout(Mux(dispatch, verdicts_n.data, verdicts_h.data))
-        writes_after = wire(Mux(discard_after, 0, Mux(verdict_after, verdict.write,
+        writes_after = named(m, Mux(discard_after, 0, Mux(verdict_after, verdict.write,
                                                       after(writes))),
                             "writes_after")
         m.d.sync += [
@@ -517,12 +511,12 @@ class ResponseWriter(wiring.Component):
         unanswered = Signal(range(2 * slots + 1))   # AW bursts accepted, B not yet come
         answers = Signal(range(2 * slots + 1))      # B responses not yet matched to commands
         releases = Signal(range(slots + 1))         # releases not yet matched to commands
-        answer = wire(axi.bvalid & axi.bready & (unanswered != 0), "answer")
-        pop = wire(landing.r_rdy & (releases != 0) & (answers >= landing.r_data), "pop")
+        answer = named(m, axi.bvalid & axi.bready & (unanswered != 0), "answer")
+        pop = named(m, landing.r_rdy & (releases != 0) & (answers >= landing.r_data), "pop")
         m.d.comb += landing.r_en.eq(pop)
         m.d.sync += unanswered.eq(unanswered + (axi.awvalid & axi.awready) - answer)
         # The B responses left with and without the oldest command's, summed beforehand.
-        answers_popped = wire(answers - landing.r_data, "answers_popped")
+        answers_popped = named(m, answers - landing.r_data, "answers_popped")
         with m.If(pop):
             m.d.sync += answers.eq(answers_popped + answer)
         with m.Else():
