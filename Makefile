@@ -41,10 +41,10 @@ sim: $(STAMP)
 	$(VPY) -m tb.sim $(SIM_OPTIONS) $(SIM_ARGS)
 
 test: $(STAMP)
-	$(VPY) -m pytest -n $(JOBS) -m "not full" --durations=30 $(PYTEST_ARGS)
+	$(VPY) -m pytest -n $(JOBS) --maxschedchunk 1 -m "not full" --durations=30 $(PYTEST_ARGS)
 
 test-full: $(STAMP)
-	$(VPY) -m pytest -n $(JOBS) $(PYTEST_ARGS)
+	$(VPY) -m pytest -n $(JOBS) --maxschedchunk 1 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VPY) -m tb.bench $(BENCH_ARGS)

@@ -1,13 +1,13 @@
-"""What the block tests that run in Amaranth's simulator share: running a testbench, the
-parameter checks, the Verilator lint of a component's Verilog."""
+"""What the block tests that run in Amaranth's simulator share: running a testbench, driving
+inputs, the parameter checks, the Verilator lint of a component's Verilog."""
 import gc
 import warnings
 
 import pytest
-from amaranth.hdl import Const, UnusedElaboratable, Value
+from amaranth.hdl import Cat, Const, UnusedElaboratable, Value, ValueCastable
 from amaranth.sim import Simulator
 
-__all__ = ["simulate", "assert_rejected", "assert_lint_clean"]
+__all__ = ["simulate", "Driver", "assert_rejected", "assert_lint_clean"]
 
 
 def simulate(dut, testbench):
@@ -17,6 +17,46 @@ def simulate(dut, testbench):
     sim.add_clock(1e-8)
     sim.add_testbench(testbench)
     sim.run()
+
+
+class Driver:
+    """A testbench's inputs, applied together by :meth:`apply`: the simulator settles the
+    design once per ``apply`` instead of once per ``ctx.set``, which is most of a large
+    block's simulation time. Only changed values are applied."""
+
+    def __init__(self):
+        self._applied = {}
+        self._pending = {}
+
+    def set(self, signal, value):
+        """Drive ``signal`` (a value or a value-castable such as an enum-shaped field) with
+        ``value`` from the next :meth:`apply` on."""
+        if isinstance(signal, ValueCastable):
+            value = signal.shape().const(value)
+        value = Const.cast(value).value
+        signal = Value.cast(signal)
+        # Payload fields are fresh slices on every access: key a slice by what it selects.
+        # Every keyed value stays referenced here, so no id is reused while it is a key.
+        key = ((id(signal.value), signal.start, signal.stop) if hasattr(signal, "stop")
+               else id(signal))
+        value &= (1 << len(signal)) - 1
+        if self._applied.get(key, (None, None))[1] != value:
+            self._pending[key] = (signal, value)
+        else:
+            self._pending.pop(key, None)
+
+    def apply(self, ctx):
+        """Apply every value set since the last call, in one step of the design."""
+        if not self._pending:
+            return
+        signals, packed, offset = [], 0, 0
+        for key, (signal, value) in self._pending.items():
+            signals.append(signal)
+            packed |= value << offset
+            offset += len(signal)
+            self._applied[key] = (signal, value)
+        self._pending.clear()
+        ctx.set(Cat(*signals), packed)
 
 
 def assert_rejected(component_class, args):

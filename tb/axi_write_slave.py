@@ -42,18 +42,19 @@ class AxiWriteSlave:
         self.awready = self.wready = False
         self.b = None                   # the B on the bus this cycle
 
-    def drive(self, ctx, t):
-        """Cycle ``t``'s inputs: random AWREADY and WREADY, the oldest due B."""
+    def drive(self, inputs, t):
+        """Cycle ``t``'s inputs, set through ``inputs`` (a simulator context or a
+        :class:`tb.amaranth_sim.Driver`): random AWREADY and WREADY, the oldest due B."""
         axi = self.axi
         self.awready = self.rng.random() < self.p_aw
         self.wready = self.rng.random() < self.p_w
-        ctx.set(axi.awready, self.awready)
-        ctx.set(axi.wready, self.wready)
+        inputs.set(axi.awready, self.awready)
+        inputs.set(axi.wready, self.wready)
         due = self.b_due and self.b_due[0][0] <= t and not self.hold_b
         self.b = self.b_due[0] if due else None
-        ctx.set(axi.bvalid, self.b is not None)
-        ctx.set(axi.bid, self.bid)
-        ctx.set(axi.bresp, self.b[1] if self.b else OKAY)
+        inputs.set(axi.bvalid, self.b is not None)
+        inputs.set(axi.bid, self.bid)
+        inputs.set(axi.bresp, self.b[1] if self.b else OKAY)
 
     def aw_burst(self, ctx):
         """``(awaddr, awlen)`` of the AW that moves this cycle, None if none does."""

@@ -48,6 +48,7 @@ from amaranth.sim import Simulator
 
 from hdl.nic.doorbell_scheduler import DoorbellScheduler
 from hdl.nic.signatures import COUNTERS, EPOCH_BITS, QpState
+from tb.amaranth_sim import Driver
 
 MASK = 0xFFFF
 EPOCH_MASK = (1 << EPOCH_BITS) - 1
@@ -356,7 +357,7 @@ class Bench:
         self.n = dut.num_qps
         self.ref = Reference(self.n)
         self.t = 0
-        self._cache = {}
+        self.driver = Driver()
         self.db_qpn, self.db_pi = dut.doorbell.p.qpn, dut.doorbell.p.pi
         self.done_qpn, self.done_consumed = dut.fetch_done.p.qpn, dut.fetch_done.p.consumed
         self.done_epoch = dut.fetch_done.p.epoch
@@ -365,12 +366,7 @@ class Bench:
         self.retire_psn = dut.retire.p.next_psn
 
     def _set(self, sig, value):
-        # Keyed by the Value object, kept alive here: payload fields are fresh objects on
-        # every access, and a dead one's id could be reused by another.
-        cached = self._cache.get(id(sig))
-        if cached is None or cached[1] != value:
-            self._cache[id(sig)] = (sig, value)
-            self.ctx.set(sig, value)
+        self.driver.set(sig, value)
 
     def configure(self, q, state=None, log_sq_size=None, max_out=None):
         """Context/state inputs of QP ``q``; they take effect in the next cycle driven."""
@@ -438,6 +434,7 @@ class Bench:
         if ins.reset is not None:
             self._set(dut.qp_reset.qpn, ins.reset)
         self._set(dut.fetch.ready, int(ins.ready))
+        self.driver.apply(self.ctx)
         await self.ctx.tick()
         accepted = self.ref.step(ins, self.t)
         self.t += 1

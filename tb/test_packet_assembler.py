@@ -45,6 +45,7 @@ from hdl.nic.signatures import PacketDescriptorLayout, PayloadSource
 from models.crc import icrc_bytes
 from models.ib import BTH, RETH, AtomicETH, ImmDt, Opcode
 from models.packet import build_packet, parse_packet
+from tb.amaranth_sim import Driver
 
 WIDTH = 64
 _garbage = random.Random(0)     # bytes of source beats outside the payload
@@ -216,12 +217,13 @@ def run(phases, *, num_vls=2, buffer_beats=512, seed=0, max_cycles=20_000):
     dut = PacketAssembler(num_vls=num_vls, payload_buffer_beats=buffer_beats)
 
     async def bench(ctx):
+        drive = Driver()
         cycle = 0
         totals = {"freed": 0, "beats": 0, "errors": 0, "bad": 0}
         for phase in phases:
-            cycle = await run_phase(ctx, phase, cycle, totals)
+            cycle = await run_phase(ctx, drive, phase, cycle, totals)
 
-    async def run_phase(ctx, phase, cycle, totals):
+    async def run_phase(ctx, drive, phase, cycle, totals):
         descriptors = phase.descriptors
         beats = deque(beat for d in descriptors for beat in d.beats)
         totals["beats"] += len(beats)
@@ -239,15 +241,16 @@ def run(phases, *, num_vls=2, buffer_beats=512, seed=0, max_cycles=20_000):
             prefilling = phase.prefill and beats
             if desc is None and pending and not prefilling and rng.random() < phase.desc_rate:
                 desc = pending.popleft()
-                ctx.set(dut.packet.payload.as_value(), desc.value())
-            ctx.set(dut.packet.valid, desc is not None)
+                drive.set(dut.packet.payload.as_value(), desc.value())
+            drive.set(dut.packet.valid, desc is not None)
             if beat is None and beats and (prefilling or rng.random() < phase.beat_rate):
                 beat = beats.popleft()
-                ctx.set(dut.payload.payload, {"data": int.from_bytes(beat[0], "little"),
+                drive.set(dut.payload.payload, {"data": int.from_bytes(beat[0], "little"),
                                               "resp": beat[1], "last": 0})
-            ctx.set(dut.payload.valid, beat is not None)
+            drive.set(dut.payload.valid, beat is not None)
             for v in range(num_vls):
-                ctx.set(dut.data_out[v].ready, rng.random() < phase.ready_rate[v % len(phase.ready_rate)])
+                drive.set(dut.data_out[v].ready, rng.random() < phase.ready_rate[v % len(phase.ready_rate)])
+            drive.apply(ctx)
 
             if desc is not None and ctx.get(dut.packet.ready):
                 phase.accepted.append(cycle)
@@ -303,8 +306,9 @@ def run(phases, *, num_vls=2, buffer_beats=512, seed=0, max_cycles=20_000):
             if settle > 3:
                 break
             assert cycle < end, f"{phase.name}: did not finish"
-        ctx.set(dut.packet.valid, 0)
-        ctx.set(dut.payload.valid, 0)
+        drive.set(dut.packet.valid, 0)
+        drive.set(dut.payload.valid, 0)
+        drive.apply(ctx)
         assert totals["freed"] == totals["beats"], (
             f"{phase.name}: payload_freed strobed {totals['freed']} times for {totals['beats']} beats")
         assert ctx.get(dut.payload_read_errors) == totals["errors"], phase.name

@@ -41,6 +41,7 @@ from amaranth.sim import Simulator
 from hdl.nic.receive_queue import ReceiveQueue
 from hdl.nic.signatures import RECV_ID, MkeyLayout, QpConfigLayout, RecvResultLayout
 from models.mlx5 import data_segment, make_key
+from tb.amaranth_sim import Driver
 
 OK, EMPTY, ERROR = 0, 1, 2
 QP_OP, PROT = 0x02, 0x04
@@ -244,26 +245,27 @@ class Bench:
         beat = None                 # (deliver at, beat address, resp) owed
         cfg_addr = mkey_addr = 0
         last_result = last_ar = None
+        drive = Driver()
         for t in range(max_cycles):
-            ctx.set(dut.qp_config.data, self.cfg_consts.get(cfg_addr, QpConfigLayout().const({})))
-            ctx.set(dut.mkey.data, self.mkey_consts.get(mkey_addr, MkeyLayout().const({})))
+            drive.set(dut.qp_config.data, self.cfg_consts.get(cfg_addr, QpConfigLayout().const({})))
+            drive.set(dut.mkey.data, self.mkey_consts.get(mkey_addr, MkeyLayout().const({})))
             if self.host:
                 self.host.step()
 
             reset = None
             if rng.random() < self.p_reset:
                 reset = rng.randrange(min(256, dut.num_qps + 2))
-            ctx.set(dut.qp_reset.valid, reset is not None)
-            ctx.set(dut.qp_reset.qpn, reset or 0)
+            drive.set(dut.qp_reset.valid, reset is not None)
+            drive.set(dut.qp_reset.qpn, reset or 0)
 
             if (presented is None and not exhausted and rng.random() < self.p_req
                     and (pending is None or not serial)):
                 presented = source()
                 exhausted = presented is None
-            ctx.set(dut.request.valid, presented is not None)
-            ctx.set(dut.request.payload.qpn, presented or 0)
+            drive.set(dut.request.valid, presented is not None)
+            drive.set(dut.request.payload.qpn, presented or 0)
 
-            ctx.set(dut.ar.ready, rng.random() < self.p_ar)
+            drive.set(dut.ar.ready, rng.random() < self.p_ar)
             r_valid = False
             if beat is not None and beat[0] <= t:
                 r_valid = True
@@ -274,12 +276,13 @@ class Bench:
                 r_valid = True
                 data, resp = rng.randbytes(64), rng.choice([0, 2])
                 self.stray += 1
-            ctx.set(dut.r.valid, r_valid)
+            drive.set(dut.r.valid, r_valid)
             if r_valid:
-                ctx.set(dut.r.payload, {"data": int.from_bytes(data, "little"), "resp": resp,
+                drive.set(dut.r.payload, {"data": int.from_bytes(data, "little"), "resp": resp,
                                         "last": 1})
             res_ready = rng.random() < self.p_res
-            ctx.set(dut.result.ready, res_ready)
+            drive.set(dut.result.ready, res_ready)
+            drive.apply(ctx)
 
             # --- what happened in this cycle ---
             assert ctx.get(dut.r.ready) == 1, t

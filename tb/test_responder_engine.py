@@ -42,6 +42,7 @@ from hdl.nic.signatures import (
     AtomicResultLayout, MkeyLayout, QpConfigLayout, QpState, RecvResultLayout,
     RequestDescriptorLayout,
 )
+from tb.amaranth_sim import Driver
 
 M24 = 1 << 24
 RTS, RESET, ERR = QpState.RTS.value, QpState.RESET.value, QpState.ERR.value
@@ -399,12 +400,8 @@ class Bench:
         self.on_queue = None            # called with each Desc as it is queued (model check)
         self.on_reset = None            # called with each QP the host resets
         self.image = None               # memory as the DMA and atomic commands leave it
-        self._cache = {}
-
-    def _set(self, ctx, sig, value):
-        if self._cache.get(id(sig)) != value:
-            self._cache[id(sig)] = value
-            ctx.set(sig, value)
+        self.drive = Driver()
+        self._memory_keys = {}          # what the QP and key memories' data were driven from
 
     def _take(self, ref_list, key):
         self.exp[key].extend(ref_list)
@@ -490,38 +487,39 @@ class Bench:
 
         if self.offer is None and self.offer_queue and rng.random() < p["req"]:
             self.offer = self.offer_queue.popleft()
-            ctx.set(dut.request.payload, RequestDescriptorLayout().const(self.offer.fields()))
-        self._set(ctx, dut.request.valid, int(self.offer is not None))
+            self.drive.set(dut.request.payload, RequestDescriptorLayout().const(self.offer.fields()))
+        self.drive.set(dut.request.valid, int(self.offer is not None))
 
         ready = {k: int(rng.random() < p[k]) for k in ("dma", "resp", "comp", "recv", "atomic")}
-        self._set(ctx, dut.dma.ready, ready["dma"])
-        self._set(ctx, dut.response.ready, ready["resp"])
-        self._set(ctx, dut.receive_completion.ready, ready["comp"])
-        self._set(ctx, dut.recv_request.ready, ready["recv"])
-        self._set(ctx, dut.atomic_request.ready, ready["atomic"])
-        self._set(ctx, dut.dma_idle, int(t >= self.idle_at))
+        self.drive.set(dut.dma.ready, ready["dma"])
+        self.drive.set(dut.response.ready, ready["resp"])
+        self.drive.set(dut.receive_completion.ready, ready["comp"])
+        self.drive.set(dut.recv_request.ready, ready["recv"])
+        self.drive.set(dut.atomic_request.ready, ready["atomic"])
+        self.drive.set(dut.dma_idle, int(t >= self.idle_at))
 
         recv_valid = bool(self.recv_due) and self.recv_due[0][0] <= t
-        self._set(ctx, dut.recv_result.valid, int(recv_valid))
+        self.drive.set(dut.recv_result.valid, int(recv_valid))
         if recv_valid:
             status, syndrome, addr, length, counter = self.recv_due[0][1]
-            self._set(ctx, dut.recv_result.payload.as_value(), pack(RecvResultLayout(), dict(
+            self.drive.set(dut.recv_result.payload.as_value(), pack(RecvResultLayout(), dict(
                 status=status, syndrome=syndrome, addr=addr, length=length, wqe_counter=counter)))
         atomic_valid = bool(self.atomic_due) and self.atomic_due[0][0] <= t
-        self._set(ctx, dut.atomic_result.valid, int(atomic_valid))
+        self.drive.set(dut.atomic_result.valid, int(atomic_valid))
         if atomic_valid:
             orig, error = self.atomic_due[0][1]
-            self._set(ctx, dut.atomic_result.payload.as_value(),
+            self.drive.set(dut.atomic_result.payload.as_value(),
                       pack(AtomicResultLayout(), dict(orig=orig, error=error)))
 
         reset_q = self.resets.popleft() if self.resets else None
-        self._set(ctx, dut.qp_reset.valid, int(reset_q is not None))
+        self.drive.set(dut.qp_reset.valid, int(reset_q is not None))
         if reset_q is not None:
-            self._set(ctx, dut.qp_reset.qpn, reset_q)
+            self.drive.set(dut.qp_reset.qpn, reset_q)
         for q in range(dut.num_qps):
-            self._set(ctx, dut.qp_state[q], self.host_state[q])
+            self.drive.set(dut.qp_state[q], self.host_state[q])
         for sl in range(16):
-            self._set(ctx, dut.sl_to_vl[sl], self.ref.sl_to_vl[sl])
+            self.drive.set(dut.sl_to_vl[sl], self.ref.sl_to_vl[sl])
+        self.drive.apply(ctx)
 
         # outputs
         taken = self.offer is not None and ctx.get(dut.request.ready)
@@ -588,14 +586,14 @@ class Bench:
         self.pending_state.clear()
         cfg = self.ref.cfg.get(self.addr["qp"], qp_cfg(0))
         key = ("qp", self.addr["qp"], tuple(cfg.values()))
-        if self._cache.get("qpcfg") != key:
-            self._cache["qpcfg"] = key
-            ctx.set(self.dut.qp_config.data, QpConfigLayout().const(cfg))
+        if self._memory_keys.get("qpcfg") != key:
+            self._memory_keys["qpcfg"] = key
+            self.drive.set(self.dut.qp_config.data, QpConfigLayout().const(cfg))
         mk = self.ref.mkeys.get(self.addr["mkey"], mkey(0, valid=0))
         key = ("mk", self.addr["mkey"], tuple(mk.values()))
-        if self._cache.get("mkey") != key:
-            self._cache["mkey"] = key
-            ctx.set(self.dut.mkey.data, MkeyLayout().const(mk))
+        if self._memory_keys.get("mkey") != key:
+            self._memory_keys["mkey"] = key
+            self.drive.set(self.dut.mkey.data, MkeyLayout().const(mk))
         self.t += 1
 
     async def check_counters(self, ctx):

@@ -37,6 +37,7 @@ from hdl.nic.response_generator import ResponseGenerator
 from hdl.nic.signatures import RESPONSE_ID, ResponseCommandLayout
 from models.ib import AETH, AtomicAckETH, Opcode
 from models.nic import make_packet, psn_add, read_response_opcode
+from tb.amaranth_sim import Driver
 
 CMD = ResponseCommandLayout()
 ACK, READ, ATOMIC = 0, 1, 2
@@ -158,9 +159,10 @@ def run(phases, *, num_vls=2, buffer_beats=512, seed=0, max_cycles=40_000):
 
     async def bench(ctx):
         ctx.set(gen.slid, SLID)
+        drive = Driver()
         cycle = 0
         for phase in phases:
-            cycle = await run_phase(ctx, phase, cycle)
+            cycle = await run_phase(ctx, drive, phase, cycle)
         assert ctx.get(gen.acks_sent) == totals["acks"]
         assert ctx.get(gen.naks_sent) == totals["naks"]
         assert ctx.get(gen.read_response_packets) == totals["reads"]
@@ -168,7 +170,7 @@ def run(phases, *, num_vls=2, buffer_beats=512, seed=0, max_cycles=40_000):
         assert ctx.get(gen.bad_commands) == totals["bad"]
         assert ctx.get(asm.bad_descriptors) == 0
 
-    async def run_phase(ctx, phase, cycle):
+    async def run_phase(ctx, drive, phase, cycle):
         pending = deque(phase.commands)
         expected = [deque() for _ in range(num_vls)]
         reads = deque()             # (due cycle, address of each beat)
@@ -182,19 +184,20 @@ def run(phases, *, num_vls=2, buffer_beats=512, seed=0, max_cycles=40_000):
         while True:
             if cmd is None and pending and rng.random() < phase.cmd_rate:
                 cmd = pending.popleft()
-                ctx.set(gen.command.payload.as_value(), pack(CMD, cmd))
-            ctx.set(gen.command.valid, cmd is not None)
-            ctx.set(gen.ar.ready, rng.random() < phase.ar_rate)
+                drive.set(gen.command.payload.as_value(), pack(CMD, cmd))
+            drive.set(gen.command.valid, cmd is not None)
+            drive.set(gen.ar.ready, rng.random() < phase.ar_rate)
             if beat is None and reads and reads[0][0] <= cycle and rng.random() < phase.beat_rate:
                 addr = reads[0][1].popleft()
                 if not reads[0][1]:
                     reads.popleft()
                 beat = addr
-                ctx.set(asm.payload.payload, {"data": int.from_bytes(memory.read(addr, WIDTH), "little"),
+                drive.set(asm.payload.payload, {"data": int.from_bytes(memory.read(addr, WIDTH), "little"),
                                               "resp": 0, "last": 0})
-            ctx.set(asm.payload.valid, beat is not None)
+            drive.set(asm.payload.valid, beat is not None)
             for v in range(num_vls):
-                ctx.set(asm.data_out[v].ready, rng.random() < phase.ready_rate)
+                drive.set(asm.data_out[v].ready, rng.random() < phase.ready_rate)
+            drive.apply(ctx)
 
             if cmd is not None and ctx.get(gen.command.ready):
                 phase.accepted.append(cycle)
@@ -259,8 +262,9 @@ def run(phases, *, num_vls=2, buffer_beats=512, seed=0, max_cycles=40_000):
             if settle > 3:
                 break
             assert cycle < end, f"{phase.name}: did not finish ({sum(map(len, expected))} packets left)"
-        ctx.set(gen.command.valid, 0)
-        ctx.set(asm.payload.valid, 0)
+        drive.set(gen.command.valid, 0)
+        drive.set(asm.payload.valid, 0)
+        drive.apply(ctx)
         return cycle
 
     sim = Simulator(top)

@@ -35,7 +35,7 @@ from amaranth import Value
 
 from hdl.nic.response_writer import ResponseWriter
 from hdl.nic.signatures import MAX_PACKET_BEATS, READ_DATA_ID
-from tb.amaranth_sim import assert_lint_clean, assert_rejected, simulate
+from tb.amaranth_sim import Driver, assert_lint_clean, assert_rejected, simulate
 from tb.axi_write_slave import AxiWriteSlave
 from tb.beats import BeatCodec, packet_beats
 
@@ -102,6 +102,7 @@ class Bench:
                  p_w=0.8, b_delay=20, p_slverr=0.05, delay=40, p_long=0.01, p_bogus=0.05,
                  mix=(("ack", 3), ("read", 5), ("atomic", 2), ("other", 1))):
         self.dut, self.rng = dut, rng
+        self.drive = Driver()
         self.p_valid, self.p_gap, self.p_out = p_valid, p_gap, p_out
         self.delay, self.p_bogus = delay, p_bogus
         nv = dut.num_vls
@@ -190,7 +191,7 @@ class Bench:
             return self.rng.choice(judged) % SEQ_MOD
         return (self.seq + self.rng.randint(1, 1000)) % SEQ_MOD
 
-    def drive_verdicts(self, ctx):
+    def drive_verdicts(self):
         dut, rng = self.dut, self.rng
         due = [s for s in self.pending if self.decisions[s][0] <= self.t]
         rng.shuffle(due)
@@ -211,16 +212,16 @@ class Bench:
                 else:
                     self.writes[s] = outcome
                     self.bytes += len(outcome[1])
-                ctx.set(stream.valid, 1)
-                ctx.set(stream.payload, fields if port == "verdict" else fields["seq"])
+                self.drive.set(stream.valid, 1)
+                self.drive.set(stream.payload, fields if port == "verdict" else fields["seq"])
             elif rng.random() < self.p_bogus:
                 seq = self.bogus()
-                ctx.set(stream.valid, 1)
-                ctx.set(stream.payload, {"seq": seq, "write": 1, "addr": self.base,
+                self.drive.set(stream.valid, 1)
+                self.drive.set(stream.payload, {"seq": seq, "write": 1, "addr": self.base,
                                          "bytes": 8, "offset": 0}
                         if port == "verdict" else seq)
             else:
-                ctx.set(stream.valid, 0)
+                self.drive.set(stream.valid, 0)
 
     # --- one cycle ------------------------------------------------------------------------
     async def cycle(self, ctx):
@@ -231,12 +232,13 @@ class Bench:
                 entry = self.queues[v][0]
                 if self.beat_index[v] or rng.random() >= self.p_gap:
                     self.offered[v] = entry["words"][self.beat_index[v]]
-            ctx.set(dut.rx[v].valid, self.offered[v] is not None)
+            self.drive.set(dut.rx[v].valid, self.offered[v] is not None)
             if self.offered[v] is not None:
-                ctx.set(Value.cast(dut.rx[v].payload), self.offered[v])
-            ctx.set(dut.out[v].ready, rng.random() < self.p_out)
-        self.drive_verdicts(ctx)
-        slave.drive(ctx, t)
+                self.drive.set(Value.cast(dut.rx[v].payload), self.offered[v])
+            self.drive.set(dut.out[v].ready, rng.random() < self.p_out)
+        self.drive_verdicts()
+        slave.drive(self.drive, t)
+        self.drive.apply(ctx)
 
         # landed: forward only, never past a packet without its verdict or its B.
         landed = ctx.get(dut.landed)
