@@ -603,8 +603,8 @@ class Bench:
         strobe = self.sent_due.popleft() if self.sent_due else None
         self._set(ctx, dut.sent.valid, int(strobe is not None))
         if strobe is not None:
-            self._set(ctx, dut.sent.payload.qpn, strobe[0])
-            self._set(ctx, dut.sent.payload.psn, strobe[1])
+            ctx.set(dut.sent.payload.qpn, strobe[0])      # fields are fresh objects: no cache
+            ctx.set(dut.sent.payload.psn, strobe[1])
             if not self.auto_sent and strobe[0] < dut.num_qps:
                 self.ref.packet_sent(*strobe)
 

@@ -597,7 +597,8 @@ def test_wire_psn():
     packet): an ACK before any packet was sent is dropped; with 100..102 sent, an ACK at 105
     and a sequence NAK at 104 (past the wire, inside the record) are dropped
     (``rx_dropped_unexpected``), a sequence NAK at 101 rewinds to the record; the replay's
-    resends below 102 leave ``wire_psn`` there, an ACK at 110 once 110 went out is taken,
+    resends below 102 leave ``wire_psn`` there (an ACK at 101 after the resend of 100 is
+    taken), an ACK at 110 once 110 went out is taken,
     one at 112 is not, and the ACK at 115 completes it. QP 1 (``ack_timeout`` 1: 2 ticks,
     32 cycles): a packet every 20 cycles for 160 cycles keeps restarting the timer (no
     rewind while the message is being sent); the timeout comes within ``timer_window``
@@ -619,11 +620,18 @@ def test_wire_psn():
         send(bench, 0, Opcode.ACKNOWLEDGE, 104, 0x60, taken=False)
         await cycles(ctx, bench, 30)
         assert not rewinds_of(bench, 0) and ref.qps[0].queue
+        await bench.check_counters(ctx)         # all three dropped
         send(bench, 0, Opcode.ACKNOWLEDGE, 101, 0x60)
         await until(ctx, bench, lambda: rewinds_of(bench, 0) == [(3, 100)])
-        bench.sent_due.extend((0, psn) for psn in range(100, 111))
+        # the replay's first packet, a resend: 101 and 102 are still on the wire
+        bench.sent_due.append((0, 100))
+        await cycles(ctx, bench, 5)
+        assert ref.qps[0].wire == 102
+        send(bench, 0, Opcode.ACKNOWLEDGE, 101)
+        await cycles(ctx, bench, 20)
+        await bench.check_counters(ctx)
+        bench.sent_due.extend((0, psn) for psn in range(101, 111))
         await cycles(ctx, bench, 15)
-        assert ref.qps[0].wire == 110
         send(bench, 0, Opcode.ACKNOWLEDGE, 110)
         send(bench, 0, Opcode.ACKNOWLEDGE, 112, taken=False)
         await cycles(ctx, bench, 30)
