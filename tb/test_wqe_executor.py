@@ -16,7 +16,8 @@ descriptor, bursts in order, the payload-buffer reservation (a packet's ``dma_be
 its first burst, minus ``payload_freed``) never above ``payload_buffer_beats``,
 completion records exact, in WQE order and after their first packet (the message's other
 packets may follow), a ``sent`` strobe with the QP and PSN of each packet in the cycle
-after its descriptor's handshake and at no other time, one ``qp_error`` per local error;
+after its descriptor's handshake (a READ request's: the READ's last PSN) and at no other
+time, one ``qp_error`` per local error;
 at the end the counters.
 
 The reference gives each QP's WQEs consecutive ring indices (the bench numbers them:
@@ -113,6 +114,7 @@ class Expected:
         self.record = None          # CompletionRecordLayout fields, or None (dropped)
         self.resent = False         # executed without a record (recorded before)
         self.first_packet_cycle = None
+        self.last_psn = None        # its last PSN, if it is sent
 
 
 class QpRuntime:
@@ -255,6 +257,7 @@ class Reference:
             packet(ib, [AtomicETH(va=d["raddr"], rkey=d["rkey"], swap_add=d["swap_add"],
                                   compare=compare)], 0, 0, True, psn)
         record.update(byte_count=length, first_psn=psn, last_psn=(psn + npsn - 1) % (1 << 24))
+        exp.last_psn = record["last_psn"]
         rt.loaded = True
         rt.next_psn = (psn + npsn) % (1 << 24)
         return exp
@@ -414,7 +417,7 @@ class Bench:
                 check_wire(got)
             if pkt.wqe.first_packet_cycle is None:
                 pkt.wqe.first_packet_cycle = t
-            sent_now = (pkt.wqe.desc["qpn"], packet_psn(got))
+            sent_now = (pkt.wqe.desc["qpn"], sent_psn(got, pkt.wqe.last_psn))
             self.packet_cycles.append(t)
         if ctx.get(dut.completion.valid) and ctx.get(dut.completion.ready):
             assert self.records, (t, "unexpected completion")
@@ -855,6 +858,13 @@ def packet_psn(desc):
     return int.from_bytes(desc["header"].to_bytes(48, "little")[17:20], "big")
 
 
+def sent_psn(desc, last_psn):
+    """The PSN ``sent`` gives for packet ``desc`` of a WQE whose last PSN is ``last_psn``:
+    its own, a READ request's last (its responses take every PSN of the READ)."""
+    opcode = desc["header"].to_bytes(48, "little")[8]
+    return last_psn if opcode == Opcode.RDMA_READ_REQUEST else packet_psn(desc)
+
+
 def packet_dest(desc):
     return int.from_bytes(desc["header"].to_bytes(48, "little")[13:16], "big")
 
@@ -1023,7 +1033,9 @@ class RewindBench:
         if ctx.get(dut.packet.valid) and ctx.get(dut.packet.ready):
             got = unpack(DESC, ctx.get(dut.packet.payload.as_value()))
             self.take_packet(got)
-            sent_now = (self.dest[packet_dest(got)], packet_psn(got))
+            q = self.dest[packet_dest(got)]
+            i = self.streams[q].packets[self.streams[q].by_psn[packet_psn(got)]][2]
+            sent_now = (q, sent_psn(got, self.streams[q].records[i]["last_psn"]))
         check_sent(ctx, dut, t, self.sent_expect)
         self.sent_expect = sent_now
         if ctx.get(dut.completion.valid) and ctx.get(dut.completion.ready):

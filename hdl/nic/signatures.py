@@ -314,8 +314,9 @@ class RewindLayout(data.StructLayout):
 
 
 class PacketSentLayout(data.StructLayout):
-    """A request packet of QP ``qpn`` with PSN ``psn`` left the WQE executor for the wire
-    (docs/nic.md, "Completions"): the completion unit takes answers only for PSNs sent."""
+    """A request packet of QP ``qpn`` left the WQE executor for the wire; ``psn``: the last
+    PSN it accounts for, its own (a READ request: the last PSN its responses take).
+    The completion unit takes answers only for PSNs sent (docs/nic.md, "Completions")."""
     def __init__(self):
         super().__init__({"qpn": QPN_BITS, "psn": PSN_BITS})
 

@@ -99,7 +99,7 @@ class _ItemLayout(data.StructLayout):
     def __init__(self):
         super().__init__({
             "desc": PacketDescriptorLayout(),
-            "psn": PSN_BITS,
+            "sent_psn": PSN_BITS,   # the last PSN it accounts for: its own, a READ's last
             "has_packet": 1,
             "resent": 1,
             "cmp": CompletionRecordLayout(),
@@ -131,7 +131,8 @@ class WqeExecutor(wiring.Component):
     4. the output stage: the packet descriptor, and the completion record into a small
        FIFO as the message's first descriptor leaves (so the record always comes after
        it); ``sent`` tells the completion unit, a cycle after each descriptor's handshake,
-       the QP and PSN of the packet it committed to the wire.
+       the QP and the last PSN of the packet it committed to the wire (its PSN; for a READ
+       request, the last PSN its responses take).
 
     Stage 1 moves on exactly when stage 0 moves up (or is empty), so the QP state stage 0
     registers is exact but for what stage 1 changes in that same cycle, which it takes
@@ -626,7 +627,8 @@ class WqeExecutor(wiring.Component):
             item.desc.header.eq(Cat(headers, ext)),
             item.desc.header_bytes.eq(header_bytes),
             item.desc.payload_bytes.eq(plen),
-            item.psn.eq(psn),
+            # A READ request takes the PSNs of all its responses.
+            item.sent_psn.eq(Mux(job.read, job.cmp.last_psn, psn)),
             item.has_packet.eq(job_sent),
             item.resent.eq(job.resent),
             item.cmp.eq(job.cmp),
@@ -701,7 +703,7 @@ class WqeExecutor(wiring.Component):
         m.d.sync += [
             self.sent.valid.eq(d_done & d.has_packet),
             self.sent.payload.qpn.eq(d.cmp.qpn),
-            self.sent.payload.psn.eq(d.psn),
+            self.sent.payload.psn.eq(d.sent_psn),
         ]
 
         # --- counters ------------------------------------------------------------------------
