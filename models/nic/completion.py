@@ -164,8 +164,9 @@ class CompletionModel:
         return out
 
     def packet_sent(self, qpn: int, psn: int):
-        """A request packet of QP ``qpn`` with PSN ``psn`` went on the wire (the executor's
-        ``sent``): ``wire_psn`` moves to it unless it is a resend below it."""
+        """A request packet of QP ``qpn`` went on the wire (the executor's ``sent``), ``psn``
+        the last PSN it accounts for (its own; a READ request's: the READ's last PSN):
+        ``wire_psn`` moves to it unless it is a resend below it."""
         st = self.progress[qpn]
         if not st.on_wire or psn_lt(st.wire_psn, psn):
             st.wire_psn = psn
