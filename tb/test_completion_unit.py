@@ -50,7 +50,10 @@ the window of ``timer_window``; after ``retry_cnt`` rewinds the next timeout giv
 TRANSPORT_RETRY_EXC_ERR; progress restarts the count; ACKs arriving faster than the
 timeout keep it from firing; a QP in ERR flushes at its timeout. RNR: the wait of the
 RNR table's ticks, ``rnr_retry`` exhaustion (RNR_RETRY_EXC_ERR), 7 without limit, an RNR
-NAK that moves ``ack_psn`` restarts the count.
+NAK that moves ``ack_psn`` restarts the count. Wire (``sent`` driven by the test, the
+other tests strobe each record's last PSN as it is taken): answers past the highest PSN
+sent are dropped, a sequence NAK for a packet of a record still being sent rewinds,
+resends below the highest PSN sent leave it; packets sent restart the timer.
 
 Throughput (AXI always ready, records offered every cycle, one QP or four in turn): records
 are taken at one per cycle while completions run (a record takes no engine operation), and
