@@ -22,9 +22,10 @@ records into the events of recovery, per QP pair (QP q of A talks to QP q of B):
   was taken since the QP's previous resend, ``timeout`` when the timer's reference lies
   at least ``timeout_cycles`` back, else ``skip`` (no rewind of the completion unit: the
   doorbell scheduler's skip, docs/nic.md, which also restarts the QP's PSNs). The
-  timer's reference is the later of the QP's last progress (an answer taken that moved
-  its acknowledged PSN forward) and its previous resend: both stop the timer and the
-  next scan arms it again on a stuck head. A rewind that sent nothing before the next
+  timer's reference is the latest of the QP's last progress (an answer taken that moved
+  its acknowledged PSN forward), its previous resend and its last packet sent: progress
+  and a rewind stop the timer and the next scan arms it again on a stuck head, and a
+  scan restarts it when a packet of the QP went out since the QP's previous scan. A rewind that sent nothing before the next
   one is not on the wire: :func:`counter_events` merges the NIC's counters, read while
   the traffic runs, into the trace for that.
 
@@ -143,6 +144,7 @@ def trace(sent, wire_delay, timeout_cycles):
         # whether a sequence NAK was taken since the last restart.
         highest, last_sent, acked = {}, {}, {}
         last_progress, last_restart, gap_seen, nak_taken = {}, {}, set(), set()
+        last_packet = {}
         timeline = sorted([(p.cycle, 1, p) for p in requests]
                           + [(p.cycle + wire_delay, 0, p) for p in answers],
                           key=lambda item: (item[0], item[1]))
@@ -193,7 +195,8 @@ def trace(sent, wire_delay, timeout_cycles):
             if q in highest and not psn_lt(highest[q], p.psn) \
                     and p.psn != psn_add(last_sent[q], 1):
                 message, first_sent = starts[q].get(p.psn, (None, None))
-                since = max(last_progress.get(q, 0), last_restart.get(q, 0))
+                since = max(last_progress.get(q, 0), last_restart.get(q, 0),
+                            last_packet.get(q, 0))
                 if q in nak_taken:
                     cause = "NAK"
                 elif cycle - since >= timeout_cycles:
@@ -216,6 +219,7 @@ def trace(sent, wire_delay, timeout_cycles):
             if q not in highest or psn_lt(highest[q], p.psn):
                 highest[q] = p.psn
             last_sent[q] = p.psn
+            last_packet[q] = cycle
     events.sort(key=lambda e: e.cycle)
     return events
 
