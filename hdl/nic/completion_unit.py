@@ -325,6 +325,9 @@ class CompletionUnit(wiring.Component):
     QP in ERR keeps waiting for the acknowledgements of its SENT records (a QP errored by
     the executor or a NAK must: its earlier records may still be acknowledged).
 
+    ``retransmits_nak``/``_timeout``/``_rnr`` and ``retries_exhausted`` count a cycle after
+    the rewind (or the give-up) they count, the other counters in the cycle of their event.
+
     CQEs: a completed record with ``signaled`` or an error, and a CQ number below
     ``num_cqs``, gets one 64-byte CQE (AXI4 INCR burst of one beat, awid 0) at
     ``base + 64 * (pi mod 2^log_size)`` (entry 0 when collapsed, where ``log_size``
@@ -1256,8 +1259,13 @@ class CompletionUnit(wiring.Component):
         count(self.rx_dropped_icrc, sum(icrc_drops))
         count(self.rx_dropped_unexpected, sum(malformed_drops) + (x_ev & ~accept) + misfit)
         count(self.cqe_write_errors, axi.bvalid & (axi.bresp != 0))
-        count(self.retransmits_nak, rewinds & do_nak & ~x_killed)
-        count(self.retransmits_timeout, rewinds & do_timeout & ~x_killed)
-        count(self.retransmits_rnr, rewinds & do_rnr & ~x_killed)
-        count(self.retries_exhausted, exhausted & ~x_killed)
+        # The rewind decision is deep enough without a 32-bit sum behind it: these count a
+        # registered event, a cycle after it.
+        for counter, event in ((self.retransmits_nak, rewinds & do_nak),
+                               (self.retransmits_timeout, rewinds & do_timeout),
+                               (self.retransmits_rnr, rewinds & do_rnr),
+                               (self.retries_exhausted, exhausted)):
+            registered = Signal(name=f"{counter.name}_event")
+            m.d.sync += registered.eq(event & ~x_killed)
+            count(counter, registered)
         return m
