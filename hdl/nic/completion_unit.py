@@ -292,8 +292,9 @@ class CompletionUnit(wiring.Component):
     the QP's previous scan, unless an RNR wait runs, and disarms it on an empty queue.
     Progress and a rewind disarm it, so its reference is the first scan after the latest
     of: the last progress, the last rewind, the last packet sent (so a message being sent
-    cannot time out while its packets keep leaving). A rewind is due when H is stuck and: a rewind is pending (seen by a
-    completion operation or a scan), or the RNR wait is over (scan), or the timer ran
+    cannot time out while its packets keep leaving). A rewind is due when H is stuck and:
+    a rewind is pending (seen by a completion operation or a scan), or the RNR wait is
+    over (scan), or the timer ran
     ``2**min(ack_timeout, 19)`` ticks with ``ack_timeout`` (from H) not 0 and no packet
     of the QP sent since the previous scan (scan). Then,
     if the QP is in ERR or flushing, it flushes; else if the retries are used up
