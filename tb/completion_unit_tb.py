@@ -3,12 +3,17 @@ responses driven cycle by cycle in Amaranth's simulator; tb/test_completion_unit
 tb/test_completion_unit_receive.py run their tests on it.
 
 One testbench drives the unit cycle by cycle. The reference keeps, per QP, the queue of
-records the unit accepted, ``sent_psn``/``ack_psn``/``read_psn``/``atomic_psn``, a pending
+records the unit accepted, ``sent_psn``/``wire_psn``/``ack_psn``/``read_psn``/``atomic_psn``, a pending
 fatal NAK, the flushing flag, the reliability state (``gap_seen``, both retry counters)
 and R's queue (the SENT READ/atomic records whose responses have not all been taken), and
 completes head records by the rules of docs/nic.md and docs/nic-reliability.md (as the
 unit's docstring states them exactly). Responses are real packets (models/packet.py, with
-ICRC), applied to the reference when they are queued for the unit; all packets about one
+ICRC), applied to the reference when they are queued for the unit; ``sent`` strobes one
+per cycle, by default (``auto_sent``) one for each SENT record's last PSN in the cycle
+after the unit took it (every packet of the record on the wire, as before records came
+with a message's first packet; the reference moves ``wire_psn`` as the record is taken),
+else only those a test queues on ``sent_due``, applied to the reference as they are
+driven; all packets about one
 QP's state travel on that QP's VL, so the unit sees them in the order the reference
 applied them, and a response only ever refers to records the unit already took. A rewind
 the reference finds due (sequence NAK, response gap, an ACK covering R, the end of an RNR
@@ -137,7 +142,8 @@ class QpRef:
     def reset(self):
         self.queue = deque()
         self.started = False
-        self.sent = self.ack = self.read = self.atomic = 0
+        self.on_wire = False            # a packet was sent since reset
+        self.sent = self.wire = self.ack = self.read = self.atomic = 0
         self.nak = None
         self.flushing = False
         self.gap_seen = False
@@ -179,6 +185,13 @@ class Reference:
         self.qps[q].flushing = True
         self.advance(q)
 
+    def packet_sent(self, q, psn):
+        """A ``sent`` strobe: ``wire_psn`` moves to ``psn`` unless that is a resend below it."""
+        qp = self.qps[q]
+        if not qp.on_wire or lt(qp.wire, psn):
+            qp.wire = psn
+        qp.on_wire = True
+
     def packet(self, destqp, opcode, psn, syndrome, payload_len=0):
         """A well-formed response with a good ICRC; returns whether it was accepted (its PSN
         in the window of a QP that takes responses). ``self.holder`` is the Stored of a READ
@@ -189,7 +202,8 @@ class Reference:
         qp = self.qps[destqp] if destqp < self.num_qps else None
         if (qp is None or self.qp_states[destqp] == QpState.RESET or not qp.started
                 or qp.nak is not None or qp.flushing
-                or not (lt(qp.ack, psn) and le(psn, qp.sent))):
+                or not (lt(qp.ack, psn) and le(psn, qp.sent))
+                or not qp.on_wire or not le(psn, qp.wire)):
             c["rx_dropped_unexpected"] += 1
             return False
         kind, code = syndrome >> 5, syndrome & 31
@@ -425,7 +439,7 @@ def beats_of(packet, end_bad=False):
 class Bench:
     def __init__(self, dut, rng, *, qp_states, cqs, p_rec=0.5, p_beat=0.7, p_aw=0.7, p_w=0.7,
                  b_delay=8, p_slverr=0.1, wire=True, p_recv=0.5, land_delay=24,
-                 timeouts=False):
+                 timeouts=False, auto_sent=True):
         self.dut = dut
         self.rng = rng
         self.t = 0
@@ -476,6 +490,9 @@ class Bench:
         # reference did not expect is taken as the timer's.
         self.rewind_log = []
         self.timeouts = timeouts
+        # ``sent`` strobes (qpn, psn) still to drive, one per cycle.
+        self.auto_sent = auto_sent
+        self.sent_due = deque()
 
     def drive_qp_states(self, ctx):
         """The QP states the bench was made with, on the unit's ``qp_state`` inputs."""
@@ -516,7 +533,8 @@ class Bench:
                 and not any(self.ref.completed) and not self.resets and not self.flushes
                 and self.recv_offer is None and not self.recv_to_offer and not self.cq_resets
                 and not any(r.writes(self.dut.num_cqs) for r in self.recv_taken)
-                and self.decisions == len(self.stored) and not any(self.ref.rewinds))
+                and self.decisions == len(self.stored) and not any(self.ref.rewinds)
+                and not self.sent_due)
 
     async def cycle(self, ctx):
         dut, rng, t = self.dut, self.rng, self.t
@@ -580,6 +598,15 @@ class Bench:
                     holder.ended = t
         for v in set(range(dut.num_vls)) - sent:
             self._set(ctx, dut.rx[v].valid, 0)
+
+        # packets sent
+        strobe = self.sent_due.popleft() if self.sent_due else None
+        self._set(ctx, dut.sent.valid, int(strobe is not None))
+        if strobe is not None:
+            ctx.set(dut.sent.payload.qpn, strobe[0])      # fields are fresh objects: no cache
+            ctx.set(dut.sent.payload.psn, strobe[1])
+            if not self.auto_sent and strobe[0] < dut.num_qps:
+                self.ref.packet_sent(*strobe)
 
         # QP flush and reset strobes
         flush_q = self.flushes.popleft() if self.flushes else None
@@ -718,6 +745,10 @@ class Bench:
             if rec.qpn < dut.num_qps:
                 self.outstanding[rec.qpn] += 1
             self.ref.enqueue(rec)
+            if self.auto_sent and rec.status == SENT:
+                self.sent_due.append((rec.qpn, rec.last_psn))
+                if rec.qpn < dut.num_qps:
+                    self.ref.packet_sent(rec.qpn, rec.last_psn)
         for qpn in ended:
             if qpn is not None and qpn < dut.num_qps:
                 self.in_flight[qpn] -= 1

@@ -10,19 +10,22 @@ records into the events of recovery, per QP pair (QP q of A talks to QP q of B):
   the responder; none means only the requester's timer can find it);
 - ``nak``: a NAK the responder sent, and what the requester's completion unit does with
   it, modelled on its rules (docs/nic-reliability.md, and ``CompletionUnit``'s docstring):
-  ``lost``; ``dropped`` when its PSN is not in ``(ack_psn, sent_psn]``, where ``sent_psn``
-  is the last PSN of the newest message whose last packet went out (the executor emits a
-  WQE's record with its last packet); ``ignored`` after a NAK or timeout resend without
-  progress since (``gap_seen``); else ``taken``;
+  ``lost``; ``dropped`` when its PSN is not in ``(ack_psn, wire_psn]``, where
+  ``wire_psn`` is the highest PSN the requester sent on the QP (the unit takes an answer
+  for p only in ``(ack_psn, sent_psn]`` and not past ``wire_psn``; the executor emits a
+  WQE's record with its first packet, so ``sent_psn``, the newest record's last PSN, is
+  never below ``wire_psn`` and the wire bound decides); ``ignored`` after a NAK or timeout
+  resend without progress since (``gap_seen``); else ``taken``;
 - ``resend``: the requester sending again, seen as a request whose PSN is below the
   highest it sent on that QP and not the successor of the one it sent last: the PSN it
   resumed from, the message that PSN starts, and the cause: ``NAK`` when a sequence NAK
   was taken since the QP's previous resend, ``timeout`` when the timer's reference lies
   at least ``timeout_cycles`` back, else ``skip`` (no rewind of the completion unit: the
   doorbell scheduler's skip, docs/nic.md, which also restarts the QP's PSNs). The
-  timer's reference is the later of the QP's last progress (an answer taken that moved
-  its acknowledged PSN forward) and its previous resend: both stop the timer and the
-  next scan arms it again on a stuck head. A rewind that sent nothing before the next
+  timer's reference is the latest of the QP's last progress (an answer taken that moved
+  its acknowledged PSN forward), its previous resend and its last packet sent: progress
+  and a rewind stop the timer and the next scan arms it again on a stuck head, and a
+  scan restarts it when a packet of the QP went out since the QP's previous scan. A rewind that sent nothing before the next
   one is not on the wire: :func:`counter_events` merges the NIC's counters, read while
   the traffic runs, into the trace for that.
 
@@ -45,11 +48,6 @@ MESSAGE_FIRST = {Opcode.SEND_FIRST, Opcode.SEND_ONLY, Opcode.SEND_ONLY_WITH_IMME
                  Opcode.RDMA_WRITE_FIRST, Opcode.RDMA_WRITE_ONLY,
                  Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE, Opcode.RDMA_READ_REQUEST,
                  Opcode.COMPARE_SWAP, Opcode.FETCH_ADD}
-# Opcodes that end a request message: the executor emits the WQE's record with this packet.
-MESSAGE_LAST = {Opcode.SEND_LAST, Opcode.SEND_LAST_WITH_IMMEDIATE, Opcode.SEND_ONLY,
-                Opcode.SEND_ONLY_WITH_IMMEDIATE, Opcode.RDMA_WRITE_LAST,
-                Opcode.RDMA_WRITE_LAST_WITH_IMMEDIATE, Opcode.RDMA_WRITE_ONLY,
-                Opcode.RDMA_WRITE_ONLY_WITH_IMMEDIATE}
 RESPONSES = range(Opcode.RDMA_READ_RESPONSE_FIRST, Opcode.ATOMIC_ACKNOWLEDGE + 1)
 
 
@@ -141,12 +139,12 @@ def trace(sent, wire_delay, timeout_cycles):
         requests = [p for p in sent[requester] if p.is_request]
         answers = [p for p in sent[responder] if not p.is_request]
         starts = _message_starts(requests)
-        # The requester's view, per QP: highest and last PSN sent, the last PSN of the
-        # newest message sent whole (the completion unit's ``sent_psn``: a WQE's record
-        # goes with its last packet), acknowledged PSN, last progress, last restart,
-        # ``gap_seen``, and whether a sequence NAK was taken since the last restart.
-        highest, last_sent, recorded, acked = {}, {}, {}, {}
+        # The requester's view, per QP: highest (the completion unit's ``wire_psn``) and
+        # last PSN sent, acknowledged PSN, last progress, last restart, ``gap_seen``, and
+        # whether a sequence NAK was taken since the last restart.
+        highest, last_sent, acked = {}, {}, {}
         last_progress, last_restart, gap_seen, nak_taken = {}, {}, set(), set()
+        last_packet = {}
         timeline = sorted([(p.cycle, 1, p) for p in requests]
                           + [(p.cycle + wire_delay, 0, p) for p in answers],
                           key=lambda item: (item[0], item[1]))
@@ -161,13 +159,13 @@ def trace(sent, wire_delay, timeout_cycles):
                         events.append(Event(p.cycle, "nak", requester, q, p.psn,
                                             f"{responder} sends {p.describe()}", cause="lost"))
                     continue
-                # The completion unit drops an answer outside (ack_psn, sent_psn].
-                inside = (q in recorded and (q not in acked or psn_lt(acked[q], p.psn))
-                          and not psn_lt(recorded[q], p.psn))
+                # The completion unit drops an answer outside (ack_psn, wire_psn].
+                inside = (q in highest and (q not in acked or psn_lt(acked[q], p.psn))
+                          and not psn_lt(highest[q], p.psn))
                 if nak is not None:
                     if not inside:
-                        newest = f"{recorded[q]:#08x}" if q in recorded else "none"
-                        cause = f"dropped: past sent_psn {newest}"
+                        newest = f"{highest[q]:#08x}" if q in highest else "none"
+                        cause = f"dropped: past wire_psn {newest}"
                     elif nak == 0 and q in gap_seen:
                         cause = "ignored: gap_seen"
                     else:
@@ -197,7 +195,8 @@ def trace(sent, wire_delay, timeout_cycles):
             if q in highest and not psn_lt(highest[q], p.psn) \
                     and p.psn != psn_add(last_sent[q], 1):
                 message, first_sent = starts[q].get(p.psn, (None, None))
-                since = max(last_progress.get(q, 0), last_restart.get(q, 0))
+                since = max(last_progress.get(q, 0), last_restart.get(q, 0),
+                            last_packet.get(q, 0))
                 if q in nak_taken:
                     cause = "NAK"
                 elif cycle - since >= timeout_cycles:
@@ -220,8 +219,7 @@ def trace(sent, wire_delay, timeout_cycles):
             if q not in highest or psn_lt(highest[q], p.psn):
                 highest[q] = p.psn
             last_sent[q] = p.psn
-            if p.opcode in MESSAGE_LAST:
-                recorded[q] = p.psn
+            last_packet[q] = cycle
     events.sort(key=lambda e: e.cycle)
     return events
 

@@ -50,7 +50,10 @@ the window of ``timer_window``; after ``retry_cnt`` rewinds the next timeout giv
 TRANSPORT_RETRY_EXC_ERR; progress restarts the count; ACKs arriving faster than the
 timeout keep it from firing; a QP in ERR flushes at its timeout. RNR: the wait of the
 RNR table's ticks, ``rnr_retry`` exhaustion (RNR_RETRY_EXC_ERR), 7 without limit, an RNR
-NAK that moves ``ack_psn`` restarts the count.
+NAK that moves ``ack_psn`` restarts the count. Wire (``sent`` driven by the test, the
+other tests strobe each record's last PSN as it is taken): answers past the highest PSN
+sent are dropped, a sequence NAK for a packet of a record still being sent rewinds,
+resends below the highest PSN sent leave it; packets sent restart the timer.
 
 Throughput (AXI always ready, records offered every cycle, one QP or four in turn): records
 are taken at one per cycle while completions run (a record takes no engine operation), and
@@ -405,7 +408,8 @@ def rewinds_of(bench, q):
     return [(index, psn) for _, q_, index, psn in bench.rewind_log if q_ == q]
 
 
-def reliability_bench(num_qps, qp_states, *, timer_tick=TIMER_TICK_CYCLES, timeouts=False, seed=17):
+def reliability_bench(num_qps, qp_states, *, timer_tick=TIMER_TICK_CYCLES, timeouts=False, seed=17,
+                      auto_sent=True):
     rng = random.Random(seed)
     dut = CompletionUnit(num_qps=num_qps, num_cqs=2, num_vls=1, addr_width=48,
                          timer_tick=timer_tick)
@@ -413,7 +417,7 @@ def reliability_bench(num_qps, qp_states, *, timer_tick=TIMER_TICK_CYCLES, timeo
 
     def factory():
         return Bench(dut, rng, qp_states=qp_states, cqs=cqs, p_rec=1.0, p_beat=1.0,
-                     timeouts=timeouts)
+                     timeouts=timeouts, auto_sent=auto_sent)
     return dut, factory
 
 
@@ -586,6 +590,80 @@ def test_timer():
         assert not rewinds_of(bench, 3)
         await bench.check_counters(ctx)
         assert ref.counters["retransmits_timeout"] == 8, ref.counters
+
+    run(dut, factory, body)
+
+
+def test_wire_psn():
+    """Answers only for PSNs on the wire (``sent``, driven by the test; ``timer_tick`` 16,
+    1 VL, 2 QPs). QP 0, a WRITE record of PSNs 100..115 (its record comes with its first
+    packet): an ACK before any packet was sent is dropped; with 100..102 sent, an ACK at 105
+    and a sequence NAK at 104 (past the wire, inside the record) are dropped
+    (``rx_dropped_unexpected``), a sequence NAK at 101 rewinds to the record; the replay's
+    resends below 102 leave ``wire_psn`` there (an ACK at 101 after the resend of 100 is
+    taken), an ACK at 110 once 110 went out is taken,
+    one at 112 is not, and the ACK at 115 completes it. QP 1 (``ack_timeout`` 1: 2 ticks,
+    32 cycles): a packet every 20 cycles for 160 cycles keeps restarting the timer (no
+    rewind while the message is being sent); the timeout comes within ``timer_window``
+    of the last packet."""
+    qp_states = [QpState.RTS, QpState.RTS]
+    dut, factory = reliability_bench(2, qp_states, timer_tick=TICK, timeouts=True,
+                                     auto_sent=False)
+
+    async def body(ctx, bench):
+        ref = bench.ref
+        bench.drive_qp_states(ctx)
+        rec = make_rec(0, WRITE, 100, 16, index=3)
+        await offer(ctx, bench, rec)
+        send(bench, 0, Opcode.ACKNOWLEDGE, 100, taken=False)
+        await cycles(ctx, bench, 20)
+        bench.sent_due.extend((0, psn) for psn in (100, 101, 102))
+        await cycles(ctx, bench, 5)
+        send(bench, 0, Opcode.ACKNOWLEDGE, 105, taken=False)
+        send(bench, 0, Opcode.ACKNOWLEDGE, 104, 0x60, taken=False)
+        await cycles(ctx, bench, 30)
+        assert not rewinds_of(bench, 0) and ref.qps[0].queue
+        await bench.check_counters(ctx)         # all three dropped
+        send(bench, 0, Opcode.ACKNOWLEDGE, 101, 0x60)
+        await until(ctx, bench, lambda: rewinds_of(bench, 0) == [(3, 100)])
+        # the replay's first packet, a resend: 101 and 102 are still on the wire
+        bench.sent_due.append((0, 100))
+        await cycles(ctx, bench, 5)
+        assert ref.qps[0].wire == 102
+        send(bench, 0, Opcode.ACKNOWLEDGE, 101)
+        await cycles(ctx, bench, 20)
+        await bench.check_counters(ctx)
+        bench.sent_due.extend((0, psn) for psn in range(101, 111))
+        await cycles(ctx, bench, 15)
+        send(bench, 0, Opcode.ACKNOWLEDGE, 110)
+        send(bench, 0, Opcode.ACKNOWLEDGE, 112, taken=False)
+        await cycles(ctx, bench, 30)
+        assert ref.qps[0].queue, "completed before its last packet was answered"
+        bench.sent_due.extend((0, psn) for psn in range(111, 116))
+        await cycles(ctx, bench, 8)
+        send(bench, 0, Opcode.ACKNOWLEDGE, 115)
+        await bench.drain(ctx)
+        assert not ref.qps[0].queue and rewinds_of(bench, 0) == [(3, 100)]
+
+        rec = make_rec(1, WRITE, 200, 8, index=9, ack_timeout=1)
+        await offer(ctx, bench, rec)
+        for psn in range(200, 208):
+            bench.sent_due.append((1, psn))
+            last = bench.t
+            await cycles(ctx, bench, 20)
+            assert not rewinds_of(bench, 1), (psn, bench.rewind_log)
+        await until(ctx, bench, lambda: rewinds_of(bench, 1))
+        lo, hi = timer_window(2, 2)
+        assert lo <= bench.rewind_log[-1][0] - last <= hi, (bench.rewind_log[-1][0] - last, lo, hi)
+        assert rewinds_of(bench, 1) == [(9, 200)]
+        bench.sent_due.extend((1, psn) for psn in range(200, 208))
+        await cycles(ctx, bench, 10)
+        send(bench, 1, Opcode.ACKNOWLEDGE, 207)
+        await bench.drain(ctx)
+        await bench.check_counters(ctx)
+        c = ref.counters
+        assert c["rx_dropped_unexpected"] == 4 and c["retransmits_nak"] == 1, c
+        assert c["retransmits_timeout"] == 1, c
 
     run(dut, factory, body)
 

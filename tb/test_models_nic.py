@@ -609,6 +609,37 @@ def test_nak_on_first_wqe_and_nonfatal_naks():
     assert [x.cqe.syndrome for x in c] == [m.Syndrome.REMOTE_ACCESS_ERR, m.Syndrome.WR_FLUSH_ERR]
 
 
+def test_answers_only_for_packets_sent():
+    """A record comes with its message's first packet (``post(..., on_wire=False)``): an
+    answer past the highest PSN sent (``packet_sent``) is dropped, a sequence NAK for a
+    packet sent rewinds while the message is still going out, resends below the highest
+    PSN sent leave it there."""
+    req, local = world(mtu=1)
+    comp = n.CompletionModel(req)
+    r = run(req, local, 0, 0, op=m.Opcode.RDMA_WRITE, byte_count=256 * 8, lkey=LKEY,
+            laddr=LOCAL_BASE, raddr=REMOTE_BASE, rkey=9, fm_ce_se=8)
+    assert len(r.packets) == 8
+    comp.post(r, on_wire=False)
+
+    def answer(psn, syndrome=0):
+        return n.make_packet(vl=0, sl=0, dlid=0x11, slid=0x55, opcode=Opcode.ACKNOWLEDGE,
+                             destqp=0, psn=n.psn_add(r.first_psn, psn), ext=[AETH(syndrome=syndrome, msn=0)])
+    assert comp.receive(answer(0)) == []                # nothing sent yet
+    for k in range(3):
+        comp.packet_sent(0, n.psn_add(r.first_psn, k))
+    assert comp.receive(answer(5)) == [] and comp.receive(answer(4, 0x60)) == []
+    assert comp.counters["rx_dropped_unexpected"] == 3 and not comp.rewinds
+    # packet 0 lost: the responder NAKs at it when packet 1 comes
+    assert comp.receive(answer(0, 0x60)) == [] and comp.counters["naks_received"] == 1
+    assert [(w.psn, w.cause) for w in comp.rewinds] == [(r.first_psn, "nak")]
+    comp.packet_sent(0, r.first_psn)                    # the resend
+    assert comp.progress[0].wire_psn == n.psn_add(r.first_psn, 2)
+    for k in range(8):
+        comp.packet_sent(0, n.psn_add(r.first_psn, k))
+    (c,) = comp.receive(answer(7))
+    assert c.cqe == r.cqe() and comp.counters["rx_dropped_unexpected"] == 3
+
+
 def test_completion_rules():
     req, local = world(mtu=1)
     comp = n.CompletionModel(req, write_memory=writer(local))

@@ -9,9 +9,10 @@ at random; the outcome must be the same as without loss, and
 :meth:`tb.nic_pair_tb.NicPairTB.check_loss` ties the link drop counters to the injected
 faults and the retransmission counters to what was lost. ``lossy_mix`` runs the cases in
 ``LOSS_CASES`` (JSON ``[[rate, mode, seed, per_qp], ...]``; a few by default, more under
-the ``full`` marker, and through a switch). Directed: an RNR NAK retried until the
-receive WQE comes, RNR retries exhausted, transport retries exhausted (every packet of one
-direction lost), and the atomics hammer under loss.
+the ``full`` marker, and through a switch). Directed: the sequence NAK for a message still
+being sent (its first packet lost), an RNR NAK retried until the receive WQE comes, RNR
+retries exhausted, transport retries exhausted (every packet of one direction lost), and
+the atomics hammer under loss.
 """
 import json
 import os
@@ -231,6 +232,39 @@ async def lossy_mix(dut, case):
 
 
 @cocotb.test()
+@cocotb.parametrize(mode=[CORRUPT, DROP])
+async def nak_for_message_in_flight(dut, mode):
+    """One QP, one 64 KiB WRITE (16 packets of 4 KiB, about 1,040 cycles on the wire),
+    its first packet lost: B's sequence NAK comes back while A is still sending the
+    message (past the last PSN A's completion unit knew of when records came with a
+    message's last packet, issue 18). A rewinds on that NAK, not on the timer
+    (``ack_timeout`` 4: 26,214 cycles), and every byte lands."""
+    tb = NicPairTB(dut, seed=14, memory_latency=100)
+    await tb.reset()
+    await tb.setup(qps=1, mtu=5, ack_timeout=4)
+    a, b = tb.a, tb.b
+    base, _ = b.target(0)
+    tb.set_faults("a", RATE_ONE, mode, seed=3)       # every packet, until the first is hit
+    await a.gpu.post(0, 1, a.builder(0, opcode=Op.RDMA_WRITE, byte_count=64 * 1024,
+                                     lkey=a.data_key, laddr=SOURCE_REGION, raddr=base + 0x1000,
+                                     rkey=b.data_key, fm_ce_se=mlx5.CTRL_CQ_UPDATE), last=True)
+    for _ in range(2000):
+        if tb.faults("a"):
+            break
+        await tb.cycles(1)
+    tb.set_faults("a", 0, mode, seed=3)
+    await tb.drain(limit=200000)
+    await tb.check_clean()
+    await tb.check_loss()
+    assert tb.faults("a") == 1 and tb.lost_entries("a") == [0], tb.lost_entries("a")
+    counters = await a.host.counters()
+    seen = {name: counters[name] for name in ("naks_received", "rx_dropped_unexpected",
+                                              "retransmits_nak", "retransmits_timeout")}
+    assert seen == dict(naks_received=1, rx_dropped_unexpected=0, retransmits_nak=1,
+                        retransmits_timeout=0), seen
+
+
+@cocotb.test()
 async def rnr_send_before_receive(dut):
     """A SEND whose receive WQE the responder does not have yet is RNR NAKed, and sent
     again after each RNR wait (rnr_retry 7: without limit; RNR timer code 1, 10 us); once
@@ -320,7 +354,8 @@ async def transport_retries_exhausted(dut):
 # second random seed and the atomics hammer under loss (about 370 s) run under ``full``.
 @pytest.mark.parametrize("tests, count", [
     ("random_both_directions/seed=1|atomics_hammer_one_word|rnr_", 4),
-    ("lossy_mix|transport_retries_exhausted", 1 + len(loss_cases())),
+    ("lossy_mix|transport_retries_exhausted|nak_for_message_in_flight",
+     3 + len(loss_cases())),
     pytest.param("random_both_directions/seed=2|atomics_hammer_under_loss", 2,
                  marks=pytest.mark.full),
 ], ids=["random", "loss", "more"])

@@ -3,8 +3,9 @@
 A requester A sends 2-packet WRITEs on QP 1, B answers each message's last packet with an
 ACK. The cases: a lost last request exposed by the next message (sequence NAK taken, NAK
 resend); a lost first request whose NAK comes back before the message's last packet went
-out (dropped: past ``sent_psn``; a timeout resend); a lost last request with nothing after
-it (timeout, timer from the last progress); a lost NAK; a restart soon after progress
+out (taken: its PSN was sent; a NAK resend), and a NAK past the highest PSN sent (dropped:
+past ``wire_psn``; a timeout resend); a lost last request with nothing after
+it (timeout, timer from the last progress or the last packet sent); a lost NAK; a restart soon after progress
 (skip), after which a NAK still counts; the counter lines; and the decoding of real packet
 bytes.
 """
@@ -46,11 +47,21 @@ def test_nak_after_the_record_is_taken():
     assert rc_trace.summary(events) == {"faults": 1, "naks taken": 1, "resends NAK": 1}
 
 
-def test_nak_before_the_record_is_dropped_and_the_timer_resends():
+def test_nak_for_a_message_in_flight_is_taken():
+    # The record comes with the message's first packet: a NAK for it counts while its last
+    # packet has not gone out yet.
     events = run([request(0, FIRST, 10), request(10, LAST, 11), request(20, FIRST, 12, lost=True),
-                  request(40, LAST, 13), request(2000, FIRST, 12), request(2010, LAST, 13)],
-                 [answer(15, 11), answer(25, 12, SEQ_NAK), answer(2015, 13)])
-    assert kinds(events) == [("fault", 20, 12, ""), ("nak", 25, 12, "dropped: past sent_psn 0x00000b"),
+                  request(40, LAST, 13), request(100, FIRST, 12), request(110, LAST, 13)],
+                 [answer(15, 11), answer(25, 12, SEQ_NAK), answer(115, 13)])
+    assert kinds(events) == [("fault", 20, 12, ""), ("nak", 25, 12, "taken"),
+                             ("resend", 100, 12, "NAK")]
+
+
+def test_nak_past_the_wire_is_dropped_and_the_timer_resends():
+    events = run([request(0, FIRST, 10), request(10, LAST, 11), request(20, FIRST, 12, lost=True),
+                  request(2000, FIRST, 12), request(2010, LAST, 13)],
+                 [answer(15, 11), answer(25, 13, SEQ_NAK), answer(2015, 13)])
+    assert kinds(events) == [("fault", 20, 12, ""), ("nak", 25, 13, "dropped: past wire_psn 0x00000c"),
                              ("resend", 2000, 12, "timeout")]
     assert events[2].timer_since == 23      # the ACK of PSN 11: the last progress
 
@@ -74,7 +85,7 @@ def test_lost_nak_then_a_skip():
                              ("resend", 5000, 12, "timeout"), ("resend", 5100, 14, "skip")]
     assert events[4].timer_since == 5023
     table = rc_trace.table(events + rc_trace.counter_events([(5090, "a", "wqes_squashed", 3)]))
-    assert "| 5,000 | resend | a | 1 | 0x00000c | timeout | 23 (4,977) |" in table
+    assert "| 5,000 | resend | a | 1 | 0x00000c | timeout | 100 (4,900) |" in table
     assert "| 5,090 | counter | a |  |  |  |  | wqes_squashed = 3 |" in table
 
 

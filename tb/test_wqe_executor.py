@@ -14,8 +14,11 @@ Checked every transfer: packet descriptors byte-exact and in order (each header 
 decoded by ``models.packet.parse_packet``), each packet's bursts issued no later than its
 descriptor, bursts in order, the payload-buffer reservation (a packet's ``dma_beats`` at
 its first burst, minus ``payload_freed``) never above ``payload_buffer_beats``,
-completion records exact, in WQE order and after their last packet, one ``qp_error`` per
-local error; at the end the counters.
+completion records exact, in WQE order and after their first packet (the message's other
+packets may follow), a ``sent`` strobe with the QP and PSN of each packet in the cycle
+after its descriptor's handshake (a READ request's: the READ's last PSN) and at no other
+time, one ``qp_error`` per local error;
+at the end the counters.
 
 The reference gives each QP's WQEs consecutive ring indices (the bench numbers them:
 ``wqe_index`` plus ``wqe_blocks`` is the next WQE's), keeps ``recorded`` and expects the
@@ -27,8 +30,9 @@ Go-back-N (``RewindBench``): the executor between a fetcher and a completion uni
 rewind QPs at random times against random traffic and backpressure on every output;
 checked: the packets from the rewound WQE on with the right PSNs (runs of each QP's
 packet sequence, at most two stale packets after a rewind), every burst with its
-packet, one exact record per WQE in order (none for WQEs before ``recorded``),
-``wqes_squashed`` and ``packets_resent`` exact, and a second run after ``qp_reset``.
+packet, one exact record per WQE in order (none for WQEs before ``recorded``) after the
+WQE's first packet, ``sent`` for every packet, ``wqes_squashed`` and ``packets_resent``
+exact, and a second run after ``qp_reset``.
 
 Runs: random WQEs of every opcode with lengths 0 .. 20 KiB, unaligned addresses, MTUs
 256 .. 4096, PSNs wrapping, and each check of the table failing now and then (several
@@ -109,7 +113,8 @@ class Expected:
         self.packets = []
         self.record = None          # CompletionRecordLayout fields, or None (dropped)
         self.resent = False         # executed without a record (recorded before)
-        self.last_packet_cycle = None
+        self.first_packet_cycle = None
+        self.last_psn = None        # its last PSN, if it is sent
 
 
 class QpRuntime:
@@ -252,6 +257,7 @@ class Reference:
             packet(ib, [AtomicETH(va=d["raddr"], rkey=d["rkey"], swap_add=d["swap_add"],
                                   compare=compare)], 0, 0, True, psn)
         record.update(byte_count=length, first_psn=psn, last_psn=(psn + npsn - 1) % (1 << 24))
+        exp.last_psn = record["last_psn"]
         rt.loaded = True
         rt.next_psn = (psn + npsn) % (1 << 24)
         return exp
@@ -284,6 +290,7 @@ class Bench:
         self.accept_cycles = []
         self.packet_cycles = []
         self.record_cycles = []
+        self.sent_expect = None     # (qpn, psn) of the previous cycle's packet
         self.free_enabled = True
         self.stray_frees = 0                # payload_freed strobes with no beat reserved
 
@@ -384,6 +391,7 @@ class Bench:
         if ctx.get(dut.wqe.valid) and ctx.get(dut.wqe.ready):
             self.offered = None
             self.accept_cycles.append(t)
+        sent_now = None
         if ctx.get(dut.ar.valid) and ctx.get(dut.ar.ready):
             assert self.ars, (t, "unexpected AR")
             pkt, index = self.ars.popleft()
@@ -407,7 +415,9 @@ class Bench:
             assert pkt.ars_seen == len(pkt.ars), (t, "descriptor before its bursts")
             if got["payload_bytes"] <= 512:
                 check_wire(got)
-            pkt.wqe.last_packet_cycle = t
+            if pkt.wqe.first_packet_cycle is None:
+                pkt.wqe.first_packet_cycle = t
+            sent_now = (pkt.wqe.desc["qpn"], sent_psn(got, pkt.wqe.last_psn))
             self.packet_cycles.append(t)
         if ctx.get(dut.completion.valid) and ctx.get(dut.completion.ready):
             assert self.records, (t, "unexpected completion")
@@ -415,9 +425,11 @@ class Bench:
             got = unpack(CMP, ctx.get(dut.completion.payload.as_value()))
             assert got == exp.record, (t, exp.desc, diff(got, exp.record))
             if exp.packets:
-                assert exp.packets[-1] is not None and exp.last_packet_cycle is not None
-                assert exp.last_packet_cycle < t, (t, "record before its last packet")
+                assert exp.first_packet_cycle is not None and exp.first_packet_cycle < t, (
+                    t, "record before its first packet")
             self.record_cycles.append(t)
+        check_sent(ctx, dut, t, self.sent_expect)
+        self.sent_expect = sent_now
         if ctx.get(dut.qp_error.valid):
             assert self.errors, (t, "unexpected qp_error")
             q = self.errors.popleft()
@@ -434,6 +446,12 @@ class Bench:
     def check_counters(self, ctx):
         for name, value in self.counts.items():
             assert ctx.get(getattr(self.dut, name)) == value % (1 << 32), name
+
+
+def check_sent(ctx, dut, t, expect):
+    """``sent`` strobes with ``expect`` (qpn, psn), or not at all when it is None."""
+    got = (ctx.get(dut.sent.p.qpn), ctx.get(dut.sent.p.psn)) if ctx.get(dut.sent.valid) else None
+    assert got == expect, (t, "sent", got, expect)
 
 
 def diff(got, want):
@@ -796,12 +814,15 @@ def test_throughput():
         assert records[0] - cycles[0] == 1
 
         bench.packet_cycles = []
+        bench.record_cycles = []
         exps = bench.submit([make_wqe(0, "RDMA_WRITE", has_data=1, lkey=0x101, laddr=0x10000,
                                       byte_count=64 * 256)])
         assert len(exps[0].packets) == 64
         await bench.drain(ctx)
         cycles = bench.packet_cycles
         assert cycles[-1] - cycles[0] + 1 == 64, cycles
+        # A message's record comes a cycle after its first packet, not after its last.
+        assert bench.record_cycles == [cycles[0] + 1], (bench.record_cycles, cycles[0])
 
     simulate(dut, body, seed=8)
 
@@ -837,6 +858,13 @@ def packet_psn(desc):
     return int.from_bytes(desc["header"].to_bytes(48, "little")[17:20], "big")
 
 
+def sent_psn(desc, last_psn):
+    """The PSN ``sent`` gives for packet ``desc`` of a WQE whose last PSN is ``last_psn``:
+    its own, a READ request's last (its responses take every PSN of the READ)."""
+    opcode = desc["header"].to_bytes(48, "little")[8]
+    return last_psn if opcode == Opcode.RDMA_READ_REQUEST else packet_psn(desc)
+
+
 def packet_dest(desc):
     return int.from_bytes(desc["header"].to_bytes(48, "little")[13:16], "big")
 
@@ -862,10 +890,10 @@ class RewindBench:
     next packet of the run in progress), so the checker keeps every story that fits
     so far. Each packet's bursts are the next bursts issued, and no
     burst is left without its packet. Records: exactly one per WQE, in ring order,
-    exact, after the WQE's last packet went out. Counters: ``wqes_squashed`` = WQEs
-    accepted minus executions that sent their last packet; ``packets_resent`` = packets
-    of executions that started after the WQE's last packet had gone out once (its record
-    was committed then)."""
+    exact, after the WQE's first packet went out; ``sent`` a cycle after each packet.
+    Counters: ``wqes_squashed`` = WQEs accepted minus executions that sent their last
+    packet; ``packets_resent`` = packets of executions that started after the WQE's first
+    packet had gone out once (its record was committed then)."""
 
     def __init__(self, dut, rng, ref, *, p_fetch=0.6, p_packet=0.7, p_completion=0.7,
                  p_ar=0.7, p_free=0.6, p_rewind=0.02, p_ack=0.1, transit=6):
@@ -908,7 +936,8 @@ class RewindBench:
         # Per QP, the stories that fit: (next packet of the current run, first packets of
         # the rewinds whose run has not started, packets after the last rewind not of its run).
         self.stories = {q: {(0, (), 0)} for q in streams}
-        self.sent_last = {q: [False] * len(s.wqes) for q, s in streams.items()}
+        self.sent_first = {q: [False] * len(s.wqes) for q, s in streams.items()}
+        self.sent_expect = None
         self.run_resent = dict.fromkeys(streams, False)
         self.recs = dict.fromkeys(streams, 0)       # records received
         self.acked = dict.fromkeys(streams, 0)
@@ -1000,8 +1029,15 @@ class RewindBench:
             assert got["id"] == 1, t
             self.ars.append((got["addr"], got["len"]))
             self.issued_beats += got["len"] + 1
+        sent_now = None
         if ctx.get(dut.packet.valid) and ctx.get(dut.packet.ready):
-            self.take_packet(unpack(DESC, ctx.get(dut.packet.payload.as_value())))
+            got = unpack(DESC, ctx.get(dut.packet.payload.as_value()))
+            self.take_packet(got)
+            q = self.dest[packet_dest(got)]
+            i = self.streams[q].packets[self.streams[q].by_psn[packet_psn(got)]][2]
+            sent_now = (q, sent_psn(got, self.streams[q].records[i]["last_psn"]))
+        check_sent(ctx, dut, t, self.sent_expect)
+        self.sent_expect = sent_now
         if ctx.get(dut.completion.valid) and ctx.get(dut.completion.ready):
             got = unpack(CMP, ctx.get(dut.completion.payload.as_value()))
             q = got["qpn"]
@@ -1010,7 +1046,7 @@ class RewindBench:
             i = self.recs[q]
             want = self.streams[q].records[i]
             assert got == want, (t, "record", diff(got, want))
-            assert self.sent_last[q][i], (t, "record before its last packet")
+            assert self.sent_first[q][i], (t, "record before its first packet")
             self.recs[q] += 1
             self.counts["wqes_executed"] += 1
         assert not ctx.get(dut.qp_error.valid), t
@@ -1063,11 +1099,12 @@ class RewindBench:
         self.tails += all(s[1] for s in stories)
         self.stories[q] = stories
         if first:
-            self.run_resent[q] = self.sent_last[q][i]
+            # Its record was committed with an earlier execution's first packet.
+            self.run_resent[q] = self.sent_first[q][i]
+            self.sent_first[q][i] = True
         if self.run_resent[q]:
             self.counts["packets_resent"] += 1
         if last:
-            self.sent_last[q][i] = True
             self.last_sent += 1
         self.counts["packets_sent"] += 1
         self.counts["payload_bytes_sent"] += got["payload_bytes"]

@@ -9,8 +9,8 @@ from hdl.link.signatures import BeatLayout, vl_index
 from hdl.nic.signatures import (
     MAX_OUTSTANDING_BLOCKS, PSN_BITS, QPN_BITS, RESPONSE_SEQ_BITS, AxiWriteSignature,
     CompletionRecordLayout, CompletionStatus, ContextReadSignature, CqConfigLayout,
-    EventSignature, MlxOpcode, QpState, ReceiveCompletionLayout, RecvCqeOpcode, RetireLayout,
-    ResponseVerdictLayout, RewindLayout, Syndrome,
+    EventSignature, MlxOpcode, PacketSentLayout, QpState, ReceiveCompletionLayout,
+    RecvCqeOpcode, RetireLayout, ResponseVerdictLayout, RewindLayout, Syndrome,
 )
 
 __all__ = ["CompletionUnit", "RX_EVENT_DEPTH", "RNR_TIMER_TICKS", "TIMER_TICK_CYCLES"]
@@ -233,12 +233,24 @@ class CompletionUnit(wiring.Component):
     while the engine completes heads at one per cycle (completions of one QP back to
     back too), sharing its cycles only with events.
 
+    Wire: ``sent`` (from the executor, a cycle after each request packet's descriptor
+    handshake, the point where the packet is committed to the wire) gives the QP and PSN
+    of every packet sent, resent ones included. Per QP, ``wire_psn`` is the highest PSN
+    sent since the QP's reset (modulo 2^24, as below; none after ``qp_reset``): a
+    strobe is read in the cycle after it (W1) and written in the next (W2) when its PSN
+    is after ``wire_psn`` or the QP has sent nothing yet, so a rewind's resent packets
+    leave it where it was. An event issued in cycle t sees the strobes of cycles up to
+    t - 1. Strobes for a QP number beyond ``num_qps`` are ignored.
+
     Processor, per event for QP q at PSN p. Dropped (``rx_dropped_unexpected``) when q is
     in RESET, has had no SENT record since its reset, has a fatal NAK pending or is
-    flushing (after a fatal NAK or ``qp_flush``), or when p is not in ``(ack_psn, sent_psn]``: ``sent_psn`` is the
+    flushing (after a fatal NAK or ``qp_flush``), or when p is not in ``(ack_psn,
+    sent_psn]`` or is after ``wire_psn`` (or q has sent nothing): ``sent_psn`` is the
     last PSN of q's newest SENT record, ``ack_psn`` the newest acknowledged PSN (the first
-    SENT record's ``first_psn - 1`` after reset). So stale, duplicate and future PSNs
-    are dropped. Otherwise:
+    SENT record's ``first_psn - 1`` after reset). A record comes with its message's first
+    packet, so ``sent_psn`` runs ahead of the wire while a message is being sent: an
+    answer for a packet not sent yet is bad input. So stale, duplicate, future and
+    unsent PSNs are dropped. Otherwise:
 
     - ACKNOWLEDGE, ACK: ``ack_psn = p``; if it covers R (below), R's responses went
       missing: unless ``gap_seen``, a rewind is pending;
@@ -275,10 +287,16 @@ class CompletionUnit(wiring.Component):
     *stuck* when it is SENT and cannot complete. A timer scan (an engine operation on
     QP ``scan_q``, issued when the engine has nothing else to do and at least every
     ``SCAN_INTERVAL`` cycles, walking the QPs in turn) arms the timer on a stuck head
-    (``stamp = now``; ``now`` counts ticks of ``timer_tick`` cycles) and disarms it on an
-    empty queue. A rewind is due when H is stuck and: a rewind is pending (seen by a
-    completion operation or a scan), or the RNR wait is over (scan), or the timer ran
-    ``2**min(ack_timeout, 19)`` ticks with ``ack_timeout`` (from H) not 0 (scan). Then,
+    (``stamp = now``; ``now`` counts ticks of ``timer_tick`` cycles), restarts it
+    (``stamp = now``) on a stuck head when a packet of the QP went out (``sent``) since
+    the QP's previous scan, unless an RNR wait runs, and disarms it on an empty queue.
+    Progress and a rewind disarm it, so its reference is the first scan after the latest
+    of: the last progress, the last rewind, the last packet sent (so a message being sent
+    cannot time out while its packets keep leaving). A rewind is due when H is stuck and:
+    a rewind is pending (seen by a completion operation or a scan), or the RNR wait is
+    over (scan), or the timer ran
+    ``2**min(ack_timeout, 19)`` ticks with ``ack_timeout`` (from H) not 0 and no packet
+    of the QP sent since the previous scan (scan). Then,
     if the QP is in ERR or flushing, it flushes; else if the retries are used up
     (``retries_used == retry_cnt``; RNR: ``rnr_retry != 7`` and ``rnr_used ==
     rnr_retry``) a fatal NAK is pending at ``H.first_psn`` with TRANSPORT_RETRY_EXC_ERR
@@ -307,6 +325,9 @@ class CompletionUnit(wiring.Component):
     with WR_FLUSH_ERR, and its responses are dropped, until ``qp_reset``. Without it, a
     QP in ERR keeps waiting for the acknowledgements of its SENT records (a QP errored by
     the executor or a NAK must: its earlier records may still be acknowledged).
+
+    ``retransmits_nak``/``_timeout``/``_rnr`` and ``retries_exhausted`` count a cycle after
+    the rewind (or the give-up) they count, the other counters in the cycle of their event.
 
     CQEs: a completed record with ``signaled`` or an error, and a CQ number below
     ``num_cqs``, gets one 64-byte CQE (AXI4 INCR burst of one beat, awid 0) at
@@ -337,7 +358,7 @@ class CompletionUnit(wiring.Component):
     nothing.
 
     Limits and assumptions: a SENT record reaches the unit before any response to it can
-    (the executor emits it with the message's last packet descriptor, a round trip ahead
+    (the executor emits it with the message's first packet descriptor, a round trip ahead
     of the response), else that response is dropped as a future PSN. AETH.MSN, P_Key,
     LIDs and SL of a response are not checked; responses with a GRH are dropped.
     A READ response or atomic acknowledge that implicitly acknowledges earlier requests
@@ -366,6 +387,7 @@ class CompletionUnit(wiring.Component):
         super().__init__({
             "rx": In(stream.Signature(BeatLayout(WIDTH))).array(num_vls),
             "completion": In(stream.Signature(CompletionRecordLayout())),
+            "sent": In(stream.Signature(PacketSentLayout(), always_ready=True)),
             "qp_state": In(QpState).array(num_qps),
             "qp_reset": In(EventSignature()),
             "qp_flush": In(EventSignature()),
@@ -423,6 +445,13 @@ class CompletionUnit(wiring.Component):
         tail_read = tails.read_port(transparent_for=(tail_write,))
         engine_tail_read = tails.read_port(transparent_for=(tail_write,))
 
+        # Per QP, the highest PSN on the wire (``sent``): answers beyond it are not taken.
+        # A sent packet updates it in two steps, W1 (read) and W2 (write if newer).
+        m.submodules.wire = wire = Memory(shape=PSN_BITS, depth=num_qps, init=[])
+        wire_write = wire.write_port()
+        wire_update_read = wire.read_port(transparent_for=(wire_write,))
+        engine_wire_read = wire.read_port(transparent_for=(wire_write,))
+
         m.submodules.records = records = Memory(
             shape=CompletionRecordLayout(), depth=num_qps * QUEUE_DEPTH, init=[])
         rec_write = records.write_port()
@@ -448,6 +477,9 @@ class CompletionUnit(wiring.Component):
         # contents through a reset, so every row starts fresh.
         fresh = Signal(num_qps, init=(1 << num_qps) - 1)
         tail_fresh = Signal(num_qps, init=(1 << num_qps) - 1)
+        wire_fresh = Signal(num_qps, init=(1 << num_qps) - 1)    # nothing sent since reset
+        # A packet went out since the QP's last timer scan: the scan restarts its timer.
+        sent_since_scan = Signal(num_qps)
         full = Signal(num_qps)          # QUEUE_DEPTH records in the QP's queue
         in_reset = Signal(num_qps)
         m.d.comb += in_reset.eq(Cat(self.qp_state[q] == QpState.RESET for q in range(num_qps)))
@@ -609,6 +641,22 @@ class CompletionUnit(wiring.Component):
             r2_record.eq(rec),
         ]
 
+        # --- Wire: W1 reads the QP's highest PSN sent, W2 writes the packet's if it is newer
+        # (after a rewind, packets go out again below it) ---
+        w2_valid = Signal()
+        w2_q = Signal(range(max(num_qps, 2)))
+        w2_psn = Signal(PSN_BITS)
+        sent_q = self.sent.payload.qpn[:qp_bits]
+        sent_valid = self.sent.valid & (self.sent.payload.qpn < num_qps)
+        m.d.comb += wire_update_read.addr.eq(sent_q)
+        m.d.sync += [w2_valid.eq(sent_valid), w2_q.eq(sent_q), w2_psn.eq(self.sent.payload.psn)]
+        w2_newer = wire_fresh.bit_select(w2_q, 1) | _psn_lt(wire_update_read.data, w2_psn)
+        m.d.comb += [
+            wire_write.addr.eq(w2_q),
+            wire_write.data.eq(w2_psn),
+            wire_write.en.eq(w2_valid & w2_newer),
+        ]
+
         # --- Engine: one operation per cycle through I (issue: read the QP's state row),
         # S (state row in, bypassed from X; a completion reads its head record) and X
         # (execute: write the row back). An operation sees every operation issued before
@@ -631,6 +679,8 @@ class CompletionUnit(wiring.Component):
         x_killed = Signal()             # a qp_reset of its QP in its issue cycle: no writes
         x_new = Signal(state_layout)
         x_sets_flushing = Signal()
+        x_on_wire = Signal()            # the event's PSN is not beyond the QP's wire PSN
+        x_sent_since = Signal()         # a packet of its QP went out since its last scan
         x_writes = (x_ev | x_cmp | x_scan) & ~x_killed
 
         # R2: the tail row as read, else as reset; the head as X leaves it.
@@ -726,7 +776,8 @@ class CompletionUnit(wiring.Component):
             m.d.sync += [scan_q.eq(Mux(scan_q == num_qps - 1, 0, scan_q + 1)), since_scan.eq(0)]
         with m.Elif(~scan_due):
             m.d.sync += since_scan.eq(since_scan + 1)
-        m.d.comb += [state_read.addr.eq(i_q), engine_tail_read.addr.eq(i_q)]
+        m.d.comb += [state_read.addr.eq(i_q), engine_tail_read.addr.eq(i_q),
+                     engine_wire_read.addr.eq(i_q)]
         m.d.sync += [
             s_ev.eq(any_event), s_cmp.eq(issue_cmp), s_scan.eq(issue_scan),
             s_q.eq(i_q), s_event.eq(event),
@@ -765,6 +816,9 @@ class CompletionUnit(wiring.Component):
             read_read.addr.eq(Cat(s_state.rhead[:slot_bits], s_q)),
             s_count.eq(s_tail.tail - s_state.head),
         ]
+        # The event's PSN has been on the wire: decided here, so X's acceptance only
+        # adds a register.
+        s_on_wire = ~wire_fresh.bit_select(s_q, 1) & _psn_le(s_event.psn, engine_wire_read.data)
         m.d.sync += [
             x_ev.eq(s_ev), x_cmp.eq(s_cmp), x_scan.eq(s_scan),
             x_q.eq(s_q), x_event.eq(s_event),
@@ -776,6 +830,8 @@ class CompletionUnit(wiring.Component):
             x_killed.eq(reset_valid & (reset_q == s_q)),
             x_in_reset.eq(s_in_reset),
             x_in_err.eq(s_in_err),
+            x_on_wire.eq(s_on_wire),
+            x_sent_since.eq(sent_since_scan.bit_select(s_q, 1)),
         ]
 
         # X
@@ -805,7 +861,7 @@ class CompletionUnit(wiring.Component):
         accept = Signal()
         m.d.comb += accept.eq(
             x_ev & ~x_in_reset & x_tail.started & ~st.nak_pending & ~x_flushing
-            & _psn_lt(st.ack_psn, p) & _psn_le(p, x_tail.sent_psn))
+            & _psn_lt(st.ack_psn, p) & _psn_le(p, x_tail.sent_psn) & x_on_wire)
         ev_kind = x_event.syndrome[5:8]
         ev_code = x_event.syndrome[0:5]
         ev_ack = Signal()
@@ -955,20 +1011,22 @@ class CompletionUnit(wiring.Component):
                     m.d.comb += x_new.atomic_psn.eq(last_psn)
 
         # X, retransmission. The head is stuck when it is SENT and not acknowledged. A
-        # scan arms the timer on a stuck head and fires it after 2**ack_timeout ticks
-        # without progress; an RNR NAK's wait runs on the same stamp.
+        # scan arms the timer on a stuck head, and restarts it if a packet of the QP went
+        # out since its last scan (a record now comes with its message's first packet,
+        # and the timer covers packets sent); it fires after 2**ack_timeout ticks without
+        # progress or a packet sent; an RNR NAK's wait runs on the same stamp.
         stuck = head_valid & ~can & ~x_in_reset & x_tail.started
         elapsed = Signal(TIMER_BITS)
         m.d.comb += elapsed.eq(now - st.stamp)
         exponent = Mux(head_rec.ack_timeout > MAX_TIMEOUT_EXPONENT, MAX_TIMEOUT_EXPONENT,
                        head_rec.ack_timeout)
-        timed_out = (st.armed & (head_rec.ack_timeout != 0)
+        timed_out = (st.armed & ~x_sent_since & (head_rec.ack_timeout != 0)
                      & (elapsed >= (Const(1, TIMER_BITS) << exponent)))
         rnr_ticks = Array(Const(t, TIMER_BITS) for t in RNR_TIMER_TICKS)[st.rnr_code]
         do_rnr = x_scan & stuck & st.rnr_pending & (elapsed >= rnr_ticks)
         do_nak = (x_cmp | x_scan) & stuck & ~st.rnr_pending & st.rewind_pending
         do_timeout = x_scan & stuck & ~st.rnr_pending & ~st.rewind_pending & timed_out
-        with m.If(x_scan & stuck & ~st.armed & ~st.rnr_pending):
+        with m.If(x_scan & stuck & (~st.armed | x_sent_since) & ~st.rnr_pending):
             m.d.comb += [x_new.armed.eq(1), x_new.stamp.eq(now)]
         with m.If(x_scan & ~head_valid):
             m.d.comb += x_new.armed.eq(0)
@@ -1037,6 +1095,10 @@ class CompletionUnit(wiring.Component):
                     & ~reset_mask),
             fresh.eq((fresh & ~x_mask) | reset_mask),
             tail_fresh.eq((tail_fresh & ~r2_mask) | reset_mask),
+            wire_fresh.eq((wire_fresh & ~onehot(w2_q, w2_valid)) | reset_mask),
+            # A scan in S takes the flag to X; a packet sent in that cycle sets it again.
+            sent_since_scan.eq(((sent_since_scan & ~onehot(s_q, s_scan))
+                                | onehot(sent_q, sent_valid)) & ~reset_mask),
         ]
 
         # --- CQE writer: P (CQ context read) -> O (AXI AW/W); its jobs from the engine
@@ -1198,8 +1260,13 @@ class CompletionUnit(wiring.Component):
         count(self.rx_dropped_icrc, sum(icrc_drops))
         count(self.rx_dropped_unexpected, sum(malformed_drops) + (x_ev & ~accept) + misfit)
         count(self.cqe_write_errors, axi.bvalid & (axi.bresp != 0))
-        count(self.retransmits_nak, rewinds & do_nak & ~x_killed)
-        count(self.retransmits_timeout, rewinds & do_timeout & ~x_killed)
-        count(self.retransmits_rnr, rewinds & do_rnr & ~x_killed)
-        count(self.retries_exhausted, exhausted & ~x_killed)
+        # The rewind decision is deep enough without a 32-bit sum behind it: these count a
+        # registered event, a cycle after it.
+        for counter, event in ((self.retransmits_nak, rewinds & do_nak),
+                               (self.retransmits_timeout, rewinds & do_timeout),
+                               (self.retransmits_rnr, rewinds & do_rnr),
+                               (self.retries_exhausted, exhausted)):
+            registered = Signal(name=f"{counter.name}_event")
+            m.d.sync += registered.eq(event & ~x_killed)
+            count(counter, registered)
         return m

@@ -216,6 +216,7 @@ class Nic(wiring.Component):
             packets.r_en.eq(asm.packet.ready),
         ]
         wiring.connect(m, exe.completion, comp.completion)
+        wiring.connect(m, exe.sent, comp.sent)
         wiring.connect(m, comp.retire, sched.retire)
         # Go-back-N: the completion unit rewinds a QP's fetch and execution.
         for block in (sched, exe):

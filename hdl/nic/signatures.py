@@ -30,7 +30,8 @@ __all__ = [
     "RequestDescriptorLayout", "DmaWriteLayout", "ResponseKind", "ResponseCommandLayout",
     "RecvStatus", "RecvRequestLayout", "RecvResultLayout", "AtomicRequestLayout",
     "AtomicResultLayout", "RecvCqeOpcode", "ReceiveCompletionLayout",
-    "RewindLayout", "ResponseVerdictLayout", "READ_DATA_ID", "EPOCH_BITS", "RESPONSE_SEQ_BITS",
+    "RewindLayout", "PacketSentLayout", "ResponseVerdictLayout", "READ_DATA_ID", "EPOCH_BITS",
+    "RESPONSE_SEQ_BITS",
     "RESPONSE_ID", "RECV_ID", "ATOMIC_ID", "CQE_ID", "DMA_WRITE_ID", "RX_BUFFER_BEAT_BITS",
     "MAX_PACKET_BEATS",
     "QPN_BITS", "CQN_BITS", "PSN_BITS", "WQEBB_BYTES", "MAX_WQE_BLOCKS", "MAX_INLINE_BYTES",
@@ -311,6 +312,14 @@ class RewindLayout(data.StructLayout):
     QP fetched or executed after that WQE is discarded and redone."""
     def __init__(self):
         super().__init__({"qpn": QPN_BITS, "wqe_index": 16, "psn": PSN_BITS})
+
+
+class PacketSentLayout(data.StructLayout):
+    """A request packet of QP ``qpn`` left the WQE executor for the wire; ``psn``: the last
+    PSN it accounts for, its own (a READ request: the last PSN its responses take).
+    The completion unit takes answers only for PSNs sent (docs/nic.md, "Completions")."""
+    def __init__(self):
+        super().__init__({"qpn": QPN_BITS, "psn": PSN_BITS})
 
 
 class ResponseVerdictLayout(data.StructLayout):

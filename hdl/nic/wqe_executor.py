@@ -11,8 +11,8 @@ from hdl.nic.payload_reads import dma_payload, payload_bursts, payload_read_stag
 from hdl.nic.signatures import (
     EPOCH_BITS, MAX_NIC_HEADER_BYTES, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, PAYLOAD_ID, PSN_BITS,
     Access, ArLayout, CompletionRecordLayout, CompletionStatus, ContextReadSignature,
-    EventSignature, MkeyLayout, MlxOpcode, PacketDescriptorLayout, PayloadSource,
-    QpConfigLayout, QpState, RewindLayout, Syndrome, WqeDescriptorLayout,
+    EventSignature, MkeyLayout, MlxOpcode, PacketDescriptorLayout, PacketSentLayout,
+    PayloadSource, QpConfigLayout, QpState, RewindLayout, Syndrome, WqeDescriptorLayout,
 )
 
 __all__ = ["WqeExecutor"]
@@ -94,11 +94,12 @@ class _ContextFactsLayout(data.StructLayout):
 
 class _ItemLayout(data.StructLayout):
     """One packet (or, for a failed or flushed WQE, none) with the payload reads it needs
-    and, on a message's last packet, the WQE's completion record (unless suppressed);
+    and, on a message's first packet, the WQE's completion record (unless suppressed);
     ``resent``: a packet of a WQE whose record was suppressed."""
     def __init__(self):
         super().__init__({
             "desc": PacketDescriptorLayout(),
+            "sent_psn": PSN_BITS,   # the last PSN it accounts for: its own, a READ's last
             "has_packet": 1,
             "resent": 1,
             "cmp": CompletionRecordLayout(),
@@ -123,11 +124,15 @@ class WqeExecutor(wiring.Component):
     1. the check stage, which decides the WQE's status from those registers, sets the
        per-QP next PSN, ``recorded`` and the local error bit, and passes it to
     2. the segmenter, which cuts the message at the path MTU and builds one packet per
-       cycle (headers, payload location, AXI bursts, the completion record on the last);
+       cycle (headers, payload location, AXI bursts, the completion record on the first:
+       its PSN range is known from the start);
     3. the read stage, which reserves the packet's beats of the assembler's payload buffer
        and issues its one or two payload bursts;
     4. the output stage: the packet descriptor, and the completion record into a small
-       FIFO as the message's last descriptor leaves (so the record always comes after it).
+       FIFO as the message's first descriptor leaves (so the record always comes after
+       it); ``sent`` tells the completion unit, a cycle after each descriptor's handshake,
+       the QP and the last PSN of the packet it committed to the wire (its PSN; for a READ
+       request, the last PSN its responses take).
 
     Stage 1 moves on exactly when stage 0 moves up (or is empty), so the QP state stage 0
     registers is exact but for what stage 1 changes in that same cycle, which it takes
@@ -141,8 +146,10 @@ class WqeExecutor(wiring.Component):
     runs at one per cycle while the outputs are ready; a packet whose payload crosses
     4 KiB (two bursts) takes two cycles of the read stage. A WQE accepted in cycle t has
     its first burst on ``ar`` in t + 4 at the earliest, its first descriptor on
-    ``packet`` in t + 5 and its record on ``completion`` one cycle after its last
-    descriptor left (stage 0 added a cycle on 2026-12-06: t + 3 and t + 4 before).
+    ``packet`` in t + 5, its record on ``completion`` one cycle after its first
+    descriptor left (the message's other packets follow it; before 2026-12-06 the record
+    came after the last) and ``sent`` for each packet one cycle after its descriptor
+    left (stage 0 added a cycle on 2026-12-06: t + 3 and t + 4 before).
 
     Records: ``byte_count`` is the message length (8 for an atomic) and ``first_psn`` /
     ``last_psn`` its PSNs for ``SENT``; an ``ERROR`` or ``FLUSH`` record has
@@ -175,8 +182,9 @@ class WqeExecutor(wiring.Component):
       segmenter could take it, so the epoch compare stays off the ``wqe.ready`` path.
     * the segmenter registers a rewind of its job's QP (``job_stale``): a SENT job stops
       before its next packet from the cycle after the rewind (the one packet taken in
-      the rewind's cycle still goes, and if it is the last, the record with it); an
-      ERROR or FLUSH job (no packets) is not stopped, its record goes out. Packets that
+      the rewind's cycle still goes, and if it is the first, the record with it); a job
+      stopped after its first packet has emitted its record, one stopped before has not;
+      an ERROR or FLUSH job (no packets) is not stopped, its record goes out. Packets that
       reached the read or output stage go out whole, with their bursts (stale
       duplicates the responder tolerates): at most two packets after the rewind's cycle.
     * ``rewind`` sets the QP's next PSN to ``psn`` (a WQE leaving stage 1 in the same
@@ -185,10 +193,15 @@ class WqeExecutor(wiring.Component):
       WQE of q committed to a record. Stage 1 decides: a WQE with ``(wqe_index -
       recorded) mod 2^16 >= 2^15`` gets no record (``resent``; its packets count in
       ``packets_resent``), any other sets ``recorded = wqe_index + wqe_blocks`` as it
-      leaves stage 1, whatever its status. A SENT job stopped by a rewind that was to
-      emit its record sets ``recorded`` back to its own ``wqe_index`` (it is always the
-      newest WQE of its QP past stage 1, so that is exact); the stop happens the cycle
-      after the rewind, long before a fetch of the new epoch can reach stage 1.
+      leaves stage 1, whatever its status. A SENT job stopped by a rewind before its
+      first packet (its record never comes) sets ``recorded`` back to its own
+      ``wqe_index`` (it is always the newest WQE of its QP past stage 1, so that is
+      exact); the stop happens the cycle after the rewind, long before a fetch of the new
+      epoch can reach stage 1. A job stopped after its first packet keeps ``recorded``
+      past it: its record is out, with the PSNs the replay gives it again (the replay
+      starts at the rewind's WQE and PSN and repeats the same WQEs), so the replayed copy
+      is ``resent``; the completion unit takes answers only for PSNs on the wire, so the
+      record's unsent PSNs wait for the replay.
     * ``skip`` (the scheduler's, with its epoch already changed in that cycle: a retire
       moved the QP past WQEs it had not fetched again) acts as a rewind to
       ``wqe_index`` (stage 1 squashes by the epoch alone); a rewind of the same QP in the
@@ -226,6 +239,7 @@ class WqeExecutor(wiring.Component):
             "ar": Out(stream.Signature(ArLayout())),
             "payload_freed": In(1),
             "packet": Out(stream.Signature(PacketDescriptorLayout())),
+            "sent": Out(stream.Signature(PacketSentLayout(), always_ready=True)),
             "completion": Out(stream.Signature(CompletionRecordLayout())),
             "wqes_executed": Out(32),
             "packets_sent": Out(32),
@@ -530,8 +544,9 @@ class WqeExecutor(wiring.Component):
                     m.d.sync += local_error[q].eq(1)
                 with m.If(~resent):
                     m.d.sync += recorded[q].eq(r1.wqe_index + r1.wqe_blocks)
-            # A stopped job was the QP's newest WQE past stage 1: its record never comes.
-            with m.If(stop & ~job.resent & (job.cmp.qpn == q)):
+            # A job stopped before its first packet was the QP's newest WQE past stage 1:
+            # its record never comes.
+            with m.If(stop & first & ~job.resent & (job.cmp.qpn == q)):
                 m.d.sync += recorded[q].eq(job.cmp.wqe_index)
             with m.If(self.rewind.valid & (rewind.qpn == q)):
                 m.d.sync += [next_psn[q].eq(rewind.psn), psn_loaded[q].eq(1)]
@@ -612,10 +627,12 @@ class WqeExecutor(wiring.Component):
             item.desc.header.eq(Cat(headers, ext)),
             item.desc.header_bytes.eq(header_bytes),
             item.desc.payload_bytes.eq(plen),
+            # A READ request takes the PSNs of all its responses.
+            item.sent_psn.eq(Mux(job.read, job.cmp.last_psn, psn)),
             item.has_packet.eq(job_sent),
             item.resent.eq(job.resent),
             item.cmp.eq(job.cmp),
-            item.has_completion.eq(j_last & ~job.resent),
+            item.has_completion.eq(first & ~job.resent),
         ]
         with m.If(dma):
             m.d.comb += dma_payload(item, bursts)
@@ -683,6 +700,11 @@ class WqeExecutor(wiring.Component):
             m.d.sync += d_valid.eq(0)
         with m.If(p_out):
             m.d.sync += [d_valid.eq(1), d.eq(p)]
+        m.d.sync += [
+            self.sent.valid.eq(d_done & d.has_packet),
+            self.sent.payload.qpn.eq(d.cmp.qpn),
+            self.sent.payload.psn.eq(d.sent_psn),
+        ]
 
         # --- counters ------------------------------------------------------------------------
         # Each counts its registered events, a cycle after them: a 32-bit sum is deep

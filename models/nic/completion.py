@@ -62,6 +62,8 @@ class _QpProgress:
     has_sent: bool = False
     ack_psn: int = 0         # newest acknowledged PSN
     sent_psn: int = 0        # last PSN of the newest SENT record
+    on_wire: bool = False    # a packet was sent since reset
+    wire_psn: int = 0        # the highest PSN sent (``packet_sent``)
     read_psn: int = 0        # newest READ response LAST/ONLY
     atomic_psn: int = 0      # newest ATOMIC ACKNOWLEDGE
     nak: tuple | None = None  # (psn, syndrome) of a fatal NAK not yet applied
@@ -79,14 +81,18 @@ class CompletionModel:
     hdl/nic/completion_unit.py, docs/nic-reliability.md).
 
     Give it every :class:`WqeResult` in WQE order per QP (:meth:`post`; a WQE sent again
-    after a rewind is not posted again: the executor emits no second record) and every
-    packet that arrives (:meth:`receive`); both return the :class:`Completion` list they
+    after a rewind is not posted again: the executor emits no second record), every
+    request packet as it goes on the wire (:meth:`packet_sent`, or ``post(...,
+    on_wire=True)``: all of the WQE's packets at once) and every packet that arrives
+    (:meth:`receive`); ``post`` and ``receive`` return the :class:`Completion` list they
     cause, in order. What depends on time is driven from outside: :meth:`timer_expired`
     (the local ACK timeout fired) and :meth:`rnr_wait_over`. Every ``rewind`` strobe the
     NIC would emit is appended to :attr:`rewinds`.
 
     A response for QP q at PSN p is taken only if q has had a SENT record since its reset,
-    is not flushing, and ``ack_psn < p <= sent_psn``; else it is dropped and counted
+    is not flushing, ``ack_psn < p <= sent_psn`` and p is not after ``wire_psn``, the
+    highest PSN q has sent (the executor emits a record with its message's first packet,
+    so a record's later PSNs may not be on the wire yet); else it is dropped and counted
     (``rx_dropped_unexpected``, or ``rx_dropped_icrc``). Then:
 
     - ACK: ``ack_psn = p``; if p covers R's first PSN (R below: its responses went
@@ -139,8 +145,12 @@ class CompletionModel:
              "error_cqes", "rx_dropped_icrc", "rx_dropped_unexpected", "retransmits_nak",
              "retransmits_timeout", "retransmits_rnr", "retries_exhausted"), 0)
 
-    def post(self, result: WqeResult) -> list:
+    def post(self, result: WqeResult, on_wire: bool = True) -> list:
+        """The executor's record of ``result``; ``on_wire``: all its packets were sent
+        too (else :meth:`packet_sent` tells each)."""
         self.outstanding[result.qpn].append(result)
+        if result.status == CompletionStatus.SENT and on_wire:
+            self.packet_sent(result.qpn, result.last_psn)
         if result.status == CompletionStatus.SENT:
             if result.opcode == MlxOpcode.RDMA_READ or result.opcode in _ATOMIC_MLX:
                 self.awaiting_responses[result.qpn].append(result)
@@ -152,6 +162,15 @@ class CompletionModel:
         out = []
         self._advance(result.qpn, out)
         return out
+
+    def packet_sent(self, qpn: int, psn: int):
+        """A request packet of QP ``qpn`` went on the wire (the executor's ``sent``), ``psn``
+        the last PSN it accounts for (its own; a READ request's: the READ's last PSN):
+        ``wire_psn`` moves to it unless it is a resend below it."""
+        st = self.progress[qpn]
+        if not st.on_wire or psn_lt(st.wire_psn, psn):
+            st.wire_psn = psn
+        st.on_wire = True
 
     def flush_qp(self, qpn: int) -> list:
         """The QP went to ERR (host write): everything outstanding, and every record
@@ -180,7 +199,8 @@ class CompletionModel:
 
     def timer_expired(self, qpn: int) -> list:
         """The local ACK timeout fired for the QP (its head is a SENT WQE that has waited
-        ``2**ack_timeout`` ticks without progress): rewind, or give up."""
+        ``2**ack_timeout`` ticks without progress, a rewind or a packet of the QP sent):
+        rewind, or give up."""
         return self._retry(qpn, "timeout")
 
     def rnr_wait_over(self, qpn: int) -> list:
@@ -349,7 +369,8 @@ class CompletionModel:
         st = self.progress.get(qpn)
         if (st is None or not st.has_sent or st.flushing or st.nak is not None
                 or self.requester.state[qpn] == QpState.RESET
-                or not (psn_lt(st.ack_psn, psn) and psn_le(psn, st.sent_psn))):
+                or not (psn_lt(st.ack_psn, psn) and psn_le(psn, st.sent_psn))
+                or not st.on_wire or not psn_le(psn, st.wire_psn)):
             return self._drop()
         out = []
         if opcode == Opcode.ACKNOWLEDGE:
