@@ -64,6 +64,7 @@ from models.nic import Access as ModelAccess
 from models.nic import Mkey as ModelMkey
 from models.nic import QpContext, RequesterModel
 from models.packet import parse_packet
+from tb.amaranth_sim import Driver
 
 NUM_QPS = 8
 NUM_MKEYS = 16
@@ -285,7 +286,7 @@ class Bench:
         self.counts = dict(wqes_executed=0, packets_sent=0, payload_bytes_sent=0,
                            wqe_errors=0, wqes_flushed=0, wqes_squashed=0, packets_resent=0)
         self.addr = (0, 0)
-        self.cache = {}
+        self.drive = Driver()
         self.reset_strobe = None
         self.accept_cycles = []
         self.packet_cycles = []
@@ -294,10 +295,6 @@ class Bench:
         self.free_enabled = True
         self.stray_frees = 0                # payload_freed strobes with no beat reserved
 
-    def _set(self, ctx, sig, value):
-        if self.cache.get(id(sig)) != value:
-            self.cache[id(sig)] = value
-            ctx.set(sig, value)
 
     def submit(self, wqes):
         """Queue ``wqes``; each gets the next WQE index of its QP (after its blocks)."""
@@ -343,7 +340,7 @@ class Bench:
         """Between batches (executor drained): QP resets with new contexts, states, keys."""
         for q, qp in changes.get("reset", {}).items():
             self.ref.state[q] = RESET
-            self._set(ctx, self.dut.qp_state[q], RESET)
+            self.drive.set(self.dut.qp_state[q], RESET)
             self.reset_strobe = q
             await self.cycle(ctx)
             self.ref.reset_qp(q)
@@ -365,27 +362,28 @@ class Bench:
                 ref.state[q] = ERR
                 self.to_err.remove((due, q))
         for q in range(dut.num_qps):
-            self._set(ctx, dut.qp_state[q], ref.state[q])
-        self._set(ctx, dut.qp_reset.valid, int(self.reset_strobe is not None))
-        self._set(ctx, dut.qp_reset.qpn, self.reset_strobe or 0)
+            self.drive.set(dut.qp_state[q], ref.state[q])
+        self.drive.set(dut.qp_reset.valid, int(self.reset_strobe is not None))
+        self.drive.set(dut.qp_reset.qpn, self.reset_strobe or 0)
         self.reset_strobe = None
         qaddr, maddr = self.addr
         # (an address past the table, from a bad QPN, reads zeros)
         qpc = ref.qps[qaddr] if qaddr < len(ref.qps) else {}
-        self._set(ctx, dut.qp_config.data.as_value(), pack(QPC, qpc))
-        self._set(ctx, dut.mkey.data.as_value(), pack(MKEY, ref.mkeys[maddr]))
+        self.drive.set(dut.qp_config.data.as_value(), pack(QPC, qpc))
+        self.drive.set(dut.mkey.data.as_value(), pack(MKEY, ref.mkeys[maddr]))
         if self.offered is None and self.inputs and rng.random() < self.p_wqe:
             self.offered = self.inputs.popleft()
-        self._set(ctx, dut.wqe.valid, int(self.offered is not None))
+        self.drive.set(dut.wqe.valid, int(self.offered is not None))
         if self.offered is not None:
-            self._set(ctx, dut.wqe.payload.as_value(), pack(WQE, self.offered[0]))
-        self._set(ctx, dut.packet.ready, int(rng.random() < self.p_packet))
-        self._set(ctx, dut.completion.ready, int(rng.random() < self.p_completion))
-        self._set(ctx, dut.ar.ready, int(rng.random() < self.p_ar))
+            self.drive.set(dut.wqe.payload.as_value(), pack(WQE, self.offered[0]))
+        self.drive.set(dut.packet.ready, int(rng.random() < self.p_packet))
+        self.drive.set(dut.completion.ready, int(rng.random() < self.p_completion))
+        self.drive.set(dut.ar.ready, int(rng.random() < self.p_ar))
         freed = int(self.free_enabled and self.issued_beats > 0 and rng.random() < self.p_free)
         stray = not freed and self.stray_frees > 0
         self.stray_frees -= stray
-        self._set(ctx, dut.payload_freed, int(freed or stray))
+        self.drive.set(dut.payload_freed, int(freed or stray))
+        self.drive.apply(ctx)
 
         # Outputs.
         if ctx.get(dut.wqe.valid) and ctx.get(dut.wqe.ready):
@@ -902,7 +900,7 @@ class RewindBench:
         self.p_ar, self.p_free, self.p_rewind, self.p_ack = p_ar, p_free, p_rewind, p_ack
         self.transit_max = transit
         self.t = 0
-        self.cache = {}
+        self.drive = Driver()
         self.addr = (0, 0)
         self.epoch = [0] * dut.num_qps      # the scheduler's epoch registers
         self.counts = dict(wqes_executed=0, packets_sent=0, payload_bytes_sent=0,
@@ -916,13 +914,6 @@ class RewindBench:
         self.issued_beats = 0
         self.reset_strobe = None
 
-    def _set(self, ctx, sig, value):
-        # Keyed by the Value object, kept alive here: payload fields are fresh objects on
-        # every access, and a dead one's id could be reused by another.
-        cached = self.cache.get(id(sig))
-        if cached is None or cached[1] != value:
-            self.cache[id(sig)] = (sig, value)
-            ctx.set(sig, value)
 
     def load(self, streams):
         """A new phase: ``streams`` {qpn: Stream}."""
@@ -961,14 +952,14 @@ class RewindBench:
 
     async def cycle(self, ctx, rewinding=True):
         dut, rng, ref, t = self.dut, self.rng, self.ref, self.t
-        self._set(ctx, dut.qp_reset.valid, int(self.reset_strobe is not None))
-        self._set(ctx, dut.qp_reset.qpn, self.reset_strobe or 0)
+        self.drive.set(dut.qp_reset.valid, int(self.reset_strobe is not None))
+        self.drive.set(dut.qp_reset.qpn, self.reset_strobe or 0)
         self.reset_strobe = None
         for q in range(dut.num_qps):
-            self._set(ctx, dut.qp_epoch[q], self.epoch[q])
+            self.drive.set(dut.qp_epoch[q], self.epoch[q])
         qaddr, maddr = self.addr
-        self._set(ctx, dut.qp_config.data.as_value(), pack(QPC, ref.qps[qaddr]))
-        self._set(ctx, dut.mkey.data.as_value(), pack(MKEY, ref.mkeys[maddr]))
+        self.drive.set(dut.qp_config.data.as_value(), pack(QPC, ref.qps[qaddr]))
+        self.drive.set(dut.mkey.data.as_value(), pack(MKEY, ref.mkeys[maddr]))
 
         # The fetcher: the next WQE of a random QP, with the QP's epoch.
         waiting = [q for q, s in self.streams.items() if self.fetch_pos[q] < len(s.wqes)]
@@ -978,9 +969,9 @@ class RewindBench:
             self.fetch_pos[q] += 1
         if self.offered is None and self.transit:
             self.offered = self.transit.popleft()
-        self._set(ctx, dut.wqe.valid, int(self.offered is not None))
+        self.drive.set(dut.wqe.valid, int(self.offered is not None))
         if self.offered is not None:
-            self._set(ctx, dut.wqe.payload.as_value(), pack(WQE, self.offered))
+            self.drive.set(dut.wqe.payload.as_value(), pack(WQE, self.offered))
 
         # The completion unit: acknowledgements, and a rewind to the oldest unacknowledged.
         for q in self.streams:
@@ -993,10 +984,10 @@ class RewindBench:
             h = self.acked[q]
             record = self.streams[q].records[h]
             rewind = (q, h)
-            self._set(ctx, dut.rewind.p.qpn, q)
-            self._set(ctx, dut.rewind.p.wqe_index, record["wqe_index"])
-            self._set(ctx, dut.rewind.p.psn, record["first_psn"])
-        self._set(ctx, dut.rewind.valid, int(rewind is not None))
+            self.drive.set(dut.rewind.p.qpn, q)
+            self.drive.set(dut.rewind.p.wqe_index, record["wqe_index"])
+            self.drive.set(dut.rewind.p.psn, record["first_psn"])
+        self.drive.set(dut.rewind.valid, int(rewind is not None))
         # The scheduler's skip: acknowledgements passed where the refetch stands. It comes
         # with its new epoch in the same cycle (both registered in the scheduler).
         skip = None
@@ -1008,17 +999,18 @@ class RewindBench:
             record = self.streams[q].records[d]
             skip = (q, d)
             self.epoch[q] = (self.epoch[q] + 1) % EPOCHS
-            self._set(ctx, dut.qp_epoch[q], self.epoch[q])
-            self._set(ctx, dut.skip.p.qpn, q)
-            self._set(ctx, dut.skip.p.wqe_index, record["wqe_index"])
-            self._set(ctx, dut.skip.p.psn, record["first_psn"])
-        self._set(ctx, dut.skip.valid, int(skip is not None))
+            self.drive.set(dut.qp_epoch[q], self.epoch[q])
+            self.drive.set(dut.skip.p.qpn, q)
+            self.drive.set(dut.skip.p.wqe_index, record["wqe_index"])
+            self.drive.set(dut.skip.p.psn, record["first_psn"])
+        self.drive.set(dut.skip.valid, int(skip is not None))
 
-        self._set(ctx, dut.packet.ready, int(rng.random() < self.p_packet))
-        self._set(ctx, dut.completion.ready, int(rng.random() < self.p_completion))
-        self._set(ctx, dut.ar.ready, int(rng.random() < self.p_ar))
+        self.drive.set(dut.packet.ready, int(rng.random() < self.p_packet))
+        self.drive.set(dut.completion.ready, int(rng.random() < self.p_completion))
+        self.drive.set(dut.ar.ready, int(rng.random() < self.p_ar))
         freed = int(self.issued_beats > 0 and rng.random() < self.p_free)
-        self._set(ctx, dut.payload_freed, freed)
+        self.drive.set(dut.payload_freed, freed)
+        self.drive.apply(ctx)
 
         # Outputs of this cycle (before the rewind takes effect).
         if ctx.get(dut.wqe.valid) and ctx.get(dut.wqe.ready):
