@@ -49,6 +49,7 @@ from models.crc import icrc_bytes
 from models.ib import AETH, BTH, AtomicAckETH, Opcode
 from models.nic import read_response_opcode
 from models.packet import build_packet
+from tb.amaranth_sim import Driver
 
 M24 = 1 << 24
 WIDTH = 64
@@ -467,6 +468,7 @@ class Bench:
         self.flushes = deque()
         self.ready_low = 0
         self._cache = {}
+        self.drive = Driver()
         self.qp_errors = []
         self.retire_cycles = []
         # Receive completions: to offer, offered, taken by the unit (awaiting their CQEs).
@@ -499,11 +501,6 @@ class Bench:
         for q, state in enumerate(self.qp_states):
             ctx.set(self.dut.qp_state[q], state)
 
-    def _set(self, ctx, sig, value):
-        key = id(sig)
-        if self._cache.get(key) != value:
-            self._cache[key] = value
-            ctx.set(sig, value)
 
     def queue_packet(self, vl, qpn, packet, end_bad=False, holder=None):
         """Queue ``packet`` on VL ``vl``; ``holder`` (a Stored) if the ResponseWriter
@@ -542,18 +539,18 @@ class Bench:
         # completion records
         if self.offer is None and self.to_offer and rng.random() < self.p_rec:
             self.offer = self.to_offer.popleft()
-        self._set(ctx, dut.completion.valid, int(self.offer is not None))
+        self.drive.set(dut.completion.valid, int(self.offer is not None))
         if self.offer is not None and self._cache.get("offer") is not self.offer:
             self._cache["offer"] = self.offer
-            ctx.set(dut.completion.payload, CompletionRecordLayout().const(self.offer.payload()))
+            self.drive.set(dut.completion.payload, CompletionRecordLayout().const(self.offer.payload()))
 
         # receive completions
         if self.recv_offer is None and self.recv_to_offer and rng.random() < self.p_recv:
             self.recv_offer = self.recv_to_offer.popleft()
-        self._set(ctx, dut.receive.valid, int(self.recv_offer is not None))
+        self.drive.set(dut.receive.valid, int(self.recv_offer is not None))
         if self.recv_offer is not None and self._cache.get("recv_offer") is not self.recv_offer:
             self._cache["recv_offer"] = self.recv_offer
-            ctx.set(dut.receive.payload.as_value(), self.recv_offer.bits())
+            self.drive.set(dut.receive.payload.as_value(), self.recv_offer.bits())
 
         # rx beats: at most one per cycle over all VLs when ``wire``
         # (a stored packet starts only while no other VL's stored packet is passing: the
@@ -584,12 +581,12 @@ class Bench:
                     holder.delay = rng.randint(0, self.land_delay)
                     self.stored.append(holder)
                     self.stored_vl = v
-                    self._set(ctx, dut.rx_seq[v], holder.seq % (1 << 16))
+                    self.drive.set(dut.rx_seq[v], holder.seq % (1 << 16))
             qpn, beats, holder = self.rx_cur[v]
             beat = beats.popleft()
             sent.add(v)
-            self._set(ctx, dut.rx[v].valid, 1)
-            ctx.set(dut.rx[v].payload, BEAT.const(beat))
+            self.drive.set(dut.rx[v].valid, 1)
+            self.drive.set(dut.rx[v].payload, BEAT.const(beat))
             if not beats:
                 self.rx_cur[v] = None
                 ended.append(qpn)
@@ -597,41 +594,41 @@ class Bench:
                 if holder is not None:
                     holder.ended = t
         for v in set(range(dut.num_vls)) - sent:
-            self._set(ctx, dut.rx[v].valid, 0)
+            self.drive.set(dut.rx[v].valid, 0)
 
         # packets sent
         strobe = self.sent_due.popleft() if self.sent_due else None
-        self._set(ctx, dut.sent.valid, int(strobe is not None))
+        self.drive.set(dut.sent.valid, int(strobe is not None))
         if strobe is not None:
-            ctx.set(dut.sent.payload.qpn, strobe[0])      # fields are fresh objects: no cache
-            ctx.set(dut.sent.payload.psn, strobe[1])
+            self.drive.set(dut.sent.payload.qpn, strobe[0])
+            self.drive.set(dut.sent.payload.psn, strobe[1])
             if not self.auto_sent and strobe[0] < dut.num_qps:
                 self.ref.packet_sent(*strobe)
 
         # QP flush and reset strobes
         flush_q = self.flushes.popleft() if self.flushes else None
-        self._set(ctx, dut.qp_flush.valid, int(flush_q is not None))
+        self.drive.set(dut.qp_flush.valid, int(flush_q is not None))
         if flush_q is not None:
-            self._set(ctx, dut.qp_flush.qpn, flush_q)
+            self.drive.set(dut.qp_flush.qpn, flush_q)
         reset_q = self.resets.popleft() if self.resets else None
-        self._set(ctx, dut.qp_reset.valid, int(reset_q is not None))
+        self.drive.set(dut.qp_reset.valid, int(reset_q is not None))
         if reset_q is not None:
-            self._set(ctx, dut.qp_reset.qpn, reset_q)
+            self.drive.set(dut.qp_reset.qpn, reset_q)
         cq_reset = self.cq_resets.popleft() if self.cq_resets else None
-        self._set(ctx, dut.cq_reset.valid, int(cq_reset is not None))
+        self.drive.set(dut.cq_reset.valid, int(cq_reset is not None))
         if cq_reset is not None:
-            self._set(ctx, dut.cq_reset.qpn, cq_reset)
+            self.drive.set(dut.cq_reset.qpn, cq_reset)
 
         # AXI
         awready = int(rng.random() < self.p_aw)
         wready = int(rng.random() < self.p_w)
-        self._set(ctx, dut.axi.awready, awready)
-        self._set(ctx, dut.axi.wready, wready)
+        self.drive.set(dut.axi.awready, awready)
+        self.drive.set(dut.axi.wready, wready)
         if self.b_cur is None and self.b_due and self.b_due[0][0] <= t:
             self.b_cur = self.b_due.popleft()[1]
-        self._set(ctx, dut.axi.bvalid, int(self.b_cur is not None))
+        self.drive.set(dut.axi.bvalid, int(self.b_cur is not None))
         if self.b_cur is not None:
-            self._set(ctx, dut.axi.bresp, self.b_cur)
+            self.drive.set(dut.axi.bresp, self.b_cur)
             assert ctx.get(dut.axi.bready)
             if self.b_cur:
                 self.ref.counters["cqe_write_errors"] += 1
@@ -646,8 +643,9 @@ class Bench:
         while (self.landed < len(self.stored) and self.stored[self.landed].decided is not None
                and t >= self.stored[self.landed].decided + self.stored[self.landed].delay):
             self.landed += 1
-        self._set(ctx, dut.landed, self.landed % (1 << 16))
+        self.drive.set(dut.landed, self.landed % (1 << 16))
         self.landed_hist.append(self.landed)
+        self.drive.apply(ctx)
 
         # outputs
         for v in range(dut.num_vls):
