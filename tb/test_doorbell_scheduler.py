@@ -357,7 +357,7 @@ class Bench:
         self.n = dut.num_qps
         self.ref = Reference(self.n)
         self.t = 0
-        self.driver = Driver()
+        self.drive = Driver()
         self.db_qpn, self.db_pi = dut.doorbell.p.qpn, dut.doorbell.p.pi
         self.done_qpn, self.done_consumed = dut.fetch_done.p.qpn, dut.fetch_done.p.consumed
         self.done_epoch = dut.fetch_done.p.epoch
@@ -365,21 +365,18 @@ class Bench:
         self.retire_qpn, self.retire_blocks = dut.retire.p.qpn, dut.retire.p.blocks
         self.retire_psn = dut.retire.p.next_psn
 
-    def _set(self, sig, value):
-        self.driver.set(sig, value)
-
     def configure(self, q, state=None, log_sq_size=None, max_out=None):
         """Context/state inputs of QP ``q``; they take effect in the next cycle driven."""
         qp = self.ref.qps[q]
         if state is not None:
             qp.state = state
-            self._set(self.dut.qp_state[q], state)
+            self.drive.set(self.dut.qp_state[q], state)
         if log_sq_size is not None:
             qp.log_sq_size = log_sq_size
-            self._set(self.dut.qp_log_sq_size[q], log_sq_size)
+            self.drive.set(self.dut.qp_log_sq_size[q], log_sq_size)
         if max_out is not None:
             qp.max_out = max_out
-            self._set(self.dut.qp_max_outstanding[q], max_out)
+            self.drive.set(self.dut.qp_max_outstanding[q], max_out)
 
     def check_outputs(self):
         ctx, dut, ref, t = self.ctx, self.dut, self.ref, self.t
@@ -410,31 +407,31 @@ class Bench:
         ins = ins or Inputs()
         dut = self.dut
         self.check_outputs()
-        self._set(dut.doorbell.valid, int(ins.doorbell is not None))
+        self.drive.set(dut.doorbell.valid, int(ins.doorbell is not None))
         if ins.doorbell is not None:
-            self._set(self.db_qpn, ins.doorbell[0])
-            self._set(self.db_pi, ins.doorbell[1])
-        self._set(dut.fetch_done.valid, int(ins.fetch_done is not None))
+            self.drive.set(self.db_qpn, ins.doorbell[0])
+            self.drive.set(self.db_pi, ins.doorbell[1])
+        self.drive.set(dut.fetch_done.valid, int(ins.fetch_done is not None))
         if ins.fetch_done is not None:
-            self._set(self.done_qpn, ins.fetch_done[0])
-            self._set(self.done_consumed, ins.fetch_done[1])
+            self.drive.set(self.done_qpn, ins.fetch_done[0])
+            self.drive.set(self.done_consumed, ins.fetch_done[1])
             q = ins.fetch_done[0]
-            self._set(self.done_epoch, ins.fetch_done[2] if len(ins.fetch_done) > 2
+            self.drive.set(self.done_epoch, ins.fetch_done[2] if len(ins.fetch_done) > 2
                       else self.ref.qps[q].epoch if q < self.n else 0)
-        self._set(dut.rewind.valid, int(ins.rewind is not None))
+        self.drive.set(dut.rewind.valid, int(ins.rewind is not None))
         if ins.rewind is not None:
-            self._set(self.rewind_qpn, ins.rewind[0])
-            self._set(self.rewind_index, ins.rewind[1])
-        self._set(dut.retire.valid, int(ins.retire is not None))
+            self.drive.set(self.rewind_qpn, ins.rewind[0])
+            self.drive.set(self.rewind_index, ins.rewind[1])
+        self.drive.set(dut.retire.valid, int(ins.retire is not None))
         if ins.retire is not None:
-            self._set(self.retire_qpn, ins.retire[0])
-            self._set(self.retire_blocks, ins.retire[1])
-            self._set(self.retire_psn, ins.retire[2] if len(ins.retire) > 2 else 0)
-        self._set(dut.qp_reset.valid, int(ins.reset is not None))
+            self.drive.set(self.retire_qpn, ins.retire[0])
+            self.drive.set(self.retire_blocks, ins.retire[1])
+            self.drive.set(self.retire_psn, ins.retire[2] if len(ins.retire) > 2 else 0)
+        self.drive.set(dut.qp_reset.valid, int(ins.reset is not None))
         if ins.reset is not None:
-            self._set(dut.qp_reset.qpn, ins.reset)
-        self._set(dut.fetch.ready, int(ins.ready))
-        self.driver.apply(self.ctx)
+            self.drive.set(dut.qp_reset.qpn, ins.reset)
+        self.drive.set(dut.fetch.ready, int(ins.ready))
+        self.drive.apply(self.ctx)
         await self.ctx.tick()
         accepted = self.ref.step(ins, self.t)
         self.t += 1
@@ -585,8 +582,8 @@ def counters_never_hit(ref):
     return [name for name in COUNTER_NAMES if ref.counters[name] == 0]
 
 
-# The 64-QP pipeline simulates at a few cycles per second in Amaranth's simulator: make test
-# runs a shorter 64-QP run, make test-full the two long ones.
+# The 64-QP pipeline simulates at about ten cycles per second in Amaranth's simulator: make
+# test runs a shorter 64-QP run, make test-full the two long ones.
 @pytest.mark.parametrize("num_qps, seed, cycles", [
     (64, 7, 1000),
     pytest.param(64, 1, 2500, marks=pytest.mark.full),
