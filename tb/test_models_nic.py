@@ -145,7 +145,8 @@ def test_nvshmem_shapes():
     assert m.build_wqe(m.Opcode.RDMA_WRITE, 0, 1, inline=bytes(12)).ds == 3
     assert m.build_wqe(m.Opcode.ATOMIC_FA, 0, 1).ds == 4
     assert m.build_wqe(m.Opcode.RDMA_WRITE, 0, 1, inline=bytes(64)).blocks == 2
-    # ibgda_write_nop_wqe: ds 2; the NOP ending a warp-combined put: ds 1; ibgda_write_dump_wqe: ds 2
+    # ibgda_write_nop_wqe: ds 2; the NOP ending a warp-combined put: ds 1;
+    # ibgda_write_dump_wqe: ds 2
     assert m.build_wqe(m.Opcode.NOP, 0, 1, byte_count=0).ds == 2
     assert m.build_wqe(m.Opcode.NOP, 0, 1).ds == 1
     assert m.build_wqe(m.Opcode.DUMP, 0, 1).ds == 2
@@ -450,7 +451,9 @@ def _random_wqe(rng, mtu):
     kw = dict(op=op, raddr=REMOTE_BASE + rng.randrange(0, MEM - 8 * mtu), rkey=9, lkey=LKEY,
               fm_ce_se=rng.choice([0, 8, 8, 10]), imm=rng.getrandbits(32))
     if op == m.Opcode.NOP:
-        kw = dict(op=op, fm_ce_se=kw["fm_ce_se"], **({"byte_count": 0} if rng.random() < 0.5 else {}))
+        kw = dict(op=op, fm_ce_se=kw["fm_ce_se"])
+        if rng.random() < 0.5:
+            kw.update(byte_count=0)         # the ds 2 form
     elif op == m.Opcode.DUMP:
         kw.update(byte_count=rng.choice([0, 1]), laddr=LOCAL_BASE + rng.randrange(0x7000))
     elif op in (m.Opcode.ATOMIC_CS, m.Opcode.ATOMIC_FA):

@@ -735,7 +735,8 @@ def test_checks():
                 make_wqe(1, "SEND", **good),
             ])
             assert (bad.record["status"], bad.record["syndrome"]) == (status, syndrome), name
-            assert bool(bad.packets) == (status == SENT and fields.get("opcode") not in LOCAL_OPS), name
+            sends = status == SENT and fields.get("opcode") not in LOCAL_OPS
+            assert bool(bad.packets) == sends, name
             assert follow.record["status"] == (SENT if status == SENT else FLUSH), name
             assert other.record["status"] == SENT, name
             await bench.drain(ctx)
