@@ -174,14 +174,12 @@ async def doorbell_storm(dut):
 BAD_WQES = {
     # name: (fields, syndrome)
     "unknown_opcode": (dict(opcode=0x13, byte_count=8), mlx5.Syndrome.LOCAL_QP_OP_ERR),
-    "masked_fa_opcode": (dict(opcode=mlx5.OPCODE_ATOMIC_MASKED_FA, byte_count=8),
-                         mlx5.Syndrome.LOCAL_QP_OP_ERR),
     # NVSHMEM's NOP has ds 1 or 2 and opmod 0; its DUMP ds 2, opmod 0 and a data segment
+    # (one QP per row, 16 QPs: a DUMP's opmod is tb/test_wqe_fetcher.py's)
     "nop_ds3": (dict(opcode=Op.NOP, ds=3), mlx5.Syndrome.LOCAL_QP_OP_ERR),
     "nop_opmod": (dict(opcode=Op.NOP, byte_count=0, opmod=0x08), mlx5.Syndrome.LOCAL_QP_OP_ERR),
     "dump_ds1": (dict(opcode=Op.DUMP, ds=1), mlx5.Syndrome.LOCAL_QP_OP_ERR),
     "dump_inline": (dict(opcode=Op.DUMP, inline=b"\x01"), mlx5.Syndrome.LOCAL_QP_OP_ERR),
-    "dump_opmod": (dict(opcode=Op.DUMP, opmod=0x01), mlx5.Syndrome.LOCAL_QP_OP_ERR),
     "dump_key_not_found": (dict(opcode=Op.DUMP, lkey=(9 << 8) | 1), mlx5.Syndrome.LOCAL_PROT_ERR),
     "inline_too_long": (dict(opcode=Op.RDMA_WRITE, inline=bytes(65)), mlx5.Syndrome.LOCAL_LENGTH_ERR),
     "atomic_length": (dict(opcode=Op.ATOMIC_FA, byte_count=16), mlx5.Syndrome.LOCAL_LENGTH_ERR),
