@@ -30,6 +30,7 @@ INLINE_SEG = 0x80000000      # MLX5_INLINE_SEG: byte_count bit 31 marks an inlin
 
 class Opcode(IntEnum):
     """mlx5 send opcodes (``MLX5_OPCODE_*``) the NIC executes."""
+    NOP = 0x00
     RDMA_WRITE = 0x08
     RDMA_WRITE_IMM = 0x09
     SEND = 0x0A
@@ -37,13 +38,12 @@ class Opcode(IntEnum):
     RDMA_READ = 0x10
     ATOMIC_CS = 0x11
     ATOMIC_FA = 0x12
+    DUMP = 0x23              # NVSHMEM's IBGDA_MLX5_OPCODE_DUMP
 
 
 # Opcodes NVSHMEM also writes that this NIC rejects (LOCAL_QP_OP_ERR); used by tests.
-OPCODE_NOP = 0x00
 OPCODE_ATOMIC_MASKED_CS = 0x14
 OPCODE_ATOMIC_MASKED_FA = 0x15
-OPCODE_DUMP = 0x23
 
 # fm_ce_se (byte 11 of the control segment), mlx5dv.h names.
 CTRL_SOLICITED = 0x02            # MLX5_WQE_CTRL_SOLICITED  (1 << 1)
@@ -147,12 +147,17 @@ def build_wqe(opcode: int, wqe_index: int, qpn: int, *, fm_ce_se: int = CTRL_CQ_
               raddr: int = 0, rkey: int = 0,
               lkey: int = 0, laddr: int = 0, byte_count: int | None = None,
               inline: bytes | None = None,
-              swap_add: int = 0, compare: int = 0) -> Wqe:
+              swap_add: int = 0, compare: int = 0, ds: int | None = None) -> Wqe:
     """A well-formed RC WQE as NVSHMEM/libmlx5 lay it out, padded to basic blocks.
 
     WRITE/SEND: a data segment when ``byte_count`` is given (0 allowed), inline data when
     ``inline`` is given, neither for a 0-byte message. READ: raddr + data segment.
-    Atomics: raddr + atomic + data segment (``byte_count`` defaults to 8).
+    Atomics: raddr + atomic + data segment (``byte_count`` defaults to 8). NOP: the
+    control segment alone (ds 1), or with ``byte_count`` given a 16-byte unit of zeros
+    after it (ds 2: ``ibgda_write_nop_wqe``'s form, which leaves that unit unwritten).
+    DUMP: a data segment (``byte_count`` defaults to 1, as NVSHMEM posts it).
+    ``ds``: write this ds instead of the segments' (a malformed WQE, cut or padded to the
+    blocks that ds makes).
     """
     opcode = int(opcode)
     if byte_count is not None and inline is not None:
@@ -167,14 +172,20 @@ def build_wqe(opcode: int, wqe_index: int, qpn: int, *, fm_ce_se: int = CTRL_CQ_
             byte_count = 8
     if opcode == Opcode.RDMA_READ and byte_count is None:
         raise ValueError("RDMA_READ needs byte_count (its data segment)")
-    if inline is not None:
+    if opcode == Opcode.DUMP and byte_count is None:
+        byte_count = 1
+    if opcode == Opcode.NOP:
+        segs += bytes(DS_BYTES) if byte_count is not None else b""
+    elif inline is not None:
         segs += inline_segment(inline)
     elif byte_count is not None:
         segs += data_segment(byte_count, lkey, laddr)
-    ds = 1 + len(segs) // DS_BYTES
+    if ds is None:
+        ds = 1 + len(segs) // DS_BYTES
     ctrl = ctrl_segment(opcode, wqe_index, qpn, ds, opmod=opmod, fm_ce_se=fm_ce_se, imm=imm,
                         signature=signature)
-    return Wqe(pad_blocks(ctrl + segs), ds)
+    return Wqe((ctrl + segs)[:wqe_blocks(ds) * WQEBB_BYTES].ljust(wqe_blocks(ds) * WQEBB_BYTES,
+                                                                  b"\0"), ds)
 
 
 # --- WQE parser (reference of the NIC's) --------------------------------------------------
@@ -213,6 +224,7 @@ class ParsedWqe:
 _WRITES = (Opcode.RDMA_WRITE, Opcode.RDMA_WRITE_IMM)
 _SENDS = (Opcode.SEND, Opcode.SEND_IMM)
 _ATOMICS = (Opcode.ATOMIC_CS, Opcode.ATOMIC_FA)
+LOCAL_OPCODES = (Opcode.NOP, Opcode.DUMP)     # complete in order, send nothing
 
 
 def parse_wqe(wqe: bytes) -> ParsedWqe:
@@ -223,7 +235,9 @@ def parse_wqe(wqe: bytes) -> ParsedWqe:
     64 bytes -> LOCAL_LENGTH_ERR (checked before its ds); ds not matching the opcode's
     segments -> LOCAL_QP_OP_ERR; an atomic's data-segment word not 8 (an inline-marked
     segment included) -> LOCAL_LENGTH_ERR; a READ whose data segment is marked inline ->
-    LOCAL_QP_OP_ERR. The same rules as hdl/nic/wqe_fetcher.py.
+    LOCAL_QP_OP_ERR. NOP: ds 1 or 2 (the second unit is not read) and opmod 0; DUMP: ds 2,
+    opmod 0, a data segment not marked inline; else LOCAL_QP_OP_ERR. The same rules as
+    hdl/nic/wqe_fetcher.py.
     """
     wqe = bytes(wqe)
     opmod_idx_opcode = _field(wqe, 0, 4)
@@ -240,6 +254,12 @@ def parse_wqe(wqe: bytes) -> ParsedWqe:
         return ParsedWqe(**base, format_error=True, syndrome=int(syndrome))
 
     if ds == 0 or opcode not in Opcode._value2member_map_:
+        return error(Syndrome.LOCAL_QP_OP_ERR)
+    if opcode == Opcode.NOP:
+        if ds > 2 or base["opmod"]:
+            return error(Syndrome.LOCAL_QP_OP_ERR)
+        return ParsedWqe(**base)
+    if opcode == Opcode.DUMP and base["opmod"]:
         return error(Syndrome.LOCAL_QP_OP_ERR)
 
     fields = {}

@@ -130,6 +130,7 @@ class NicTB(NicHost):
         self.expected_bytes = {}
         self.landing = defaultdict(int)
         self.landing_cursor = 0                       # tb/test_nic.py's landing allocator
+        self.local_cqes = 0                           # CQEs of NOP and DUMP WQEs
         self.errors = []
 
     # --- bring-up ---------------------------------------------------------------------
@@ -198,6 +199,21 @@ class NicTB(NicHost):
                                   **{k: v for k, v in wqe.items() if k != "opcode"})
             self.expect(qpn, index, made.data)
             return made.data
+        return build
+
+    def builder_many(self, qpn, wqes):
+        """A ``build(index)`` for WQEs posted together, one after the other from ``index``
+        (one reservation, as NVSHMEM posts a combined put and its NOP): ``wqes`` are
+        field dicts as for :meth:`builder`."""
+        def build(index):
+            data = b""
+            for wqe in wqes:
+                made = mlx5.build_wqe(wqe["opcode"], index, qpn,
+                                      **{k: v for k, v in wqe.items() if k != "opcode"})
+                self.expect(qpn, index, made.data)
+                data += made.data
+                index = (index + made.blocks) % (1 << 16)
+            return data
         return build
 
     def expect(self, qpn, index, wqe_bytes):
@@ -291,6 +307,15 @@ class NicTB(NicHost):
         result = self.expected_cqes[qpn].popleft()
         if self.landing.pop(_key(result), 0):
             self.errors.append(f"QP {qpn}: CQE {cqe} before its READ data or atomic result")
+        if result.opcode in mlx5.LOCAL_OPCODES and result.status == CompletionStatus.SENT:
+            # In order: the packets before a NOP or DUMP (PSNs up to its last_psn, the one
+            # before its first) were all received, their acknowledgement came first.
+            self.local_cqes += 1
+            early = [p for p, _ in self.expected_packets[qpn]
+                     if psn_le(int.from_bytes(p[17:20], "big"), result.last_psn)]
+            if early:
+                self.errors.append(f"QP {qpn}: CQE {cqe} of WQE {result.wqe_index} while "
+                                   f"{len(early)} packets before it were not received")
         want = result.cqe(owner=cqe.owner)
         if cqe != want:
             self.errors.append(f"QP {qpn}: CQE {cqe}, expected {want}")

@@ -102,7 +102,14 @@ def test_build_parse_round_trip():
         kw = dict(fm_ce_se=rng.choice([0, 8, 10]), imm=rng.getrandbits(32),
                   raddr=rng.getrandbits(64), rkey=rng.getrandbits(32))
         inline = None
-        if op in (m.Opcode.ATOMIC_CS, m.Opcode.ATOMIC_FA):
+        if op == m.Opcode.NOP:
+            kw = dict(fm_ce_se=kw["fm_ce_se"], imm=kw["imm"])
+            if rng.random() < 0.5:
+                kw.update(byte_count=0)         # the ds 2 form
+        elif op == m.Opcode.DUMP:
+            kw = dict(fm_ce_se=kw["fm_ce_se"], imm=kw["imm"], byte_count=rng.getrandbits(31),
+                      lkey=rng.getrandbits(32), laddr=rng.getrandbits(64))
+        elif op in (m.Opcode.ATOMIC_CS, m.Opcode.ATOMIC_FA):
             kw.update(swap_add=rng.getrandbits(64), compare=rng.getrandbits(64),
                       lkey=rng.getrandbits(32), laddr=rng.getrandbits(64))
         elif op == m.Opcode.RDMA_READ or rng.random() < 0.5:
@@ -118,7 +125,10 @@ def test_build_parse_round_trip():
         assert not p.format_error, (op, kw)
         assert (p.opcode, p.ds, p.ctrl_wqe_index, p.ctrl_qpn, p.fm_ce_se, p.imm) == \
             (op, wqe.ds, idx, 77, kw["fm_ce_se"], kw["imm"])
-        if op not in (m.Opcode.SEND, m.Opcode.SEND_IMM):
+        if op == m.Opcode.NOP:
+            assert wqe.ds == 1 + ("byte_count" in kw) and not p.has_data and not p.inline
+            continue
+        if op not in (m.Opcode.SEND, m.Opcode.SEND_IMM, m.Opcode.DUMP):
             assert (p.raddr, p.rkey) == (kw["raddr"], kw["rkey"])
         if inline is not None:
             assert p.inline and p.inline_data == inline and p.byte_count == len(inline)
@@ -135,6 +145,11 @@ def test_nvshmem_shapes():
     assert m.build_wqe(m.Opcode.RDMA_WRITE, 0, 1, inline=bytes(12)).ds == 3
     assert m.build_wqe(m.Opcode.ATOMIC_FA, 0, 1).ds == 4
     assert m.build_wqe(m.Opcode.RDMA_WRITE, 0, 1, inline=bytes(64)).blocks == 2
+    # ibgda_write_nop_wqe: ds 2; the NOP ending a warp-combined put: ds 1;
+    # ibgda_write_dump_wqe: ds 2
+    assert m.build_wqe(m.Opcode.NOP, 0, 1, byte_count=0).ds == 2
+    assert m.build_wqe(m.Opcode.NOP, 0, 1).ds == 1
+    assert m.build_wqe(m.Opcode.DUMP, 0, 1).ds == 2
 
 
 # --- a small world ----------------------------------------------------------------------------
@@ -181,18 +196,24 @@ def run(req, local, qpn, idx, **kw):
 
 # --- format rules and executor checks ---------------------------------------------------------
 
-def _raw(opcode, ds, *segs):
-    return m.pad_blocks(m.ctrl_segment(opcode, 0, 0, ds, fm_ce_se=8) + b"".join(segs))
+def _raw(opcode, ds, *segs, opmod=0):
+    return m.pad_blocks(m.ctrl_segment(opcode, 0, 0, ds, fm_ce_se=8, opmod=opmod)
+                        + b"".join(segs))
 
 
 RA = m.raddr_segment(REMOTE_BASE, 9)
 DATA8 = m.data_segment(8, LKEY, LOCAL_BASE)
 FORMAT_ERRORS = [
     ("ds 0", _raw(m.Opcode.SEND, 0, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
-    ("NOP", _raw(m.OPCODE_NOP, 1), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("NOP, ds 3", _raw(m.Opcode.NOP, 3), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("NOP, opmod 8", _raw(m.Opcode.NOP, 2, opmod=8), m.Syndrome.LOCAL_QP_OP_ERR),
     ("masked FA (NVSHMEM)", _raw(m.OPCODE_ATOMIC_MASKED_FA, 4, RA, m.atomic_segment(1), DATA8),
      m.Syndrome.LOCAL_QP_OP_ERR),
-    ("DUMP", _raw(m.OPCODE_DUMP, 2, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("DUMP, ds 1", _raw(m.Opcode.DUMP, 1), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("DUMP, ds 3", _raw(m.Opcode.DUMP, 3, DATA8, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("DUMP, inline", _raw(m.Opcode.DUMP, 2, m.inline_segment(bytes(1))),
+     m.Syndrome.LOCAL_QP_OP_ERR),
+    ("DUMP, opmod 1", _raw(m.Opcode.DUMP, 2, DATA8, opmod=1), m.Syndrome.LOCAL_QP_OP_ERR),
     ("write, two data segments", _raw(m.Opcode.RDMA_WRITE, 4, RA, DATA8, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
     ("write, ds 1", _raw(m.Opcode.RDMA_WRITE, 1), m.Syndrome.LOCAL_QP_OP_ERR),
     # ds 1 with bytes beyond it that look like an over-long inline segment: the WQE ends
@@ -429,7 +450,13 @@ def _random_wqe(rng, mtu):
     op = rng.choice(list(m.Opcode))
     kw = dict(op=op, raddr=REMOTE_BASE + rng.randrange(0, MEM - 8 * mtu), rkey=9, lkey=LKEY,
               fm_ce_se=rng.choice([0, 8, 8, 10]), imm=rng.getrandbits(32))
-    if op in (m.Opcode.ATOMIC_CS, m.Opcode.ATOMIC_FA):
+    if op == m.Opcode.NOP:
+        kw = dict(op=op, fm_ce_se=kw["fm_ce_se"])
+        if rng.random() < 0.5:
+            kw.update(byte_count=0)         # the ds 2 form
+    elif op == m.Opcode.DUMP:
+        kw.update(byte_count=rng.choice([0, 1]), laddr=LOCAL_BASE + rng.randrange(0x7000))
+    elif op in (m.Opcode.ATOMIC_CS, m.Opcode.ATOMIC_FA):
         kw.update(raddr=REMOTE_BASE + 8 * rng.randrange(16), laddr=LOCAL_BASE + 0x7000 + 8 * rng.randrange(64),
                   swap_add=rng.getrandbits(64), compare=rng.getrandbits(64))
         if rng.random() < 0.5:
@@ -469,10 +496,12 @@ def _loop(seed, *, ack_every, count=120, collapsed=False):
         # the reference effect of the WQE
         op = kw["op"]
         data = kw.get("inline")
-        if data is None and "byte_count" in kw:
+        if data is None and "byte_count" in kw and op not in m.LOCAL_OPCODES:
             data = bytes(local_ref[kw["laddr"] - LOCAL_BASE:][:kw["byte_count"]])
-        roff = kw["raddr"] - REMOTE_BASE
-        if op in (m.Opcode.RDMA_WRITE, m.Opcode.RDMA_WRITE_IMM):
+        roff = kw.get("raddr", REMOTE_BASE) - REMOTE_BASE
+        if op in m.LOCAL_OPCODES:
+            assert not r.packets and r.last_psn == (r.first_psn - 1) % (1 << 24)
+        elif op in (m.Opcode.RDMA_WRITE, m.Opcode.RDMA_WRITE_IMM):
             remote_ref[roff:roff + len(data)] = data
         elif op in (m.Opcode.SEND, m.Opcode.SEND_IMM):
             sends[0x100 + qpn].append((data, kw["imm"] if op == m.Opcode.SEND_IMM else None))

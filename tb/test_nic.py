@@ -174,7 +174,13 @@ async def doorbell_storm(dut):
 BAD_WQES = {
     # name: (fields, syndrome)
     "unknown_opcode": (dict(opcode=0x13, byte_count=8), mlx5.Syndrome.LOCAL_QP_OP_ERR),
-    "nop_opcode": (dict(opcode=mlx5.OPCODE_NOP), mlx5.Syndrome.LOCAL_QP_OP_ERR),
+    # NVSHMEM's NOP has ds 1 or 2 and opmod 0; its DUMP ds 2, opmod 0 and a data segment
+    # (one QP per row, 16 QPs: a DUMP's opmod is tb/test_wqe_fetcher.py's)
+    "nop_ds3": (dict(opcode=Op.NOP, ds=3), mlx5.Syndrome.LOCAL_QP_OP_ERR),
+    "nop_opmod": (dict(opcode=Op.NOP, byte_count=0, opmod=0x08), mlx5.Syndrome.LOCAL_QP_OP_ERR),
+    "dump_ds1": (dict(opcode=Op.DUMP, ds=1), mlx5.Syndrome.LOCAL_QP_OP_ERR),
+    "dump_inline": (dict(opcode=Op.DUMP, inline=b"\x01"), mlx5.Syndrome.LOCAL_QP_OP_ERR),
+    "dump_key_not_found": (dict(opcode=Op.DUMP, lkey=(9 << 8) | 1), mlx5.Syndrome.LOCAL_PROT_ERR),
     "inline_too_long": (dict(opcode=Op.RDMA_WRITE, inline=bytes(65)), mlx5.Syndrome.LOCAL_LENGTH_ERR),
     "atomic_length": (dict(opcode=Op.ATOMIC_FA, byte_count=16), mlx5.Syndrome.LOCAL_LENGTH_ERR),
     "key_not_found": (dict(opcode=Op.RDMA_WRITE, byte_count=64, lkey=(9 << 8) | 1),
@@ -236,6 +242,79 @@ async def bad_wqes(dut):
     c = await tb.counters()
     assert c["wqe_errors"] == len(BAD_WQES)
     assert c["error_cqes"] == 4 * len(BAD_WQES)
+
+
+# NVSHMEM's fm_ce_se for the DUMP of a blocking get: CQ update and IBGDA_MLX5_FM_FENCE (2 << 5)
+DUMP_FENCED = mlx5.CTRL_CQ_UPDATE | 2 << 5
+
+
+def nvshmem_post(tb, rng, kind, ibuf):
+    """The WQEs NVSHMEM's IBGDA code (ibgda_device.cuh) posts together for ``kind``, as
+    field dicts for :meth:`NicTB.builder_many`; the first is a random WQE of the mix when
+    ``kind`` names none."""
+    put_raddr = rng.randrange(0, MEMORY_BYTES - 256)
+    if kind in ("combined_put_1", "combined_put_2"):
+        # ibgda_write_rdma_write_inl_wqe_combine_warp<T>, sizeof(T) 1 or 2: 32 * sizeof(T)
+        # inline bytes (ds 5 / 7), no CQ update, then the NOP of ds 1 that carries it
+        size = 32 * int(kind[-1])
+        return [dict(opcode=Op.RDMA_WRITE, inline=rng.randbytes(size), raddr=put_raddr,
+                     rkey=rng.getrandbits(32), fm_ce_se=0),
+                dict(opcode=Op.NOP, fm_ce_se=mlx5.CTRL_CQ_UPDATE)]
+    if kind == "put_and_nop":
+        # ibgda_rma_thread's need_additional_wqe: a put, then ibgda_write_nop_wqe (ds 2)
+        first = random_wqe(tb, rng, small=True)
+        return [dict(first, fm_ce_se=0), dict(opcode=Op.NOP, byte_count=0,
+                                              fm_ce_se=mlx5.CTRL_CQ_UPDATE)]
+    if kind in ("blocking_get", "fetching_atomic"):
+        # need_immediate_cst: the READ (or the fetching atomic; masked ones are not
+        # executed yet, so a plain one here), then ibgda_write_dump_wqe of 1 byte of
+        # qp->ibuf with IBGDA_MLX5_FM_FENCE and a CQ update
+        while True:
+            first = random_wqe(tb, rng, small=True)
+            if first["opcode"] in ((Op.RDMA_READ,) if kind == "blocking_get"
+                                   else (Op.ATOMIC_FA, Op.ATOMIC_CS)):
+                break
+        return [dict(first, fm_ce_se=0), dict(opcode=Op.DUMP, byte_count=1, lkey=tb.data_key,
+                                              laddr=ibuf, fm_ce_se=DUMP_FENCED)]
+    if kind == "cst":
+        # ibgda_cst: a DUMP alone, signaled (0 or 1 byte, no fence)
+        return [dict(opcode=Op.DUMP, byte_count=rng.choice([0, 1]), lkey=tb.data_key,
+                     laddr=ibuf, fm_ce_se=mlx5.CTRL_CQ_UPDATE)]
+    return [random_wqe(tb, rng, small=True)]
+
+
+@cocotb.test()
+async def nvshmem_nop_and_dump(dut):
+    """NVSHMEM's NOP (both forms) and DUMP WQEs as its IBGDA code posts them, mixed with
+    random traffic over 8 QPs: each completes with its CQE in order (the tb fails a NOP's
+    or DUMP's CQE written while a packet before it is still unreceived, or before the data
+    of a READ or atomic before it landed), sends nothing, and every QP stays in RTS."""
+    rng = random.Random(19)
+    tb = NicTB(dut, seed=19, memory_latency=100, ack_every=3)
+    await tb.reset()
+    qps = await tb.setup(qps=8, ring_every=4)
+    fill_data(tb, rng)
+    ibuf = DATA_REGION + 64
+    kinds = ["combined_put_1", "combined_put_2", "put_and_nop", "blocking_get",
+             "fetching_atomic", "cst", "other", "other"]
+    work = [[] for _ in range(16)]
+    posted = {}
+    for n in range(240):
+        q = rng.choice(qps)
+        kind = rng.choice(kinds)
+        items = nvshmem_post(tb, rng, kind, ibuf)
+        blocks = sum(tb.blocks_of(**f) for f in items)
+        work[n % 16].append((q, blocks, tb.builder_many(q, items), n))
+        posted[kind] = posted.get(kind, 0) + 1
+    await post_all(tb, work)
+    await tb.drain(limit=400_000)
+    await tb.check_clean()
+    for q in qps:
+        assert await tb.read(rmap.context_offset("qp", q, "state")) == RTS
+    c = await tb.counters()
+    assert c["wqe_errors"] == c["wqes_flushed"] == c["error_cqes"] == 0
+    assert tb.local_cqes > 100, tb.local_cqes
+    dut._log.info(f"posted {posted}; {tb.local_cqes} NOP/DUMP CQEs")
 
 
 @cocotb.test()
@@ -322,7 +401,7 @@ async def qp_states(dut):
 # Two pytest items over one build, so pytest-xdist runs them side by side.
 @pytest.mark.parametrize("tests, count", [
     ("random_operations", 3),
-    ("zero_load_latency|doorbell_storm|bad_wqes|remote_naks|qp_states", 5),
+    ("zero_load_latency|doorbell_storm|bad_wqes|nvshmem_nop_and_dump|remote_naks|qp_states", 6),
 ], ids=["random", "directed"])
 def test_nic(tests, count):
     runner.run(module="tb.test_nic", toplevel="nic_top", factory=nic_top, params=NIC,

@@ -17,7 +17,8 @@ The bench plays every neighbour of the fetcher cycle by cycle:
 The rings hold WQEs built here byte by byte (mlx5 layouts: control, remote-address, data,
 inline and atomic segments, big-endian, random bytes wherever the parser must not look:
 reserved bytes, inline padding, the top bits of the ds byte, the control segment's WQE
-index and QPN copies): every opcode, inline lengths 0..64, multi-block WQEs, WQEs wrapping
+index and QPN copies, the second unit of a ds-2 NOP): every opcode (NVSHMEM's NOP of ds 1
+and 2 and its DUMP included), inline lengths 0..64, multi-block WQEs, WQEs wrapping
 around the ring's end, rings crossing 4 KiB pages, and malformed WQEs of every row of
 docs/nic.md's table. A Python parser written from that table predicts, for every accepted
 request, the bursts, every descriptor field and the fetch-done record; the bench checks
@@ -106,7 +107,17 @@ def inline_ds(base, n):
 
 
 def good_wqe(rng, kind=None):
-    kind = kind or rng.choice(["write", "write", "send", "send", "read", "atomic", "empty"])
+    kind = kind or rng.choice(["write", "write", "send", "send", "read", "atomic", "empty",
+                               "nop", "dump"])
+    if kind == "nop":
+        # ibgda_write_nop_wqe (ds 2, its second unit left as the ring held it) and the NOP
+        # ending ibgda_write_rdma_write_inl_wqe_combine_warp (ds 1)
+        return wqe_bytes(rng, ctrl_seg(rng, OPS["NOP"], rng.choice([1, 2]), opmod=0),
+                         rbytes(rng, 16))
+    if kind == "dump":
+        # ibgda_write_dump_wqe: ctrl, data segment (NVSHMEM: 1 byte of its internal buffer)
+        return wqe_bytes(rng, ctrl_seg(rng, OPS["DUMP"], 2, opmod=0),
+                         data_seg(rng, byte_count=rng.choice([0, 1, rng.randrange(1 << 31)])))
     if kind == "read":
         return wqe_bytes(rng, ctrl_seg(rng, OPS["RDMA_READ"], 3), raddr_seg(rng), data_seg(rng))
     if kind == "atomic":
@@ -165,8 +176,19 @@ def bad_wqes(rng):
                         data_seg(rng, byte_count=0x80000008))),
         (LEN, wqe_bytes(rng, ctrl_seg(rng, cs, 4), r(rng), atomic_seg(rng),
                         data_seg(rng, byte_count=0))),
+        # NOP: ds 3 and 4, an opmod NVSHMEM does not write
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, OPS["NOP"], 3, opmod=0), r(rng))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, OPS["NOP"], 4, opmod=0))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, OPS["NOP"], 2, opmod=rng.randrange(1, 256)))),
+        # DUMP: ds 1 and 3, inline data instead of the data segment, an opmod
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, OPS["DUMP"], 1, opmod=0))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, OPS["DUMP"], 3, opmod=0), data_seg(rng),
+                          data_seg(rng))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, OPS["DUMP"], 2, opmod=0), inline_seg(rng, 1))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, OPS["DUMP"], 2, opmod=rng.randrange(1, 256)),
+                          data_seg(rng, byte_count=1))),
         # any other opcode; a long ds (many blocks)
-        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, 0x00, 2), r(rng))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, 0x14, 5), r(rng))),
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, 0x0C, 3), data_seg(rng))),
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, 0x18, 4), r(rng))),
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, 0xFF, 1))),
@@ -247,6 +269,11 @@ def ref_descriptor(blocks, bads, qpn, index):
         seg.update(raddr, swap_add=be(b, 32, 8), compare=be(b, 40, 8))
         data_at(48)
         error = QP_OP if ds != 4 else LEN if be(b, 48, 4) != 8 else None
+    elif opcode == OPS["NOP"]:
+        error = None if ds in (1, 2) and b[0] == 0 else QP_OP
+    elif opcode == OPS["DUMP"]:
+        data_at(16)
+        error = None if ds == 2 and b[0] == 0 and not b[16] & 0x80 else QP_OP
     else:
         error = QP_OP
     if any(bads):

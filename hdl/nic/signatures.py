@@ -174,6 +174,7 @@ class QpState(enum.Enum, shape=3):
 class MlxOpcode(enum.Enum, shape=8):
     """mlx5 send opcodes (``MLX5_OPCODE_*``), the low byte of a control segment's
     ``opmod_idx_opcode``."""
+    NOP = 0x00                   # completes in order, sends nothing (NVSHMEM's CQ-update carrier)
     RDMA_WRITE = 0x08
     RDMA_WRITE_IMM = 0x09
     SEND = 0x0A
@@ -181,6 +182,7 @@ class MlxOpcode(enum.Enum, shape=8):
     RDMA_READ = 0x10
     ATOMIC_CS = 0x11
     ATOMIC_FA = 0x12
+    DUMP = 0x23                  # NVSHMEM's IBGDA_MLX5_OPCODE_DUMP: a NOP with a data segment
 
 
 class Syndrome(enum.Enum, shape=8):

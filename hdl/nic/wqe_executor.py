@@ -42,6 +42,7 @@ class _JobLayout(data.StructLayout):
             "cmp": CompletionRecordLayout(),
             "resent": 1,
             "send": 1, "write": 1, "read": 1, "atomic": 1, "fetch_add": 1,
+            "local": 1,              # NOP / DUMP: a record and no packet
             "with_imm": 1,           # SEND_IMM / RDMA_WRITE_IMM
             "solicited": 1,          # SE on the last packet
             "inline": 1,
@@ -56,6 +57,7 @@ class _WqeFactsLayout(data.StructLayout):
     def __init__(self):
         super().__init__({
             "is_write": 1, "is_send": 1, "is_read": 1, "is_fetch_add": 1, "is_atomic": 1,
+            "is_local": 1,                  # NOP / DUMP
             "with_imm": 1,
             "length": 32,                   # 0 without a data or inline segment
             "end": 65,                      # laddr + byte_count
@@ -151,6 +153,11 @@ class WqeExecutor(wiring.Component):
     came after the last) and ``sent`` for each packet one cycle after its descriptor
     left (stage 0 added a cycle on 2026-12-06: t + 3 and t + 4 before).
 
+    A NOP or DUMP sends nothing: its ``SENT`` record goes through the stages without a
+    packet, with ``byte_count`` 0 and no PSN of its own (``last_psn`` is the one before
+    ``first_psn``, the QP's next), so the completion unit completes it once the records
+    before it have; a DUMP's data segment only passes the key checks.
+
     Records: ``byte_count`` is the message length (8 for an atomic) and ``first_psn`` /
     ``last_psn`` its PSNs for ``SENT``; an ``ERROR`` or ``FLUSH`` record has
     ``byte_count``, ``first_psn`` and ``last_psn`` 0 and consumes no PSN; ``syndrome`` is
@@ -161,7 +168,8 @@ class WqeExecutor(wiring.Component):
     ``num_qps`` is dropped and counted in ``wqe_errors`` (there is no QP to complete it
     on); a WQE of a QP in ``RESET`` is flushed like one in ``ERR``; a descriptor the
     parser should have flagged (unknown opcode; inline data together with a data
-    segment, or on a READ or atomic; an atomic without a data segment) fails with
+    segment, or on a READ, atomic, NOP or DUMP; an atomic or DUMP without a data segment,
+    a NOP with one) fails with
     LOCAL_QP_OP_ERR, one with more than 64 inline bytes or an atomic byte count other
     than 8 with LOCAL_LENGTH_ERR, checked right after the parser's own format error; a
     path MTU code outside 1..5, or an SL mapped to a VL this port does not have
@@ -296,7 +304,10 @@ class WqeExecutor(wiring.Component):
         w_is_atomic = (w_opcode == MlxOpcode.ATOMIC_CS.value) | w_is_fetch_add
         w_with_imm = ((w_opcode == MlxOpcode.RDMA_WRITE_IMM.value)
                       | (w_opcode == MlxOpcode.SEND_IMM.value))
-        w_has_length = w.has_data | w.inline
+        w_is_dump = w_opcode == MlxOpcode.DUMP.value
+        w_is_local = (w_opcode == MlxOpcode.NOP.value) | w_is_dump
+        # A DUMP's data segment is checked (its key) but moves nothing: its length is 0.
+        w_has_length = (w.has_data | w.inline) & ~w_is_local
         w_length = Signal(32)
         m.d.comb += w_length.eq(Mux(w_has_length, w.byte_count, 0))
         # The end only counts for a WQE that uses its key, whose length is its byte count.
@@ -309,7 +320,7 @@ class WqeExecutor(wiring.Component):
                 r0_valid.eq(1), r0.eq(w),
                 f0.is_write.eq(w_is_write), f0.is_send.eq(w_is_send), f0.is_read.eq(w_is_read),
                 f0.is_fetch_add.eq(w_is_fetch_add), f0.is_atomic.eq(w_is_atomic),
-                f0.with_imm.eq(w_with_imm),
+                f0.is_local.eq(w_is_local), f0.with_imm.eq(w_with_imm),
                 f0.length.eq(w_length),
                 f0.end.eq(w_end),
                 f0.packets_less_one_at.eq(w_length_less_one[8:8 + PSN_BITS]),
@@ -318,9 +329,10 @@ class WqeExecutor(wiring.Component):
                                    for k in range(1, 6))),
                 f0.qpn_bad.eq(w.qpn >= num_qps),
                 f0.uses_key.eq(w.has_data & ~w.inline & (w.byte_count != 0)),
-                f0.inconsistent.eq(~(w_is_write | w_is_send | w_is_read | w_is_atomic)
-                                   | (w.inline & (w.has_data | w_is_read | w_is_atomic))
-                                   | (w_is_atomic & ~w.has_data)),
+                f0.inconsistent.eq(~(w_is_write | w_is_send | w_is_read | w_is_atomic | w_is_local)
+                                   | (w.inline & (w.has_data | w_is_read | w_is_atomic | w_is_local))
+                                   | ((w_is_atomic | w_is_dump) & ~w.has_data)
+                                   | (w_is_local & ~w_is_dump & w.has_data)),
                 f0.bad_length.eq((w.inline & (w.byte_count > MAX_INLINE_BYTES))
                                  | (w_is_atomic & (w.byte_count != 8))
                                  | (w_length > MAX_MESSAGE_BYTES)),
@@ -376,7 +388,9 @@ class WqeExecutor(wiring.Component):
             for code in range(1, 6):
                 with m.Case(code):
                     m.d.comb += [
-                        packets_less_one0.eq(Mux(f0.empty, 0, f0.packets_less_one_at >> (code - 1))),
+                        # A NOP or DUMP takes no PSN: its last is the one before its first.
+                        packets_less_one0.eq(Mux(f0.empty, f0.is_local.replicate(PSN_BITS),
+                                                 f0.packets_less_one_at >> (code - 1))),
                         fits0.eq(f0.fits_mtu[code - 1]),
                     ]
 
@@ -515,7 +529,7 @@ class WqeExecutor(wiring.Component):
                 job.cmp.ack_timeout.eq(qp.ack_timeout),
                 job.resent.eq(resent),
                 job.send.eq(is_send), job.write.eq(is_write), job.read.eq(is_read),
-                job.atomic.eq(is_atomic), job.fetch_add.eq(is_fetch_add),
+                job.atomic.eq(is_atomic), job.fetch_add.eq(is_fetch_add), job.local.eq(f1.is_local),
                 job.with_imm.eq(with_imm),
                 job.solicited.eq(((r1.fm_ce_se & SOLICITED) != 0) & (is_send | with_imm)),
                 job.inline.eq(r1.inline),
@@ -629,7 +643,7 @@ class WqeExecutor(wiring.Component):
             item.desc.payload_bytes.eq(plen),
             # A READ request takes the PSNs of all its responses.
             item.sent_psn.eq(Mux(job.read, job.cmp.last_psn, psn)),
-            item.has_packet.eq(job_sent),
+            item.has_packet.eq(job_sent & ~job.local),
             item.resent.eq(job.resent),
             item.cmp.eq(job.cmp),
             item.has_completion.eq(first & ~job.resent),

@@ -355,6 +355,7 @@ class WqeFetcher(wiring.Component):
     def _facts(m, facts, block0):
         """The format checks of the WQE whose first block is ``block0`` (docs/nic.md's
         segment table), into ``facts``."""
+        opmod = block0[0:8]
         opcode = block0[24:32]
         ds = block0[56:62]
         word16 = _be(block0, 16, 4)
@@ -397,6 +398,13 @@ class WqeFetcher(wiring.Component):
                 with m.If((ds == 4) & (word48 != 8)):
                     m.d.comb += syndrome.eq(Syndrome.LOCAL_LENGTH_ERR)
                 m.d.comb += ok.eq((ds == 4) & (word48 == 8))
+            # NVSHMEM's two forms, ds 2 (ibgda_write_nop_wqe: the second unit unwritten)
+            # and ds 1 (ending a warp-combined put); opmod 0 as it writes them.
+            with m.Case(MlxOpcode.NOP):
+                m.d.comb += ok.eq(((ds == 1) | (ds == 2)) & (opmod == 0))
+            with m.Case(MlxOpcode.DUMP):
+                m.d.comb += [has_data.eq(1), data_at.eq(1),
+                             ok.eq((ds == 2) & ~word16[31] & (opmod == 0))]
 
     @staticmethod
     def _fields(m, desc, facts, *, block0, block1, bad0, bad_later):

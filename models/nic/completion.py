@@ -149,7 +149,7 @@ class CompletionModel:
         """The executor's record of ``result``; ``on_wire``: all its packets were sent
         too (else :meth:`packet_sent` tells each)."""
         self.outstanding[result.qpn].append(result)
-        if result.status == CompletionStatus.SENT and on_wire:
+        if result.status == CompletionStatus.SENT and on_wire and result.packets:
             self.packet_sent(result.qpn, result.last_psn)
         if result.status == CompletionStatus.SENT:
             if result.opcode == MlxOpcode.RDMA_READ or result.opcode in _ATOMIC_MLX:

@@ -3,8 +3,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from models.ib import RETH, AtomicETH, ImmDt, Opcode
-from models.mlx5 import (MAX_MESSAGE_BYTES, WQEBB_BYTES, Cqe, Opcode as MlxOpcode, ParsedWqe,
-                         Syndrome, CTRL_CQ_UPDATE, CTRL_SOLICITED, error_cqe, parse_wqe,
+from models.mlx5 import (LOCAL_OPCODES, MAX_MESSAGE_BYTES, WQEBB_BYTES, Cqe, Opcode as MlxOpcode,
+                         ParsedWqe, Syndrome, CTRL_CQ_UPDATE, CTRL_SOLICITED, error_cqe, parse_wqe,
                          requester_cqe, wqe_blocks)
 from models.nic.common import (Access, CompletionStatus, Mkey, QpContext, QpState, VL15,
                                make_packet, mkey_index, psn_add)
@@ -159,7 +159,8 @@ class RequesterModel:
         result = WqeResult(qpn=qpn, cqn=qp.cqn, wqe_index=wqe_index & 0xFFFF,
                            wqe_blocks=wqe.wqe_blocks, opcode=wqe.opcode,
                            status=CompletionStatus.SENT, signaled=bool(wqe.fm_ce_se & CTRL_CQ_UPDATE),
-                           byte_count=wqe.length, laddr=wqe.laddr, mtu=qp.mtu,
+                           byte_count=0 if wqe.opcode in LOCAL_OPCODES else wqe.length,
+                           laddr=wqe.laddr, mtu=qp.mtu,
                            retry_cnt=qp.retry_cnt, rnr_retry=qp.rnr_retry,
                            ack_timeout=qp.ack_timeout, wqe=wqe)
         if self.state[qpn] != QpState.RTS:
@@ -209,7 +210,11 @@ class RequesterModel:
                       pkey=qp.pkey)
         packets = []
         op = wqe.opcode
-        if op in _WRITE_OPS:
+        if op in LOCAL_OPCODES:
+            # NOP, DUMP: nothing on the wire and no PSN (last_psn is the one before
+            # first_psn), so the WQE completes once everything before it has.
+            consumed = 0
+        elif op in _WRITE_OPS:
             first_op, middle_op, last_op, only_op = _WRITE_OPS[op]
             count = max(1, -(-length // mtu))
             is_write = op in (MlxOpcode.RDMA_WRITE, MlxOpcode.RDMA_WRITE_IMM)
