@@ -3,7 +3,10 @@ from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
-from hdl.crc.icrc_engine import IcrcEngine
+from hdl.arith import count_registered, lookahead_sum
+from hdl.crc.algorithms import ICRC
+from hdl.crc.crc_check_stage import CRCCheckStage
+from hdl.crc.icrc_engine import variant_masks
 from hdl.ib.headers import AETH, BTH, LNH_IBA_LOCAL, LRH, from_wire
 from hdl.link.signatures import BeatLayout, vl_index
 from hdl.nic.signatures import (
@@ -206,7 +209,9 @@ class CompletionUnit(wiring.Component):
 
     Receive: each VL's stream (LRH .. ICRC) is always ready and has its own ICRC checker
     and header decoder, so a response never backs up the link. A packet acts only at its
-    end beat, with a good ICRC and ``end_bad`` low (else ``rx_dropped_icrc``). A
+    end beat, with a good ICRC and ``end_bad`` low (else ``rx_dropped_icrc``), two cycles
+    after it: W registers each beat (the ICRC check stage takes it from there, its match a
+    cycle later) and the header's checks, D decides with the match. A
     well-formed one (LNH = IBA local, a response opcode, LRH.PktLen equal to the bytes
     received and long enough for the opcode's headers, an AETH syndrome of ACK type or,
     on an ACKNOWLEDGE, RNR NAK or NAK code 0..4, DestQP below ``num_qps``) goes into its
@@ -278,7 +283,8 @@ class CompletionUnit(wiring.Component):
 
     Every packet the ResponseWriter stored (READ responses, ATOMIC ACKNOWLEDGE, with the
     sequence number ``rx_seq`` gives beside its beats) gets exactly one decision: a
-    ``discard`` strobe a cycle after its end beat when it does not become an event (bad ICRC,
+    ``discard`` strobe three cycles after its end beat (D's decision, registered) when it
+    does not become an event (bad ICRC,
     end-bad, malformed, event queue full), else a ``verdict`` (write or not) a cycle
     after its event's X. An event that moves ``ack_psn`` forward is progress: the retry
     counters restart, ``gap_seen`` clears and the timer stops.
@@ -326,8 +332,10 @@ class CompletionUnit(wiring.Component):
     QP in ERR keeps waiting for the acknowledgements of its SENT records (a QP errored by
     the executor or a NAK must: its earlier records may still be acknowledged).
 
-    ``retransmits_nak``/``_timeout``/``_rnr`` and ``retries_exhausted`` count a cycle after
-    the rewind (or the give-up) they count, the other counters in the cycle of their event.
+    Every counter counts a registered event, a cycle after it (``retransmits_*`` and
+    ``retries_exhausted`` a cycle after the rewind or give-up they count); the two that
+    count several events in a cycle, ``rx_dropped_icrc`` and ``rx_dropped_unexpected``,
+    register their sum as well and move two cycles after their events.
 
     CQEs: a completed record with ``signaled`` or an error, and a CQ number below
     ``num_cqs``, gets one 64-byte CQE (AXI4 INCR burst of one beat, awid 0) at
@@ -340,7 +348,7 @@ class CompletionUnit(wiring.Component):
     before its CQE. ``retire`` goes out in the
     cycle the record's AW and W have both been accepted (at once without a CQE), in
     completion order, which is WQE order per QP. ``cqes_written``/``error_cqes`` count
-    at the same time.
+    a cycle later.
 
     Receive completions (``receive``, from the responder) share the CQE writer: one
     record is one CQE to CQ ``cqn`` at its producer index, like the requester's (the
@@ -507,29 +515,23 @@ class CompletionUnit(wiring.Component):
         with m.Else():
             m.d.sync += prescaler.eq(prescaler + 1)
 
-        # --- Receive: per VL, ICRC check and header decode; events into per-VL queues ---
+        # --- Receive: per VL, W registers the beat and its header, the ICRC check stage
+        # takes it (docs/fpga.md: a CRC one stage behind its beats) while W works out the
+        # header's facts; D decides with the check's match: events into per-VL queues ---
         event_queues = []
         discards = []
         icrc_drops = []
         malformed_drops = []
+        header_layout = data.StructLayout({
+            "lnh": 2, "pktlen": 11, "opcode": 8, "padcnt": 2, "destqp": 24,
+            "psn": PSN_BITS, "syndrome": 8})
+        variant_masks_by_lnh = variant_masks()
         for v in range(num_vls):
             rx = self.rx[v]
             beat = rx.payload
             m.d.comb += rx.ready.eq(1)
 
-            m.submodules[f"icrc{v}"] = icrc = IcrcEngine(WIDTH, "check")
-            m.d.comb += [
-                icrc.valid.eq(rx.valid),
-                icrc.data.eq(beat.data),
-                icrc.start.eq(beat.start),
-                icrc.end.eq(beat.end),
-                icrc.count.eq(beat.count),
-            ]
-
             # Every header a response has fits in its start beat.
-            header_layout = data.StructLayout({
-                "lnh": 2, "pktlen": 11, "opcode": 8, "padcnt": 2, "destqp": 24,
-                "psn": PSN_BITS, "syndrome": 8})
             lrh = from_wire(LRH, beat.data[:64])
             bth = from_wire(BTH, beat.data[64:160])
             aeth = from_wire(AETH, beat.data[160:192])
@@ -537,8 +539,6 @@ class CompletionUnit(wiring.Component):
             held_header = Signal(header_layout, name=f"held_header{v}")
             m.d.comb += start_header.eq(Cat(lrh.lnh, lrh.pktlen, bth.opcode, bth.padcnt,
                                             bth.destqp, bth.psn, aeth.syndrome))
-            header = Signal(header_layout, name=f"header{v}")
-            m.d.comb += header.eq(Mux(beat.start, start_header, held_header))
 
             # Beats before this one, saturating beyond the longest packet (8188 bytes).
             beats_before = Signal(range(129), name=f"beats_before{v}")
@@ -552,62 +552,132 @@ class CompletionUnit(wiring.Component):
                 ]
                 with m.If(beat.start):
                     m.d.sync += held_header.eq(start_header)
-            length = Signal(range(129 * WIDTH + 1), name=f"length{v}")
-            m.d.comb += length.eq(index * WIDTH + beat.count)
 
+            # W: the beat as it came, its byte lanes for the check, its packet's header.
+            w_valid = Signal(name=f"w_valid{v}")
+            w_beat = Signal(BeatLayout(WIDTH), name=f"w_beat{v}")
+            w_lanes = Signal(WIDTH, name=f"w_lanes{v}")
+            w_ends = Signal(name=f"w_ends{v}")
+            w_index = Signal(range(129), name=f"w_index{v}")
+            w_header = Signal(header_layout, name=f"w_header{v}")
+            w_seq = Signal(RESPONSE_SEQ_BITS, name=f"w_seq{v}")
+            m.d.sync += [
+                w_valid.eq(rx.valid),
+                w_beat.eq(beat),
+                w_lanes.eq(Cat(~beat.end | (beat.count > lane) for lane in range(WIDTH))),
+                w_ends.eq(rx.valid & beat.end & in_a_packet),
+                w_index.eq(index),
+                w_header.eq(Mux(beat.start, start_header, held_header)),
+                w_seq.eq(self.rx_seq[v]),
+            ]
+            # The ICRC takes the bits a switch may change as ones; they lie in the start beat.
+            variant = Signal(8 * WIDTH, name=f"icrc_variant{v}")
+            with m.If(w_beat.start):
+                with m.Switch(from_wire(LRH, w_beat.data[:64]).lnh):
+                    for kind, mask in variant_masks_by_lnh.items():
+                        with m.Default() if kind is None else m.Case(kind):
+                            m.d.comb += variant.eq(mask)
+            m.submodules[f"icrc{v}"] = icrc = CRCCheckStage(ICRC, WIDTH)
+            m.d.comb += [
+                icrc.valid.eq(w_valid),
+                icrc.start.eq(w_beat.start),
+                icrc.data.eq(w_beat.data | variant),
+                icrc.keep.eq(w_lanes),
+                icrc.count.eq(Mux(w_beat.end, w_beat.count, WIDTH)),
+            ]
+
+            # W: the header's checks. The length is index * WIDTH + count; against a
+            # constant below one beat it is a test of the count on the first beat.
+            header = w_header
+            count = w_beat.count
+            first_beat = w_index == 0
             kind = header.syndrome[5:8]
             code = header.syndrome[0:5]
+            def length_is(n):
+                return first_beat & (count == n)
+            def length_at_least(n):
+                return ~first_beat | (count >= n)
             shape_ok = Signal(name=f"shape_ok{v}")
             with m.Switch(header.opcode):
                 with m.Case(ACKNOWLEDGE):
                     m.d.comb += shape_ok.eq(
-                        (length == LRH_BTH_BYTES + AETH_BYTES + ICRC_BYTES)
+                        length_is(LRH_BTH_BYTES + AETH_BYTES + ICRC_BYTES)
                         & ((kind == AETH_ACK) | (kind == AETH_RNR_NAK)
                            | ((kind == AETH_NAK) & (code <= NAK_MAX_CODE))))
                 with m.Case(ATOMIC_ACKNOWLEDGE):
                     m.d.comb += shape_ok.eq(
-                        (length == LRH_BTH_BYTES + AETH_BYTES + ATOMIC_ACK_ETH_BYTES + ICRC_BYTES)
+                        length_is(LRH_BTH_BYTES + AETH_BYTES + ATOMIC_ACK_ETH_BYTES + ICRC_BYTES)
                         & (kind == AETH_ACK))
                 with m.Case(READ_FIRST, READ_LAST, READ_ONLY):
                     m.d.comb += shape_ok.eq(
-                        (length >= LRH_BTH_BYTES + AETH_BYTES + ICRC_BYTES) & (kind == AETH_ACK))
+                        length_at_least(LRH_BTH_BYTES + AETH_BYTES + ICRC_BYTES)
+                        & (kind == AETH_ACK))
                 with m.Case(READ_MIDDLE):
-                    m.d.comb += shape_ok.eq(length >= LRH_BTH_BYTES + ICRC_BYTES)
-            well_formed = (shape_ok & (header.lnh == LNH_IBA_LOCAL)
-                           & (length == header.pktlen * 4) & (header.destqp < num_qps))
+                    m.d.comb += shape_ok.eq(length_at_least(LRH_BTH_BYTES + ICRC_BYTES))
+            # PktLen * 4 == index * WIDTH + count, split at the beat: a full beat carries.
+            pktlen_bytes = header.pktlen * 4
+            pktlen_beats = pktlen_bytes[6:]
+            pktlen_ok = Mux(count == WIDTH,
+                            (pktlen_bytes[:6] == 0) & (pktlen_beats == w_index + 1),
+                            (pktlen_bytes[:6] == count[:6]) & (pktlen_beats == w_index))
             # Payload: READ response data (MIDDLE has no AETH), the atomic's original value.
-            headers = Mux(header.opcode == READ_MIDDLE, LRH_BTH_BYTES,
-                          LRH_BTH_BYTES + AETH_BYTES)
-            payload_bytes = Signal(range(8192), name=f"payload_bytes{v}")
-            with m.If(header.opcode == ATOMIC_ACKNOWLEDGE):
-                m.d.comb += payload_bytes.eq(ATOMIC_ACK_ETH_BYTES)
-            with m.Elif(length >= headers + header.padcnt + ICRC_BYTES):
-                m.d.comb += payload_bytes.eq(length - headers - header.padcnt - ICRC_BYTES)
+            overhead = Signal(range(WIDTH), name=f"overhead{v}")
+            m.d.comb += overhead.eq(Mux(header.opcode == READ_MIDDLE, LRH_BTH_BYTES,
+                                        LRH_BTH_BYTES + AETH_BYTES)
+                                    + ICRC_BYTES + header.padcnt)
 
-            ends = rx.valid & beat.end & in_a_packet
-            good = ends & icrc.icrc_ok & ~beat.end_bad
+            d_ends = Signal(name=f"d_ends{v}")
+            d_end_bad = Signal(name=f"d_end_bad{v}")
+            d_well_formed = Signal(name=f"d_well_formed{v}")
+            d_stored = Signal(name=f"d_stored{v}")
+            d_header = Signal(header_layout, name=f"d_header{v}")
+            d_seq = Signal(RESPONSE_SEQ_BITS, name=f"d_seq{v}")
+            d_length = Signal(range(129 * WIDTH + 1), name=f"d_length{v}")
+            d_overhead = Signal(range(WIDTH), name=f"d_overhead{v}")
+            d_atomic = Signal(name=f"d_atomic{v}")
+            d_has_payload = Signal(name=f"d_has_payload{v}")
+            m.d.sync += [
+                d_ends.eq(w_ends),
+                d_end_bad.eq(w_beat.end_bad),
+                d_well_formed.eq(shape_ok & (header.lnh == LNH_IBA_LOCAL) & pktlen_ok
+                                 & (header.destqp < num_qps)),
+                d_stored.eq(header.opcode.matches(*STORED_OPCODES)),
+                d_header.eq(header),
+                d_seq.eq(w_seq),
+                d_length.eq(w_index * WIDTH + count),
+                d_overhead.eq(overhead),
+                d_atomic.eq(header.opcode == ATOMIC_ACKNOWLEDGE),
+                d_has_payload.eq(length_at_least(overhead)),
+            ]
+
+            # D: the decision, with the ICRC check's match of the end beat.
+            payload_bytes = Signal(range(8192), name=f"payload_bytes{v}")
+            beyond = lookahead_sum(m, d_length, ~Cat(d_overhead, C(0, len(d_length) - len(d_overhead))),
+                                   1, name=f"payload_sum{v}")[:len(payload_bytes)]
+            with m.If(d_atomic):
+                m.d.comb += payload_bytes.eq(ATOMIC_ACK_ETH_BYTES)
+            with m.Elif(d_has_payload):
+                m.d.comb += payload_bytes.eq(beyond)
+            good = d_ends & icrc.match & ~d_end_bad
 
             m.submodules[f"events{v}"] = queue = fifo.SyncFIFOBuffered(
                 width=_RxEventLayout().size, depth=RX_EVENT_DEPTH)
             event = _RxEventLayout()(queue.w_data)
             m.d.comb += [
-                event.qpn.eq(header.destqp),
-                event.opcode.eq(header.opcode),
-                event.psn.eq(header.psn),
-                event.syndrome.eq(header.syndrome),
-                event.seq.eq(self.rx_seq[v]),
+                event.qpn.eq(d_header.destqp),
+                event.opcode.eq(d_header.opcode),
+                event.psn.eq(d_header.psn),
+                event.syndrome.eq(d_header.syndrome),
+                event.seq.eq(d_seq),
                 event.payload_bytes.eq(payload_bytes),
-                queue.w_en.eq(good & well_formed),
+                queue.w_en.eq(good & d_well_formed),
             ]
             event_queues.append(queue)
-            icrc_drops.append(ends & ~good)
-            malformed_drops.append(good & ~(well_formed & queue.w_rdy))
+            icrc_drops.append(d_ends & ~good)
+            malformed_drops.append(good & ~(d_well_formed & queue.w_rdy))
             # The ResponseWriter stored this packet; without an event nothing else will
             # decide on it. It stores one packet at a time, so one VL ends one per cycle.
-            # Registered: the writer takes decisions from the cycle after the end beat.
-            stored = Signal(name=f"stored{v}")
-            m.d.comb += stored.eq(header.opcode.matches(*STORED_OPCODES))
-            discards.append((ends & stored & ~(good & well_formed & queue.w_rdy), self.rx_seq[v]))
+            discards.append((d_ends & d_stored & ~(good & d_well_formed & queue.w_rdy), d_seq))
 
         discard_valid = Signal()
         discard_seq = Signal(RESPONSE_SEQ_BITS)
@@ -1247,26 +1317,29 @@ class CompletionUnit(wiring.Component):
             self.retire.payload.next_psn.eq(o_job.next_psn),
         ]
 
-        # --- Counters ---
-        def count(counter, amount):
-            m.d.sync += counter.eq(counter + amount)
-        count(self.acks_received, ev_ack)
-        count(self.naks_received, ev_nak)
-        count(self.read_responses, ev_read & ~misfit)
-        count(self.atomic_acks, ev_atomic & ~misfit)
-        count(self.cqes_written, o_done & o_job.write_cqe)
-        count(self.error_cqes, o_done & o_job.write_cqe & o_job.error)
-        count(self.recv_cqes, o_done & o_job.write_cqe & ~o_job.requester)
-        count(self.rx_dropped_icrc, sum(icrc_drops))
-        count(self.rx_dropped_unexpected, sum(malformed_drops) + (x_ev & ~accept) + misfit)
-        count(self.cqe_write_errors, axi.bvalid & (axi.bresp != 0))
-        # The rewind decision is deep enough without a 32-bit sum behind it: these count a
-        # registered event, a cycle after it.
-        for counter, event in ((self.retransmits_nak, rewinds & do_nak),
-                               (self.retransmits_timeout, rewinds & do_timeout),
-                               (self.retransmits_rnr, rewinds & do_rnr),
-                               (self.retries_exhausted, exhausted)):
-            registered = Signal(name=f"{counter.name}_event")
-            m.d.sync += registered.eq(event & ~x_killed)
-            count(counter, registered)
+        # --- Counters: each counts a registered event, a cycle after it; the two that count
+        # several events a cycle register their sum too, two cycles after them ---
+        for counter, event in ((self.acks_received, ev_ack),
+                               (self.naks_received, ev_nak),
+                               (self.read_responses, ev_read & ~misfit),
+                               (self.atomic_acks, ev_atomic & ~misfit),
+                               (self.cqes_written, o_done & o_job.write_cqe),
+                               (self.error_cqes, o_done & o_job.write_cqe & o_job.error),
+                               (self.recv_cqes, o_done & o_job.write_cqe & ~o_job.requester),
+                               (self.cqe_write_errors, axi.bvalid & (axi.bresp != 0)),
+                               (self.retransmits_nak, rewinds & do_nak & ~x_killed),
+                               (self.retransmits_timeout, rewinds & do_timeout & ~x_killed),
+                               (self.retransmits_rnr, rewinds & do_rnr & ~x_killed),
+                               (self.retries_exhausted, exhausted & ~x_killed)):
+            count_registered(m, counter, event)
+        for counter, events in ((self.rx_dropped_icrc, icrc_drops),
+                                (self.rx_dropped_unexpected,
+                                 [*malformed_drops, x_ev & ~accept, misfit])):
+            registered = Signal(len(events), name=f"{counter.name}_events")
+            amount = Signal(range(len(events) + 1), name=f"{counter.name}_amount")
+            m.d.sync += [
+                registered.eq(Cat(events)),
+                amount.eq(sum(registered[i] for i in range(len(events)))),
+                counter.eq(lookahead_sum(m, counter, amount, name=f"{counter.name}_next")),
+            ]
         return m
