@@ -5,6 +5,8 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 JOBS ?= 2
+# A Verilator build's items on one worker, the rest one by one in tb/conftest.py's order.
+DIST := --dist loadgroup --no-loadscope-reorder
 # Verilator's generated makefiles call `python`: put the venv first on PATH.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYTHONPATH := $(CURDIR)
@@ -41,10 +43,10 @@ sim: $(STAMP)
 	$(VPY) -m tb.sim $(SIM_OPTIONS) $(SIM_ARGS)
 
 test: $(STAMP)
-	$(VPY) -m pytest -n $(JOBS) --maxschedchunk 1 -m "not full" --durations=30 $(PYTEST_ARGS)
+	$(VPY) -m pytest -n $(JOBS) $(DIST) -m "not full" --durations=30 $(PYTEST_ARGS)
 
 test-full: $(STAMP)
-	$(VPY) -m pytest -n $(JOBS) --maxschedchunk 1 $(PYTEST_ARGS)
+	$(VPY) -m pytest -n $(JOBS) $(DIST) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VPY) -m tb.bench $(BENCH_ARGS)

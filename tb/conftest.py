@@ -6,15 +6,22 @@ from amaranth.hdl import UnusedElaboratable
 # report each at interpreter exit.
 warnings.filterwarnings("ignore", category=UnusedElaboratable)
 
-# The modules that run first, in this order, under pytest-xdist (the Makefile sends items
-# one at a time, --maxschedchunk 1): the slowest start first and the short ones fill the
-# other worker around them, so a run ends with short items instead of one worker finishing
-# a long one alone. First the modules that build Verilator tops (a build gates every item
-# that shares it), then the long runs in Amaranth's simulator; the rest keep pytest's order.
-# Only the order depends on this list, never what runs.
+# How pytest-xdist shares the items between its workers (the Makefile's --dist loadgroup,
+# --no-loadscope-reorder): the items of one Verilator build carry one xdist_group mark and
+# run on one worker, one after the other, so that no worker sits idle waiting for a build
+# that another is making (elaborating and verilating a top is single-threaded: minutes for
+# the NIC); every other item goes on its own to whichever worker is free.
+#
+# The modules that run first, in this order: the slowest start first and the short ones
+# fill the other worker around them, so a run ends with short items instead of one worker
+# finishing a long one alone. First the modules that build Verilator tops, the NIC's first
+# (nic_top emits the NIC module that the pair and fabric tops share), then the long runs in
+# Amaranth's simulator; the rest keep pytest's order. Only the order depends on this list,
+# never what runs.
 FIRST = [
-    "test_switch", "test_nic", "test_fabric_moe", "test_nic_pair", "test_link", "test_fpga",
-    "test_nic_responder", "test_crc", "test_islip", "test_packet_gateware",
+    "test_nic", "test_nic_responder", "test_switch", "test_fabric_moe", "test_nic_pair",
+    "test_link", "test_fpga",
+    "test_crc", "test_islip", "test_packet_gateware",
     "test_switch_registers", "test_fabric", "test_emit", "test_headers",
     "test_doorbell_scheduler", "test_response_generator", "test_responder_engine",
     "test_packet_assembler", "test_wqe_executor", "test_response_writer",

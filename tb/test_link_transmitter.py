@@ -11,7 +11,7 @@ from amaranth.sim import Simulator
 
 from hdl.link.link_transmitter import CREDIT_WINDOW, LinkTransmitter, credit_view
 from hdl.link.signatures import BLOCK_BYTES, FCCL_BITS, LinkState, blocks_of, max_wire_bytes
-from tb.amaranth_sim import simulate
+from tb.amaranth_sim import Driver, simulate
 
 MASK = (1 << FCCL_BITS) - 1
 
@@ -74,9 +74,10 @@ def test_transmitter_starts_only_what_the_rule_allows():
         return beats(rng, width, 4 * words, pktlen)
 
     async def testbench(ctx):
-        ctx.set(dut.state, LinkState.ACTIVE)
+        drive = Driver()
+        drive.set(dut.state, LinkState.ACTIVE)
         for v in range(num_vls):
-            ctx.set(dut.vl_weight[v], 16)
+            drive.set(dut.vl_weight[v], 16)
         queues = [[] for _ in range(num_vls)]
         starts = odd_starts = 0
         previous_limit = [0] * num_vls
@@ -91,16 +92,17 @@ def test_transmitter_starts_only_what_the_rule_allows():
                 fccl = fctbs + rng.randrange(-8, 150)
             else:
                 fccl = fctbs + CREDIT_WINDOW + rng.randrange(-8, 20)
-            ctx.set(dut.credit_update.valid, update)
-            ctx.set(dut.credit_update.vl, vl)
-            ctx.set(dut.credit_update.fccl, fccl & MASK)
+            drive.set(dut.credit_update.valid, update)
+            drive.set(dut.credit_update.vl, vl)
+            drive.set(dut.credit_update.fccl, fccl & MASK)
             valid = []
             for v in range(num_vls):
                 if not queues[v]:
                     queues[v] = packet()
                 valid.append(rng.random() < 0.9)
-                ctx.set(dut.data_in[v].valid, valid[v])
-                ctx.set(dut.data_in[v].payload, queues[v][0])
+                drive.set(dut.data_in[v].valid, valid[v])
+                drive.set(dut.data_in[v].payload, queues[v][0])
+            drive.apply(ctx)
             for v in range(num_vls):
                 if valid[v] and ctx.get(dut.data_in[v].ready):
                     beat = queues[v].pop(0)

@@ -515,14 +515,19 @@ TESTS = [
 # under make test-full.
 PIPELINED_IN_MAKE_TEST = {("voq", "zero_load_latency"), ("voq", "uniform_random_traffic"),
                           ("voq", "incast"), ("voq", "forwarding_table_rewrite")}
-TESTS = [pytest.param(build, testcase, id=f"{build}-{testcase}",
-                      marks=pytest.mark.full if build == "voq" else ())
-         for build, testcase in TESTS] + [
-    pytest.param("voq_w16", testcase, id=f"voq_w16-{testcase}")
-    for build, testcase in TESTS if build == "voq"] + [
-    pytest.param(f"{build}_pipelined", testcase, id=f"{build}_pipelined-{testcase}",
-                 marks=() if (build, testcase) in PIPELINED_IN_MAKE_TEST else pytest.mark.full)
-    for build, testcase in TESTS]
+
+
+def switch_test(build, testcase, full):
+    """One test on one build; a build's tests run on one worker (tb/conftest.py)."""
+    marks = [pytest.mark.xdist_group(f"switch_{build}")] + ([pytest.mark.full] if full else [])
+    return pytest.param(build, testcase, id=f"{build}-{testcase}", marks=marks)
+
+
+# voq_w16 first: the most tests on one build, so it starts first (tb/conftest.py).
+TESTS = [switch_test("voq_w16", testcase, False) for build, testcase in TESTS if build == "voq"] + [
+    switch_test(f"{build}_pipelined", testcase, (build, testcase) not in PIPELINED_IN_MAKE_TEST)
+    for build, testcase in TESTS] + [
+    switch_test(build, testcase, build == "voq") for build, testcase in TESTS]
 
 
 def factory(**params):
