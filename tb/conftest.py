@@ -1,5 +1,6 @@
 import warnings
 
+import pytest
 from amaranth.hdl import UnusedElaboratable
 
 # Parameter-validation tests construct components that raise before use; Amaranth would
@@ -7,10 +8,9 @@ from amaranth.hdl import UnusedElaboratable
 warnings.filterwarnings("ignore", category=UnusedElaboratable)
 
 # How pytest-xdist shares the items between its workers (the Makefile's --dist loadgroup,
-# --no-loadscope-reorder): the items of one Verilator build carry one xdist_group mark and
-# run on one worker, one after the other, so that no worker sits idle waiting for a build
-# that another is making (elaborating and verilating a top is single-threaded: minutes for
-# the NIC); every other item goes on its own to whichever worker is free.
+# --no-loadscope-reorder): the items of one Verilator build run on one worker, one after
+# the other (tb/build_groups.py), so that no worker sits idle waiting for a build another
+# is making; every other item goes on its own to whichever worker is free.
 #
 # The modules that run first, in this order: the slowest start first and the short ones
 # fill the other worker around them, so a run ends with short items instead of one worker
@@ -32,3 +32,11 @@ FIRST = [
 def pytest_collection_modifyitems(items):
     rank = {module: n for n, module in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(FIRST)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadgroup":
+        from tb.build_groups import BuildGroupScheduling
+        return BuildGroupScheduling(config, log)
+    return None

@@ -382,18 +382,13 @@ def param_id(params):
     return f"w{params['width']}_ct{int(params['cut_through'])}"
 
 
-# Each parameter set is one build; its two items run on one worker (tb/conftest.py).
-BUILDS = [pytest.param(params, id=param_id(params),
-                       marks=pytest.mark.xdist_group(f"link_{param_id(params)}"))
-          for params in PARAM_SETS]
-
-
-@pytest.mark.parametrize("params", BUILDS)
+# Each parameter set is one build; its two items run on one worker (tb/build_groups.py).
+@pytest.mark.parametrize("params", PARAM_SETS, ids=param_id)
 def test_link(params):
     runner.run(module="tb.test_link", toplevel="link_pair", factory=factory, params=params)
 
 
-@pytest.mark.parametrize("params", BUILDS)
+@pytest.mark.parametrize("params", PARAM_SETS, ids=param_id)
 def test_link_capture_decodes_in_tshark(params):
     """The RTL's wire, captured by ``capture_decodes``, read back by tshark."""
     import shutil

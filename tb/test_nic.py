@@ -398,11 +398,7 @@ async def qp_states(dut):
     await tb.set_qp_state(1, ERR, expect_error=True)
 
 
-# Every item of this module runs on the one nic_top build (tb/conftest.py: one worker
-# takes a build's items, so none waits for another's build).
-pytestmark = pytest.mark.xdist_group("nic_top")
-
-
+# Items of one build, run on one worker (tb/build_groups.py).
 @pytest.mark.parametrize("tests, count", [
     ("random_operations", 3),
     ("zero_load_latency|doorbell_storm|bad_wqes|nvshmem_nop_and_dump|remote_naks|qp_states", 6),

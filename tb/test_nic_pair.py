@@ -350,7 +350,7 @@ async def transport_retries_exhausted(dut):
     assert tb.rx_drops("b")["vcrc"] == tb.faults("a")
 
 
-# make test runs two items over one build (on one worker: tb/conftest.py); the
+# make test runs two items over one build (on one worker: tb/build_groups.py); the
 # second random seed and the atomics hammer under loss (about 370 s) run under ``full``.
 @pytest.mark.parametrize("tests, count", [
     ("random_both_directions/seed=1|atomics_hammer_one_word|rnr_", 4),
@@ -359,7 +359,6 @@ async def transport_retries_exhausted(dut):
     pytest.param("random_both_directions/seed=2|atomics_hammer_under_loss", 2,
                  marks=pytest.mark.full),
 ], ids=["random", "loss", "more"])
-@pytest.mark.xdist_group("nic_pair_top")
 def test_nic_pair(tests, count):
     runner.run(module="tb.test_nic_pair", toplevel="nic_pair_top", factory=nic_pair_top,
                params=PAIR, build_args=BUILD_ARGS, test_filter=tests, expect_tests=count)

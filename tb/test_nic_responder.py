@@ -387,14 +387,12 @@ def run_responder_tests(**env):
                build_args=BUILD_ARGS, extra_env=env)
 
 
-@pytest.mark.xdist_group("nic_top")
 def test_nic_responder():
     """On the requester tests' build (tb/test_nic.py): 3,200 fuzz packets."""
     run_responder_tests()
 
 
 @pytest.mark.full
-@pytest.mark.xdist_group("nic_top")
 def test_nic_responder_long_fuzz():
     """``make test-full``: 20,000 fuzz packets."""
     run_responder_tests(FUZZ_ROUNDS="50")

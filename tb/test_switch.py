@@ -518,9 +518,9 @@ PIPELINED_IN_MAKE_TEST = {("voq", "zero_load_latency"), ("voq", "uniform_random_
 
 
 def switch_test(build, testcase, full):
-    """One test on one build; a build's tests run on one worker (tb/conftest.py)."""
-    marks = [pytest.mark.xdist_group(f"switch_{build}")] + ([pytest.mark.full] if full else [])
-    return pytest.param(build, testcase, id=f"{build}-{testcase}", marks=marks)
+    """One test on one build; a build's tests run on one worker (tb/build_groups.py)."""
+    return pytest.param(build, testcase, id=f"{build}-{testcase}",
+                        marks=pytest.mark.full if full else ())
 
 
 # voq_w16 first: the most tests on one build, so it starts first (tb/conftest.py).
