@@ -1,18 +1,19 @@
 from amaranth import *
 from amaranth.utils import exact_log2
-from amaranth.lib import wiring
+from amaranth.lib import data, wiring
 from amaranth.lib.wiring import In, Out
 
 from hdl.arith import or_all
 from hdl.link.link_port import LinkPort
 from hdl.link.link_receiver import ROUTED_DROP_REASONS
 from hdl.link.signatures import (
-    BLOCK_BYTES, FCCL_BITS, LinkState, WireSignature, blocks_of, check_mtu, check_width,
+    BLOCK_BYTES, FCCL_BITS, BeatLayout, LinkState, WireSignature, blocks_of, check_mtu, check_width,
     lrh_pktlen, lrh_wire_bytes, max_wire_bytes, vl_index,
 )
 from hdl.switch.forwarding_table import ForwardingTable
 from hdl.switch.islip_allocator import IslipAllocator
 from hdl.switch.register_map import HOQ_TICK_CYCLES, check_config
+from hdl.switch.skid_register import SkidRegister
 from hdl.switch.switch_allocator import ALLOC_STAGES, SwitchAllocator
 from hdl.switch.switch_registers import AxiLiteSignature, SwitchRegisters
 from hdl.switch.voq_buffer import QUEUE_MODES, VoqBuffer
@@ -147,25 +148,16 @@ class Switch(wiring.Component):
                 self.overflow[p].eq(rx.overflow | buffer.no_cell),
             ]
 
-        # --- allocation ------------------------------------------------------------------
+        # --- allocation and crossbar -----------------------------------------------------
         enabled = Cat(regs.port_enable)
         in_free = Signal(P)
-        out_busy = Signal(P)        # held by a packet that is not finishing in this cycle
         for i, buffer in enumerate(self.buffers):
             m.d.comb += in_free[i].eq((~buffer.active | buffer.finishing) & enabled[i])
-        for o in range(P):
-            m.d.comb += out_busy[o].eq(Cat(
-                buffer.sending & (buffer.out_port == o) & ~buffer.finishing
-                for buffer in self.buffers).any())
-        # connected[o]: the input that feeds output o (the crossbar select).
-        connected = [Signal(range(P), name=f"connected{o}") for o in range(P)]
         hoq_drop = [Signal(name=f"hoq_drop{i}") for i in range(P)]
         if self.allocator == "islip":
-            matching, waiting = self._islip_allocation(
-                m, regs, txs, enabled, in_free, out_busy, connected)
+            matching, waiting = self._islip_allocation(m, regs, txs, enabled, in_free)
         else:
-            matching, waiting = self._pipelined_allocation(
-                m, regs, txs, enabled, out_busy, connected, hoq_drop)
+            matching, waiting = self._pipelined_allocation(m, regs, txs, enabled, hoq_drop)
 
         # Head-of-queue lifetime: every queue head's age, in ticks of HOQ_TICK_CYCLES. An
         # input that is free and has no match under way drops one expired head instead.
@@ -194,28 +186,6 @@ class Switch(wiring.Component):
             with m.If(hoq_drop[i]):
                 m.d.comb += [buffer.grant_valid.eq(1), buffer.grant_queue.eq(hoq_head[i]),
                              buffer.grant_discard.eq(1)]
-        # --- crossbar --------------------------------------------------------------------
-        buffers = Array(self.buffers)
-        for o, tx in enumerate(txs):
-            src_valid = Signal(name=f"xbar{o}_valid")
-            src_vl = Signal(vl_index(V), name=f"xbar{o}_vl")
-            src_payload = Signal.like(self.buffers[0].out.payload, name=f"xbar{o}_payload")
-            selected = buffers[connected[o]]
-            m.d.comb += [
-                src_valid.eq(selected.out.valid & selected.sending & (selected.out_port == o)),
-                src_vl.eq(selected.out_vl),
-                src_payload.eq(selected.out.payload),
-            ]
-            for v in range(V):
-                m.d.comb += [
-                    self.link_ports[o].data_in[v].valid.eq(src_valid & (src_vl == v)),
-                    self.link_ports[o].data_in[v].payload.eq(src_payload),
-                ]
-        for i, buffer in enumerate(self.buffers):
-            ready = Array(Array(port.data_in[v].ready for v in range(V)) for port in self.link_ports)
-            connected_here = Array(connected)[buffer.out_port] == i
-            m.d.comb += buffer.out.ready.eq(ready[buffer.out_port][buffer.out_vl] & connected_here)
-
         # --- counters --------------------------------------------------------------------
         for p in range(P):
             rx, tx, buffer = rxs[p], txs[p], self.buffers[p]
@@ -247,11 +217,40 @@ class Switch(wiring.Component):
                     bump(f"drop_{reason}", when=rx.drop_event.reasons[k] & (rx.drop_event.vl == v))
         return m
 
-    def _islip_allocation(self, m, regs, txs, enabled, in_free, out_busy, connected):
+    def _islip_allocation(self, m, regs, txs, enabled, in_free):
         """Single-cycle allocation: credit test, output VL pick and iSLIP on the queue heads,
-        the grant starting the packet in the same cycle. Returns the inputs matched in this
-        cycle and, per output, the VLs with a head waiting only for credit."""
+        the grant starting the packet in the same cycle; a combinational crossbar. Returns the
+        inputs matched in this cycle and, per output, the VLs with a head waiting only for
+        credit."""
         P, V = self.ports, self.num_vls
+        out_busy = Signal(P)        # held by a packet that is not finishing in this cycle
+        for o in range(P):
+            m.d.comb += out_busy[o].eq(Cat(
+                buffer.sending & (buffer.out_port == o) & ~buffer.finishing
+                for buffer in self.buffers).any())
+        # connected[o]: the input that feeds output o (the crossbar select).
+        connected = [Signal(range(P), name=f"connected{o}") for o in range(P)]
+        buffers = Array(self.buffers)
+        for o, tx in enumerate(txs):
+            src_valid = Signal(name=f"xbar{o}_valid")
+            src_vl = Signal(vl_index(V), name=f"xbar{o}_vl")
+            src_payload = Signal.like(self.buffers[0].out.payload, name=f"xbar{o}_payload")
+            selected = buffers[connected[o]]
+            m.d.comb += [
+                src_valid.eq(selected.out.valid & selected.sending & (selected.out_port == o)),
+                src_vl.eq(selected.out_vl),
+                src_payload.eq(selected.out.payload),
+            ]
+            for v in range(V):
+                m.d.comb += [
+                    self.link_ports[o].data_in[v].valid.eq(src_valid & (src_vl == v)),
+                    self.link_ports[o].data_in[v].payload.eq(src_payload),
+                ]
+        for i, buffer in enumerate(self.buffers):
+            ready = Array(Array(port.data_in[v].ready for v in range(V)) for port in self.link_ports)
+            connected_here = Array(connected)[buffer.out_port] == i
+            m.d.comb += buffer.out.ready.eq(ready[buffer.out_port][buffer.out_vl] & connected_here)
+
         # Downstream space per output and VL, and whether a head packet fits in it.
         space = [[Signal(FCCL_BITS, name=f"space{o}_{v}") for v in range(V)] for o in range(P)]
         for o, tx in enumerate(txs):
@@ -349,12 +348,13 @@ class Switch(wiring.Component):
                 ]
         return allocator.grant_valid, waiting
 
-    def _pipelined_allocation(self, m, regs, txs, enabled, out_busy, connected, hoq_drop):
+    def _pipelined_allocation(self, m, regs, txs, enabled, hoq_drop):
         """Allocation by :class:`SwitchAllocator` (three registered stages, docs/switch.md):
         ports are offered while their current packet has at most :data:`ALLOC_STAGES` beats
-        left, a match waits as pending until both its ports are free, and then starts.
-        Returns the inputs with a match under way (the head-of-queue lifetime leaves their
-        heads alone) and, per output, the VLs with a head waiting only for credit."""
+        left; a match starts in its own cycle or waits as pending until its input is free and
+        its output has no input queued. The crossbar ends in a :class:`SkidRegister` per
+        output. Returns the inputs with a match under way (the head-of-queue lifetime leaves
+        their heads alone) and, per output, the VLs with a head waiting only for credit."""
         P, V, width = self.ports, self.num_vls, self.width
         alloc = m.submodules.allocator = SwitchAllocator(P, V, max_blocks=self.max_blocks)
         for i, buffer in enumerate(self.buffers):
@@ -381,27 +381,61 @@ class Switch(wiring.Component):
                              alloc.fctbs[o][v].eq(tx.fctbs[v]),
                              alloc.vl_weight[o][v].eq(regs.vl_weight[o][v])]
 
+        # --- crossbar: output o takes the beats of the input holding it (`holder`) into its
+        # skid register, whose room is a register, so an input's handshake ends in registers.
+        # A packet started while o is held waits as o's queued one (`queued`) and holds it
+        # from the cycle after the holder's last beat is taken: back to back.
+        xbar_layout = data.StructLayout({"beat": BeatLayout(width), "vl": vl_index(V)})
+        holder = [Signal(range(P), name=f"holder{o}") for o in range(P)]
+        holding = Signal(P)
+        queued = [Signal(range(P), name=f"queued{o}") for o in range(P)]
+        queueing = Signal(P)
+        xbars = []
+        for o, port in enumerate(self.link_ports):
+            xbar = m.submodules[f"xbar{o}"] = SkidRegister(xbar_layout)
+            xbars.append(xbar)
+            selected = Array(self.buffers)[holder[o]]
+            m.d.comb += [
+                xbar.i.valid.eq(holding[o] & selected.out.valid),
+                xbar.i.payload.beat.eq(selected.out.payload),
+                xbar.i.payload.vl.eq(selected.out_vl),
+                xbar.o.ready.eq(Array(port.data_in[v].ready for v in range(V))[xbar.o.payload.vl]),
+            ]
+            for v in range(V):
+                m.d.comb += [port.data_in[v].valid.eq(xbar.o.valid & (xbar.o.payload.vl == v)),
+                             port.data_in[v].payload.eq(xbar.o.payload.beat)]
+        for i, buffer in enumerate(self.buffers):
+            m.d.comb += buffer.out.ready.eq(Cat(
+                holding[o] & (holder[o] == i) & (buffer.out_port == o) & xbars[o].i.ready
+                for o in range(P)).any())
+
+        # An input's packet sends no more beats: its last one is taken, or it is skipped.
+        released = Signal(P)
+        for i, buffer in enumerate(self.buffers):
+            m.d.comb += released[i].eq(buffer.finishing | buffer.active & ~buffer.sending)
+
         # Beats of the current packet not yet handed to the crossbar: estimated from its
         # credit blocks when it starts, exact from LRH.PktLen once its start beat leaves.
         beat_bytes_log2 = exact_log2(width)
         beats_left = [Signal(16, name=f"beats_left{i}") for i in range(P)]
         near_end = Signal(P)
-        started = Signal(P)     # the input started a pending match in the previous cycle
+        started = Signal(P)     # the input started a match in the previous cycle
         m.d.sync += started.eq(alloc.start)
+        starting = [Signal(P, name=f"starting_to{o}") for o in range(P)]   # inputs, per output
         for i, buffer in enumerate(self.buffers):
-            row = alloc.pend[i * P:(i + 1) * P]
-            # The pending packet still heads its queue: its blocks, for the estimate.
+            row = alloc.pend[i * P:(i + 1) * P] | alloc.match[i * P:(i + 1) * P]
+            # The matched packet still heads its queue: its blocks, for the estimate.
             pending_blocks = Signal(FCCL_BITS, name=f"pending_blocks{i}")
             m.d.comb += pending_blocks.eq(or_all([
                 Mux(row[o], Array(alloc.head_blocks[i][o])[alloc.pend_vl[o]], 0)
                 for o in range(P)]))
             m.d.comb += alloc.start[i].eq(row.any() & (~buffer.active | buffer.finishing)
-                                          & ~(row & out_busy).any())
+                                          & ~(row & queueing).any())
             for o in range(P):
-                with m.If(alloc.start[i] & row[o]):
+                m.d.comb += starting[o][i].eq(alloc.start[i] & row[o])
+                with m.If(starting[o][i]):
                     m.d.comb += [buffer.grant_valid.eq(1),
                                  buffer.grant_queue.eq(buffer.queue_of(o, alloc.pend_vl[o]))]
-                    m.d.sync += connected[o].eq(i)
             handed = buffer.out.valid & buffer.out.ready
             stored_bytes = lrh_pktlen(buffer.out.payload.data) * 4    # the VCRC is not stored
             with m.If(alloc.start[i]):
@@ -418,6 +452,25 @@ class Switch(wiring.Component):
             with m.Elif(handed):
                 m.d.sync += beats_left[i].eq(beats_left[i] - 1)
             m.d.comb += near_end[i].eq(beats_left[i] <= ALLOC_STAGES)
+
+        for o in range(P):
+            holder_done = holding[o] & Array(released)[holder[o]]
+            queued_done = queueing[o] & Array(released)[queued[o]]
+            promoted = queueing[o] & ~queued_done
+            with m.If(holder_done):
+                m.d.sync += [holder[o].eq(queued[o]), holding[o].eq(promoted), queueing[o].eq(0)]
+            with m.Elif(queued_done):
+                m.d.sync += queueing[o].eq(0)
+            # A start to o needs o's queue free (registered), so at most one waits.
+            with m.If(starting[o].any()):
+                first = Signal(range(P), name=f"starting_input{o}")
+                for i in reversed(range(P)):
+                    with m.If(starting[o][i]):
+                        m.d.comb += first.eq(i)
+                with m.If(holding[o] & ~holder_done | promoted):
+                    m.d.sync += [queued[o].eq(first), queueing[o].eq(1)]
+                with m.Else():
+                    m.d.sync += [holder[o].eq(first), holding[o].eq(1)]
 
         for i, buffer in enumerate(self.buffers):
             m.d.comb += alloc.in_ready[i].eq(enabled[i] & (~buffer.active | near_end[i]))
