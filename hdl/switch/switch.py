@@ -184,8 +184,10 @@ class Switch(wiring.Component):
                     m.d.comb += hoq_head[i].eq(q)
             m.d.comb += hoq_drop[i].eq(in_free[i] & ~matching[i] & expired.any())
             with m.If(hoq_drop[i]):
-                m.d.comb += [buffer.grant_valid.eq(1), buffer.grant_queue.eq(hoq_head[i]),
-                             buffer.grant_discard.eq(1)]
+                m.d.comb += [buffer.grant_valid.eq(1), buffer.grant_discard.eq(1)]
+            # The queue is read only with a grant: chosen without waiting for the drop decision.
+            with m.If(~matching[i]):
+                m.d.comb += buffer.grant_queue.eq(hoq_head[i])
         # --- counters --------------------------------------------------------------------
         for p in range(P):
             rx, tx, buffer = rxs[p], txs[p], self.buffers[p]
@@ -201,10 +203,15 @@ class Switch(wiring.Component):
                 started = store.write_valid & store.write.start & (store.write_vl == v)
                 bump("packets_in", when=started)
                 bump("bytes_in", lrh_wire_bytes(store.write.data) - 2, when=started)
+                # A packet handed to the transmitter counts a cycle later (the handshake is the
+                # transmitter's decision: its depth ends in these registers).
                 egress = self.link_ports[p].data_in[v]
-                sent = egress.valid & egress.ready & egress.payload.start
+                sent = Signal(name=f"sent{p}_{v}")
+                sent_bytes = Signal(16, name=f"sent{p}_{v}_bytes")
+                m.d.sync += [sent.eq(egress.valid & egress.ready & egress.payload.start),
+                             sent_bytes.eq(lrh_wire_bytes(egress.payload.data) - 2)]
                 bump("packets_out", when=sent)
-                bump("bytes_out", lrh_wire_bytes(egress.payload.data) - 2, when=sent)
+                bump("bytes_out", sent_bytes, when=sent)
                 bump("credit_stall_cycles", when=waiting[p][v])
                 # Discarded heads count at the output and VL they were waiting for.
                 bump("drop_hoq_lifetime", when=Cat(
@@ -431,11 +438,12 @@ class Switch(wiring.Component):
                 for o in range(P)]))
             m.d.comb += alloc.start[i].eq(row.any() & (~buffer.active | buffer.finishing)
                                           & ~(row & queueing).any())
+            m.d.comb += buffer.grant_valid.eq(alloc.start[i])
             for o in range(P):
                 m.d.comb += starting[o][i].eq(alloc.start[i] & row[o])
-                with m.If(starting[o][i]):
-                    m.d.comb += [buffer.grant_valid.eq(1),
-                                 buffer.grant_queue.eq(buffer.queue_of(o, alloc.pend_vl[o]))]
+                # The queue follows the match alone, not the decision to start it (depth).
+                with m.If(row[o]):
+                    m.d.comb += buffer.grant_queue.eq(buffer.queue_of(o, alloc.pend_vl[o]))
             handed = buffer.out.valid & buffer.out.ready
             stored_bytes = lrh_pktlen(buffer.out.payload.data) * 4    # the VCRC is not stored
             with m.If(alloc.start[i]):
@@ -475,16 +483,15 @@ class Switch(wiring.Component):
         for i, buffer in enumerate(self.buffers):
             m.d.comb += alloc.in_ready[i].eq(enabled[i] & (~buffer.active | near_end[i]))
         for o, port in enumerate(self.link_ports):
-            m.d.comb += [
-                alloc.out_ready[o].eq(enabled[o] & ~Cat(
-                    buffer.sending & (buffer.out_port == o) & ~near_end[i]
-                    for i, buffer in enumerate(self.buffers)).any()),
-                # The transmitter took the start beat (its FCTBS counts the packet from the
-                # next cycle), or the started packet turned out bad and is skipped unsent.
-                alloc.counted[o].eq(
-                    Cat(port.data_in[v].valid & port.data_in[v].ready & port.data_in[v].payload.start
-                        for v in range(V)).any()
-                    | Cat(started[i] & ~buffer.sending & (buffer.out_port == o)
-                          for i, buffer in enumerate(self.buffers)).any()),
-            ]
+            m.d.comb += alloc.out_ready[o].eq(enabled[o] & ~Cat(
+                buffer.sending & (buffer.out_port == o) & ~near_end[i]
+                for i, buffer in enumerate(self.buffers)).any())
+            # The transmitter took the start beat (its FCTBS counts the packet from the next
+            # cycle), or the started packet turned out bad and is skipped unsent; registered,
+            # so the transmitter's decision ends here (the hold lasts a cycle longer).
+            m.d.sync += alloc.counted[o].eq(
+                Cat(port.data_in[v].valid & port.data_in[v].ready & port.data_in[v].payload.start
+                    for v in range(V)).any()
+                | Cat(started[i] & ~buffer.sending & (buffer.out_port == o)
+                      for i, buffer in enumerate(self.buffers)).any())
         return alloc.in_flight, alloc.credit_wait
