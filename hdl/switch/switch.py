@@ -53,9 +53,10 @@ class Switch(wiring.Component):
 
     ``allocator="pipelined"`` makes the same decisions in :class:`SwitchAllocator`'s three
     registered stages instead of in the grant cycle: ports are offered ahead of the end of
-    their current packet, a match waits as pending until both ports are free, and a
-    descriptor entering an empty queue is credit-tested in its enqueue cycle
-    (docs/switch.md, Pipelined allocator). ``islip_iterations`` applies to ``"islip"`` only
+    their current packet, a match starts in its own cycle or waits as pending until its
+    input is free and its output has no input queued, each output's crossbar ends in a
+    :class:`SkidRegister`, and a descriptor entering an empty queue is credit-tested in its
+    enqueue cycle (docs/switch.md, Pipelined allocator). ``islip_iterations`` applies to ``"islip"`` only
     (the pipelined allocator makes one iteration).
 
     Zero-load hop latency: :data:`HOP_LATENCY_CYCLES` cycles (per allocator) from the start
