@@ -1,5 +1,6 @@
 """SwitchAllocator in Amaranth's simulator: queues, readers and transmitters modelled in Python
-around it; every pending match must be a legal matching of queued heads, every packet must start
+around it, a match started in its own cycle or later; every new or pending match must be a legal
+matching of queued heads, every packet must start
 with downstream credit for all of it (checked where the transmitter counts it), and every packet
 must be matched in the end."""
 import random
@@ -35,11 +36,14 @@ def run(ports, num_vls, *, seed, cycles, load, returns_after, max_blocks=65,
                         o, v = rng.randrange(P), rng.randrange(V)
                         queues[i, o, v].append(rng.choice(sizes))
                         stats["queued"] += 1
-            elif not any(queues.values()) and not ctx.get(dut.pend):
+            elif not any(queues.values()) and not ctx.get(dut.pend) and not ctx.get(dut.match):
                 break
             for when, key, blocks in [r for r in returns if r[0] == cycle]:
                 limit[key] = (limit[key] + blocks) & 0xFFF
             pend = ctx.get(dut.pend)
+            match = ctx.get(dut.match)
+            assert not pend & match, f"cycle {cycle}: a match already pending"
+            pend |= match           # a match may start in its own cycle
             counted = 0
             for when, o, v, blocks in [t for t in takes if t[0] == cycle]:
                 # The transmitter's own test: the packet must fit in what the allocator saw.
@@ -48,6 +52,7 @@ def run(ports, num_vls, *, seed, cycles, load, returns_after, max_blocks=65,
                                       f"with FCCL {limit[o, v]} FCTBS {fctbs[o, v]}")
                 counted |= 1 << o
             start = 0
+            starting = {}
             for i in range(P):
                 row = pend >> (i * P) & ((1 << P) - 1)
                 assert row & (row - 1) == 0, f"cycle {cycle}: input {i} matched twice"
@@ -58,6 +63,7 @@ def run(ports, num_vls, *, seed, cycles, load, returns_after, max_blocks=65,
                 assert queues[i, o, v], f"cycle {cycle}: {i}->{o} VL {v} matched with no packet"
                 if in_busy[i] <= cycle and out_busy[o] <= cycle and rng.random() < 0.8:
                     start |= 1 << i
+                    starting[i] = o, v
             for o in range(P):
                 column = [i for i in range(P) if pend >> (i * P + o) & 1]
                 assert len(column) <= 1, f"cycle {cycle}: output {o} matched to {column}"
@@ -79,15 +85,11 @@ def run(ports, num_vls, *, seed, cycles, load, returns_after, max_blocks=65,
             ctx.set(dut.out_ready, sum(1 << o for o in range(P)
                                        if out_busy[o] <= cycle + 3 and rng.random() < 0.95))
             await ctx.tick()
-            for i in range(P):
-                if start >> i & 1:
-                    row = pend >> (i * P) & ((1 << P) - 1)
-                    o = row.bit_length() - 1
-                    v = ctx.get(dut.pend_vl[o])
-                    blocks = queues[i, o, v].popleft()
-                    in_busy[i] = out_busy[o] = cycle + 1 + blocks
-                    takes.append((cycle + 1 + rng.choice([0, 0, 1, 3]), o, v, blocks))
-                    stats["matched"] += 1
+            for i, (o, v) in starting.items():
+                blocks = queues[i, o, v].popleft()
+                in_busy[i] = out_busy[o] = cycle + 1 + blocks
+                takes.append((cycle + 1 + rng.choice([0, 0, 1, 3]), o, v, blocks))
+                stats["matched"] += 1
             for when, o, v, blocks in [t for t in takes if t[0] == cycle]:
                 fctbs[o, v] = (fctbs[o, v] + blocks) & 0xFFF
                 returns.append((cycle + rng.randrange(*returns_after), (o, v), blocks))

@@ -1,18 +1,19 @@
 from amaranth import *
 from amaranth.utils import exact_log2
-from amaranth.lib import wiring
+from amaranth.lib import data, wiring
 from amaranth.lib.wiring import In, Out
 
 from hdl.arith import or_all
 from hdl.link.link_port import LinkPort
 from hdl.link.link_receiver import ROUTED_DROP_REASONS
 from hdl.link.signatures import (
-    BLOCK_BYTES, FCCL_BITS, LinkState, WireSignature, blocks_of, check_mtu, check_width,
+    BLOCK_BYTES, FCCL_BITS, BeatLayout, LinkState, WireSignature, blocks_of, check_mtu, check_width,
     lrh_pktlen, lrh_wire_bytes, max_wire_bytes, vl_index,
 )
 from hdl.switch.forwarding_table import ForwardingTable
 from hdl.switch.islip_allocator import IslipAllocator
 from hdl.switch.register_map import HOQ_TICK_CYCLES, check_config
+from hdl.switch.skid_register import SkidRegister
 from hdl.switch.switch_allocator import ALLOC_STAGES, SwitchAllocator
 from hdl.switch.switch_registers import AxiLiteSignature, SwitchRegisters
 from hdl.switch.voq_buffer import QUEUE_MODES, VoqBuffer
@@ -52,9 +53,10 @@ class Switch(wiring.Component):
 
     ``allocator="pipelined"`` makes the same decisions in :class:`SwitchAllocator`'s three
     registered stages instead of in the grant cycle: ports are offered ahead of the end of
-    their current packet, a match waits as pending until both ports are free, and a
-    descriptor entering an empty queue is credit-tested in its enqueue cycle
-    (docs/switch.md, Pipelined allocator). ``islip_iterations`` applies to ``"islip"`` only
+    their current packet, a match starts in its own cycle or waits as pending until its
+    input is free and its output has no input queued, each output's crossbar ends in a
+    :class:`SkidRegister`, and a descriptor entering an empty queue is credit-tested in its
+    enqueue cycle (docs/switch.md, Pipelined allocator). ``islip_iterations`` applies to ``"islip"`` only
     (the pipelined allocator makes one iteration).
 
     Zero-load hop latency: :data:`HOP_LATENCY_CYCLES` cycles (per allocator) from the start
@@ -147,25 +149,16 @@ class Switch(wiring.Component):
                 self.overflow[p].eq(rx.overflow | buffer.no_cell),
             ]
 
-        # --- allocation ------------------------------------------------------------------
+        # --- allocation and crossbar -----------------------------------------------------
         enabled = Cat(regs.port_enable)
         in_free = Signal(P)
-        out_busy = Signal(P)        # held by a packet that is not finishing in this cycle
         for i, buffer in enumerate(self.buffers):
             m.d.comb += in_free[i].eq((~buffer.active | buffer.finishing) & enabled[i])
-        for o in range(P):
-            m.d.comb += out_busy[o].eq(Cat(
-                buffer.sending & (buffer.out_port == o) & ~buffer.finishing
-                for buffer in self.buffers).any())
-        # connected[o]: the input that feeds output o (the crossbar select).
-        connected = [Signal(range(P), name=f"connected{o}") for o in range(P)]
         hoq_drop = [Signal(name=f"hoq_drop{i}") for i in range(P)]
         if self.allocator == "islip":
-            matching, waiting = self._islip_allocation(
-                m, regs, txs, enabled, in_free, out_busy, connected)
+            matching, waiting = self._islip_allocation(m, regs, txs, enabled, in_free)
         else:
-            matching, waiting = self._pipelined_allocation(
-                m, regs, txs, enabled, out_busy, connected, hoq_drop)
+            matching, waiting = self._pipelined_allocation(m, regs, txs, enabled, hoq_drop)
 
         # Head-of-queue lifetime: every queue head's age, in ticks of HOQ_TICK_CYCLES. An
         # input that is free and has no match under way drops one expired head instead.
@@ -192,9 +185,59 @@ class Switch(wiring.Component):
                     m.d.comb += hoq_head[i].eq(q)
             m.d.comb += hoq_drop[i].eq(in_free[i] & ~matching[i] & expired.any())
             with m.If(hoq_drop[i]):
-                m.d.comb += [buffer.grant_valid.eq(1), buffer.grant_queue.eq(hoq_head[i]),
-                             buffer.grant_discard.eq(1)]
-        # --- crossbar --------------------------------------------------------------------
+                m.d.comb += [buffer.grant_valid.eq(1), buffer.grant_discard.eq(1)]
+            # The queue is read only with a grant: chosen without waiting for the drop decision.
+            with m.If(~matching[i]):
+                m.d.comb += buffer.grant_queue.eq(hoq_head[i])
+        # --- counters --------------------------------------------------------------------
+        for p in range(P):
+            rx, tx, buffer = rxs[p], txs[p], self.buffers[p]
+            store = rx.store
+            for v in range(V):
+                counters = regs.counters[p][v]
+
+                def bump(name, amount=1, *, when):
+                    counter = getattr(counters, name)
+                    with m.If(when):
+                        m.d.sync += counter.eq(counter + amount)
+
+                started = store.write_valid & store.write.start & (store.write_vl == v)
+                bump("packets_in", when=started)
+                bump("bytes_in", lrh_wire_bytes(store.write.data) - 2, when=started)
+                # A packet handed to the transmitter counts a cycle later (the handshake is the
+                # transmitter's decision: its depth ends in these registers).
+                egress = self.link_ports[p].data_in[v]
+                sent = Signal(name=f"sent{p}_{v}")
+                sent_bytes = Signal(16, name=f"sent{p}_{v}_bytes")
+                m.d.sync += [sent.eq(egress.valid & egress.ready & egress.payload.start),
+                             sent_bytes.eq(lrh_wire_bytes(egress.payload.data) - 2)]
+                bump("packets_out", when=sent)
+                bump("bytes_out", sent_bytes, when=sent)
+                bump("credit_stall_cycles", when=waiting[p][v])
+                # Discarded heads count at the output and VL they were waiting for.
+                bump("drop_hoq_lifetime", when=Cat(
+                    hoq_drop[i] & (Array(buffer.heads[q].port for q in range(buffer.num_queues))
+                                   [hoq_head[i]] == p)
+                    & (Array(buffer.heads[q].vl for q in range(buffer.num_queues))
+                       [hoq_head[i]] == v)
+                    for i, buffer in enumerate(self.buffers)).any())
+                for k, reason in enumerate(ROUTED_DROP_REASONS):
+                    bump(f"drop_{reason}", when=rx.drop_event.reasons[k] & (rx.drop_event.vl == v))
+        return m
+
+    def _islip_allocation(self, m, regs, txs, enabled, in_free):
+        """Single-cycle allocation: credit test, output VL pick and iSLIP on the queue heads,
+        the grant starting the packet in the same cycle; a combinational crossbar. Returns the
+        inputs matched in this cycle and, per output, the VLs with a head waiting only for
+        credit."""
+        P, V = self.ports, self.num_vls
+        out_busy = Signal(P)        # held by a packet that is not finishing in this cycle
+        for o in range(P):
+            m.d.comb += out_busy[o].eq(Cat(
+                buffer.sending & (buffer.out_port == o) & ~buffer.finishing
+                for buffer in self.buffers).any())
+        # connected[o]: the input that feeds output o (the crossbar select).
+        connected = [Signal(range(P), name=f"connected{o}") for o in range(P)]
         buffers = Array(self.buffers)
         for o, tx in enumerate(txs):
             src_valid = Signal(name=f"xbar{o}_valid")
@@ -216,42 +259,6 @@ class Switch(wiring.Component):
             connected_here = Array(connected)[buffer.out_port] == i
             m.d.comb += buffer.out.ready.eq(ready[buffer.out_port][buffer.out_vl] & connected_here)
 
-        # --- counters --------------------------------------------------------------------
-        for p in range(P):
-            rx, tx, buffer = rxs[p], txs[p], self.buffers[p]
-            store = rx.store
-            for v in range(V):
-                counters = regs.counters[p][v]
-
-                def bump(name, amount=1, *, when):
-                    counter = getattr(counters, name)
-                    with m.If(when):
-                        m.d.sync += counter.eq(counter + amount)
-
-                started = store.write_valid & store.write.start & (store.write_vl == v)
-                bump("packets_in", when=started)
-                bump("bytes_in", lrh_wire_bytes(store.write.data) - 2, when=started)
-                egress = self.link_ports[p].data_in[v]
-                sent = egress.valid & egress.ready & egress.payload.start
-                bump("packets_out", when=sent)
-                bump("bytes_out", lrh_wire_bytes(egress.payload.data) - 2, when=sent)
-                bump("credit_stall_cycles", when=waiting[p][v])
-                # Discarded heads count at the output and VL they were waiting for.
-                bump("drop_hoq_lifetime", when=Cat(
-                    hoq_drop[i] & (Array(buffer.heads[q].port for q in range(buffer.num_queues))
-                                   [hoq_head[i]] == p)
-                    & (Array(buffer.heads[q].vl for q in range(buffer.num_queues))
-                       [hoq_head[i]] == v)
-                    for i, buffer in enumerate(self.buffers)).any())
-                for k, reason in enumerate(ROUTED_DROP_REASONS):
-                    bump(f"drop_{reason}", when=rx.drop_event.reasons[k] & (rx.drop_event.vl == v))
-        return m
-
-    def _islip_allocation(self, m, regs, txs, enabled, in_free, out_busy, connected):
-        """Single-cycle allocation: credit test, output VL pick and iSLIP on the queue heads,
-        the grant starting the packet in the same cycle. Returns the inputs matched in this
-        cycle and, per output, the VLs with a head waiting only for credit."""
-        P, V = self.ports, self.num_vls
         # Downstream space per output and VL, and whether a head packet fits in it.
         space = [[Signal(FCCL_BITS, name=f"space{o}_{v}") for v in range(V)] for o in range(P)]
         for o, tx in enumerate(txs):
@@ -349,12 +356,13 @@ class Switch(wiring.Component):
                 ]
         return allocator.grant_valid, waiting
 
-    def _pipelined_allocation(self, m, regs, txs, enabled, out_busy, connected, hoq_drop):
+    def _pipelined_allocation(self, m, regs, txs, enabled, hoq_drop):
         """Allocation by :class:`SwitchAllocator` (three registered stages, docs/switch.md):
         ports are offered while their current packet has at most :data:`ALLOC_STAGES` beats
-        left, a match waits as pending until both its ports are free, and then starts.
-        Returns the inputs with a match under way (the head-of-queue lifetime leaves their
-        heads alone) and, per output, the VLs with a head waiting only for credit."""
+        left; a match starts in its own cycle or waits as pending until its input is free and
+        its output has no input queued. The crossbar ends in a :class:`SkidRegister` per
+        output. Returns the inputs with a match under way (the head-of-queue lifetime leaves
+        their heads alone) and, per output, the VLs with a head waiting only for credit."""
         P, V, width = self.ports, self.num_vls, self.width
         alloc = m.submodules.allocator = SwitchAllocator(P, V, max_blocks=self.max_blocks)
         for i, buffer in enumerate(self.buffers):
@@ -381,27 +389,62 @@ class Switch(wiring.Component):
                              alloc.fctbs[o][v].eq(tx.fctbs[v]),
                              alloc.vl_weight[o][v].eq(regs.vl_weight[o][v])]
 
+        # --- crossbar: output o takes the beats of the input holding it (`holder`) into its
+        # skid register, whose room is a register, so an input's handshake ends in registers.
+        # A packet started while o is held waits as o's queued one (`queued`) and holds it
+        # from the cycle after the holder's last beat is taken: back to back.
+        xbar_layout = data.StructLayout({"beat": BeatLayout(width), "vl": vl_index(V)})
+        holder = [Signal(range(P), name=f"holder{o}") for o in range(P)]
+        holding = Signal(P)
+        queued = [Signal(range(P), name=f"queued{o}") for o in range(P)]
+        queueing = Signal(P)
+        xbars = []
+        for o, port in enumerate(self.link_ports):
+            xbar = m.submodules[f"xbar{o}"] = SkidRegister(xbar_layout)
+            xbars.append(xbar)
+            selected = Array(self.buffers)[holder[o]]
+            m.d.comb += [
+                xbar.i.valid.eq(holding[o] & selected.out.valid),
+                xbar.i.payload.beat.eq(selected.out.payload),
+                xbar.i.payload.vl.eq(selected.out_vl),
+                xbar.o.ready.eq(Array(port.data_in[v].ready for v in range(V))[xbar.o.payload.vl]),
+            ]
+            for v in range(V):
+                m.d.comb += [port.data_in[v].valid.eq(xbar.o.valid & (xbar.o.payload.vl == v)),
+                             port.data_in[v].payload.eq(xbar.o.payload.beat)]
+        for i, buffer in enumerate(self.buffers):
+            m.d.comb += buffer.out.ready.eq(Cat(
+                holding[o] & (holder[o] == i) & (buffer.out_port == o) & xbars[o].i.ready
+                for o in range(P)).any())
+
+        # An input's packet sends no more beats: its last one is taken, or it is skipped.
+        released = Signal(P)
+        for i, buffer in enumerate(self.buffers):
+            m.d.comb += released[i].eq(buffer.finishing | buffer.active & ~buffer.sending)
+
         # Beats of the current packet not yet handed to the crossbar: estimated from its
         # credit blocks when it starts, exact from LRH.PktLen once its start beat leaves.
         beat_bytes_log2 = exact_log2(width)
         beats_left = [Signal(16, name=f"beats_left{i}") for i in range(P)]
         near_end = Signal(P)
-        started = Signal(P)     # the input started a pending match in the previous cycle
+        started = Signal(P)     # the input started a match in the previous cycle
         m.d.sync += started.eq(alloc.start)
+        starting = [Signal(P, name=f"starting_to{o}") for o in range(P)]   # inputs, per output
         for i, buffer in enumerate(self.buffers):
-            row = alloc.pend[i * P:(i + 1) * P]
-            # The pending packet still heads its queue: its blocks, for the estimate.
+            row = alloc.pend[i * P:(i + 1) * P] | alloc.match[i * P:(i + 1) * P]
+            # The matched packet still heads its queue: its blocks, for the estimate.
             pending_blocks = Signal(FCCL_BITS, name=f"pending_blocks{i}")
             m.d.comb += pending_blocks.eq(or_all([
                 Mux(row[o], Array(alloc.head_blocks[i][o])[alloc.pend_vl[o]], 0)
                 for o in range(P)]))
             m.d.comb += alloc.start[i].eq(row.any() & (~buffer.active | buffer.finishing)
-                                          & ~(row & out_busy).any())
+                                          & ~(row & queueing).any())
+            m.d.comb += buffer.grant_valid.eq(alloc.start[i])
             for o in range(P):
-                with m.If(alloc.start[i] & row[o]):
-                    m.d.comb += [buffer.grant_valid.eq(1),
-                                 buffer.grant_queue.eq(buffer.queue_of(o, alloc.pend_vl[o]))]
-                    m.d.sync += connected[o].eq(i)
+                m.d.comb += starting[o][i].eq(alloc.start[i] & row[o])
+                # The queue follows the match alone, not the decision to start it (depth).
+                with m.If(row[o]):
+                    m.d.comb += buffer.grant_queue.eq(buffer.queue_of(o, alloc.pend_vl[o]))
             handed = buffer.out.valid & buffer.out.ready
             stored_bytes = lrh_pktlen(buffer.out.payload.data) * 4    # the VCRC is not stored
             with m.If(alloc.start[i]):
@@ -419,19 +462,37 @@ class Switch(wiring.Component):
                 m.d.sync += beats_left[i].eq(beats_left[i] - 1)
             m.d.comb += near_end[i].eq(beats_left[i] <= ALLOC_STAGES)
 
+        for o in range(P):
+            holder_done = holding[o] & Array(released)[holder[o]]
+            queued_done = queueing[o] & Array(released)[queued[o]]
+            promoted = queueing[o] & ~queued_done
+            with m.If(holder_done):
+                m.d.sync += [holder[o].eq(queued[o]), holding[o].eq(promoted), queueing[o].eq(0)]
+            with m.Elif(queued_done):
+                m.d.sync += queueing[o].eq(0)
+            # A start to o needs o's queue free (registered), so at most one waits.
+            with m.If(starting[o].any()):
+                first = Signal(range(P), name=f"starting_input{o}")
+                for i in reversed(range(P)):
+                    with m.If(starting[o][i]):
+                        m.d.comb += first.eq(i)
+                with m.If(holding[o] & ~holder_done | promoted):
+                    m.d.sync += [queued[o].eq(first), queueing[o].eq(1)]
+                with m.Else():
+                    m.d.sync += [holder[o].eq(first), holding[o].eq(1)]
+
         for i, buffer in enumerate(self.buffers):
             m.d.comb += alloc.in_ready[i].eq(enabled[i] & (~buffer.active | near_end[i]))
         for o, port in enumerate(self.link_ports):
-            m.d.comb += [
-                alloc.out_ready[o].eq(enabled[o] & ~Cat(
-                    buffer.sending & (buffer.out_port == o) & ~near_end[i]
-                    for i, buffer in enumerate(self.buffers)).any()),
-                # The transmitter took the start beat (its FCTBS counts the packet from the
-                # next cycle), or the started packet turned out bad and is skipped unsent.
-                alloc.counted[o].eq(
-                    Cat(port.data_in[v].valid & port.data_in[v].ready & port.data_in[v].payload.start
-                        for v in range(V)).any()
-                    | Cat(started[i] & ~buffer.sending & (buffer.out_port == o)
-                          for i, buffer in enumerate(self.buffers)).any()),
-            ]
+            m.d.comb += alloc.out_ready[o].eq(enabled[o] & ~Cat(
+                buffer.sending & (buffer.out_port == o) & ~near_end[i]
+                for i, buffer in enumerate(self.buffers)).any())
+            # The transmitter took the start beat (its FCTBS counts the packet from the next
+            # cycle), or the started packet turned out bad and is skipped unsent; registered,
+            # so the transmitter's decision ends here (the hold lasts a cycle longer).
+            m.d.sync += alloc.counted[o].eq(
+                Cat(port.data_in[v].valid & port.data_in[v].ready & port.data_in[v].payload.start
+                    for v in range(V)).any()
+                | Cat(started[i] & ~buffer.sending & (buffer.out_port == o)
+                      for i, buffer in enumerate(self.buffers)).any())
         return alloc.in_flight, alloc.credit_wait

@@ -19,10 +19,12 @@ class SwitchAllocator(wiring.Component):
     """Three-stage allocator of the cut-through switch; the cycle rules are in docs/switch.md.
 
     ``head_valid`` bit ``(i * ports + o) * num_vls + v``: input i has a packet of
-    ``head_blocks[i][o][v]`` blocks heading its queue for output o, VL v. ``pend`` bit
-    ``i * ports + o`` (registered): input i is matched to output o on VL ``pend_vl[o]`` and
-    starts the packet when the switch raises ``start[i]``. ``counted[o]``: the transmitter
-    of o has counted the started packet's blocks in its FCTBS (or the packet was skipped).
+    ``head_blocks[i][o][v]`` blocks heading its queue for output o, VL v. ``match`` bit
+    ``i * ports + o``: input i accepts output o in this cycle (stage A); ``pend`` (registered):
+    a match not started yet. Either way the packet goes on VL ``pend_vl[o]`` and starts in the
+    cycle the switch raises ``start[i]`` (a match may start in its own cycle). ``counted[o]``:
+    the transmitter of o has counted the started packet's blocks in its FCTBS (or the packet
+    was skipped).
     """
 
     def __init__(self, ports=8, num_vls=2, max_blocks=65):
@@ -47,6 +49,7 @@ class SwitchAllocator(wiring.Component):
             "out_ready": In(ports),
             "start": In(ports),
             "counted": In(ports),
+            "match": Out(ports * ports),
             "pend": Out(ports * ports),
             "pend_vl": Out(vl_index(num_vls)).array(ports),
             "in_flight": Out(ports),
@@ -108,7 +111,8 @@ class SwitchAllocator(wiring.Component):
                     bound[o][v].eq(Mux(low, space[:B], space_less1[:B])),
                 ]
         credit_busy = Signal(P)
-        m.d.comb += credit_busy.eq(pend_out | hold_valid | hold_after[0] | hold_after[1])
+        matched_out = Signal(P)         # an output matched in the cycle before
+        m.d.comb += credit_busy.eq(pend_out | matched_out | hold_valid | hold_after[0] | hold_after[1])
 
         # --- stage E: heads with credit for the whole packet.
         eligible = Signal(P * P * V)
@@ -177,23 +181,40 @@ class SwitchAllocator(wiring.Component):
         # --- stage A: each input accepts one grant; the pair becomes a pending match.
         accept_mask = [Signal(P, init=ones, name=f"accept_mask{i}") for i in range(P)]
         match = Signal(P * P)
-        # A grant of cycle c was made before the matches of cycle c became pending, so it may
-        # name a port matched since; such a pick is dropped after the arbiter rather than
-        # masked before it, which keeps the pending flags out of the arbiter's path (depth).
+        matched = Signal(P * P)         # the matches of the cycle before
+        m.d.sync += matched.eq(match)
+        matched_in = Signal(P)
+        m.d.comb += [
+            matched_in.eq(Cat(matched[i * P:(i + 1) * P].any() for i in range(P))),
+            matched_out.eq(Cat(Cat(matched[i * P + o] for i in range(P)).any() for o in range(P))),
+        ]
+        # A grant of cycle c was made before the matches of cycle c, so it may name a port
+        # matched since (pending, or matched in c and started at once); such a pick is dropped
+        # after the arbiter rather than masked before it, which keeps these flags out of the
+        # arbiter's path (depth).
         for i in range(P):
             offers = Cat(grant[o][i] for o in range(P))
             pick = round_robin_pick(m, offers, accept_mask[i], P, name=f"accept{i}")
-            m.d.comb += match[i * P:(i + 1) * P].eq(pick & ~pend_out & (~pend_in[i]).replicate(P))
+            m.d.comb += match[i * P:(i + 1) * P].eq(
+                pick & ~(pend_out | matched_out) & (~(pend_in[i] | matched_in[i])).replicate(P))
         started = Cat(self.start[i].replicate(P) for i in range(P))
-        m.d.sync += pend.eq(pend & ~started | match)
-        matched = Signal(P * P)
-        m.d.sync += matched.eq(match)
+        m.d.comb += self.match.eq(match)
+        m.d.sync += pend.eq((pend | match) & ~started)
         match_stay = Signal(P)
-        # Loaded whenever the output has no pending match (not only on a match: shallower);
-        # read only while it has one.
+        pend_vl = [Signal(vl_index(V), name=f"pend_vl{o}") for o in range(P)]
+        # Every head's blocks on the VL its output grants, for the hold of the cycle after a
+        # match: a match started in its own cycle no longer heads its queue then.
+        offered_blocks = [[Signal(self.blocks_bits, name=f"offered_blocks{i}_{o}") for o in range(P)]
+                          for i in range(P)]
         for o in range(P):
+            # Loaded whenever the output has no pending match (not only on a match: shallower);
+            # read only while it has one.
             with m.If(~pend_out[o]):
-                m.d.sync += [self.pend_vl[o].eq(grant_vl[o]), match_stay[o].eq(grant_stay[o])]
+                m.d.sync += [pend_vl[o].eq(grant_vl[o]), match_stay[o].eq(grant_stay[o])]
+            m.d.comb += self.pend_vl[o].eq(Mux(pend_out[o], pend_vl[o], grant_vl[o]))
+            for i in range(P):
+                m.d.sync += offered_blocks[i][o].eq(
+                    Array(self.head_blocks[i][o])[grant_vl[o]] if V > 1 else self.head_blocks[i][o][0])
 
         # --- the cycle after a match: iSLIP pointers (first iteration: the only one), the
         # credit hold; the VL budget two cycles later. The matched ports take no part in
@@ -209,22 +230,23 @@ class SwitchAllocator(wiring.Component):
         for o in range(P):
             column = Cat(matched[i * P + o] for i in range(P))
             blocks = Signal(self.blocks_bits, name=f"matched_blocks{o}")
-            # The matched packet still heads its queue (it starts in this cycle at the earliest).
-            terms = [Mux(column[i], Array(self.head_blocks[i][o])[self.pend_vl[o]]
-                         if V > 1 else self.head_blocks[i][o][0], 0) for i in range(P)]
-            m.d.comb += blocks.eq(or_all(terms))
-            with m.If(self.counted[o]):
+            m.d.comb += blocks.eq(or_all([Mux(column[i], offered_blocks[i][o], 0) for i in range(P)]))
+            # A match started in its own cycle may be counted in the cycle its hold is set: the
+            # hold then lasts one cycle (its space is low by the packet for a cycle, never high).
+            counted_early = Signal(name=f"counted_early{o}")
+            m.d.sync += counted_early.eq(self.counted[o] & column.any())
+            with m.If(self.counted[o] | counted_early):
                 m.d.sync += hold_valid[o].eq(0)
             with m.If(column.any()):
                 m.d.sync += [
                     grant_mask[o].eq(next_mask(column, P)),
                     hold_valid[o].eq(1),
-                    hold_vl[o].eq(self.pend_vl[o]),
+                    hold_vl[o].eq(pend_vl[o]),
                     hold_blocks[o].eq(blocks),
-                    vl_ptr[o].eq(self.pend_vl[o]),
+                    vl_ptr[o].eq(pend_vl[o]),
                     update[o].eq(1),
                     update_base[o].eq(Mux(match_stay[o], budget[o],
-                                          Array(self.vl_weight[o])[self.pend_vl[o]])),
+                                          Array(self.vl_weight[o])[pend_vl[o]])),
                 ]
             left = Signal(signed(9), name=f"vl_budget_left{o}")
             with m.If(update[o]):

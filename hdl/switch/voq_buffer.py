@@ -235,9 +235,15 @@ class VoqBuffer(wiring.Component):
         still_open = Signal()
         m.d.comb += still_open.eq(~starting & ~store.verdict_valid & wr_open)
         granted = data.View(descriptor, Array(queue.r_data for queue in queues)[self.grant_queue])
+        # Whether queue q's head is the newest packet: the newest went to q and is alone there
+        # (it cannot have left before an older one). From registers, not from the head read
+        # out of the queue's memory and a sequence compare (depth).
+        newest_queue = Signal(range(max(self.num_queues, 2)))
+        with m.If(starting):
+            m.d.sync += newest_queue.eq(target)
         open_head = Signal(self.num_queues)
         for q, queue in enumerate(queues):
-            m.d.comb += open_head[q].eq(data.View(descriptor, queue.r_data).seq == wr_seq)
+            m.d.comb += open_head[q].eq((newest_queue == q) & (queue.level == 1))
         with m.If(self.grant_valid):
             m.d.comb += verdict_rp.addr.eq(granted.seq)
             m.d.sync += known.eq(~(still_open & open_head.bit_select(self.grant_queue, 1)))
