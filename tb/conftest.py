@@ -15,12 +15,13 @@ warnings.filterwarnings("ignore", category=UnusedElaboratable)
 # The modules that run first, in this order: the slowest start first and the short ones
 # fill the other worker around them, so a run ends with short items instead of one worker
 # finishing a long one alone. First the modules that build Verilator tops, the NIC's first
-# (nic_top emits the NIC module that the pair and fabric tops share), then the long runs in
-# Amaranth's simulator; the rest keep pytest's order. Only the order depends on this list,
-# never what runs.
+# (nic_top emits and compiles the NIC module that the fabric and pair tops share: they come
+# after the switch, link and synthesis items, so as not to wait for it), then the long runs
+# in Amaranth's simulator; the rest keep pytest's order. Only the order depends on this
+# list, never what runs.
 FIRST = [
-    "test_nic", "test_nic_responder", "test_switch", "test_fabric_moe", "test_nic_pair",
-    "test_link", "test_fpga",
+    "test_nic", "test_nic_responder", "test_switch", "test_link", "test_fpga",
+    "test_fabric_moe", "test_nic_pair",
     "test_crc", "test_islip", "test_packet_gateware",
     "test_switch_registers", "test_fabric", "test_emit", "test_headers",
     "test_doorbell_scheduler", "test_response_generator", "test_responder_engine",
