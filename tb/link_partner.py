@@ -31,12 +31,17 @@ class LinkPartner:
 
     ``delay``: cycles from a beat leaving one end to the other end taking it, each way.
     ``init_cadence``, ``armed_cadence``, ``active_cadence``: cycles between flow-control
-    packets of one VL in each state. ``buffer_blocks``: the credit the partner
+    packets of one VL in each state. ``fc_on_entry``: whether one flow-control packet per
+    VL goes at once on entering ARMED and ACTIVE (docs/link.md says a peer should; one
+    that does not must lose nothing either). ``armed_timeout``: cycles in ARMED without
+    the port's NORMAL packet after which the partner starts over from INIT (docs/link.md:
+    the port does so after ``4 * fc_period``). ``buffer_blocks``: the credit the partner
     advertises (it takes no data in these tests, so its FCCL never moves).
     """
 
     def __init__(self, dut, out_prefix, in_prefix, width, num_vls, *, delay=1,
-                 init_cadence=64, armed_cadence=64, active_cadence=1024, buffer_blocks=64):
+                 init_cadence=64, armed_cadence=64, active_cadence=1024, fc_on_entry=True,
+                 armed_timeout=4096, buffer_blocks=64):
         names = ("valid", "data", "start", "end", "count", "end_bad", "link")
         self.watch = {n: getattr(dut, f"{out_prefix}__{n}") for n in names}
         self.drive_to = {n: getattr(dut, f"{in_prefix}__{n}") for n in names}
@@ -45,6 +50,8 @@ class LinkPartner:
         self.delay = delay
         self.cadence = {LinkState.INIT: init_cadence, LinkState.ARMED: armed_cadence,
                         LinkState.ACTIVE: active_cadence}
+        self.fc_on_entry = fc_on_entry
+        self.armed_timeout = armed_timeout
         self.buffer_blocks = buffer_blocks
         self.running = False
         self.queue = {v: deque() for v in range(num_vls)}  # packets (LRH..ICRC) to send
@@ -56,30 +63,34 @@ class LinkPartner:
         self.beats = deque()        # beats of the data packet going out now
         self.fc_last = False        # the last thing sent was a flow-control packet
         self.state_log = []         # (cycle, state)
+        self.driven = []            # (cycle, "INIT" / "NORMAL" / "data end") on the port's wire
         self.reset()
         self.drive_to["valid"].value = 0
 
     # --- state --------------------------------------------------------------------------
 
-    def reset(self, cycle=0):
-        """The partner's own reset: back to INIT with every count at zero. A data packet
-        half sent is cut short (the port drops it as truncated)."""
+    def reset(self, cycle=0, cut=True):
+        """Back to INIT with every count at zero. On the partner's own reset (``cut``) a data
+        packet half sent is cut short (the port drops it as truncated); on the port's INIT
+        in ACTIVE it is finished first (docs/link.md)."""
         self.state = LinkState.INIT
         self.heard_init = False
         self.init_repeats = [0] * self.num_vls
         self.fctbs = [0] * self.num_vls
         self.limit = [None] * self.num_vls      # the port's FCCL, once heard
         self.since_fc = [self.cadence[LinkState.INIT]] * self.num_vls
-        if self.beats:
+        if self.beats and cut:
             self.cut.append(self.sent[self.current_vl].pop())
             self.beats.clear()
         self.state_log.append((cycle, self.state))
 
     def enter(self, state, cycle):
         self.state = state
+        self.entered_at = cycle
         self.state_log.append((cycle, state))
         # One flow-control packet per VL on entering ARMED or ACTIVE (docs/link.md).
-        self.since_fc = [self.cadence[state]] * self.num_vls
+        if self.fc_on_entry:
+            self.since_fc = [self.cadence[state]] * self.num_vls
 
     def send(self, vl, packet):
         self.queue[vl].append(packet)
@@ -95,7 +106,7 @@ class LinkPartner:
         if fc.op == FlowControlOp.INIT:
             if self.state == LinkState.ACTIVE:
                 # The port was reset: so are our counts; this INIT counts as heard.
-                self.reset(cycle)
+                self.reset(cycle, cut=False)
             self.heard_init = True
             self.limit[fc.vl] = fc.fccl
         elif self.state != LinkState.INIT:     # NORMAL packets are stale in INIT
@@ -167,6 +178,9 @@ class LinkPartner:
         return None
 
     def drive(self, cycle):
+        armed_for = cycle - self.entered_at if self.state == LinkState.ARMED else 0
+        if self.running and armed_for > self.armed_timeout:
+            self.reset(cycle)       # the port never answered: it was reset again
         beat = self.next_beat(cycle) if self.running else None
         if beat is not None:
             self.departures.append((cycle + self.delay - 1, beat))
@@ -175,5 +189,10 @@ class LinkPartner:
             for name, value in beat.items():
                 self.drive_to[name].value = value
             self.drive_to["valid"].value = 1
+            if beat["link"]:
+                fc = FlowControl.unpack(beat["data"].to_bytes(self.width, "little")[:6])
+                self.driven.append((cycle, FlowControlOp(fc.op).name))
+            elif beat["end"]:
+                self.driven.append((cycle, "data end"))
         else:
             self.drive_to["valid"].value = 0

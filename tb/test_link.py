@@ -245,20 +245,50 @@ async def bring_up_cycles(dut):
 @cocotb.parametrize(seed=[1, 2, 3, 4, 5, 6, 7, 8])
 async def independent_partner_loses_nothing_at_bring_up(dut, seed):
     """A partner written from docs/link.md alone (tb/link_partner.py) takes B's place:
-    random flow-control cadences (1 to 2,000 cycles in INIT, ARMED and ACTIVE), random
-    start times for either end, random resets of either end during bring-up, and data sent
-    the moment the partner is ACTIVE and the port's credit allows. The port (A) takes every
-    packet: none dropped for any reason, each intact, in order per VL, and its credits home."""
+    random flow-control cadences (1 to 2,000 cycles in INIT, ARMED and ACTIVE), with or
+    without its flow-control packets on entering ARMED and ACTIVE, random start times for
+    either end, random resets of either end during bring-up, and data sent the moment the
+    partner is ACTIVE and the port's credit allows. The port (A) takes every packet: none
+    dropped for any reason, each counted as received, intact, in order per VL, its credits
+    home; and A goes ACTIVE within ACTIVE_AFTER cycles of the first good NORMAL or data
+    packet that reaches it in ARMED. More seeds: tb/test_link_partner_soak.py."""
+    cocotb.start_soon(Clock(dut.clk, CLOCK_NS, "ns").start())
+    await partner_scenario(dut, seed)
+
+
+@cocotb.test()
+async def armed_port_goes_active_on_data(dut):
+    """The partner arms first (INIT cadence 1) and sends no flow-control packet in ARMED or
+    on entering ACTIVE (cadence 2,000), so the first thing of its to reach A in ARMED is
+    a data packet: A takes it and goes ACTIVE on it, within ACTIVE_AFTER cycles."""
+    cocotb.start_soon(Clock(dut.clk, CLOCK_NS, "ns").start())
+    woken = await partner_scenario(dut, 0, cadences=dict(
+        init_cadence=1, armed_cadence=2000, active_cadence=2000, fc_on_entry=False))
+    assert woken == "data end", f"A was woken by a {woken}: the test did not test it"
+
+
+# docs/link.md: a good NORMAL or data packet's last beat on wire_in in cycle 0, `state`
+# changes in cycle 4; the loop sees the beat it drove one cycle after it drove it and the
+# state one cycle after the change.
+ACTIVE_AFTER = 6
+
+
+async def partner_scenario(dut, seed, cadences=None):
+    """One seed of the independent partner's bring-up (the clock is running); with
+    ``cadences``, those, both ends starting at once and no resets. Returns what woke A
+    in ARMED."""
     params = runner.tb_params()
     width, num_vls = params["width"], params["num_vls"]
     rng = random.Random(seed)
-    cocotb.start_soon(Clock(dut.clk, CLOCK_NS, "ns").start())
     loop = CycleLoop(dut.clk)
 
     def cadence():
         return rng.choice([1, rng.randint(1, 64), rng.randint(1, 2000)])
 
-    cadences = dict(init_cadence=cadence(), armed_cadence=cadence(), active_cadence=cadence())
+    directed = cadences is not None
+    if not directed:
+        cadences = dict(init_cadence=cadence(), armed_cadence=cadence(),
+                        active_cadence=cadence(), fc_on_entry=rng.random() < 0.5)
     partner = loop.add(LinkPartner(dut, "a_wire_out", "a_wire_in", width, num_vls,
                                    delay=params["wire_delay"], **cadences))
     sinks = [loop.add(PacketSink(dut, f"a_data_out__{v}", width)) for v in range(num_vls)]
@@ -282,6 +312,8 @@ async def independent_partner_loses_nothing_at_bring_up(dut, seed):
     a_resets = sorted(rng.randrange(a_start, a_start + 3000) for _ in range(rng.randrange(3)))
     partner_resets = sorted(rng.randrange(partner_start, partner_start + 3000)
                             for _ in range(rng.randrange(3)))
+    if directed:
+        a_start, partner_start, a_resets, partner_resets = 0, 0, [], []
     dut.a_reset.value = 1
     dut.rst.value = 1
     for _ in range(4):
@@ -290,11 +322,28 @@ async def independent_partner_loses_nothing_at_bring_up(dut, seed):
     events = []
 
     a_states = []               # (cycle, state) of A, for the failure message
+    woken = []                  # (cycle, what): a good NORMAL or data packet reached A in ARMED
+    wake_delays = []            # (cycles, what) from that to A ACTIVE
+    woke = []
 
     def step(cycle):
         state = read_port(dut, "state", "a")
         if not a_states or a_states[-1][1] != state:
             a_states.append((cycle, state))
+        assert_abr_zero_in_init(dut, cycle, num_vls)
+        # What the partner drove in the cycle before is on A's wire now.
+        while partner.driven and partner.driven[0][0] < cycle:
+            _, what = partner.driven.pop(0)
+            if what != "INIT" and state == LinkState.ARMED and not woken:
+                woken.append((cycle, what))
+        if woken and state == LinkState.ARMED and a_states[-1][0] <= woken[0][0]:
+            assert cycle - woken[0][0] < ACTIVE_AFTER, \
+                f"cycle {cycle}: A still ARMED {cycle - woken[0][0]} cycles after a {woken[0][1]}"
+        if state != LinkState.ARMED:
+            if woken and state == LinkState.ACTIVE:
+                wake_delays.append((cycle - woken[0][0], woken[0][1]))
+                woke.append(woken[0][1])
+            woken.clear()
         nothing_sent = not any(partner.sent.values())
         reset_a = (bool(a_resets) and cycle >= a_resets[0] and nothing_sent
                    and partner.state == LinkState.INIT and not partner.heard_init)
@@ -321,7 +370,7 @@ async def independent_partner_loses_nothing_at_bring_up(dut, seed):
     try:
         await loop.run(until=done, limit=100000)
     except AssertionError as error:
-        raise AssertionError(f"{error}: partner {partner.state.name}, A state "
+        raise AssertionError(f"seed {seed}: {error}: partner {partner.state.name}, A state "
                              f"{read_port(dut, 'state', 'a')}, drops "
                              f"{ {k: n for k, n in drop_counts(dut, 'a').items() if n} }, "
                              f"events {events}, cadences {cadences}, starts A {a_start} partner "
@@ -334,8 +383,10 @@ async def independent_partner_loses_nothing_at_bring_up(dut, seed):
                                          f"{read_port(dut, 'used_blocks', 'a', v)} delivered "
                                          f"{len(sinks[v].packets)}" for v in range(num_vls))) from None
     active_at = next(c for c, state in reversed(partner.state_log) if state == LinkState.ACTIVE)
+    a_active_at = next(c for c, state in reversed(a_states) if state == LinkState.ACTIVE)
     dut._log.info(f"seed {seed}: cadences {cadences}, starts A {a_start} partner {partner_start}, "
-                  f"events {events}, partner ACTIVE at {active_at}, "
+                  f"events {events}, partner ACTIVE at {active_at}, A ACTIVE at {a_active_at} "
+                  f"(woken by {wake_delays}), "
                   f"{sum(len(p) for p in partner.sent.values())} packets")
     assert not partner.cut
     assert read_port(dut, "state", "a") == LinkState.ACTIVE
@@ -344,12 +395,112 @@ async def independent_partner_loses_nothing_at_bring_up(dut, seed):
     for v in range(num_vls):
         assert not sinks[v].errors, sinks[v].errors
         assert delivered(v) == partner.sent[v], f"vl{v}: delivered packets differ from those sent"
+        assert read_port(dut, "packets_received", "a", v) == len(partner.sent[v]), \
+            f"vl{v}: A counted {read_port(dut, 'packets_received', 'a', v)} packets received"
     # Credits home: the partner's next flow-control packet sets ABR to its FCTBS.
     await loop.run(cycles=cadences["active_cadence"] + 4 * params["wire_delay"] + 16)
     for v in range(num_vls):
         assert read_port(dut, "used_blocks", "a", v) == 0, f"A vl{v} still holds blocks"
         assert read_port(dut, "abr", "a", v) == partner.fctbs[v], \
             f"A vl{v}: ABR {read_port(dut, 'abr', 'a', v)} != partner FCTBS {partner.fctbs[v]}"
+    return woke[-1] if woke else None
+
+
+@cocotb.test()
+async def armed_timeout_meets_partner_going_active(dut):
+    """The one way out of ARMED that is not ACTIVE, the timeout (the peer never answered),
+    races the partner going ACTIVE on a NORMAL packet A sent just before it: over a 40-cycle
+    cable the partner arms 0 to 100 cycles before A's timeout, its own NORMAL reaches A after it and is
+    stale, and it sends data at once. A takes that data in INIT (it was not reset: the
+    partner's counts are those of A's own handshake), the partner finishes its packet on
+    A's INIT and initialises again, and the link comes up: nothing dropped, every packet
+    counted, delivered in order, credits home."""
+    params = runner.tb_params()
+    width, num_vls = params["width"], params["num_vls"]
+    delay = 40                  # the partner's cable: long enough for data to pass A's INIT
+    timeout = 4 * params["fc_period"]
+    cocotb.start_soon(Clock(dut.clk, CLOCK_NS, "ns").start())
+    dut.b_reset.value = 1
+    dut.b_wire_in__valid.value = 0
+    for v in range(num_vls):
+        getattr(dut, f"a_vl_weight__{v}").value = 16
+        getattr(dut, f"a_data_in__{v}__valid").value = 0
+        getattr(dut, f"b_data_in__{v}__valid").value = 0
+        getattr(dut, f"b_data_out__{v}__ready").value = 0
+    rng = random.Random(31)
+    took_in_init = 0
+    tries = range(0, 2 * delay + 24, 4)
+    for early in tries:
+        loop = CycleLoop(dut.clk)
+        # One INIT per VL, then silence: A arms and, unanswered, times out.
+        partner = loop.add(LinkPartner(dut, "a_wire_out", "a_wire_in", width, num_vls,
+                                       delay=delay, init_cadence=10 ** 6, armed_cadence=10 ** 6,
+                                       active_cadence=64))
+        sinks = [loop.add(PacketSink(dut, f"a_data_out__{v}", width)) for v in range(num_vls)]
+        for v in range(num_vls):
+            for _ in range(6):
+                partner.send(v, random_packet(rng, payload_len=rng.randrange(0, 2049), vl=v))
+        dut.a_reset.value = 0
+        dut.rst.value = 1
+        for _ in range(4):
+            await RisingEdge(dut.clk)
+        dut.rst.value = 0
+        partner.running = True
+        armed_at = []
+
+        def step(cycle):
+            state = read_port(dut, "state", "a")
+            if state == LinkState.ARMED and not armed_at:
+                armed_at.append(cycle)
+            assert_abr_zero_in_init(dut, cycle, num_vls)
+            if armed_at and cycle == armed_at[0] + timeout - early and partner.state == LinkState.INIT:
+                assert partner.heard_init
+                partner.cadence[LinkState.INIT] = 64
+                partner.enter(LinkState.ARMED, cycle)
+
+        loop.checks.append(step)
+        loop.checks.append(lambda cycle: assert_no_overflow(dut, cycle))
+
+        def done():
+            return partner.idle() and all(len(sinks[v].packets) >= len(partner.sent[v])
+                                          for v in range(num_vls))
+
+        a_states = []
+        loop.checks.append(lambda cycle: a_states.append((cycle, read_port(dut, "state", "a")))
+                           if not a_states or a_states[-1][1] != read_port(dut, "state", "a") else None)
+        try:
+            await loop.run(until=done, limit=3 * timeout)
+        except AssertionError as error:
+            raise AssertionError(f"{early} cycles early: {error}: A states {a_states}, partner "
+                                 f"{[(c, st.name) for c, st in partner.state_log]}, drops "
+                                 f"{ {k: n for k, n in drop_counts(dut, 'a').items() if n} }, "
+                                 f"sent {[len(partner.sent[v]) for v in range(num_vls)]}, queued "
+                                 f"{[len(partner.queue[v]) for v in range(num_vls)]}, delivered "
+                                 f"{[len(sinks[v].packets) for v in range(num_vls)]}") from None
+        drops = {k: n for k, n in drop_counts(dut, "a").items() if n}
+        assert not drops, f"{early} cycles early: A dropped {drops}"
+        assert not partner.cut
+        for v in range(num_vls):
+            assert not sinks[v].errors, sinks[v].errors
+            assert [p for p, bad, *_ in sinks[v].packets if not bad] == partner.sent[v]
+            assert read_port(dut, "packets_received", "a", v) == len(partner.sent[v])
+        took_in_init += any(state == LinkState.INIT for cycle, state in partner.state_log[1:])
+        await loop.run(until=lambda: read_port(dut, "state", "a") == LinkState.ACTIVE
+                       and partner.state == LinkState.ACTIVE, limit=3 * timeout)
+        await loop.run(cycles=64 + 4 * delay + 16)
+        for v in range(num_vls):
+            assert read_port(dut, "used_blocks", "a", v) == 0
+            assert read_port(dut, "abr", "a", v) == partner.fctbs[v]
+    dut._log.info(f"the partner went ACTIVE into A's timeout and back to INIT in {took_in_init} "
+                  f"of {len(tries)}")
+    assert took_in_init, "the race never happened: the test did not test it"
+
+
+def assert_abr_zero_in_init(dut, cycle, num_vls):
+    """docs/link.md: ABR is 0 throughout INIT, so data taken there is never advertised twice."""
+    if read_port(dut, "state", "a") == LinkState.INIT:
+        for v in range(num_vls):
+            assert read_port(dut, "abr", "a", v) == 0, f"cycle {cycle}: A in INIT with ABR{v} != 0"
 
 
 def assert_no_overflow(dut, cycle):

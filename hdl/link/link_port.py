@@ -19,7 +19,8 @@ class LinkPort(wiring.Component):
     sends Op INIT packets and takes only the peer's; ARMED, once the peer's
     INIT was heard and ours went out ``INIT_REPEATS`` times for every VL since,
     sends NORMAL packets and no data but takes the peer's data; ACTIVE, on the
-    peer's first NORMAL packet or good data packet, sends data. An Op INIT
+    peer's first NORMAL packet or good data packet, sends data. Data packets are dropped
+    only in the INIT after a reset, before the port first arms. An Op INIT
     packet in ACTIVE means the peer was reset: forget FCTBS, ABR and credit
     limits and initialise again; in ARMED it is the peer still initialising.
     A port left ARMED for ``4 * fc_period`` cycles (the peer was reset again
@@ -80,7 +81,17 @@ class LinkPort(wiring.Component):
         armed_cycles = Signal(range(self.armed_timeout + 1))
         init_sent = Signal(num_vls)
         clear = Signal()
-        m.d.comb += [tx.clear.eq(clear), rx.clear.eq(clear)]
+        # From reset until we first arm, the peer may still send data meant for our earlier
+        # life, against credit we no longer hold: that is dropped. In an INIT entered later
+        # (ARMED timed out, or the peer's INIT in ACTIVE) the peer's data was sent against
+        # this life's credit and is taken. Throughout INIT, ABR stays 0: the peer's FCTBS
+        # is 0 or becomes 0 when it hears our INIT.
+        since_reset = Signal(init=1)
+        in_init = self.state == LinkState.INIT
+        with m.If(self.state == LinkState.ARMED):
+            m.d.sync += since_reset.eq(0)
+        m.d.comb += [tx.clear.eq(clear), rx.clear.eq(clear | in_init),
+                     rx.link_down.eq(in_init & since_reset)]
 
         peer_fc = rx.flow_control
         peer_init = peer_fc.valid & (peer_fc.op == FlowControlOp.INIT)

@@ -23,7 +23,7 @@ DROP_REASONS = (
     "invalid_vl",   # VL is not one of our data VLs (VL15 included: no SMA here)
     "malformed",    # a start beat too short to be an IBA packet, or beats with no start
     "end_bad",      # arrived marked end-bad by a cut-through hop upstream
-    "link_down",    # arrived while the link was in INIT (ARMED takes data: docs/link.md)
+    "link_down",    # arrived while the port's link_down input was set (docs/link.md)
     "overflow",     # no buffer room: the sender broke the credit protocol
 )
 # A routed receiver (a switch input) also drops packets whose DLID the forwarding table misses.
@@ -111,6 +111,8 @@ class LinkReceiver(wiring.Component):
             **members,
             "drop_event": Out(DropEventSignature(num_vls, self.drop_reasons)),
             "state": In(LinkState),
+            # Data packets arriving now are dropped as link_down (LinkPort: INIT since reset).
+            "link_down": In(1),
             "clear": In(1),
             "flow_control": Out(FlowControlSignature()),
             "fccl": Out(FCCL_BITS, init=buffer_blocks).array(num_vls),
@@ -276,7 +278,7 @@ class LinkReceiver(wiring.Component):
         start_vl = w.data[4:8]
         reject = Signal()
         reject_reason = {
-            "link_down": self.state == LinkState.INIT,
+            "link_down": self.link_down,
             "malformed": f.malformed,
             "invalid_vl": f.invalid_vl,
             "too_long": f.too_long,

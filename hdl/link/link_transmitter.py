@@ -13,10 +13,12 @@ from .signatures import (
     max_wire_bytes, vl_index,
 )
 
-__all__ = ["LinkTransmitter", "FC_BATCH_INTERVAL", "credit_view"]
+__all__ = ["LinkTransmitter", "FC_BATCH_INTERVAL", "ARMED_FC_INTERVAL", "credit_view"]
 
 # Cycles between flow-control packets of one VL that report a large batch of freed blocks.
 FC_BATCH_INTERVAL = 4
+# Most cycles between one VL's NORMAL packets in ARMED: the peer goes ACTIVE on one.
+ARMED_FC_INTERVAL = 16
 # IBA: a packet may start when (FCCL - (FCTBS + blocks)) mod 4096 <= CREDIT_WINDOW.
 CREDIT_WINDOW = 2048
 # On the few nets the decision is made of (eligible VLs, whether a pick may happen, the
@@ -32,9 +34,11 @@ class LinkTransmitter(wiring.Component):
     head packet the peer's credit limit covers in full (weighted round robin,
     ``vl_weight`` 64-byte blocks per turn, at least one packet), appends the
     VCRC and drives the wire. Between data packets it sends IBA flow-control
-    packets: Op INIT while the port initialises, otherwise NORMAL ones when the
-    advertised FCCL changed (at most every ``fc_min_interval`` cycles per VL)
-    and at least every ``fc_period`` cycles per VL, which heals lost ones; a
+    packets: Op INIT while the port initialises (every ``fc_min_interval`` cycles per VL),
+    NORMAL ones in ARMED (every ``min(ARMED_FC_INTERVAL, fc_min_interval)`` cycles per
+    VL) and in ACTIVE when the advertised FCCL changed (at most every
+    ``fc_min_interval`` cycles per VL) and at least every ``fc_period`` cycles per VL,
+    which heals lost ones; a
     change of ``fc_batch_blocks`` or more goes out after only
     ``FC_BATCH_INTERVAL`` cycles, so a sender waiting for a large packet's
     worth of credit is not held up by the batching.
@@ -70,6 +74,7 @@ class LinkTransmitter(wiring.Component):
         self.fc_batch_blocks = fc_batch_blocks
         self.fc_period = fc_period
         self.fc_min_interval = fc_min_interval
+        self.armed_fc_interval = min(ARMED_FC_INTERVAL, fc_min_interval)
         super().__init__({
             "data_in": In(stream.Signature(BeatLayout(width))).array(num_vls),
             "wire": Out(WireSignature(width)),
@@ -244,12 +249,14 @@ class LinkTransmitter(wiring.Component):
                 m.d.sync += since_fc[v].eq(since_fc[v] + 1)
             m.d.sync += batch_ready[v].eq(
                 ((self.advertise_fccl[v] - last_fccl[v])[:FCCL_BITS] >= self.fc_batch_blocks))
-            # Until the link is up, the peer may be missing our packets: repeat them often.
+            # Until the link is up, the peer may be missing our packets: repeat them often,
+            # and in ARMED more often still (the peer waits for a NORMAL packet to go ACTIVE).
             # Once up, a change is reported within fc_min_interval, and a large one (a
             # batch of freed blocks the sender may be starving for) almost at once.
             m.d.sync += want_fc[v].eq(~self.clear & ~fc_going[v] & (
                 (since_fc[v] >= self.fc_min_interval - 1)
                 & ((self.state != LinkState.ACTIVE) | (self.advertise_fccl[v] != last_fccl[v]))
+                | (since_fc[v] >= self.armed_fc_interval - 1) & (self.state == LinkState.ARMED)
                 | (since_fc[v] >= FC_BATCH_INTERVAL - 1) & batch_ready[v]
                 | (since_fc[v] >= self.fc_period - 1)))
         fc_vl = Signal(vl_index(num_vls))
