@@ -9,6 +9,9 @@ Factored like BookSim so the switch model can reuse the pieces:
 - :class:`FlowControlScheduler` -- when a port's transmitter sends a flow-control
   packet for a VL (``hdl/link/link_transmitter.py``).
 - :class:`VlArbiter` -- the transmitter's weighted round robin over eligible VLs.
+- :class:`LinkStateMachine` -- flow-control initialisation (``hdl/link/link_port.py``,
+  docs/link.md): the states, what each does with the peer's packets, the transitions;
+  event by event, not cycle by cycle.
 - :class:`PacketBufferModel` -- one VL's receive buffer (``hdl/link/packet_buffer.py``):
   two ``lib.fifo.SyncFIFOBuffered`` (beats, verdicts), store-and-forward or cut-through.
 - :class:`Transmitter` / :class:`Receiver` -- one port's halves, built from the above.
@@ -51,7 +54,8 @@ a block's combinational logic decides; its registers show the result at t + 1):
 Simplifications (said where they matter):
 
 - the link is ACTIVE from cycle 0 with FCTBS = ABR = 0 and the limit = capacity (the
-  INIT/ARMED handshake is not modelled); every VL's flow-control timer starts at
+  INIT/ARMED handshake is :class:`LinkStateMachine`, outside the cycle model); every VL's
+  flow-control timer starts at
   ``fc_since`` (default 0). Checked against LinkPair under amaranth.sim (width 64,
   4 KiB packets, 132 blocks, store-and-forward; width 8, short packets, credit
   stalls, both buffer modes): the same accept / first-out / last-out cycle for every
@@ -84,6 +88,7 @@ __all__ = [
     "FCCL_MOD", "FC_BATCH_INTERVAL", "SEND_ONLY_OVERHEAD", "MIN_WIRE_BYTES",
     "wire_beats", "stored_beats", "send_only_wire_bytes",
     "Channel", "CreditSender", "CreditReceiver", "FlowControlScheduler", "VlArbiter",
+    "LinkStateMachine", "INIT_REPEATS", "ARMED_FC_INTERVAL",
     "Packet", "PacketBufferModel", "Transmitter", "Receiver", "LinkModel", "LinkStats",
     "credit_loop_cycles", "estimate_min_buffer", "min_buffer_for_full_rate",
 ]
@@ -92,6 +97,8 @@ FCCL_MOD = 4096              # FCTBS, FCCL and ABR are 12-bit counters
 FCCL_MASK = FCCL_MOD - 1
 CREDIT_WINDOW = 2048         # IBA: send if (FCCL - (FCTBS + blocks)) mod 4096 <= 2048
 FC_BATCH_INTERVAL = 4        # link_transmitter.FC_BATCH_INTERVAL
+ARMED_FC_INTERVAL = 16       # link_transmitter.ARMED_FC_INTERVAL
+INIT_REPEATS = 8             # link_port.INIT_REPEATS
 SEND_ONLY_OVERHEAD = 8 + 12 + 4 + VCRC_SIZE    # LRH + BTH + ICRC + VCRC around a payload
 MIN_WIRE_BYTES = SEND_ONLY_OVERHEAD            # smallest IBA transport packet on a wire
 FC_ITEM = "fc"
@@ -219,6 +226,7 @@ class FlowControlScheduler:
 
     - ``since >= fc_min_interval`` and the advertised FCCL changed (or the link is not
       ACTIVE yet), or
+    - ``since >= min(ARMED_FC_INTERVAL, fc_min_interval)`` and the link is ARMED, or
     - ``since >= FC_BATCH_INTERVAL`` and the FCCL advanced by ``fc_batch_blocks`` or more
       ((FCCL - last) mod 4096; ``fc_batch_blocks=None`` turns this rule off, as in the
       RTL before it had it), or
@@ -269,12 +277,14 @@ class FlowControlScheduler:
                 return vl
         return None
 
-    def step(self, sent_vl, advertised, active: bool = True) -> None:
+    def step(self, sent_vl, advertised, active: bool = True, armed: bool = False) -> None:
         since, period = self.since, self.fc_period
+        armed_interval = min(ARMED_FC_INTERVAL, self.fc_min_interval)
         for vl in range(self.num_vls):
             self.want[vl] = vl != sent_vl and (
                 since[vl] >= self.fc_min_interval - 1
                 and ((advertised[vl] & FCCL_MASK) != self.last[vl] or not active)
+                or armed and since[vl] >= armed_interval - 1
                 or since[vl] >= FC_BATCH_INTERVAL - 1 and self.batch_ready[vl]
                 or since[vl] >= period - 1)
             self.batch_ready[vl] = self._batch(vl, advertised[vl])
@@ -283,6 +293,87 @@ class FlowControlScheduler:
                 self.last[vl] = advertised[vl] & FCCL_MASK
             elif since[vl] != period:
                 since[vl] += 1
+
+
+class LinkStateMachine:
+    """One port's flow-control initialisation, event by event (docs/link.md, the state
+    table; ``hdl/link/link_port.py``). States 0 INIT, 1 ARMED, 2 ACTIVE, as ``LinkState``.
+
+    Events: :meth:`heard` (a good flow-control packet of the peer, ``init`` for Op INIT),
+    :meth:`sent_init` (one of our INIT packets went out on ``vl``), :meth:`data` (a good
+    data packet of the peer ended: returns whether it is taken, False meaning dropped as
+    ``link_down``), :meth:`armed_for` (cycles spent in ARMED so far), :meth:`reset`.
+    ``sends()`` says what the port sends now: ``"INIT"``, ``"NORMAL"`` or
+    ``"NORMAL+data"``; ``fc_interval`` the cycles between one VL's flow-control packets
+    while the link is not ACTIVE; ``abr_held`` whether ABR is held at 0.
+    """
+
+    INIT, ARMED, ACTIVE = 0, 1, 2
+
+    def __init__(self, num_vls: int = 2, fc_period: int = 1024, fc_min_interval: int = 64):
+        self.num_vls = num_vls
+        self.armed_timeout = 4 * fc_period
+        self.fc_min_interval = fc_min_interval
+        self.link_inits = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.state = self.INIT
+        self.since_reset = True         # no ARMED since the reset: data is stale
+        self.heard_init = False
+        self.repeats = [0] * self.num_vls
+
+    def _enter_init(self, heard: bool) -> None:
+        self.state = self.INIT
+        self.heard_init = heard
+        self.repeats = [0] * self.num_vls
+
+    @property
+    def fc_interval(self) -> int:
+        if self.state == self.ARMED:
+            return min(ARMED_FC_INTERVAL, self.fc_min_interval)
+        return self.fc_min_interval
+
+    @property
+    def abr_held(self) -> bool:
+        return self.state == self.INIT
+
+    def sends(self) -> str:
+        return ("INIT", "NORMAL", "NORMAL+data")[self.state]
+
+    def sent_init(self, vl: int) -> None:
+        if self.state == self.INIT and self.heard_init:
+            self.repeats[vl] = min(self.repeats[vl] + 1, INIT_REPEATS)
+            if all(n == INIT_REPEATS for n in self.repeats):
+                self.state = self.ARMED
+                self.since_reset = False
+
+    def heard(self, init: bool) -> bool:
+        """A good flow-control packet of the peer: returns whether it is taken (sets the
+        credit limit and ABR); NORMAL packets are ignored in INIT."""
+        if init:
+            if self.state == self.ACTIVE:       # the peer was reset
+                self.link_inits += 1
+                self._enter_init(heard=True)
+            else:                               # INIT, or ARMED: the peer still initialising
+                self.heard_init = True
+            return True
+        if self.state == self.INIT:
+            return False
+        if self.state == self.ARMED:
+            self.state = self.ACTIVE
+        return True
+
+    def data(self) -> bool:
+        if self.state == self.INIT:
+            return not self.since_reset
+        if self.state == self.ARMED:
+            self.state = self.ACTIVE
+        return True
+
+    def armed_for(self, cycles: int) -> None:
+        if self.state == self.ARMED and cycles > self.armed_timeout:
+            self._enter_init(heard=False)      # the peer never answered
 
 
 class VlArbiter:

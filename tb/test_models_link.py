@@ -5,7 +5,8 @@ import random
 import pytest
 
 from models.link import (
-    FCCL_MOD, Channel, CreditReceiver, CreditSender, FlowControlScheduler, LinkModel, VlArbiter,
+    ARMED_FC_INTERVAL, FCCL_MOD, INIT_REPEATS, Channel, CreditReceiver, CreditSender,
+    FlowControlScheduler, LinkModel, LinkStateMachine, VlArbiter,
     credit_loop_cycles, estimate_min_buffer, min_buffer_for_full_rate, send_only_wire_bytes,
     stored_beats, wire_beats,
 )
@@ -234,3 +235,79 @@ def test_min_buffer_mtu_packets():
     # store-and-forward loop of 271 cycles over a 64-cycle cable.
     assert min_buffer_for_full_rate(0, MTU_PACKET, 64, cut_through=True, cycles=8000) == 130
     assert min_buffer_for_full_rate(64, MTU_PACKET, 64, cycles=8000) == 325
+
+
+def bring_to_armed(port, num_vls=2):
+    port.heard(init=True)
+    for _ in range(INIT_REPEATS):
+        for vl in range(num_vls):
+            port.sent_init(vl)
+    return port
+
+
+def test_state_machine_arms_after_init_repeats_and_goes_active_on_data():
+    port = LinkStateMachine(num_vls=2, fc_min_interval=64)
+    for _ in range(INIT_REPEATS):
+        port.sent_init(0)       # before the peer's INIT was heard: no repeats count
+    assert port.state == port.INIT and port.sends() == "INIT" and port.fc_interval == 64
+    port.heard(init=True)
+    for _ in range(INIT_REPEATS):
+        port.sent_init(0)
+    assert port.state == port.INIT, "every VL repeats INIT_REPEATS times"
+    for _ in range(INIT_REPEATS):
+        port.sent_init(1)
+    assert port.state == port.ARMED and port.sends() == "NORMAL" and port.fc_interval == 16
+    assert not port.abr_held
+    assert port.data() is True and port.state == port.ACTIVE and port.sends() == "NORMAL+data"
+
+
+@pytest.mark.parametrize("fc_min_interval", [8, 16, 64])
+def test_state_machine_armed_cadence(fc_min_interval):
+    port = bring_to_armed(LinkStateMachine(fc_min_interval=fc_min_interval))
+    assert port.fc_interval == min(ARMED_FC_INTERVAL, fc_min_interval)
+
+
+def test_state_machine_normal_packets_and_init_in_armed():
+    port = LinkStateMachine()
+    assert port.heard(init=False) is False and port.state == port.INIT, "NORMAL is stale in INIT"
+    bring_to_armed(port)
+    assert port.heard(init=True) is True and port.state == port.ARMED, "the peer still initialising"
+    assert port.heard(init=False) is True and port.state == port.ACTIVE
+    assert port.link_inits == 0
+
+
+def test_state_machine_data_dropped_only_in_the_init_after_reset():
+    port = LinkStateMachine(fc_period=1024)
+    assert port.data() is False and port.abr_held, "stale: sent to our earlier life"
+    bring_to_armed(port)
+    port.armed_for(4 * 1024)
+    assert port.state == port.ARMED
+    port.armed_for(4 * 1024 + 1)
+    assert port.state == port.INIT and not port.heard_init and port.abr_held
+    assert port.data() is True and port.state == port.INIT, "sent against this life's credit"
+    port.reset()
+    assert port.data() is False
+
+
+def test_state_machine_init_in_active_is_the_peers_reset():
+    port = bring_to_armed(LinkStateMachine())
+    port.heard(init=False)
+    assert port.state == port.ACTIVE
+    assert port.heard(init=True) is True
+    assert port.state == port.INIT and port.heard_init and port.link_inits == 1
+    assert port.data() is True, "no reset of ours: nothing stale"
+    bring_to_armed(port)
+    assert port.state == port.ARMED
+
+
+def test_flow_control_scheduler_armed_cadence():
+    fc = FlowControlScheduler(1, fc_period=1024, fc_min_interval=64)
+    sent = []
+    for now in range(100):
+        vl = fc.choose()
+        if vl is not None:
+            sent.append(now)
+        fc.step(vl, [0], active=False, armed=True)
+    # The decision is a register (the first goes at 1), and the timer counts from the
+    # cycle after a packet: a cadence of N puts N + 1 cycles between one VL's packets.
+    assert sent[:4] == [1 + k * (ARMED_FC_INTERVAL + 1) for k in range(4)]
