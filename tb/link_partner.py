@@ -35,7 +35,7 @@ class LinkPartner:
     VL goes at once on entering ARMED and ACTIVE (docs/link.md says a peer should; one
     that does not must lose nothing either). ``armed_timeout``: cycles in ARMED without
     the port's NORMAL packet after which the partner starts over from INIT (docs/link.md:
-    the port does so after ``4 * fc_period``). ``buffer_blocks``: the credit the partner
+    the port does so after ``4 * fc_period + 1``). ``buffer_blocks``: the credit the partner
     advertises (it takes no data in these tests, so its FCCL never moves).
     """
 
@@ -74,6 +74,7 @@ class LinkPartner:
         packet half sent is cut short (the port drops it as truncated); on the port's INIT
         in ACTIVE it is finished first (docs/link.md)."""
         self.state = LinkState.INIT
+        self.entered_at = cycle
         self.heard_init = False
         self.init_repeats = [0] * self.num_vls
         self.fctbs = [0] * self.num_vls
