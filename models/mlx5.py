@@ -378,12 +378,10 @@ NVSHMEM_AMOS = ("INC", "FETCH_INC", "SIGNAL", "SIGNAL_SET", "SWAP", "SET", "SIGN
                 "COMPARE_SWAP")
 
 
-def nvshmem_atomic_wqe(amo: str, nbytes: int, wqe_index: int, qpn: int, *, raddr: int,
-                       rkey: int, laddr: int, lkey: int, value: int = 0, compare: int = 0,
-                       fm_ce_se: int = 0) -> Wqe:
-    """The RC WQE ``ibgda_write_atomic_wqe`` (``ibgda_device.cuh``) writes for NVSHMEM
-    operation ``amo`` (``NVSHMEMI_AMO_<amo>``) on ``nbytes`` (4 or 8) bytes: ``value`` is
-    its ``val_1``, ``compare`` its ``val_2``; the data segment names ``nbytes`` at ``laddr``.
+def nvshmem_atomic_fields(amo: str, nbytes: int, value: int = 0, compare: int = 0) -> dict:
+    """The :func:`build_wqe` fields (opcode, opmod, operands) ``ibgda_write_atomic_wqe``
+    (``ibgda_device.cuh``) writes for NVSHMEM operation ``amo`` (``NVSHMEMI_AMO_<amo>``)
+    on ``nbytes`` (4 or 8) bytes: ``value`` is its ``val_1``, ``compare`` its ``val_2``.
 
     INC, ADD, SIGNAL_ADD, FETCH (add 0), XOR (field boundary all ones: no carries) and
     4-byte FETCH_ADD are masked FA; SET, SWAP, SIGNAL(_SET) (swap mask all ones), AND (swap
@@ -394,8 +392,12 @@ def nvshmem_atomic_wqe(amo: str, nbytes: int, wqe_index: int, qpn: int, *, raddr
         raise ValueError(f"no NVSHMEM atomic {amo!r} of {nbytes} bytes")
     ones = (1 << (8 * nbytes)) - 1
     value &= ones
+    compare &= ones
     base = amo.removeprefix("FETCH_") if amo != "FETCH_ADD" else amo
-    fields = dict(opcode=Opcode.ATOMIC_MASKED_FA, swap_add=value)
+    if nbytes == 8 and base in ("FETCH_ADD", "COMPARE_SWAP"):
+        return dict(opcode=Opcode.ATOMIC_FA if base == "FETCH_ADD" else Opcode.ATOMIC_CS,
+                    opmod=0, swap_add=value, compare=compare if base == "COMPARE_SWAP" else 0)
+    fields = dict(opcode=Opcode.ATOMIC_MASKED_FA, opmod=EXT_AMO_OPMOD[nbytes], swap_add=value)
     if base == "INC":
         fields.update(swap_add=1)
     elif base in ("SIGNAL", "SIGNAL_SET", "SWAP", "SET"):
@@ -409,15 +411,18 @@ def nvshmem_atomic_wqe(amo: str, nbytes: int, wqe_index: int, qpn: int, *, raddr
     elif base == "FETCH":
         fields.update(swap_add=0)
     elif base == "COMPARE_SWAP":
-        fields.update(opcode=Opcode.ATOMIC_MASKED_CS, compare=compare & ones, swap_mask=ones,
+        fields.update(opcode=Opcode.ATOMIC_MASKED_CS, compare=compare, swap_mask=ones,
                       compare_mask=ones)
-    opmod = EXT_AMO_OPMOD[nbytes]
-    if nbytes == 8 and base in ("FETCH_ADD", "COMPARE_SWAP"):
-        fields = dict(opcode=Opcode.ATOMIC_FA if base == "FETCH_ADD" else Opcode.ATOMIC_CS,
-                      swap_add=value, compare=compare & ones if base == "COMPARE_SWAP" else 0)
-        opmod = 0
-    opcode = fields.pop("opcode")
-    return build_wqe(opcode, wqe_index, qpn, opmod=opmod, fm_ce_se=fm_ce_se, raddr=raddr,
+    return fields
+
+
+def nvshmem_atomic_wqe(amo: str, nbytes: int, wqe_index: int, qpn: int, *, raddr: int,
+                       rkey: int, laddr: int, lkey: int, value: int = 0, compare: int = 0,
+                       fm_ce_se: int = 0) -> Wqe:
+    """The RC WQE ``ibgda_write_atomic_wqe`` writes (:func:`nvshmem_atomic_fields`), its
+    data segment naming ``nbytes`` at ``laddr``."""
+    fields = nvshmem_atomic_fields(amo, nbytes, value, compare)
+    return build_wqe(fields.pop("opcode"), wqe_index, qpn, fm_ce_se=fm_ce_se, raddr=raddr,
                      rkey=rkey, lkey=lkey, laddr=laddr, byte_count=nbytes, **fields)
 
 

@@ -36,7 +36,7 @@ def random_wqe(tb, rng, *, small=False):
     kind = rng.choice(KINDS)
     limit = 600 if small else rng.choice([64, 600, 5000, 12000])
     length = rng.randrange(0, limit + 1)
-    if kind in ("read", "fetch_add", "compare_swap"):
+    if kind in ("read", "fetch_add", "compare_swap", "nvshmem_atomic"):
         room = max(length, 8)
         if tb.landing_cursor + room > SOURCE_BYTES:
             tb.landing_cursor = 0
