@@ -197,6 +197,17 @@ BAD_WQES = {
                                  mlx5.Syndrome.LOCAL_PROT_ERR),
     "atomic_without_local_write": (dict(opcode=Op.ATOMIC_CS, lkey=(3 << 8) | 0x5A),
                                    mlx5.Syndrome.LOCAL_PROT_ERR),
+    # NVSHMEM's masked atomics (ibgda_write_atomic_wqe) malformed: an opmod it never
+    # writes, ds one short (an 8-byte masked CS's data segment past the WQE), the data
+    # word not the operand size
+    "masked_opmod": (dict(opcode=Op.ATOMIC_MASKED_FA, opmod=0x0A, byte_count=8),
+                     mlx5.Syndrome.LOCAL_QP_OP_ERR),
+    "masked_cs_ds4": (dict(opcode=Op.ATOMIC_MASKED_CS, opmod=0x09, ds=4),
+                      mlx5.Syndrome.LOCAL_QP_OP_ERR),
+    "masked_fa4_length": (dict(opcode=Op.ATOMIC_MASKED_FA, opmod=0x08, byte_count=8),
+                          mlx5.Syndrome.LOCAL_LENGTH_ERR),
+    "masked_cs8_length": (dict(opcode=Op.ATOMIC_MASKED_CS, opmod=0x09, byte_count=4),
+                          mlx5.Syndrome.LOCAL_LENGTH_ERR),
 }
 
 

@@ -166,17 +166,24 @@ async def hammer(tb, rng, per_qp=40, max_outstanding=64, nvshmem_bytes=None):
     await run_both(tb, work)
     await tb.drain(limit=2_000_000)
     for side in tb.sides.values():
-        value = start[side.name]
-        taken = {q: 0 for q in qps}          # each QP's atomics run in its order
         memory = side.host.memory
         origs = {(q, n): int.from_bytes(memory.read(slots[(side.name, q, n)][0], nbytes), order)
                  for q in qps for n in range(per_qp)}
-        for _ in range(len(qps) * per_qp):
-            q = next((q for q in qps if taken[q] < per_qp and origs[(q, taken[q])] == value),
-                     None)
-            assert q is not None, f"{side.name}: no atomic saw the word at {value:#x}"
-            value = (value + slots[(side.name, q, taken[q])][1]) % modulus
-            taken[q] += 1
+        # Each QP's atomics run in its order; search the interleavings (an addend of 0 can
+        # leave two QPs seeing the same value) for one whose values chain.
+        todo, seen, value = [(tuple(0 for _ in qps), start[side.name])], set(), None
+        while todo:
+            taken, at = todo.pop()
+            if all(t == per_qp for t in taken):
+                value = at
+                break
+            for k, q in enumerate(qps):
+                if taken[k] < per_qp and origs[(q, taken[k])] == at:
+                    after = taken[:k] + (taken[k] + 1,) + taken[k + 1:]
+                    if after not in seen:
+                        seen.add(after)
+                        todo.append((after, (at + slots[(side.name, q, taken[k])][1]) % modulus))
+        assert value is not None, f"{side.name}: the returned values do not chain"
         word = side.peer.target(0)[0]
         assert int.from_bytes(side.peer.host.memory.read(word, nbytes), "little") == value
         for (q, n), orig in origs.items():      # the interleaving the NICs chose
