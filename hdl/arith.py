@@ -18,10 +18,15 @@ _GROUP = 3          # bits per group: a group's generate reads 6 inputs, one LUT
 _RADIX = 3          # groups joined per prefix level: 3 (G, P) pairs, one LUT
 
 
-def lookahead_sum(m, a, b, carry=0, *, name="sum"):
+def lookahead_sum(m, a, b, carry=0, *, half=None, name="sum"):
     """``a + b + carry`` (``carry`` one bit), ``max(len(a), len(b)) + 1`` bits wide, the
     carry out on top, as combinational logic in ``m``. Its wires are driven in ``m.d.comb``
-    where it is called: outside any ``m.If``, whose condition would gate them."""
+    where it is called: outside any ``m.If``, whose condition would gate them.
+
+    ``half``: each sum bit's own half sum, instead of ``a ^ b``, for an add whose carries
+    stop at chosen bits (a masked fetch-and-add): clear those bits in ``a`` and ``b`` (no
+    carry leaves them) and give their real half sums here, as registers like ``a`` and
+    ``b``, so the sum is no deeper than a plain one."""
     a, b, carry = Value.cast(a), Value.cast(b), Value.cast(carry)
     n = max(len(a), len(b), 1)
     a = Cat(a, C(0, n - len(a))) if len(a) < n else a
@@ -35,6 +40,7 @@ def lookahead_sum(m, a, b, carry=0, *, name="sum"):
 
     generate = [wire(a[i] & b[i], f"g{i}") for i in range(n)]
     propagate = [wire(a[i] ^ b[i], f"p{i}") for i in range(n)]
+    own = propagate if half is None else [Value.cast(half)[i] for i in range(n)]
     # A carry in takes one input of the first group's LUT: that group is a bit shorter.
     first = _GROUP if isinstance(carry, Const) else _GROUP - 1
     groups = [range(0, min(first, n))] + [range(start, min(start + _GROUP, n))
@@ -73,7 +79,7 @@ def lookahead_sum(m, a, b, carry=0, *, name="sum"):
     for k, group in enumerate(groups):
         into = carry if k == 0 else group_g[k - 1]
         for i in group:
-            bits.append(propagate[i] ^ into)
+            bits.append(own[i] ^ into)
             into = generate[i] | (propagate[i] & into)
     return Cat(*bits, group_g[-1])
 

@@ -134,6 +134,26 @@ class AtomicETH(_Header):
 
 
 @dataclass(frozen=True, kw_only=True)
+class MaskedAtomicETH(_Header):
+    """This project's extended atomic header (44 B): AtomicETH, then the two masks.
+
+    Carries mlx5's masked atomics (docs/nic-formats.md, "Masked atomics on the wire"): masked
+    compare-and-swap uses every field; masked fetch-and-add carries the addend in
+    ``swap_add`` and the field boundary in ``swap_mask`` (``compare``, ``compare_mask`` 0).
+    4-byte operands sit in the low 32 bits of each field."""
+
+    va: int = 0
+    rkey: int = 0
+    swap_add: int = 0
+    compare: int = 0
+    swap_mask: int = 0
+    compare_mask: int = 0
+
+    _LAYOUT = (("va", 64), ("rkey", 32), ("swap_add", 64), ("compare", 64),
+               ("swap_mask", 64), ("compare_mask", 64))
+
+
+@dataclass(frozen=True, kw_only=True)
 class AtomicAckETH(_Header):
     """Atomic ACK Extended Transport Header."""
 
@@ -190,7 +210,9 @@ class FlowControl(_Header):
 
 
 class Opcode(IntEnum):
-    """BTH opcodes of the Reliable Connection transport (IBA table 38)."""
+    """BTH opcodes of the Reliable Connection transport (IBA table 38), and this project's
+    masked atomics in the manufacturer-specific range 0xC0..0xFF (docs/nic-formats.md):
+    0xC0 | the IBA atomic's code for 8-byte operands, 0xE0 | it for 4-byte ones."""
 
     SEND_FIRST = 0x00
     SEND_MIDDLE = 0x01
@@ -213,6 +235,20 @@ class Opcode(IntEnum):
     ATOMIC_ACKNOWLEDGE = 0x12
     COMPARE_SWAP = 0x13
     FETCH_ADD = 0x14
+    MASKED_COMPARE_SWAP = 0xD3
+    MASKED_FETCH_ADD = 0xD4
+    MASKED_COMPARE_SWAP_4 = 0xF3
+    MASKED_FETCH_ADD_4 = 0xF4
+
+
+MASKED_ATOMICS = frozenset({Opcode.MASKED_COMPARE_SWAP, Opcode.MASKED_FETCH_ADD,
+                            Opcode.MASKED_COMPARE_SWAP_4, Opcode.MASKED_FETCH_ADD_4})
+MASKED_FETCH_ADDS = frozenset({Opcode.MASKED_FETCH_ADD, Opcode.MASKED_FETCH_ADD_4})
+
+
+def atomic_operand_bytes(opcode: int) -> int:
+    """Operand size of an atomic request opcode: 4 for the 4-byte masked ones, else 8."""
+    return 4 if opcode in (Opcode.MASKED_COMPARE_SWAP_4, Opcode.MASKED_FETCH_ADD_4) else 8
 
 
 _EXTENSION_HEADERS: dict[Opcode, tuple[type[_Header], ...]] = {
@@ -237,10 +273,12 @@ _EXTENSION_HEADERS: dict[Opcode, tuple[type[_Header], ...]] = {
     Opcode.ATOMIC_ACKNOWLEDGE: (AETH, AtomicAckETH),
     Opcode.COMPARE_SWAP: (AtomicETH,),
     Opcode.FETCH_ADD: (AtomicETH,),
+    **{op: (MaskedAtomicETH,) for op in MASKED_ATOMICS},
 }
 
 _NO_PAYLOAD = frozenset({Opcode.RDMA_READ_REQUEST, Opcode.ACKNOWLEDGE,
-                         Opcode.ATOMIC_ACKNOWLEDGE, Opcode.COMPARE_SWAP, Opcode.FETCH_ADD})
+                         Opcode.ATOMIC_ACKNOWLEDGE, Opcode.COMPARE_SWAP, Opcode.FETCH_ADD,
+                         *MASKED_ATOMICS})
 
 
 def extension_headers(opcode: int) -> tuple[type[_Header], ...]:

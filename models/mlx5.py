@@ -38,12 +38,13 @@ class Opcode(IntEnum):
     RDMA_READ = 0x10
     ATOMIC_CS = 0x11
     ATOMIC_FA = 0x12
+    ATOMIC_MASKED_CS = 0x14
+    ATOMIC_MASKED_FA = 0x15
     DUMP = 0x23              # NVSHMEM's IBGDA_MLX5_OPCODE_DUMP
 
 
-# Opcodes NVSHMEM also writes that this NIC rejects (LOCAL_QP_OP_ERR); used by tests.
-OPCODE_ATOMIC_MASKED_CS = 0x14
-OPCODE_ATOMIC_MASKED_FA = 0x15
+# opmod of a masked atomic: its operand size (NVSHMEM's IBGDA_4/8_BYTE_EXT_AMO_OPMOD >> 24).
+EXT_AMO_OPMOD = {4: 0x08, 8: 0x09}
 
 # fm_ce_se (byte 11 of the control segment), mlx5dv.h names.
 CTRL_SOLICITED = 0x02            # MLX5_WQE_CTRL_SOLICITED  (1 << 1)
@@ -122,6 +123,26 @@ def atomic_segment(swap_add: int, compare: int = 0) -> bytes:
     return _be(swap_add, 8) + _be(compare, 8)
 
 
+def masked_atomic_segments(opcode: int, nbytes: int, swap_add: int, compare: int = 0,
+                           swap_mask: int = 0, compare_mask: int = 0) -> bytes:
+    """The atomic segment(s) of a masked atomic, as ``ibgda_device.cuh`` lays them out.
+
+    Masked FA (``swap_mask`` is the field boundary): 4 bytes ``ibgda_atomic_32_masked_fa_seg_t``
+    {add_data, field_boundary, 8 reserved}, 8 bytes ``ibgda_atomic_64_masked_fa_seg_t``
+    {add_data, field_boundary}. Masked CS: 4 bytes ``ibgda_atomic_32_masked_cs_seg_t``
+    {swap_data, compare_data, swap_mask, compare_mask}; 8 bytes two
+    ``ibgda_atomic_64_masked_cs_seg_t`` {swap, compare} then {swap_mask, compare_mask}."""
+    if nbytes not in EXT_AMO_OPMOD:
+        raise ValueError(f"masked atomics are 4 or 8 bytes, not {nbytes}")
+    if opcode == Opcode.ATOMIC_MASKED_FA:
+        if nbytes == 4:
+            return _be(swap_add, 4) + _be(swap_mask, 4) + bytes(8)
+        return _be(swap_add, 8) + _be(swap_mask, 8)
+    if nbytes == 4:
+        return _be(swap_add, 4) + _be(compare, 4) + _be(swap_mask, 4) + _be(compare_mask, 4)
+    return _be(swap_add, 8) + _be(compare, 8) + _be(swap_mask, 8) + _be(compare_mask, 8)
+
+
 def pad_blocks(wqe: bytes) -> bytes:
     """``wqe`` padded with zeros to whole 64-byte basic blocks (at least one)."""
     blocks = max(1, -(-len(wqe) // WQEBB_BYTES))
@@ -147,12 +168,16 @@ def build_wqe(opcode: int, wqe_index: int, qpn: int, *, fm_ce_se: int = CTRL_CQ_
               raddr: int = 0, rkey: int = 0,
               lkey: int = 0, laddr: int = 0, byte_count: int | None = None,
               inline: bytes | None = None,
-              swap_add: int = 0, compare: int = 0, ds: int | None = None) -> Wqe:
+              swap_add: int = 0, compare: int = 0, swap_mask: int = 0, compare_mask: int = 0,
+              ds: int | None = None) -> Wqe:
     """A well-formed RC WQE as NVSHMEM/libmlx5 lay it out, padded to basic blocks.
 
     WRITE/SEND: a data segment when ``byte_count`` is given (0 allowed), inline data when
     ``inline`` is given, neither for a 0-byte message. READ: raddr + data segment.
-    Atomics: raddr + atomic + data segment (``byte_count`` defaults to 8). NOP: the
+    Atomics: raddr + atomic + data segment (``byte_count`` defaults to 8); masked atomics:
+    raddr + :func:`masked_atomic_segments` of the size ``opmod`` names (an ``EXT_AMO_OPMOD``
+    value; other opmods build 8-byte segments) + data segment (``byte_count`` defaults to
+    that size). NOP: the
     control segment alone (ds 1), or with ``byte_count`` given a 16-byte unit of zeros
     after it (ds 2: ``ibgda_write_nop_wqe``'s form, which leaves that unit unwritten).
     DUMP: a data segment (``byte_count`` defaults to 1, as NVSHMEM posts it).
@@ -163,13 +188,16 @@ def build_wqe(opcode: int, wqe_index: int, qpn: int, *, fm_ce_se: int = CTRL_CQ_
     if byte_count is not None and inline is not None:
         raise ValueError("give byte_count (data segment) or inline, not both")
     segs = b""
-    if opcode in (Opcode.RDMA_WRITE, Opcode.RDMA_WRITE_IMM, Opcode.RDMA_READ,
-                  Opcode.ATOMIC_CS, Opcode.ATOMIC_FA):
+    if opcode in _WRITES or opcode == Opcode.RDMA_READ or opcode in ATOMIC_OPCODES:
         segs += raddr_segment(raddr, rkey)
-    if opcode in (Opcode.ATOMIC_CS, Opcode.ATOMIC_FA):
+    if opcode in _ATOMICS:
         segs += atomic_segment(swap_add, compare)
-        if byte_count is None:
-            byte_count = 8
+    if opcode in MASKED_ATOMIC_OPCODES:
+        nbytes = 4 if opmod == EXT_AMO_OPMOD[4] else 8
+        segs += masked_atomic_segments(opcode, nbytes, swap_add, compare, swap_mask,
+                                       compare_mask)
+    if opcode in ATOMIC_OPCODES and byte_count is None:
+        byte_count = masked_operand_bytes(opcode, opmod)
     if opcode == Opcode.RDMA_READ and byte_count is None:
         raise ValueError("RDMA_READ needs byte_count (its data segment)")
     if opcode == Opcode.DUMP and byte_count is None:
@@ -204,6 +232,8 @@ class ParsedWqe:
     rkey: int = 0
     swap_add: int = 0
     compare: int = 0
+    swap_mask: int = 0         # masked atomics; masked FA: the field boundary
+    compare_mask: int = 0
     has_data: bool = False
     lkey: int = 0
     laddr: int = 0
@@ -220,11 +250,23 @@ class ParsedWqe:
         """Message length in bytes (data segment or inline)."""
         return self.byte_count if (self.has_data or self.inline) else 0
 
+    @property
+    def operand_bytes(self) -> int:
+        """An atomic's operand size (:func:`masked_operand_bytes`)."""
+        return masked_operand_bytes(self.opcode, self.opmod)
+
 
 _WRITES = (Opcode.RDMA_WRITE, Opcode.RDMA_WRITE_IMM)
 _SENDS = (Opcode.SEND, Opcode.SEND_IMM)
 _ATOMICS = (Opcode.ATOMIC_CS, Opcode.ATOMIC_FA)
+MASKED_ATOMIC_OPCODES = (Opcode.ATOMIC_MASKED_CS, Opcode.ATOMIC_MASKED_FA)
+ATOMIC_OPCODES = _ATOMICS + MASKED_ATOMIC_OPCODES
 LOCAL_OPCODES = (Opcode.NOP, Opcode.DUMP)     # complete in order, send nothing
+
+
+def masked_operand_bytes(opcode: int, opmod: int) -> int:
+    """Operand size of an atomic WQE: 4 for a masked one with opmod 0x08, else 8."""
+    return 4 if opcode in MASKED_ATOMIC_OPCODES and opmod == EXT_AMO_OPMOD[4] else 8
 
 
 def parse_wqe(wqe: bytes) -> ParsedWqe:
@@ -236,8 +278,11 @@ def parse_wqe(wqe: bytes) -> ParsedWqe:
     segments -> LOCAL_QP_OP_ERR; an atomic's data-segment word not 8 (an inline-marked
     segment included) -> LOCAL_LENGTH_ERR; a READ whose data segment is marked inline ->
     LOCAL_QP_OP_ERR. NOP: ds 1 or 2 (the second unit is not read) and opmod 0; DUMP: ds 2,
-    opmod 0, a data segment not marked inline; else LOCAL_QP_OP_ERR. The same rules as
-    hdl/nic/wqe_fetcher.py.
+    opmod 0, a data segment not marked inline; else LOCAL_QP_OP_ERR. Masked atomics: opmod
+    0x08 (4 bytes) or 0x09 (8 bytes), else LOCAL_QP_OP_ERR; ds 4 (ctrl, raddr, one atomic
+    segment, data), 5 for 8-byte masked CS (two atomic segments); the data-segment word
+    must be the operand size (else LOCAL_LENGTH_ERR). The same rules as
+    hdl/nic/wqe_fetcher.py (masked atomics: the model only so far, docs/nic-formats.md).
     """
     wqe = bytes(wqe)
     opmod_idx_opcode = _field(wqe, 0, 4)
@@ -261,14 +306,30 @@ def parse_wqe(wqe: bytes) -> ParsedWqe:
         return ParsedWqe(**base)
     if opcode == Opcode.DUMP and base["opmod"]:
         return error(Syndrome.LOCAL_QP_OP_ERR)
+    if opcode in MASKED_ATOMIC_OPCODES and base["opmod"] not in EXT_AMO_OPMOD.values():
+        return error(Syndrome.LOCAL_QP_OP_ERR)
+    operand_bytes = masked_operand_bytes(opcode, base["opmod"])
 
     fields = {}
     offset = 16
-    if opcode in _WRITES or opcode == Opcode.RDMA_READ or opcode in _ATOMICS:
+    if opcode in _WRITES or opcode == Opcode.RDMA_READ or opcode in ATOMIC_OPCODES:
         fields.update(raddr=_field(wqe, offset, 8), rkey=_field(wqe, offset + 8, 4))
         offset += 16
     if opcode in _ATOMICS:
         fields.update(swap_add=_field(wqe, offset, 8), compare=_field(wqe, offset + 8, 8))
+        offset += 16
+    elif opcode in MASKED_ATOMIC_OPCODES:
+        n = operand_bytes
+        fields.update(swap_add=_field(wqe, offset, n))
+        if opcode == Opcode.ATOMIC_MASKED_FA:
+            fields.update(swap_mask=_field(wqe, offset + n, n))
+        elif n == 4:
+            fields.update(compare=_field(wqe, offset + 4, 4), swap_mask=_field(wqe, offset + 8, 4),
+                          compare_mask=_field(wqe, offset + 12, 4))
+        else:
+            fields.update(compare=_field(wqe, offset + 8, 8), swap_mask=_field(wqe, offset + 16, 8),
+                          compare_mask=_field(wqe, offset + 24, 8))
+            offset += 16
         offset += 16
     header_ds = offset // DS_BYTES
     if ds < header_ds:          # shorter than its own fixed segments: nothing more to read
@@ -292,12 +353,77 @@ def parse_wqe(wqe: bytes) -> ParsedWqe:
         return error(Syndrome.LOCAL_QP_OP_ERR)
 
     byte_count = _field(wqe, offset, 4)
-    if opcode in _ATOMICS and byte_count != 8:    # an inline-marked segment too
+    if opcode in ATOMIC_OPCODES and byte_count != operand_bytes:    # an inline-marked one too
         return error(Syndrome.LOCAL_LENGTH_ERR)
     if byte_count & INLINE_SEG:                   # a READ's data segment must not be inline
         return error(Syndrome.LOCAL_QP_OP_ERR)
     return ParsedWqe(**base, **fields, has_data=True, byte_count=byte_count,
                      lkey=_field(wqe, offset + 4, 4), laddr=_field(wqe, offset + 8, 8))
+
+
+def landed_atomic_result(orig: int, nbytes: int) -> bytes:
+    """The bytes an atomic's original value lands as at the data segment's address, as
+    NVSHMEM reads them (``nvshmemi_ibgda_amo_fetch_impl``: ``ret = READ_ONCE(*(T *)laddr);
+    if (sizeof(T) == 4) ret = BSWAP32(ret)``): 8-byte results little-endian (mlx5's
+    host-endian 8-byte atomic replies), 4-byte results big-endian."""
+    if nbytes == 4:
+        return (orig & 0xFFFFFFFF).to_bytes(4, "big")
+    return orig.to_bytes(8, "little")
+
+
+# --- NVSHMEM's atomic posts ---------------------------------------------------------------
+
+NVSHMEM_AMOS = ("INC", "FETCH_INC", "SIGNAL", "SIGNAL_SET", "SWAP", "SET", "SIGNAL_ADD", "ADD",
+                "AND", "FETCH_AND", "OR", "FETCH_OR", "XOR", "FETCH_XOR", "FETCH", "FETCH_ADD",
+                "COMPARE_SWAP")
+
+
+def nvshmem_atomic_fields(amo: str, nbytes: int, value: int = 0, compare: int = 0) -> dict:
+    """The :func:`build_wqe` fields (opcode, opmod, operands) ``ibgda_write_atomic_wqe``
+    (``ibgda_device.cuh``) writes for NVSHMEM operation ``amo`` (``NVSHMEMI_AMO_<amo>``)
+    on ``nbytes`` (4 or 8) bytes: ``value`` is its ``val_1``, ``compare`` its ``val_2``.
+
+    INC, ADD, SIGNAL_ADD, FETCH (add 0), XOR (field boundary all ones: no carries) and
+    4-byte FETCH_ADD are masked FA; SET, SWAP, SIGNAL(_SET) (swap mask all ones), AND (swap
+    mask ~value), OR (swap mask value), all with compare mask 0, and 4-byte COMPARE_SWAP
+    (both masks all ones) are masked CS; 8-byte FETCH_ADD and COMPARE_SWAP are the plain
+    ATOMIC_FA / ATOMIC_CS."""
+    if amo not in NVSHMEM_AMOS or nbytes not in EXT_AMO_OPMOD:
+        raise ValueError(f"no NVSHMEM atomic {amo!r} of {nbytes} bytes")
+    ones = (1 << (8 * nbytes)) - 1
+    value &= ones
+    compare &= ones
+    base = amo.removeprefix("FETCH_") if amo != "FETCH_ADD" else amo
+    if nbytes == 8 and base in ("FETCH_ADD", "COMPARE_SWAP"):
+        return dict(opcode=Opcode.ATOMIC_FA if base == "FETCH_ADD" else Opcode.ATOMIC_CS,
+                    opmod=0, swap_add=value, compare=compare if base == "COMPARE_SWAP" else 0)
+    fields = dict(opcode=Opcode.ATOMIC_MASKED_FA, opmod=EXT_AMO_OPMOD[nbytes], swap_add=value)
+    if base == "INC":
+        fields.update(swap_add=1)
+    elif base in ("SIGNAL", "SIGNAL_SET", "SWAP", "SET"):
+        fields.update(opcode=Opcode.ATOMIC_MASKED_CS, swap_mask=ones)
+    elif base == "AND":
+        fields.update(opcode=Opcode.ATOMIC_MASKED_CS, swap_mask=~value & ones)
+    elif base == "OR":
+        fields.update(opcode=Opcode.ATOMIC_MASKED_CS, swap_mask=value)
+    elif base == "XOR":
+        fields.update(swap_mask=ones)
+    elif base == "FETCH":
+        fields.update(swap_add=0)
+    elif base == "COMPARE_SWAP":
+        fields.update(opcode=Opcode.ATOMIC_MASKED_CS, compare=compare, swap_mask=ones,
+                      compare_mask=ones)
+    return fields
+
+
+def nvshmem_atomic_wqe(amo: str, nbytes: int, wqe_index: int, qpn: int, *, raddr: int,
+                       rkey: int, laddr: int, lkey: int, value: int = 0, compare: int = 0,
+                       fm_ce_se: int = 0) -> Wqe:
+    """The RC WQE ``ibgda_write_atomic_wqe`` writes (:func:`nvshmem_atomic_fields`), its
+    data segment naming ``nbytes`` at ``laddr``."""
+    fields = nvshmem_atomic_fields(amo, nbytes, value, compare)
+    return build_wqe(fields.pop("opcode"), wqe_index, qpn, fm_ce_se=fm_ce_se, raddr=raddr,
+                     rkey=rkey, lkey=lkey, laddr=laddr, byte_count=nbytes, **fields)
 
 
 # --- doorbells ----------------------------------------------------------------------------

@@ -9,8 +9,8 @@ import random
 from dataclasses import dataclass, replace
 
 from models.crc import GRH_SIZE, icrc, icrc_bytes, vcrc, vcrc_bytes
-from models.ib import (BTH, LNH_IBA_GLOBAL, LNH_IBA_LOCAL, LRH, Opcode, carries_payload,
-                       extension_headers)
+from models.ib import (BTH, LNH_IBA_GLOBAL, LNH_IBA_LOCAL, LRH, MASKED_ATOMICS, Opcode,
+                       carries_payload, extension_headers)
 
 CREDIT_BLOCK_BYTES = 64
 ICRC_SIZE = 4
@@ -133,7 +133,9 @@ def random_packet(rng: random.Random, *, payload_len: int, vl: int = 0,
     Use `wire_packet` to add the VCRC.
     """
     if opcode is None:
-        candidates = [op for op in Opcode if payload_len == 0 or carries_payload(op)]
+        # RC's own opcodes only: the masked atomics are this project's vendor extension
+        candidates = [op for op in Opcode if op not in MASKED_ATOMICS
+                      and (payload_len == 0 or carries_payload(op))]
         opcode = rng.choice(candidates)
 
     def pick(value, bits):

@@ -18,7 +18,8 @@ Scoreboards:
   every posted WQE completed exactly once and every predicted packet was seen.
 - **READ data and atomic results**: each READ response and ATOMIC ACKNOWLEDGE the
   responder sends predicts one write into the NIC's memory (the payload at the WQE's
-  ``laddr`` plus its offset, the original value little-endian at ``laddr``); every other
+  ``laddr`` plus its offset, the original value at ``laddr`` as
+  :func:`models.mlx5.landed_atomic_result` lays it out); every other
   write outside the CQs is an error, each predicted write must land exactly once, and a
   READ's or atomic's CQE must come after its data.
 """
@@ -354,7 +355,7 @@ class NicTB(NicHost):
                                                           and psn_le(psn, r.last_psn)):
                 continue
             if opcode == Opcode.ATOMIC_ACKNOWLEDGE:
-                address, data = r.laddr, pkt.ext[1].orig.to_bytes(8, "little")
+                address, data = r.laddr, mlx5.landed_atomic_result(pkt.ext[1].orig, r.byte_count)
             elif Opcode.RDMA_READ_RESPONSE_FIRST <= opcode <= Opcode.RDMA_READ_RESPONSE_ONLY:
                 address = r.laddr + psn_diff(psn, r.first_psn) * r.mtu_bytes
                 data = bytes(pkt.payload)

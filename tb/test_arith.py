@@ -1,5 +1,6 @@
 """The depth-built arithmetic against Python integers, in Amaranth's simulator:
-``hdl.arith.lookahead_sum`` (every operand pair of up to 5 bits with each carry in, and
+``hdl.arith.lookahead_sum`` (every operand pair of up to 5 bits with each carry in, with
+``half=`` and stop bits every 6-bit pair, and
 random and edge operands at the widths the NIC uses), ``hdl.arith.sum3`` (every triple of
 4-bit operands, with and without the extra one, and with a negative constant at 16 bits),
 ``hdl.arith.or_all`` (1 to 9 values,
@@ -169,5 +170,30 @@ def test_payload_bursts():
             ctx.set(length, n)
             words = (a % 64 + n + 63) >> 6
             assert (ctx.get(beats), ctx.get(beats_less1)) == (words % 128, (words - 1) % 128)
+
+    run_comb(m, testbench)
+
+
+def test_lookahead_half_stops_carries():
+    """``half=``: operands with the stop bits cleared and their real half sums given add
+    each field on its own (a masked fetch-and-add), every 6-bit operand pair and stop mask."""
+    m = Module()
+    a, b, stops = Signal(6), Signal(6), Signal(6)
+    kept_a, kept_b, half = Signal(6), Signal(6), Signal(6)
+    m.d.comb += [kept_a.eq(a & ~stops), kept_b.eq(b & ~stops), half.eq(a ^ b)]
+    total = lookahead_sum(m, kept_a, kept_b, half=half)
+
+    async def testbench(ctx):
+        for x, y, s in itertools.product(range(64), range(64), (0, 0b000100, 0b100101, 0b111111)):
+            ctx.set(a, x)
+            ctx.set(b, y)
+            ctx.set(stops, s)
+            want, low = 0, 0
+            for bit in range(6):
+                if s >> bit & 1 or bit == 5:
+                    width = bit + 1 - low
+                    want |= (((x >> low) + (y >> low)) & ((1 << width) - 1)) << low
+                    low = bit + 1
+            assert ctx.get(total) % 64 == want, (x, y, s)
 
     run_comb(m, testbench)

@@ -7,14 +7,16 @@ checked: a presented result stays, unchanged, until taken), and a memory with AX
 random latency before the R beat and the B response, and injected SLVERR/DECERR on reads
 and writes (a write answered with an error leaves memory unchanged). Every AR/AW/W is
 checked when taken: IDs, one beat, full-width size, INCR, the beat address holding the
-word, ``wstrb`` exactly the word's 8 bytes, ``wlast``. The bench also checks that one
+word, ``wstrb`` exactly the word's 8 (or 4) bytes, ``wlast``. The bench also checks that one
 operation at a time is in the memory (no AR before the previous result, no write before
 the read data, no write after a failed read, the result only after B).
 
 The reference applies each request to its own copy of the words, in order, with the
 errors the memory injected for that request; results (``orig``, ``error``), the final
 memory and the counters are compared. Random: FETCH_ADD and COMPARE_SWAP (equal and
-unequal compares, wrap-around adds) on a few words sharing beats. Directed: read error,
+unequal compares, wrap-around adds) on a few words sharing beats; masked ones (random
+field boundaries, swap and compare masks) of 8 and 4 bytes mixed with them on the same
+words, 4-byte ones on both halves of a word. Directed: read error,
 write error, both kinds on each word position of a beat, zero-latency memory,
 addresses cut to a narrower AXI address.
 """
@@ -29,6 +31,7 @@ from amaranth.sim import Simulator
 
 from hdl.nic.atomic_unit import AtomicUnit
 from hdl.nic.signatures import ATOMIC_ID, AtomicRequestLayout
+from models.nic import masked_fetch_add
 
 M64 = (1 << 64) - 1
 REQUEST = AtomicRequestLayout()
@@ -54,15 +57,37 @@ class Memory:
             self.beats[addr] = bytearray(self.rng.randbytes(64))
         return self.beats[addr]
 
-    def word(self, addr):
-        return int.from_bytes(self.beat(addr & ~63)[addr % 64:addr % 64 + 8], "little")
+    def word(self, addr, nbytes=8):
+        return int.from_bytes(self.beat(addr & ~63)[addr % 64:addr % 64 + nbytes], "little")
+
+
+def full(op):
+    """An operation as the bench keeps it: (addr, fetch_add, swap_add, compare, read_err,
+    write_err, size4, swap_mask, compare_mask); a six-field one is IBA's FetchAdd (no
+    field boundary) or CmpSwap (both masks all ones)."""
+    if len(op) == 9:
+        return op
+    mask = 0 if op[1] else M64
+    return (*op, 0, mask, mask)
+
+
+def apply(op, orig):
+    """The reference: the word an operation leaves (masked semantics, docs/nic-formats.md)."""
+    _, fetch_add, swap_add, compare, _, _, size4, swap_mask, compare_mask = op
+    bits = 32 if size4 else 64
+    ones = (1 << bits) - 1
+    if fetch_add:
+        return masked_fetch_add(orig, swap_add & ones, swap_mask & ones, bits)
+    if (orig ^ compare) & compare_mask & ones:
+        return orig
+    return (orig & ~swap_mask | swap_add & swap_mask) & ones
 
 
 class Bench:
     def __init__(self, dut, ops, *, rng, p_req=0.6, p_ar=0.6, p_aw=0.6, p_w=0.6, p_res=0.6,
                  latency=(0, 20), b_latency=(0, 10)):
         self.dut, self.rng = dut, rng
-        self.ops = deque(ops)       # (addr, fetch_add, swap_add, compare, read_err, write_err)
+        self.ops = deque(full(op) for op in ops)     # see full()
         self.p = dict(req=p_req, ar=p_ar, aw=p_aw, w=p_w, res=p_res)
         self.latency, self.b_latency = latency, b_latency
         self.mem = Memory(rng)
@@ -71,13 +96,15 @@ class Bench:
         self.amask = (1 << dut.addr_width) - 1
 
     def reference(self, op):
-        addr, fetch_add, swap_add, compare, read_err, write_err = op
+        addr, read_err, write_err, size4 = op[0], op[4], op[5], op[6]
         if read_err:
             return 0, 1
-        orig = self.ref[addr]
-        new = (orig + swap_add) & M64 if fetch_add else (swap_add if orig == compare else orig)
+        word = addr & ~7
+        shift = 8 * (addr % 8) if size4 else 0
+        ones = (1 << (32 if size4 else 64)) - 1
+        orig = self.ref[word] >> shift & ones
         if not write_err:
-            self.ref[addr] = new
+            self.ref[word] = self.ref[word] & ~(ones << shift) | apply(op, orig) << shift
         return orig, int(write_err)
 
     async def run(self, ctx, max_cycles=100_000):
@@ -95,10 +122,11 @@ class Bench:
                 presented = self.ops.popleft()
             ctx.set(dut.request.valid, presented is not None)
             if presented is not None:
-                addr, fetch_add, swap_add, compare = presented[:4]
+                addr, fetch_add, swap_add, compare, _, _, size4, swap_mask, compare_mask = presented
                 ctx.set(dut.request.payload, REQUEST.const(
                     {"addr": addr, "fetch_add": fetch_add, "swap_add": swap_add,
-                     "compare": compare}))
+                     "compare": compare, "size4": size4, "swap_mask": swap_mask,
+                     "compare_mask": compare_mask}))
             ctx.set(dut.ar.ready, rng.random() < p["ar"])
             r_valid = r_at is not None and r_at[0] <= t
             ctx.set(dut.r.valid, r_valid)
@@ -142,14 +170,14 @@ class Bench:
                 assert phase == "write" and w is None, (t, "W outside the write phase", phase)
                 if ctx.get(dut.axi.wready):
                     w = (ctx.get(dut.axi.wdata), ctx.get(dut.axi.wstrb), ctx.get(dut.axi.wlast))
-                    assert w[1] == 0xFF << (current[0] % 64), (t, hex(w[1]))
+                    assert w[1] == (0xF if current[6] else 0xFF) << (current[0] % 64), (t, hex(w[1]))
                     assert w[2] == 1, t
             if phase == "write" and aw is not None and w is not None:
                 resp = rng.choice([2, 3]) if current[5] else 0
                 if not resp:
-                    at = current[0] % 64
-                    self.mem.beat(current[0] & ~63)[at:at + 8] = \
-                        ((w[0] >> (8 * at)) & M64).to_bytes(8, "little")
+                    at, size = current[0] % 64, 4 if current[6] else 8
+                    self.mem.beat(current[0] & ~63)[at:at + size] = \
+                        (w[0] >> (8 * at)).to_bytes(64, "little")[:size]
                 b_at = (t + 1 + rng.randint(*self.b_latency), resp)
                 aw = w = None
                 phase = "b"
@@ -290,3 +318,58 @@ def test_parameters(addr_width):
                 AtomicUnit(addr_width=addr_width)
         finally:
             gc.collect()
+
+
+def masked_plan(rng, words, n, p_err=0.05):
+    """``n`` operations on the 8-byte ``words``: plain and masked, 8- and 4-byte (either
+    half), random operands and masks; compares that match on their mask half the time."""
+    shadow = dict(words)
+    ops = []
+    for _ in range(n):
+        word = rng.choice(list(words))
+        size4 = rng.random() < 0.5
+        addr = word + (rng.choice([0, 4]) if size4 else 0)
+        bits = 32 if size4 else 64
+        ones = (1 << bits) - 1
+        fetch_add = rng.random() < 0.5
+        swap_add = rng.choice([1, ones, rng.getrandbits(bits)])
+        swap_mask = rng.choice([0, ones, rng.getrandbits(bits), 0x8080_8080_8080_8080 & ones])
+        compare_mask = rng.choice([0, ones, rng.getrandbits(bits)])
+        shift = 8 * (addr % 8)
+        orig = shadow[word] >> shift & ones
+        compare = orig ^ (0 if rng.random() < 0.5 else rng.getrandbits(bits))
+        read_err = rng.random() < p_err
+        write_err = not read_err and rng.random() < p_err
+        op = (addr, fetch_add, swap_add, compare, read_err, write_err, int(size4), swap_mask,
+              compare_mask)
+        if not (read_err or write_err):
+            shadow[word] = shadow[word] & ~(ones << shift) | apply(op, orig) << shift
+        ops.append(op)
+    return ops
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_masked_random(seed):
+    rng = random.Random(seed)
+    words = {a: rng.getrandbits(64) for a in ADDRS}
+    ops = masked_plan(rng, words, 300) + plan(rng, words, 40)[0]
+    rng.shuffle(ops)
+    run(rng, ops, words)
+
+
+def test_masked_directed():
+    """A carry stopped at a field boundary; a 4-byte add that wraps without touching the
+    other half; 4-byte AND/OR as masked compare-swap, as NVSHMEM posts them."""
+    rng = random.Random(6)
+    words = {0x100: 0x0000_00FF_FFFF_FFFF, 0x108: 0x1111_1111_FFFF_FFFF}
+    ops = [
+        (0x100, 1, 1, 0, False, False, 0, 0x8000_0000, 0),          # carry stops at bit 31
+        (0x108, 1, 1, 0, False, False, 1, 0, 0),                    # low half wraps to 0
+        (0x10C, 0, 0x0F0F_0F0F, 0, False, False, 1, ~0x0F0F_0F0F & 0xFFFF_FFFF, 0),  # AND
+        (0x10C, 0, 0xA000_0000, 0, False, False, 1, 0xA000_0000, 0),  # OR
+    ]
+    bench = run(rng, ops, words)
+    assert [r[0] for r in bench.results] == [0x0000_00FF_FFFF_FFFF, 0xFFFF_FFFF, 0x1111_1111,
+                                             0x0101_0101]
+    assert bench.mem.word(0x100) == 0x0000_00FF_0000_0000
+    assert bench.mem.word(0x108) == 0xA101_0101_0000_0000

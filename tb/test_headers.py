@@ -17,7 +17,7 @@ from cocotb.triggers import Timer
 
 import tb.runner
 from hdl.ib.headers import (AETH, ATOMIC_ACK_ETH, ATOMIC_ETH, BTH, FLOW_CONTROL, GRH, IMMDT,
-                            LRH, RETH, from_wire, to_wire)
+                            LRH, MASKED_ATOMIC_ETH, RETH, from_wire, to_wire)
 from models import ib
 from models.crc import lpcrc
 
@@ -32,6 +32,7 @@ HEADERS = {
     "reth": (RETH, ib.RETH),
     "aeth": (AETH, ib.AETH),
     "atomic_eth": (ATOMIC_ETH, ib.AtomicETH),
+    "masked_atomic_eth": (MASKED_ATOMIC_ETH, ib.MaskedAtomicETH),
     "atomic_ack_eth": (ATOMIC_ACK_ETH, ib.AtomicAckETH),
     "immdt": (IMMDT, ib.ImmDt),
     "flow_control": (FLOW_CONTROL, ib.FlowControl),

@@ -112,6 +112,12 @@ def test_build_parse_round_trip():
         elif op in (m.Opcode.ATOMIC_CS, m.Opcode.ATOMIC_FA):
             kw.update(swap_add=rng.getrandbits(64), compare=rng.getrandbits(64),
                       lkey=rng.getrandbits(32), laddr=rng.getrandbits(64))
+        elif op in m.MASKED_ATOMIC_OPCODES:
+            opmod = rng.choice(list(m.EXT_AMO_OPMOD.values()))
+            bits = 32 if opmod == m.EXT_AMO_OPMOD[4] else 64
+            kw.update(opmod=opmod, lkey=rng.getrandbits(32), laddr=rng.getrandbits(64),
+                      **{f: rng.getrandbits(bits) for f in ("swap_add", "compare", "swap_mask",
+                                                            "compare_mask")})
         elif op == m.Opcode.RDMA_READ or rng.random() < 0.5:
             kw.update(byte_count=rng.getrandbits(rng.choice([0, 12, 31])),
                       lkey=rng.getrandbits(32), laddr=rng.getrandbits(64))
@@ -136,6 +142,11 @@ def test_build_parse_round_trip():
             assert p.has_data and (p.byte_count, p.lkey, p.laddr) == (kw["byte_count"], kw["lkey"], kw["laddr"])
         if op in (m.Opcode.ATOMIC_CS, m.Opcode.ATOMIC_FA):
             assert (p.swap_add, p.compare, p.byte_count) == (kw["swap_add"], kw["compare"], 8)
+        if op in m.MASKED_ATOMIC_OPCODES:
+            fa = op == m.Opcode.ATOMIC_MASKED_FA
+            assert (p.swap_add, p.compare, p.swap_mask, p.compare_mask, p.byte_count) == (
+                kw["swap_add"], 0 if fa else kw["compare"], kw["swap_mask"],
+                0 if fa else kw["compare_mask"], 4 if kw["opmod"] == 8 else 8)
 
 
 def test_nvshmem_shapes():
@@ -203,12 +214,33 @@ def _raw(opcode, ds, *segs, opmod=0):
 
 RA = m.raddr_segment(REMOTE_BASE, 9)
 DATA8 = m.data_segment(8, LKEY, LOCAL_BASE)
+DATA4 = m.data_segment(4, LKEY, LOCAL_BASE)
+MCS, MFA = m.Opcode.ATOMIC_MASKED_CS, m.Opcode.ATOMIC_MASKED_FA
+
+
+def _masked(opcode, nbytes):
+    return m.masked_atomic_segments(opcode, nbytes, 1, 2, 3, 4)
+
 FORMAT_ERRORS = [
     ("ds 0", _raw(m.Opcode.SEND, 0, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
     ("NOP, ds 3", _raw(m.Opcode.NOP, 3), m.Syndrome.LOCAL_QP_OP_ERR),
     ("NOP, opmod 8", _raw(m.Opcode.NOP, 2, opmod=8), m.Syndrome.LOCAL_QP_OP_ERR),
-    ("masked FA (NVSHMEM)", _raw(m.OPCODE_ATOMIC_MASKED_FA, 4, RA, m.atomic_segment(1), DATA8),
+    ("masked FA, opmod 0", _raw(MFA, 4, RA, _masked(MFA, 8), DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("masked CS, opmod 0x0a", _raw(MCS, 4, RA, _masked(MCS, 4), DATA4, opmod=0x0A),
      m.Syndrome.LOCAL_QP_OP_ERR),
+    ("masked FA 8, ds 3", _raw(MFA, 3, RA, _masked(MFA, 8), opmod=9), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("masked FA 8, ds 5", _raw(MFA, 5, RA, _masked(MFA, 8), DATA8, DATA8, opmod=9),
+     m.Syndrome.LOCAL_QP_OP_ERR),
+    ("masked CS 8, ds 4 (no room for its data segment)", _raw(MCS, 4, RA, _masked(MCS, 8), opmod=9),
+     m.Syndrome.LOCAL_QP_OP_ERR),
+    ("masked CS 4, ds 5", _raw(MCS, 5, RA, _masked(MCS, 4), DATA4, DATA4, opmod=8),
+     m.Syndrome.LOCAL_QP_OP_ERR),
+    ("masked FA 4, 8-byte data segment", _raw(MFA, 4, RA, _masked(MFA, 4), DATA8, opmod=8),
+     m.Syndrome.LOCAL_LENGTH_ERR),
+    ("masked CS 8, 4-byte data segment", _raw(MCS, 5, RA, _masked(MCS, 8), DATA4, opmod=9),
+     m.Syndrome.LOCAL_LENGTH_ERR),
+    ("masked FA 4, inline data", _raw(MFA, 4, RA, _masked(MFA, 4), m.inline_segment(bytes(4)),
+                                      opmod=8), m.Syndrome.LOCAL_LENGTH_ERR),
     ("DUMP, ds 1", _raw(m.Opcode.DUMP, 1), m.Syndrome.LOCAL_QP_OP_ERR),
     ("DUMP, ds 3", _raw(m.Opcode.DUMP, 3, DATA8, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
     ("DUMP, inline", _raw(m.Opcode.DUMP, 2, m.inline_segment(bytes(1))),
@@ -447,7 +479,8 @@ def test_fetch_from_ring_wraps():
 # --- both ends in a loop ----------------------------------------------------------------------
 
 def _random_wqe(rng, mtu):
-    op = rng.choice(list(m.Opcode))
+    # masked atomics: test_nvshmem_atomics_both_ends, posted as NVSHMEM posts them
+    op = rng.choice([op for op in m.Opcode if op not in m.MASKED_ATOMIC_OPCODES])
     kw = dict(op=op, raddr=REMOTE_BASE + rng.randrange(0, MEM - 8 * mtu), rkey=9, lkey=LKEY,
               fm_ce_se=rng.choice([0, 8, 8, 10]), imm=rng.getrandbits(32))
     if op == m.Opcode.NOP:
@@ -1075,3 +1108,144 @@ def test_rewinds_and_giving_up():
         assert comp.rnr_wait_over(0) == []
     (c,) = comp.receive(resp(Opcode.ACKNOWLEDGE, 0))
     assert c.wqe_index == 0 and not c.cqe.is_error
+
+
+# --- NVSHMEM's atomics, posted as ibgda_write_atomic_wqe posts them --------------------------
+
+def nvshmem_effect(amo, old, value, compare, nbytes):
+    """What OpenSHMEM says operation ``amo`` leaves at the target (its fetched value is
+    ``old``): the oracle the NIC's masked encoding must meet."""
+    ones = (1 << (8 * nbytes)) - 1
+    base = amo.removeprefix("FETCH_") if amo != "FETCH_ADD" else amo
+    return {"INC": old + 1, "SET": value, "SWAP": value, "SIGNAL": value, "SIGNAL_SET": value,
+            "ADD": old + value, "SIGNAL_ADD": old + value, "FETCH_ADD": old + value,
+            "AND": old & value, "OR": old | value, "XOR": old ^ value, "FETCH": old,
+            "COMPARE_SWAP": value if old == compare else old}[base] & ones
+
+
+def nvshmem_reads(landed: bytes) -> int:
+    """``nvshmemi_ibgda_amo_fetch_impl``: ``READ_ONCE(*(T *)laddr)``, BSWAP32 for 4 bytes."""
+    value = int.from_bytes(landed, "little")
+    return int.from_bytes(landed, "big") if len(landed) == 4 else value
+
+
+@pytest.mark.parametrize("sizes", [(4,), (8,), (4, 8)], ids=["4B", "8B", "mixed"])
+@pytest.mark.parametrize("seed", range(3))
+def test_nvshmem_atomics_both_ends(sizes, seed):
+    """Every NVSHMEM atomic of ``sizes`` bytes, built by models.mlx5.nvshmem_atomic_wqe
+    (``ibgda_write_atomic_wqe``), random operands, a few target words so that operations
+    pile up on one address, masked and plain (8-byte FETCH_ADD / COMPARE_SWAP) mixed: the
+    remote words follow OpenSHMEM's meaning, each result lands as NVSHMEM reads it before
+    its CQE, the CQEs are the expected ones and both QPs stay in RTS."""
+    rng = random.Random(seed)
+    req, local = world(mtu=1)
+    remote = bytearray(rng.randbytes(MEM))
+    ref = bytearray(remote)
+    qps = {0x100 + q: n.ResponderQp(peer_qpn=q, mtu=1) for q in range(2)}
+    resp = n.ResponderPeer(0x55, qps, memory=remote, base=REMOTE_BASE)
+    comp = n.CompletionModel(req, write_memory=writer(local))
+    results = {0: [], 1: []}
+    cqes = {0: [], 1: []}
+    idx = [0, 0]
+    seen = set()
+    for i in range(300):
+        qpn = rng.randrange(2)
+        nbytes = rng.choice(sizes)
+        amo = rng.choice(m.NVSHMEM_AMOS)
+        target = 8 * rng.randrange(3) + rng.choice([0, 4] if nbytes == 4 else [0])
+        old = int.from_bytes(ref[target:target + nbytes], "little")
+        value = rng.choice([rng.getrandbits(8 * nbytes), 1, (1 << 8 * nbytes) - 1])
+        compare = old if rng.random() < 0.5 else rng.getrandbits(8 * nbytes)
+        laddr = LOCAL_BASE + 0x100 + 8 * i
+        wqe = m.nvshmem_atomic_wqe(amo, nbytes, idx[qpn], qpn, raddr=REMOTE_BASE + target, rkey=9,
+                                   laddr=laddr, lkey=LKEY, value=value, compare=compare,
+                                   fm_ce_se=rng.choice([0, m.CTRL_CQ_UPDATE]))
+        seen.add((amo, nbytes, wqe.data[3]))
+        r = req.execute(qpn, idx[qpn], wqe.data, reader(local))
+        assert r.status == n.CompletionStatus.SENT and r.byte_count == nbytes
+        idx[qpn] += r.wqe_blocks
+        results[qpn].append(r)
+        ref[target:target + nbytes] = nvshmem_effect(amo, old, value, compare, nbytes).to_bytes(
+            nbytes, "little")
+        done = comp.post(r)
+        for packet in r.packets:
+            for answer in resp.receive(packet):
+                done += comp.receive(answer)
+        assert [c.wqe_index for c in done] == [r.wqe_index]   # the result is in before the CQE
+        assert nvshmem_reads(bytes(local[laddr - LOCAL_BASE:][:nbytes])) == old
+        for c in done:
+            cqes[c.qpn].append(c)
+    assert remote == ref
+    for qpn in (0, 1):
+        got = [dataclasses.replace(c.cqe, owner=0) for c in cqes[qpn] if c.cqe]
+        assert got == n.expected_cqes(results[qpn])
+        assert not comp.outstanding[qpn] and req.state[qpn] == n.QpState.RTS
+    # every operation and size drawn, on the opcode NVSHMEM uses for it
+    assert {(amo, nb) for amo, nb, _ in seen} == {(a, nb) for a in m.NVSHMEM_AMOS for nb in sizes}
+    plain = {(a, 8) for a in ("FETCH_ADD", "COMPARE_SWAP")}
+    assert all((op in (m.Opcode.ATOMIC_FA, m.Opcode.ATOMIC_CS)) == ((amo, nb) in plain)
+               for amo, nb, op in seen)
+
+
+@pytest.mark.parametrize("opcode", m.MASKED_ATOMIC_OPCODES)
+@pytest.mark.parametrize("nbytes", [4, 8])
+def test_masked_atomic_on_the_wire(opcode, nbytes):
+    """The request packet of a masked atomic: the BTH opcode of its kind and size, a
+    MaskedAtomicETH with the WQE's fields (masked FA: boundary in swap_mask, compare and
+    compare_mask 0, whatever the ring held), 68 bytes LRH .. ICRC."""
+    req, local = world()
+    wqe = m.build_wqe(opcode, 0, 0, opmod=m.EXT_AMO_OPMOD[nbytes], raddr=REMOTE_BASE + 8, rkey=9,
+                      lkey=LKEY, laddr=LOCAL_BASE, swap_add=0x1111_2222_3333_4444,
+                      compare=0x5555_6666_7777_8888, swap_mask=0x9999_AAAA_BBBB_CCCC,
+                      compare_mask=0xDDDD_EEEE_FFFF_0000)
+    r = req.execute(0, 0, wqe.data, reader(local))
+    (packet,) = r.packets
+    p = parse_packet(packet)
+    fa = opcode == m.Opcode.ATOMIC_MASKED_FA
+    assert len(packet) == 68 and p.bth.ackreq == 1
+    assert p.bth.opcode == {(False, 8): 0xD3, (True, 8): 0xD4, (False, 4): 0xF3,
+                            (True, 4): 0xF4}[fa, nbytes]
+    low = (1 << 8 * nbytes) - 1
+    (eth,) = p.ext
+    assert (eth.va, eth.rkey, eth.swap_add, eth.compare, eth.swap_mask, eth.compare_mask) == (
+        REMOTE_BASE + 8, 9, 0x1111_2222_3333_4444 & low, 0 if fa else 0x5555_6666_7777_8888 & low,
+        0x9999_AAAA_BBBB_CCCC & low, 0 if fa else 0xDDDD_EEEE_FFFF_0000 & low)
+
+
+def test_masked_fetch_add_field_boundaries():
+    """MFetchAdd: a set boundary bit stops the carry out of that bit (the ConnectX
+    pseudo-code), checked against adding each field on its own."""
+    rng = random.Random(5)
+    for _ in range(500):
+        nbits = rng.choice([32, 64])
+        orig, add, boundary = (rng.getrandbits(nbits) for _ in range(3))
+        expect, low = 0, 0
+        for bit in range(nbits):
+            if boundary >> bit & 1 or bit == nbits - 1:
+                width = bit + 1 - low
+                field = ((orig >> low) + (add >> low)) & ((1 << width) - 1)
+                expect |= field << low
+                low = bit + 1
+        assert n.masked_fetch_add(orig, add, boundary, nbits) == expect
+    assert n.masked_fetch_add(0xFF, 0x01, 0x80, 8) == 0x00
+    assert n.masked_fetch_add(0x0F, 0x01, 0x08, 8) == 0x00      # the low nibble wraps alone
+
+
+def test_masked_atomics_decode_in_tshark(tmp_path):
+    """tshark reads a masked atomic's LRH and BTH (DLID, opcode, DestQP, PSN); the rest it
+    shows as vendor-specific data (docs/nic-formats.md)."""
+    if not shutil.which("tshark"):
+        pytest.skip("tshark not installed")
+    from models.crc import vcrc_bytes
+    from models.pcap import LinkCapture, tshark_data_mismatches
+    req, local = world()
+    packets = []
+    for i, (opcode, nbytes) in enumerate([(o, b) for o in m.MASKED_ATOMIC_OPCODES for b in (4, 8)]):
+        wqe = m.build_wqe(opcode, i, 0, opmod=m.EXT_AMO_OPMOD[nbytes], raddr=REMOTE_BASE, rkey=9,
+                          lkey=LKEY, laddr=LOCAL_BASE, swap_add=i + 1, compare=2, swap_mask=3,
+                          compare_mask=4)
+        packets += req.execute(0, i, wqe.data, reader(local)).packets
+    with LinkCapture(tmp_path / "masked.pcapng") as capture:
+        for t, packet in enumerate(packets):
+            capture.data(packet + vcrc_bytes(packet), t)
+    assert tshark_data_mismatches(tmp_path / "masked.pcapng", packets) == []

@@ -9,7 +9,8 @@ from hdl.nic import signatures as sig
 from models import mlx5 as m
 from models import nic as n
 from models.crc import icrc_bytes
-from models.ib import AETH, RETH, AtomicETH, ImmDt, Opcode, carries_payload, extension_headers
+from models.ib import (AETH, MASKED_ATOMICS, RETH, AtomicETH, ImmDt, MaskedAtomicETH, Opcode, atomic_operand_bytes,
+                       carries_payload, extension_headers)
 from models.nic.responder import _REQUEST_OPCODES as REQUEST_OPCODES
 from models.packet import parse_packet
 
@@ -804,6 +805,10 @@ def test_fuzz():
             ext.append({RETH: RETH(va=va, rkey=rkey, dmalen=length),
                         AtomicETH: AtomicETH(va=va + rng.choice([0, 0, 4]), rkey=rkey,
                                              swap_add=rng.getrandbits(64), compare=rng.getrandbits(64)),
+                        MaskedAtomicETH: MaskedAtomicETH(
+                            va=va + rng.choice([0, 0, 2, 4]), rkey=rkey,
+                            **{f: rng.getrandbits(64) for f in ("swap_add", "compare", "swap_mask",
+                                                                "compare_mask")}),
                         ImmDt: ImmDt(imm=rng.getrandbits(32))}[cls])
         payload = b"" if not carries_payload(op) else bytes(rng.getrandbits(8) for _ in range(
             rng.choice([0, 1, 4, 256, 256, 300, length])))
@@ -909,3 +914,43 @@ def test_qp_path_drops(ctx_kw):
     resp.num_vls = 3                                 # world's sl_to_vl maps SL 3 to VL 3
     assert resp.process(write_only(EPSN, 0x1000, b"x")).fate == "rx_dropped_qp"
     assert bytes(mem) == bytes(MEM)
+
+
+@pytest.mark.parametrize("opcode", sorted(MASKED_ATOMICS))
+def test_masked_atomic_replay_never_reexecutes(opcode):
+    """A duplicate of an executed masked atomic answers the saved original value and leaves
+    memory as it is (executing it again would move the word: each request here changes it);
+    a misaligned one or one past its key is NAKed; 4-byte ones touch only
+    their 4 bytes and operate little-endian."""
+    resp, mem = world()
+    nbytes = atomic_operand_bytes(opcode)
+    fa = opcode in (Opcode.MASKED_FETCH_ADD, Opcode.MASKED_FETCH_ADD_4)
+    mem[0x2000:0x2010] = bytes(range(0xA0, 0xB0))
+    word = int.from_bytes(mem[0x2000:0x2000 + nbytes], "little")
+
+    def masked(psn, va=0x2000, rkey=RKEY):
+        # FA: add 1 in one 4-bit field; CS: compare on nothing, swap the low byte to ~itself
+        eth = MaskedAtomicETH(va=va, rkey=rkey, swap_add=1 if fa else 0xFF ^ (word & 0xFF),
+                              swap_mask=0x0F if fa else 0xFF)
+        return req(opcode, psn, ext=[eth])
+
+    first = resp.process(masked(EPSN))
+    orig = parse_packet(first.packets[0]).ext[1].orig
+    after = bytes(mem[0x2000:0x2010])
+    assert orig == word and after != bytes(range(0xA0, 0xB0))
+    assert after[nbytes:] == bytes(range(0xA0 + nbytes, 0xB0))
+    assert int.from_bytes(after[:nbytes], "little") == n.atomic_new_value(
+        opcode, word, MaskedAtomicETH(swap_add=1 if fa else 0xFF ^ (word & 0xFF),
+                                      swap_mask=0x0F if fa else 0xFF))
+    for _ in range(3):
+        d = resp.process(masked(EPSN))
+        assert d.fate == "duplicate_requests" and d.writes == []
+        assert parse_packet(d.packets[0]).ext[1].orig == orig
+        assert bytes(mem[0x2000:0x2010]) == after
+    assert resp.counters["atomic_replays"] == 3
+    assert resp.responder_state(QPN).epsn == EPSN + 1
+    d = resp.process(masked(EPSN + 1, va=0x2000 + nbytes // 2))       # misaligned
+    assert d.fate == "invalid_naks" and resp.qp_state(QPN) == n.QpState.ERR
+    resp.reset_qp(QPN)
+    d = resp.process(masked(EPSN, va=REMOTE[0] + REMOTE[1]))                  # past the key
+    assert d.fate == "access_naks" and bytes(mem[0x2000:0x2010]) == after

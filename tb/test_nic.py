@@ -36,7 +36,7 @@ def random_wqe(tb, rng, *, small=False):
     kind = rng.choice(KINDS)
     limit = 600 if small else rng.choice([64, 600, 5000, 12000])
     length = rng.randrange(0, limit + 1)
-    if kind in ("read", "fetch_add", "compare_swap"):
+    if kind in ("read", "fetch_add", "compare_swap", "nvshmem_atomic"):
         room = max(length, 8)
         if tb.landing_cursor + room > SOURCE_BYTES:
             tb.landing_cursor = 0
@@ -198,13 +198,28 @@ BAD_WQES = {
     "atomic_without_local_write": (dict(opcode=Op.ATOMIC_CS, lkey=(3 << 8) | 0x5A),
                                    mlx5.Syndrome.LOCAL_PROT_ERR),
 }
+# NVSHMEM's masked atomics (ibgda_write_atomic_wqe) malformed: an opmod it never writes, ds
+# one short (an 8-byte masked CS's data segment past the WQE), the data word not the
+# operand size (a second run of bad_wqes: one QP per row, at most 15 rows a run)
+BAD_MASKED_ATOMICS = {
+    "masked_opmod": (dict(opcode=Op.ATOMIC_MASKED_FA, opmod=0x0A, byte_count=8),
+                     mlx5.Syndrome.LOCAL_QP_OP_ERR),
+    "masked_cs_ds4": (dict(opcode=Op.ATOMIC_MASKED_CS, opmod=0x09, ds=4),
+                      mlx5.Syndrome.LOCAL_QP_OP_ERR),
+    "masked_fa4_length": (dict(opcode=Op.ATOMIC_MASKED_FA, opmod=0x08, byte_count=8),
+                          mlx5.Syndrome.LOCAL_LENGTH_ERR),
+    "masked_cs8_length": (dict(opcode=Op.ATOMIC_MASKED_CS, opmod=0x09, byte_count=4),
+                          mlx5.Syndrome.LOCAL_LENGTH_ERR),
+}
 
 
 @cocotb.test()
-async def bad_wqes(dut):
-    """Each bad WQE on its own QP, between good ones, while QP 0 streams good traffic: the
-    bad one completes with its syndrome, its QP goes to ERR and flushes every later WQE, and
-    every other QP carries on untouched."""
+@cocotb.parametrize(table=["BAD_WQES", "BAD_MASKED_ATOMICS"])
+async def bad_wqes(dut, table):
+    """Each bad WQE of ``table`` on its own QP, between good ones, while QP 0 streams good
+    traffic: the bad one completes with its syndrome, its QP goes to ERR and flushes every
+    later WQE, and every other QP carries on untouched."""
+    bad = globals()[table]
     from models.nic import Mkey
     rng = random.Random(11)
     tb = NicTB(dut, seed=11, memory_latency=100)
@@ -215,12 +230,12 @@ async def bad_wqes(dut):
                   pd=PD + 1, valid=1),
              Mkey(key=(3 << 8) | 0x5A, base=DATA_REGION, length=DATA_BYTES, access=0x6,
                   pd=PD, valid=1)]
-    qps = await tb.setup(qps=len(BAD_WQES) + 1, mkeys=extra)
+    qps = await tb.setup(qps=len(bad) + 1, mkeys=extra)
     fill_data(tb, rng)
     work = []
     good = [random_wqe(tb, rng, small=True) for _ in range(60)]
     work.append([(0, tb.blocks_of(**f), tb.builder(0, **f), n) for n, f in enumerate(good)])
-    for q, (name, (fields, syndrome)) in zip(qps[1:], BAD_WQES.items()):
+    for q, (name, (fields, syndrome)) in zip(qps[1:], bad.items()):
         fields = {"lkey": tb_key, "laddr": DATA_REGION + 256, "raddr": 0x1000, "rkey": 1,
                   "fm_ce_se": mlx5.CTRL_CQ_UPDATE, **fields}
         items = [random_wqe(tb, rng, small=True) for _ in range(2)] + [fields] + \
@@ -231,7 +246,7 @@ async def bad_wqes(dut):
     await post_all(tb, work)
     await tb.drain()
     await tb.check_clean()
-    for q, (name, (fields, syndrome)) in zip(qps[1:], BAD_WQES.items()):
+    for q, (name, (fields, syndrome)) in zip(qps[1:], bad.items()):
         cqes = tb.completed[q]
         assert [c.syndrome for c in cqes] == [0, 0, int(syndrome)] + [mlx5.Syndrome.WR_FLUSH_ERR] * 3, \
             (name, cqes)
@@ -240,8 +255,8 @@ async def bad_wqes(dut):
     assert len(tb.completed[0]) == sum(1 for f in good if f["fm_ce_se"] & mlx5.CTRL_CQ_UPDATE)
     assert all(c.syndrome == 0 for c in tb.completed[0])
     c = await tb.counters()
-    assert c["wqe_errors"] == len(BAD_WQES)
-    assert c["error_cqes"] == 4 * len(BAD_WQES)
+    assert c["wqe_errors"] == len(bad)
+    assert c["error_cqes"] == 4 * len(bad)
 
 
 # NVSHMEM's fm_ce_se for the DUMP of a blocking get: CQ update and IBGDA_MLX5_FM_FENCE (2 << 5)
@@ -401,7 +416,7 @@ async def qp_states(dut):
 # Items of one build, run on one worker (tb/build_groups.py).
 @pytest.mark.parametrize("tests, count", [
     ("random_operations", 3),
-    ("zero_load_latency|doorbell_storm|bad_wqes|nvshmem_nop_and_dump|remote_naks|qp_states", 6),
+    ("zero_load_latency|doorbell_storm|bad_wqes|nvshmem_nop_and_dump|remote_naks|qp_states", 7),
 ], ids=["random", "directed"])
 def test_nic(tests, count):
     runner.run(module="tb.test_nic", toplevel="nic_top", factory=nic_top, params=NIC,

@@ -46,7 +46,7 @@ def random_wqe(side, qpn, rng, kinds, limit, cursor, result_cursor):
     raddr = base + cursor[qpn] + rng.randrange(64)
     cursor[qpn] += length + 64
     laddr = SOURCE_REGION + rng.randrange(0, SOURCE_BYTES - length - 8)
-    if kind in ("read", "fetch_add", "compare_swap"):
+    if kind in ("read", "fetch_add", "compare_swap", "nvshmem_atomic"):
         rbase, rsize = side.results(qpn)
         if result_cursor[qpn] + length + 72 > rsize:
             result_cursor[qpn] = 0
@@ -121,13 +121,24 @@ async def random_both_directions(dut, seed):
         json.dump(tb.traffic_record(), f)
 
 
-async def hammer(tb, rng, per_qp=40, max_outstanding=64):
+# NVSHMEM's adding operations (ibgda_write_atomic_wqe): what each adds to the word.
+NVSHMEM_ADDS = {"FETCH_ADD": None, "ADD": None, "SIGNAL_ADD": None, "INC": 1, "FETCH": 0}
+
+
+async def hammer(tb, rng, per_qp=40, max_outstanding=64, nvshmem_bytes=None):
     """Two QPs on each side fetch-and-add the same word of the peer's memory, each atomic's
     original value to a slot of its own. No update is lost or applied twice: the returned
     values chain, each QP's in its own order, from the word's start to its end (start plus
     every addend). The models execute the QPs one after the other, the NICs interleave
-    them, so the original values the mirror got are replaced by the ones checked here."""
+    them, so the original values the mirror got are replaced by the ones checked here.
+    ``nvshmem_bytes`` (4 or 8): the atomics are NVSHMEM's adding operations on a word of
+    that size, posted as ``ibgda_write_atomic_wqe`` posts them (``NVSHMEM_ADDS``: masked FA
+    and, for 8-byte FETCH_ADD, the plain one, mixed on the word), each result landing as
+    NVSHMEM reads it (a 4-byte one big-endian)."""
     qps = await tb.setup(qps=2, mtu=5, max_outstanding=max_outstanding)
+    nbytes = nvshmem_bytes or 8
+    modulus = 1 << (8 * nbytes)
+    order = "big" if nbytes == 4 else "little"      # models.mlx5.landed_atomic_result
     work, slots = {}, {}
     for side in tb.sides.values():
         word, _ = side.peer.target(0)
@@ -136,34 +147,47 @@ async def hammer(tb, rng, per_qp=40, max_outstanding=64):
             items = []
             base, _ = side.results(q)
             for n in range(per_qp):
-                addend = rng.getrandbits(40)
+                addend = rng.getrandbits(40 if nbytes == 8 else 24)
+                fields = dict(opcode=Op.ATOMIC_FA, swap_add=addend)
+                if nvshmem_bytes:
+                    amo = rng.choice(sorted(NVSHMEM_ADDS))
+                    addend = addend if NVSHMEM_ADDS[amo] is None else NVSHMEM_ADDS[amo]
+                    fields = dict(mlx5.nvshmem_atomic_fields(amo, nbytes, addend),
+                                  byte_count=nbytes)
                 slots[(side.name, q, n)] = (base + 8 * n, addend)
-                fields = dict(opcode=Op.ATOMIC_FA, lkey=side.data_key, laddr=base + 8 * n,
-                              raddr=word, rkey=side.peer.data_key, swap_add=addend,
-                              fm_ce_se=mlx5.CTRL_CQ_UPDATE)
+                fields.update(lkey=side.data_key, laddr=base + 8 * n, raddr=word,
+                              rkey=side.peer.data_key, fm_ce_se=mlx5.CTRL_CQ_UPDATE)
                 items.append((q, 1, side.builder(q, **fields), "fa"))
             lists.append(items)
         work[side] = lists
-    start = {side.name: int.from_bytes(side.peer.memory.read(side.peer.target(0)[0], 8), "little")
+    start = {side.name: int.from_bytes(side.peer.memory.read(side.peer.target(0)[0], nbytes),
+                                       "little")
              for side in tb.sides.values()}
     await run_both(tb, work)
     await tb.drain(limit=2_000_000)
     for side in tb.sides.values():
-        value = start[side.name]
-        taken = {q: 0 for q in qps}          # each QP's atomics run in its order
         memory = side.host.memory
-        origs = {(q, n): int.from_bytes(memory.read(slots[(side.name, q, n)][0], 8), "little")
+        origs = {(q, n): int.from_bytes(memory.read(slots[(side.name, q, n)][0], nbytes), order)
                  for q in qps for n in range(per_qp)}
-        for _ in range(len(qps) * per_qp):
-            q = next((q for q in qps if taken[q] < per_qp and origs[(q, taken[q])] == value),
-                     None)
-            assert q is not None, f"{side.name}: no atomic saw the word at {value:#x}"
-            value = (value + slots[(side.name, q, taken[q])][1]) % (1 << 64)
-            taken[q] += 1
+        # Each QP's atomics run in its order; search the interleavings (an addend of 0 can
+        # leave two QPs seeing the same value) for one whose values chain.
+        todo, seen, value = [(tuple(0 for _ in qps), start[side.name])], set(), None
+        while todo:
+            taken, at = todo.pop()
+            if all(t == per_qp for t in taken):
+                value = at
+                break
+            for k, q in enumerate(qps):
+                if taken[k] < per_qp and origs[(q, taken[k])] == at:
+                    after = taken[:k] + (taken[k] + 1,) + taken[k + 1:]
+                    if after not in seen:
+                        seen.add(after)
+                        todo.append((after, (at + slots[(side.name, q, taken[k])][1]) % modulus))
+        assert value is not None, f"{side.name}: the returned values do not chain"
         word = side.peer.target(0)[0]
-        assert int.from_bytes(side.peer.host.memory.read(word, 8), "little") == value
+        assert int.from_bytes(side.peer.host.memory.read(word, nbytes), "little") == value
         for (q, n), orig in origs.items():      # the interleaving the NICs chose
-            side.memory.write_mirror(slots[(side.name, q, n)][0], orig.to_bytes(8, "little"))
+            side.memory.write_mirror(slots[(side.name, q, n)][0], orig.to_bytes(nbytes, order))
     await tb.check_clean()
 
 
@@ -173,6 +197,17 @@ async def atomics_hammer_one_word(dut):
     tb = NicPairTB(dut, seed=7, memory_latency=150)
     await tb.reset()
     await hammer(tb, random.Random(7))
+    await tb.check_loss()
+
+
+@cocotb.test()
+@cocotb.parametrize(nbytes=[8, 4])
+async def nvshmem_atomics_hammer_one_word(dut, nbytes):
+    """:func:`hammer` with NVSHMEM's adding operations as NVSHMEM posts them: masked
+    fetch-and-adds (and 8-byte plain FETCH_ADD) of two QPs a side on one word."""
+    tb = NicPairTB(dut, seed=9, memory_latency=150)
+    await tb.reset()
+    await hammer(tb, random.Random(9 + nbytes), per_qp=24, nvshmem_bytes=nbytes)
     await tb.check_loss()
 
 
@@ -353,7 +388,7 @@ async def transport_retries_exhausted(dut):
 # make test runs two items over one build (on one worker: tb/build_groups.py); the
 # second random seed and the atomics hammer under loss (about 370 s) run under ``full``.
 @pytest.mark.parametrize("tests, count", [
-    ("random_both_directions/seed=1|atomics_hammer_one_word|rnr_", 4),
+    ("random_both_directions/seed=1|atomics_hammer_one_word|nvshmem_atomics_hammer|rnr_", 6),
     ("lossy_mix|transport_retries_exhausted|nak_for_message_in_flight",
      3 + len(loss_cases())),
     pytest.param("random_both_directions/seed=2|atomics_hammer_under_loss", 2,

@@ -43,7 +43,7 @@ from amaranth.sim import Simulator
 from hdl.nic.packet_assembler import PacketAssembler, expected_dma_beats
 from hdl.nic.signatures import PacketDescriptorLayout, PayloadSource
 from models.crc import icrc_bytes
-from models.ib import BTH, RETH, AtomicETH, ImmDt, Opcode
+from models.ib import BTH, MASKED_ATOMICS, RETH, AtomicETH, ImmDt, MaskedAtomicETH, Opcode
 from models.packet import build_packet, parse_packet
 from tb.amaranth_sim import Driver
 
@@ -140,7 +140,7 @@ def bad_descriptor(rng, num_vls, kind=None):
     elif kind == "header_odd":
         extra["header_bytes"] = rng.choice([21, 22, 23, 30, 45])
     elif kind == "header_long":
-        extra["header_bytes"] = rng.choice([52, 60, 63])
+        extra["header_bytes"] = rng.choice([68, 100, 124])
     elif kind == "header_short":
         extra["header_bytes"] = rng.choice([0, 4, 16])
     elif kind == "payload_long":
@@ -177,8 +177,13 @@ def real_descriptor(rng, num_vls):
         (Opcode.COMPARE_SWAP, (AtomicETH(va=8 * rng.getrandbits(60), swap_add=rng.getrandbits(64),
                                          compare=rng.getrandbits(64)),)),
         (Opcode.FETCH_ADD, (AtomicETH(va=8 * rng.getrandbits(60), swap_add=1),)),
+        # a masked atomic: the 64-byte header fills the first beat, the ICRC the next
+        (rng.choice(sorted(MASKED_ATOMICS)),
+         (MaskedAtomicETH(**{name: rng.getrandbits(bits)
+                             for name, bits in MaskedAtomicETH.field_widths().items()}),)),
     ])
-    carries = opcode not in (Opcode.RDMA_READ_REQUEST, Opcode.COMPARE_SWAP, Opcode.FETCH_ADD)
+    carries = opcode not in (Opcode.RDMA_READ_REQUEST, Opcode.COMPARE_SWAP, Opcode.FETCH_ADD,
+                             *MASKED_ATOMICS)
     source = rng.choice([PayloadSource.INLINE, PayloadSource.DMA, PayloadSource.DMA]) if carries \
         else PayloadSource.NONE
     payload = random_payload(rng, source)
@@ -328,12 +333,12 @@ def random_phase(rng, num_vls, count, **drive):
 
 
 def alignment_phase(rng):
-    """Every source offset, each with two header lengths (all eight over the run), DMA
+    """Every source offset, each with two header lengths (all twelve over the run), DMA
     payloads around beat boundaries."""
     descriptors = []
     for offset in range(64):
         for step in (0, 3):
-            header_bytes = 20 + 4 * ((offset + step) % 8)
+            header_bytes = 20 + 4 * ((offset + step) % 12)
             payload = rng.randbytes(rng.choice([1, 2, 3, 44, 64 - offset, 65, 127, 128, 130]))
             descriptors.append(Descriptor(vl=rng.randrange(2), header=random_header(rng, header_bytes),
                                           payload=payload, source=PayloadSource.DMA, offset=offset))
@@ -360,7 +365,7 @@ def long_phase(rng):
     payload buffered first: no idle cycle between packets."""
     descriptors = []
     while len(descriptors) < 10:
-        header_bytes = rng.choice(range(20, 49, 4))
+        header_bytes = rng.choice(range(20, 65, 4))
         payload = rng.randbytes(rng.randint(1, 400))
         offset = rng.randrange(64)
         total = header_bytes + len(payload) + (-len(payload) % 4) + 4

@@ -19,8 +19,8 @@ ICRCs, end_bad, malformed mutations, random rx gaps, random request/response bac
 and a consumer that sometimes stalls long enough to bring the ring close to full.
 
 Directed (one each): LNH with a GRH, DLID, TVer, PktLen short and long, non-request
-opcodes (reserved, UC), too short for the headers (WRITE FIRST, atomic), payload > 4096,
-READ and atomic with payload, PadCnt beyond the payload (SEND, READ), longer than
+opcodes (reserved, UC), too short for the headers (WRITE FIRST, atomic, masked atomic),
+payload > 4096, READ, atomic and masked atomic with payload, a masked atomic's PadCnt, PadCnt beyond the payload (SEND, READ), longer than
 MAX_PACKET_BEATS, bad ICRC, end_bad; each dropped and counted once, with a response on
 the other VL alongside, and the good packet after it kept where the dropped one began;
 a stray non-start beat discarded. A full ring holds rx off and loses nothing; a 127-beat
@@ -48,12 +48,14 @@ from tb.beats import BeatCodec, packet_beats
 WIDTH = 64
 CODEC = BeatCodec(WIDTH)
 LID = 0x1234
-REQUEST_OPS = list(range(0x00, 0x0D)) + [0x13, 0x14]
+MASKED_ATOMICS = [0xD3, 0xD4, 0xF3, 0xF4]       # docs/nic-formats.md
+IBA_REQUEST_OPS = list(range(0x00, 0x0D)) + [0x13, 0x14]
+REQUEST_OPS = IBA_REQUEST_OPS + MASKED_ATOMICS
 RESPONSE_OPS = list(range(0x0D, 0x13))
-NO_PAYLOAD = {0x0C, 0x13, 0x14}
+NO_PAYLOAD = {0x0C, 0x13, 0x14, *MASKED_ATOMICS}
 DESCRIPTOR_FIELDS = ("vl", "sl", "slid", "opcode", "se", "ackreq", "pkey", "destqp", "psn", "va",
-                     "rkey", "dmalen", "swap_add", "compare", "imm", "header_bytes",
-                     "payload_bytes", "beats")
+                     "rkey", "dmalen", "swap_add", "compare", "swap_mask", "compare_mask", "imm",
+                     "header_bytes", "payload_bytes", "beats")
 
 
 # --- Reference ---------------------------------------------------------------------------------
@@ -99,7 +101,9 @@ def random_header(rng, cls):
 
 
 def request(rng, vl, opcode=None, payload_len=None, lid=LID):
-    opcode = rng.choice(REQUEST_OPS) if opcode is None else opcode
+    if opcode is None:
+        # masked atomics now and then: the mix stays mostly long packets, which fill the ring
+        opcode = rng.choice(MASKED_ATOMICS if rng.random() < 0.05 else IBA_REQUEST_OPS)
     if payload_len is None:
         # Mostly short: the simulated ICRC costs milliseconds per beat.
         payload_len = 0 if opcode in NO_PAYLOAD else rng.choice(
@@ -306,7 +310,7 @@ def run(dut, body):
 
 # --- Tests -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("num_vls, seed, packets", [(2, 1, 100), (3, 2, 80)])
+@pytest.mark.parametrize("num_vls, seed, packets", [(2, 3, 100), (3, 5, 80)])
 def test_random(num_vls, seed, packets):
     rng = random.Random(seed)
     dut = RequestReceiver(num_vls=num_vls, buffer_beats=256)
@@ -367,6 +371,10 @@ def directed_cases(rng):
         ("payload_4100", request(rng, 0, 0x04, 4100), False, "malformed"),
         ("read_with_payload", with_payload(rng, 0x0C, 4), False, "malformed"),
         ("atomic_with_payload", with_payload(rng, 0x14, 8), False, "malformed"),
+        # a masked atomic: 68 bytes, its ICRC in the second beat
+        ("short_masked_atomic", reseal_short(send, 0xD3, 64), False, "malformed"),
+        ("masked_atomic_with_payload", with_payload(rng, 0xF3, 4), False, "malformed"),
+        ("masked_atomic_padcnt", reseal(request(rng, 0, 0xD4), b9=0x10), False, "malformed"),
         ("padcnt_beyond_payload", reseal(request(rng, 0, 0x00, 0), b9=0x30), False, "malformed"),
         ("read_padcnt", reseal(request(rng, 0, 0x0C), b9=0x10), False, "malformed"),
         ("too_long", long_send, False, "malformed"),

@@ -42,6 +42,7 @@ from hdl.nic.signatures import (
     AtomicResultLayout, MkeyLayout, QpConfigLayout, QpState, RecvResultLayout,
     RequestDescriptorLayout,
 )
+from models.nic import masked_fetch_add
 from tb.amaranth_sim import Driver
 
 M24 = 1 << 24
@@ -53,6 +54,10 @@ ALL_RIGHTS = REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC
  WRITE_FIRST, WRITE_MIDDLE, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONLY, WRITE_ONLY_IMM) = range(12)
 READ = 0x0C
 CMP_SWAP, FETCH_ADD = 0x13, 0x14
+MASKED_CS, MASKED_FA, MASKED_CS4, MASKED_FA4 = 0xD3, 0xD4, 0xF3, 0xF4   # docs/nic-formats.md
+MASKED = (MASKED_CS, MASKED_FA, MASKED_CS4, MASKED_FA4)
+ATOMICS = (CMP_SWAP, FETCH_ADD) + MASKED
+M64 = (1 << 64) - 1
 FIRSTS = {SEND_FIRST, SEND_ONLY, SEND_ONLY_IMM, WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_IMM}
 LASTS = {SEND_LAST, SEND_LAST_IMM, SEND_ONLY, SEND_ONLY_IMM, WRITE_LAST, WRITE_LAST_IMM,
          WRITE_ONLY, WRITE_ONLY_IMM}
@@ -60,6 +65,18 @@ RETH_OPS = {WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_IMM, READ}
 IMM_OPS = {SEND_LAST_IMM, SEND_ONLY_IMM, WRITE_LAST_IMM, WRITE_ONLY_IMM}
 
 ACK_SYN, RNR, NAK = 0x1F, 0x20, 0x60
+
+
+def atomic_word(a, orig):
+    """The word an atomic request (``AtomicRequestLayout`` fields) leaves: the atomic
+    unit's contract, on which its own bench checks it."""
+    bits = 32 if a["size4"] else 64
+    ones = (1 << bits) - 1
+    if a["fetch_add"]:
+        return masked_fetch_add(orig, a["swap_add"] & ones, a["swap_mask"] & ones, bits)
+    if (orig ^ a["compare"]) & a["compare_mask"] & ones:
+        return orig
+    return (orig & ~a["swap_mask"] | a["swap_add"] & a["swap_mask"]) & ones
 KIND_ACK, KIND_READ, KIND_ATOMIC = 0, 1, 2
 OK, EMPTY, ERROR = 0, 1, 2
 RESP_WR_IMM, RESP_SEND, RESP_SEND_IMM, RESP_ERR = 1, 2, 3, 14
@@ -86,6 +103,8 @@ class Desc:
     dmalen: int = 0
     swap_add: int = 0
     compare: int = 0
+    swap_mask: int = 0
+    compare_mask: int = 0
     imm: int = 0
     ackreq: int = 1
     se: int = 0
@@ -99,7 +118,7 @@ class Desc:
     @property
     def header_bytes(self):
         return (20 + 16 * (self.opcode in RETH_OPS) + 4 * (self.opcode in IMM_OPS)
-                + 28 * (self.opcode in (CMP_SWAP, FETCH_ADD)))
+                + 28 * (self.opcode in (CMP_SWAP, FETCH_ADD)) + 44 * (self.opcode in MASKED))
 
     @property
     def beats(self):
@@ -107,7 +126,8 @@ class Desc:
 
     def fields(self):
         f = {k: getattr(self, k) for k in ("destqp", "opcode", "psn", "payload_bytes", "va", "rkey",
-                                           "dmalen", "swap_add", "compare", "imm", "ackreq", "se",
+                                           "dmalen", "swap_add", "compare", "swap_mask",
+                                           "compare_mask", "imm", "ackreq", "se",
                                            "slid", "pkey", "sl", "vl", "buffer_beat")}
         f["header_bytes"] = self.header_bytes
         f["beats"] = self.beats
@@ -176,8 +196,8 @@ class Ref:
 
     def process(self, d: Desc) -> str:
         """Decide ``d``; append its expected outputs; return a label of the outcome."""
-        self.dma.append(dict(addr=0, bytes=0, src_beat=d.buffer_beat, src_offset=d.header_bytes,
-                             release_beats=d.beats))
+        self.dma.append(dict(addr=0, bytes=0, src_beat=d.buffer_beat,
+                             src_offset=d.header_bytes % 64, release_beats=d.beats))
         outcome = self._decide(d)
         if outcome in COUNTERS and outcome != "requests_executed":
             self.counters[outcome] += 1
@@ -241,7 +261,7 @@ class Ref:
                 self._respond(d, KIND_READ, d.psn, ACK_SYN, row.msn, va=d.va, length=d.dmalen)
                 return "dup_read"
             saved = [orig for psn, orig in row.atoms if psn == d.psn]
-            if op in (CMP_SWAP, FETCH_ADD) and saved:
+            if op in ATOMICS and saved:
                 self._respond(d, KIND_ATOMIC, d.psn, ACK_SYN, row.msn, orig=saved[0])
                 return "atomic_replays"
             return "dup_drop"
@@ -251,7 +271,8 @@ class Ref:
         first, last = op in FIRSTS, op in LASTS
         mtu = 128 << cfg["mtu"]
         pl = d.payload_bytes
-        atomic = op in (CMP_SWAP, FETCH_ADD)
+        atomic = op in ATOMICS
+        size = 4 if op in (MASKED_CS4, MASKED_FA4) else 8
         # 1: opcode sequence
         if kind:
             bad = (row.prog is not None) if first else (row.prog != kind)
@@ -265,7 +286,7 @@ class Ref:
                 bad = bad or pl > room or (last and pl != room)
         # 3: atomic alignment
         if not bad and atomic:
-            bad = d.va % 8 != 0
+            bad = d.va % size != 0
         if bad:
             return self._fatal(d, row, 1, "invalid_naks")
         # 4, 5: rights and keys
@@ -274,7 +295,7 @@ class Ref:
             return self._fatal(d, row, 2, "access_naks")
         if op == READ and not self._rights_ok(d, cfg, REMOTE_READ, d.dmalen, d.dmalen > 0):
             return self._fatal(d, row, 2, "access_naks")
-        if atomic and not self._rights_ok(d, cfg, REMOTE_ATOMIC, 8, True):
+        if atomic and not self._rights_ok(d, cfg, REMOTE_ATOMIC, size, True):
             return self._fatal(d, row, 2, "access_naks")
         # 6, 7: receive WQE
         wqe = None
@@ -304,16 +325,20 @@ class Ref:
             row.epsn = (d.psn + max(1, -(-d.dmalen // mtu))) % M24
             return "requests_executed"
         if atomic:
-            fetch_add = op == FETCH_ADD
-            self.atomic.append((dict(addr=d.va, fetch_add=int(fetch_add), swap_add=d.swap_add,
-                                     compare=d.compare), None))
+            fetch_add = op in (FETCH_ADD, MASKED_FA, MASKED_FA4)
+            # IBA's atomics as masked ones: FetchAdd without field boundary, CmpSwap with both
+            # masks all ones (AtomicRequestLayout)
+            plain_mask = 0 if fetch_add else M64
+            request = dict(addr=d.va, fetch_add=int(fetch_add), size4=int(size == 4),
+                           swap_add=d.swap_add, compare=d.compare,
+                           swap_mask=d.swap_mask if op in MASKED else plain_mask,
+                           compare_mask=d.compare_mask if op in MASKED else plain_mask)
+            self.atomic.append((request, None))
             if d.va >> 12 == BAD_ATOMIC_PAGE >> 12:
                 self.atomic[-1] = (self.atomic[-1][0], (0, 1))
                 return self._fatal(d, row, 3, "op_naks")
             orig = self.amem.get(d.va, 0)
-            new = (orig + d.swap_add) % (1 << 64) if fetch_add else (
-                d.swap_add if orig == d.compare else orig)
-            self.amem[d.va] = new
+            self.amem[d.va] = atomic_word(request, orig)
             self.atomic[-1] = (self.atomic[-1][0], (orig, 0))
             row.msn += 1
             row.epsn = (d.psn + 1) % M24
@@ -557,11 +582,10 @@ class Bench:
             assert a == want, (t, a, want)
             self.log["atomic"].append((a, result))
             if self.image is not None and not result[1]:
-                orig = int.from_bytes(self.image[a["addr"]:a["addr"] + 8], "little")
+                n = 4 if a["size4"] else 8
+                orig = int.from_bytes(self.image[a["addr"]:a["addr"] + n], "little")
                 assert orig == result[0], (t, a, orig, result)
-                new = ((orig + a["swap_add"]) % (1 << 64) if a["fetch_add"]
-                       else a["swap_add"] if orig == a["compare"] else orig)
-                self.image[a["addr"]:a["addr"] + 8] = new.to_bytes(8, "little")
+                self.image[a["addr"]:a["addr"] + n] = atomic_word(a, orig).to_bytes(n, "little")
             self.atomic_due.append((t + rng.randint(1, self.latency), result))
         if ctx.get(dut.qp_error.valid):
             q = ctx.get(dut.qp_error.qpn)
@@ -715,6 +739,16 @@ def directed_items(b):
         yield e(0, FETCH_ADD, "requests_executed", va=0x10008, rkey=KEY, swap_add=1)
     yield e(0, FETCH_ADD, "atomic_replays", off=-SAVED_ATOMICS, va=0x10008, rkey=KEY, swap_add=1)
     yield e(0, CMP_SWAP, "dup_drop", off=-SAVED_ATOMICS - 1, va=0x10008, rkey=KEY)  # no longer kept
+    # masked atomics: executed, a duplicate answered from the saved value
+    yield e(0, MASKED_FA4, "requests_executed", va=0x10044, rkey=KEY, swap_add=3, swap_mask=0x80)
+    yield e(0, MASKED_CS, "requests_executed", va=0x10008, rkey=KEY, swap_add=0xF0, swap_mask=0xFF,
+            compare=1, compare_mask=0)
+    yield e(0, MASKED_FA4, "atomic_replays", off=-2, va=0x10044, rkey=KEY, swap_add=3,
+            swap_mask=0x80)
+    yield e(0, MASKED_CS4, "requests_executed", va=0x10048, rkey=KEY, swap_add=7, swap_mask=0xF,
+            compare=0x5, compare_mask=0xFFFF_FFFF)
+    yield e(0, MASKED_FA, "requests_executed", va=0x10010, rkey=KEY, swap_add=1,
+            swap_mask=1 << 63)
     yield e(0, 0x15, "dup_drop", off=-1)
     yield write(0, ackreq=0)
     yield e(0, WRITE_FIRST, "requests_executed", payload_bytes=MTU, va=0x10010, rkey=KEY,
@@ -757,6 +791,7 @@ def directed_items(b):
     yield from fatal(1, lambda: e(1, SEND_LAST, inv, payload_bytes=1), first_write)
     yield from fatal(1, lambda: e(1, READ, inv, va=0x10000, rkey=KEY, dmalen=8), first_send)
     yield from fatal(1, lambda: e(1, FETCH_ADD, inv, va=0x10000, rkey=KEY), first_write)
+    yield from fatal(1, lambda: e(1, MASKED_FA4, inv, va=0x10040, rkey=KEY), first_send)
     yield from fatal(1, lambda: e(1, 0x15, inv))
     yield from fatal(1, lambda: e(1, 0x0D, inv))               # a response opcode
     # lengths
@@ -779,6 +814,8 @@ def directed_items(b):
                      first_write, write_middle)
     # atomic alignment (before rights: the key is bad too)
     yield from fatal(1, lambda: e(1, CMP_SWAP, inv, va=0x10004, rkey=0x404))
+    yield from fatal(1, lambda: e(1, MASKED_CS, inv, va=0x10004, rkey=0x404))
+    yield from fatal(1, lambda: e(1, MASKED_FA4, inv, va=0x10042, rkey=0x404))
     # QP rights
     acc = "access_naks"
     for op, kw in ((WRITE_ONLY, dict(payload_bytes=4, dmalen=4)),
@@ -809,8 +846,10 @@ def directed_items(b):
             (WRITE_FIRST, KEY, 0x1FF00, 0x101),               # ends past the end
             (READ, KEY, 0x1FFFF, 2),
             (CMP_SWAP, KEY, 0x1FFF8 + 8, 8),
+            (MASKED_FA4, KEY, 0x20000, 4),                    # a 4-byte word past the end
+            (MASKED_CS, 0x200, 0x10000, 8),                   # key lacks ATOMIC
             (READ, 0x507, (1 << 64) - 8, 16)):                # wraps 2^64
-        kw = dict(va=va, rkey=rkey, dmalen=0 if op in (FETCH_ADD, CMP_SWAP) else n)
+        kw = dict(va=va, rkey=rkey, dmalen=0 if op in ATOMICS else n)
         if op in (WRITE_ONLY, WRITE_FIRST):
             kw["payload_bytes"] = n if op == WRITE_ONLY else MTU
         yield from fatal(1, lambda: e(1, op, acc, **kw))
@@ -818,6 +857,7 @@ def directed_items(b):
     yield e(1, READ, "requests_executed", va=0, rkey=0x400, dmalen=0)   # no key needed
     yield e(1, WRITE_ONLY, "requests_executed", va=5, rkey=0x400)       # 0 bytes, no key
     yield e(1, WRITE_ONLY, "requests_executed", payload_bytes=4, va=0x1FFFC, rkey=KEY, dmalen=4)
+    yield e(1, MASKED_CS4, "requests_executed", va=0x1FFFC, rkey=KEY)  # the key's last 4 bytes
     # RNR, then the retry succeeds (SEND FIRST; WRITE_WITH_IMM LAST after its MIDDLE).
     yield e(2, SEND_FIRST, "rnr_naks", payload_bytes=MTU)
     yield e(2, SEND_FIRST, "rnr_naks", payload_bytes=MTU)
@@ -1000,7 +1040,7 @@ def random_items(bench, rng, count, qps, env=None):
                          payload_bytes=row.left, **kw)
         else:
             op = rng.choice((SEND_FIRST, SEND_ONLY, SEND_ONLY_IMM, WRITE_FIRST, WRITE_ONLY,
-                             WRITE_ONLY_IMM, READ, READ, CMP_SWAP, FETCH_ADD))
+                             WRITE_ONLY_IMM, READ, READ, CMP_SWAP, FETCH_ADD) + MASKED)
             va = 0x10000 + 8 * rng.randrange(64)
             if op in (SEND_FIRST,):
                 d = Desc(q, op, row.epsn, payload_bytes=mtu, **kw)
@@ -1015,14 +1055,22 @@ def random_items(bench, rng, count, qps, env=None):
             elif op == READ:
                 d = Desc(q, op, row.epsn, va=va, rkey=KEY, dmalen=rng.randint(0, 5 * mtu), **kw)
             else:
+                # 4-byte words apart from the 8-byte ones: the bench's memories are by word
+                word = 8 * rng.randrange(4) if op not in (MASKED_CS4, MASKED_FA4) else \
+                    0x40 + 4 * rng.randrange(4)
                 if env is not None:
-                    va, rkey = env.atomic_base + 8 * rng.randrange(4), env.atomic_key
+                    va, rkey = env.atomic_base + word, env.atomic_key
                 elif rng.random() < 0.05:
-                    va, rkey = BAD_ATOMIC_PAGE + 8 * rng.randrange(4), 0x600
+                    va, rkey = BAD_ATOMIC_PAGE + word, 0x600
                 else:
-                    va, rkey = 0x10000 + 8 * rng.randrange(4), KEY
+                    va, rkey = 0x10000 + word, KEY
+                masks = {}
+                if op in MASKED:
+                    bits = 32 if op in (MASKED_CS4, MASKED_FA4) else 64
+                    masks = dict(swap_mask=rng.choice((0, (1 << bits) - 1, rng.getrandbits(bits))),
+                                 compare_mask=rng.choice((0, rng.getrandbits(bits))))
                 d = Desc(q, op, row.epsn, va=va, rkey=rkey, swap_add=rng.getrandbits(64),
-                         compare=rng.choice((0, rng.getrandbits(64))), **kw)
+                         compare=rng.choice((0, rng.getrandbits(64))), **masks, **kw)
         # Occasional errors in an otherwise good packet.
         r = rng.random()
         if r < 0.02 and d.opcode <= WRITE_ONLY_IMM:      # READ/atomic carry none (receiver)
@@ -1111,9 +1159,12 @@ class ModelEnv:
         self.model.reset_qp(q)
 
     def packet(self, d):
-        from models.ib import RETH, AtomicETH, ImmDt, extension_headers
+        from models.ib import RETH, AtomicETH, ImmDt, MaskedAtomicETH, extension_headers
         values = {RETH: RETH(va=d.va, rkey=d.rkey, dmalen=d.dmalen), ImmDt: ImmDt(imm=d.imm),
-                  AtomicETH: AtomicETH(va=d.va, rkey=d.rkey, swap_add=d.swap_add, compare=d.compare)}
+                  AtomicETH: AtomicETH(va=d.va, rkey=d.rkey, swap_add=d.swap_add, compare=d.compare),
+                  MaskedAtomicETH: MaskedAtomicETH(va=d.va, rkey=d.rkey, swap_add=d.swap_add,
+                                                   compare=d.compare, swap_mask=d.swap_mask,
+                                                   compare_mask=d.compare_mask)}
         ext = [values[cls] for cls in extension_headers(d.opcode)]
         packet = self.nic.make_packet(vl=d.vl, sl=d.sl, dlid=self.LID, slid=d.slid, opcode=d.opcode,
                                       destqp=d.destqp, psn=d.psn, pkey=d.pkey, se=d.se,

@@ -6,7 +6,7 @@ ATOMIC ACKNOWLEDGEs, other opcodes, now and then end_bad, rarely a READ response
 than MAX_PACKET_BEATS; random gaps); the completion unit (random ``out`` ready, or always
 ready; for each stored packet, seen by its end beat on ``out``, one decision after a
 random delay, so verdicts come in random order: discard, verdict without write, a write
-of the payload (atomic: the 8-byte value) to a random address, a write reaching exactly
+of the payload (atomic: the 8-byte value, or the 4 bytes a 4-byte atomic lands) to a random address, a write reaching exactly
 to the stored packet's end, or one past it, which must be refused; now and then verdicts
 and discards for packets that are not waiting, which must be ignored); and an AXI4 slave
 with a byte-array memory (random AWREADY/WREADY, B after random delays, now and then
@@ -90,10 +90,11 @@ def make_packet(rng, kind):
 
 
 def stored_copy(packet):
-    """The ring's copy: at most MAX_PACKET_BEATS beats, an atomic's value reversed."""
+    """The ring's copy: at most MAX_PACKET_BEATS beats, an atomic's value reversed, and its
+    low 4 bytes as on the wire (big-endian) where its ICRC was (bytes 32..35)."""
     copy = bytearray(packet[:MAX_STORED])
     if copy[8] == 0x12:
-        copy[24:32] = copy[24:32][::-1]
+        copy[24:36] = copy[24:32][::-1] + packet[28:32]
     return bytes(copy)
 
 
@@ -165,6 +166,8 @@ class Bench:
         else:
             port = "verdict"
             offset = header
+            if copy[8] == 0x12 and rng.random() < 0.5:
+                offset, payload = 32, 4         # a 4-byte atomic's value, big-endian
             if r < 0.32:
                 nbytes = min(4096, length - offset)          # to the stored end: written
             elif r < 0.4 and length - offset < 4096:

@@ -55,12 +55,12 @@ from amaranth.hdl import UnusedElaboratable
 from amaranth.sim import Simulator
 
 from hdl.nic.signatures import (
-    ArLayout, CompletionRecordLayout, CompletionStatus, MkeyLayout, MlxOpcode,
+    MAX_NIC_HEADER_BYTES, ArLayout, CompletionRecordLayout, CompletionStatus, MkeyLayout, MlxOpcode,
     PacketDescriptorLayout, PayloadSource, QpConfigLayout, QpState, Syndrome,
     WqeDescriptorLayout,
 )
 from hdl.nic.wqe_executor import WqeExecutor
-from models.ib import BTH, LRH, RETH, AtomicETH, ImmDt, Opcode
+from models.ib import BTH, LRH, RETH, AtomicETH, ImmDt, MaskedAtomicETH, Opcode
 from models.mlx5 import build_wqe
 from models.nic import Access as ModelAccess
 from models.nic import Mkey as ModelMkey
@@ -77,6 +77,13 @@ SENT, ERROR, FLUSH = (CompletionStatus.SENT.value, CompletionStatus.ERROR.value,
                       CompletionStatus.FLUSH.value)
 OP = {op.name: op.value for op in MlxOpcode}
 LOCAL_OPS = (OP["NOP"], OP["DUMP"])     # a record, no packet, no PSN
+MASKED_OPS = (OP["ATOMIC_MASKED_CS"], OP["ATOMIC_MASKED_FA"])
+ATOMIC_OPS = (OP["ATOMIC_CS"], OP["ATOMIC_FA"]) + MASKED_OPS
+
+
+def atomic_bytes(d):
+    """An atomic descriptor's operand size: 4 for a masked one of opmod 0x08."""
+    return 4 if d["opcode"] in MASKED_OPS and d["opmod"] == 0x08 else 8
 LOCAL_WRITE = 1
 
 WQE = WqeDescriptorLayout()
@@ -149,7 +156,7 @@ class Reference:
         """(status, syndrome) by docs/nic.md's table, plus the executor's own rows."""
         q = d["qpn"]
         op = d["opcode"]
-        atomic = op in (OP["ATOMIC_CS"], OP["ATOMIC_FA"])
+        atomic = op in ATOMIC_OPS
         read = op == OP["RDMA_READ"]
         local = op in LOCAL_OPS
         length = d["byte_count"] if (d["has_data"] or d["inline"]) and not local else 0
@@ -161,7 +168,7 @@ class Reference:
                 or ((atomic or op == OP["DUMP"]) and not d["has_data"])
                 or (op == OP["NOP"] and d["has_data"])):
             return ERROR, Syndrome.LOCAL_QP_OP_ERR.value
-        if ((d["inline"] and d["byte_count"] > 64) or (atomic and d["byte_count"] != 8)
+        if ((d["inline"] and d["byte_count"] > 64) or (atomic and d["byte_count"] != atomic_bytes(d))
                 or length > 1 << 31):
             return ERROR, Syndrome.LOCAL_LENGTH_ERR.value
         vl = self.sl_to_vl[qp["sl"]]
@@ -260,6 +267,15 @@ class Reference:
             packet(Opcode.RDMA_READ_REQUEST, [reth], 0, 0, True, psn)
         elif op in LOCAL_OPS:
             pass
+        elif op in MASKED_OPS:
+            fa = op == OP["ATOMIC_MASKED_FA"]
+            ib = {(False, 8): Opcode.MASKED_COMPARE_SWAP, (True, 8): Opcode.MASKED_FETCH_ADD,
+                  (False, 4): Opcode.MASKED_COMPARE_SWAP_4,
+                  (True, 4): Opcode.MASKED_FETCH_ADD_4}[fa, atomic_bytes(d)]
+            packet(ib, [MaskedAtomicETH(va=d["raddr"], rkey=d["rkey"], swap_add=d["swap_add"],
+                                        compare=0 if fa else d["compare"],
+                                        swap_mask=d["swap_mask"],
+                                        compare_mask=d["compare_mask"])], 0, 0, True, psn)
         else:
             ib = Opcode.COMPARE_SWAP if op == OP["ATOMIC_CS"] else Opcode.FETCH_ADD
             compare = d["compare"] if op == OP["ATOMIC_CS"] else 0     # ignored by FetchAdd
@@ -466,7 +482,7 @@ def diff(got, want):
 
 def check_wire(desc):
     """The header is a real IB packet's: it parses, and PktLen/PadCnt match the payload."""
-    header = desc["header"].to_bytes(48, "little")[:desc["header_bytes"]]
+    header = desc["header"].to_bytes(MAX_NIC_HEADER_BYTES, "little")[:desc["header_bytes"]]
     pad = -desc["payload_bytes"] % 4
     parsed = parse_packet(header + bytes(desc["payload_bytes"] + pad) + bytes(4))
     assert parsed.lrh.vl == desc["vl"]
@@ -545,16 +561,23 @@ def random_wqe(rng, ref, qpn, index, *, p_bad=0.08):
     w.update(qpn=qpn, wqe_index=index, wqe_blocks=rng.randint(1, 4), opcode=op,
              opmod=0, ds=rng.getrandbits(6), fm_ce_se=rng.choice([0, 0x08, 0x02, 0x0A, 0xFF]),
              imm=rng.getrandbits(32), raddr=rng.getrandbits(64), rkey=rng.getrandbits(32))
-    atomic = op in (OP["ATOMIC_CS"], OP["ATOMIC_FA"])
+    atomic = op in ATOMIC_OPS
     if atomic:
         w.update(swap_add=rng.getrandbits(64), compare=rng.getrandbits(64))
+    if op in MASKED_OPS:
+        # as the fetcher gives them: opmod 0x08 or 0x09, a masked FA's compare mask 0
+        bits = rng.choice([32, 64])         # 4-byte operands are zero-extended
+        w.update(opmod=0x08 if bits == 32 else 0x09, swap_add=rng.getrandbits(bits),
+                 compare=rng.getrandbits(bits), swap_mask=rng.getrandbits(bits),
+                 compare_mask=0 if op == OP["ATOMIC_MASKED_FA"] else rng.getrandbits(bits))
     kind = ("data" if atomic or op in (OP["RDMA_READ"], OP["DUMP"]) else "none" if op == OP["NOP"]
             else rng.choice(["data", "data", "inline", "none"]))
     if kind == "inline":
         n = rng.randint(0, 64)
         w.update(inline=1, byte_count=n, inline_data=rng.getrandbits(8 * n))
     elif kind == "data":
-        length = 8 if atomic else rng.choice([0, 1]) if op == OP["DUMP"] else random_length(rng)
+        length = (atomic_bytes(w) if atomic else rng.choice([0, 1]) if op == OP["DUMP"]
+                  else random_length(rng))
         fitting = [i for i, k in enumerate(ref.mkeys)
                    if k["valid"] and k["pd"] == qp["pd"] and k["length"] >= length
                    and (not (atomic or op == OP["RDMA_READ"]) or k["access"] & LOCAL_WRITE)]
@@ -675,6 +698,15 @@ CHECK_ROWS = [
      ERROR, OP_ERR),
     ("inline longer than 64", {}, RTS, dict(has_data=0, inline=1, byte_count=65), ERROR, LEN_ERR),
     ("atomic of 16 bytes", {}, RTS, dict(opcode=OP["ATOMIC_CS"], byte_count=16), ERROR, LEN_ERR),
+    ("4-byte masked atomic of 8 bytes", {}, RTS,
+     dict(opcode=OP["ATOMIC_MASKED_FA"], opmod=0x08, byte_count=8), ERROR, LEN_ERR),
+    ("8-byte masked atomic of 4 bytes", {}, RTS,
+     dict(opcode=OP["ATOMIC_MASKED_CS"], opmod=0x09, byte_count=4), ERROR, LEN_ERR),
+    ("4-byte masked atomic", {}, RTS, dict(opcode=OP["ATOMIC_MASKED_CS"], opmod=0x08,
+                                            byte_count=4), SENT, 0),
+    ("masked atomic without LOCAL_WRITE", {}, RTS,
+     dict(opcode=OP["ATOMIC_MASKED_FA"], opmod=0x08, lkey=0x202, laddr=0x20000, byte_count=4),
+     ERROR, PROT_ERR),
     ("longer than 2^31", {}, RTS, dict(byte_count=(1 << 31) + 1), ERROR, LEN_ERR),
     ("2^31 exactly, missing key", {}, RTS, dict(byte_count=1 << 31, lkey=0x505, laddr=0x50000),
      ERROR, PROT_ERR),
@@ -756,7 +788,7 @@ def test_psn_wrap_and_reset():
         await bench.reconfigure(ctx, {"reset": {2: dict(ref.qps[2], sq_psn=0xFFFFFE)}})
         a, b, c = bench.submit([make_wqe(2, "RDMA_WRITE", **write), make_wqe(2, "RDMA_READ", **write),
                                 make_wqe(2, "SEND", has_data=0)])
-        wire_psns = [int.from_bytes(p.desc["header"].to_bytes(48, "little")[17:20], "big")
+        wire_psns = [int.from_bytes(p.desc["header"].to_bytes(MAX_NIC_HEADER_BYTES, "little")[17:20], "big")
                      for p in a.packets]
         assert wire_psns == [0xFFFFFE, 0xFFFFFF, 0, 1]
         assert (a.record["first_psn"], a.record["last_psn"]) == (0xFFFFFE, 1)
@@ -888,18 +920,18 @@ class Stream:
 
 
 def packet_psn(desc):
-    return int.from_bytes(desc["header"].to_bytes(48, "little")[17:20], "big")
+    return int.from_bytes(desc["header"].to_bytes(MAX_NIC_HEADER_BYTES, "little")[17:20], "big")
 
 
 def sent_psn(desc, last_psn):
     """The PSN ``sent`` gives for packet ``desc`` of a WQE whose last PSN is ``last_psn``:
     its own, a READ request's last (its responses take every PSN of the READ)."""
-    opcode = desc["header"].to_bytes(48, "little")[8]
+    opcode = desc["header"].to_bytes(MAX_NIC_HEADER_BYTES, "little")[8]
     return last_psn if opcode == Opcode.RDMA_READ_REQUEST else packet_psn(desc)
 
 
 def packet_dest(desc):
-    return int.from_bytes(desc["header"].to_bytes(48, "little")[13:16], "big")
+    return int.from_bytes(desc["header"].to_bytes(MAX_NIC_HEADER_BYTES, "little")[13:16], "big")
 
 
 class RewindBench:
@@ -1254,7 +1286,8 @@ def test_reference_matches_requester_model():
             data = {}
         wqe = build_wqe(w["opcode"], index, q, fm_ce_se=w["fm_ce_se"], imm=w["imm"],
                         raddr=w["raddr"], rkey=w["rkey"], swap_add=w["swap_add"],
-                        compare=w["compare"], **data)
+                        compare=w["compare"], opmod=w["opmod"], swap_mask=w["swap_mask"],
+                        compare_mask=w["compare_mask"], **data)
         result = model.execute(q, index, wqe.data, lambda addr, n: bytes(n))
         exp = ref.execute(dict(w, wqe_blocks=result.wqe_blocks))
         ref.runtime[q].recorded = 0         # (indices here are not consecutive)
@@ -1265,7 +1298,7 @@ def test_reference_matches_requester_model():
         assert len(exp.packets) == len(result.packets)
         for mine, theirs in zip(exp.packets, result.packets):
             desc = mine.desc
-            header = desc["header"].to_bytes(48, "little")[:desc["header_bytes"]]
+            header = desc["header"].to_bytes(MAX_NIC_HEADER_BYTES, "little")[:desc["header_bytes"]]
             assert theirs[:len(header)] == header, (w, header.hex(), theirs[:48].hex())
             assert len(theirs) == len(header) + desc["payload_bytes"] + (-desc["payload_bytes"] % 4) + 4
             if desc["source"] == PayloadSource.INLINE.value:

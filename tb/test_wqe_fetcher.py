@@ -108,7 +108,7 @@ def inline_ds(base, n):
 
 def good_wqe(rng, kind=None):
     kind = kind or rng.choice(["write", "write", "send", "send", "read", "atomic", "empty",
-                               "nop", "dump"])
+                               "nop", "dump", "masked"])
     if kind == "nop":
         # ibgda_write_nop_wqe (ds 2, its second unit left as the ring held it) and the NOP
         # ending ibgda_write_rdma_write_inl_wqe_combine_warp (ds 1)
@@ -124,6 +124,15 @@ def good_wqe(rng, kind=None):
         op = rng.choice([OPS["ATOMIC_CS"], OPS["ATOMIC_FA"]])
         return wqe_bytes(rng, ctrl_seg(rng, op, 4), raddr_seg(rng), atomic_seg(rng),
                          data_seg(rng, byte_count=8))
+    if kind == "masked":
+        # ibgda_write_atomic_wqe's masked atomics: opmod 0x08 (4 bytes) / 0x09 (8 bytes);
+        # an 8-byte masked CS has two atomic segments and its data segment in block 1
+        op = rng.choice([OPS["ATOMIC_MASKED_CS"], OPS["ATOMIC_MASKED_FA"]])
+        size = rng.choice([4, 8])
+        two = op == OPS["ATOMIC_MASKED_CS"] and size == 8
+        return wqe_bytes(rng, ctrl_seg(rng, op, 5 if two else 4, opmod=8 if size == 4 else 9),
+                         raddr_seg(rng), atomic_seg(rng), *([atomic_seg(rng)] if two else []),
+                         data_seg(rng, byte_count=size))
     send = kind == "send" or (kind == "empty" and rng.random() < 0.5)
     op = rng.choice([OPS["SEND"], OPS["SEND_IMM"]] if send
                     else [OPS["RDMA_WRITE"], OPS["RDMA_WRITE_IMM"]])
@@ -142,6 +151,7 @@ def bad_wqes(rng):
     """One WQE per format-error row of docs/nic.md, with the syndrome the table gives."""
     w, wi, s, si = OPS["RDMA_WRITE"], OPS["RDMA_WRITE_IMM"], OPS["SEND"], OPS["SEND_IMM"]
     rd, cs, fa = OPS["RDMA_READ"], OPS["ATOMIC_CS"], OPS["ATOMIC_FA"]
+    mcs, mfa = OPS["ATOMIC_MASKED_CS"], OPS["ATOMIC_MASKED_FA"]
     r = raddr_seg
     cases = [
         # WRITE: ds 3 with two segments' worth, data segment with ds 4, ds too small
@@ -187,8 +197,25 @@ def bad_wqes(rng):
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, OPS["DUMP"], 2, opmod=0), inline_seg(rng, 1))),
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, OPS["DUMP"], 2, opmod=rng.randrange(1, 256)),
                           data_seg(rng, byte_count=1))),
+        # masked atomics: an opmod other than 0x08/0x09, ds off by one, the data word not
+        # the opmod's size (in block 1 for an 8-byte CS)
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, mcs, 4, opmod=0), r(rng), atomic_seg(rng),
+                          data_seg(rng, byte_count=8))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, mfa, 4, opmod=0x0A), r(rng), atomic_seg(rng),
+                          data_seg(rng, byte_count=8))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, mcs, 4, opmod=9), r(rng), atomic_seg(rng),
+                          atomic_seg(rng))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, mfa, 5, opmod=8), r(rng), atomic_seg(rng),
+                          data_seg(rng, byte_count=4), data_seg(rng))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, mfa, 3, opmod=9), r(rng), atomic_seg(rng))),
+        (LEN, wqe_bytes(rng, ctrl_seg(rng, mfa, 4, opmod=8), r(rng), atomic_seg(rng),
+                        data_seg(rng, byte_count=8))),
+        (LEN, wqe_bytes(rng, ctrl_seg(rng, mcs, 4, opmod=8), r(rng), atomic_seg(rng),
+                        inline_seg(rng, 4))),
+        (LEN, wqe_bytes(rng, ctrl_seg(rng, mcs, 5, opmod=9), r(rng), atomic_seg(rng),
+                        atomic_seg(rng), data_seg(rng, byte_count=4))),
         # any other opcode; a long ds (many blocks)
-        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, 0x14, 5), r(rng))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, 0x16, 5), r(rng))),
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, 0x0C, 3), data_seg(rng))),
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, 0x18, 4), r(rng))),
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, 0xFF, 1))),
@@ -269,6 +296,16 @@ def ref_descriptor(blocks, bads, qpn, index):
         seg.update(raddr, swap_add=be(b, 32, 8), compare=be(b, 40, 8))
         data_at(48)
         error = QP_OP if ds != 4 else LEN if be(b, 48, 4) != 8 else None
+    elif opcode in (OPS["ATOMIC_MASKED_CS"], OPS["ATOMIC_MASKED_FA"]):
+        size = {8: 4, 9: 8}.get(b[0])
+        two = opcode == OPS["ATOMIC_MASKED_CS"] and size == 8
+        ops = [be(b, 32 + (size or 8) * k, size or 8) for k in range(4)]
+        names = (("swap_add", "swap_mask") if opcode == OPS["ATOMIC_MASKED_FA"]
+                 else ("swap_add", "compare", "swap_mask", "compare_mask"))
+        seg.update(raddr, **dict(zip(names, ops)))
+        data_at(64 if two else 48)
+        error = (QP_OP if size is None or ds != (5 if two else 4)
+                 else LEN if be(b, 64 if two else 48, 4) != size else None)
     elif opcode == OPS["NOP"]:
         error = None if ds in (1, 2) and b[0] == 0 else QP_OP
     elif opcode == OPS["DUMP"]:
@@ -622,14 +659,14 @@ def test_format_errors():
     """Every row of the segment table, with the syndrome spelled out by hand."""
     rng = random.Random(10)
     cases = bad_wqes(rng)
-    good = [good_wqe(rng, kind) for kind in ["write", "send", "read", "atomic", "empty"]]
+    good = [good_wqe(rng, kind) for kind in ["write", "send", "read", "atomic", "empty", "masked"]]
     wqes = [wqe for _, wqe in cases] + good
     assert sum(len(wqe) for wqe in wqes) <= 64 * 128
     ring = one_ring(rng, wqes, log=7)
     requests = [(0, index, len(wqe) // 64, 0) for index, wqe in zip(ring.starts, wqes)]
     bench = run_bench(WqeFetcher(num_qps=1), {0: ring}, requests, rng=rng)
     seen = [(d["format_error"], d["syndrome"]) for d in bench.desc_log]
-    assert seen == [(1, syndrome) for syndrome, _ in cases] + [(0, 0)] * 5
+    assert seen == [(1, syndrome) for syndrome, _ in cases] + [(0, 0)] * 6
 
 
 def test_read_errors():

@@ -6,7 +6,7 @@ __all__ = ["KINDS", "RECEIVING_KINDS", "wqe_fields"]
 
 Op = mlx5.Opcode
 KINDS = ("write_inline", "write", "write_imm", "send", "send_imm", "send_inline", "read",
-         "fetch_add", "compare_swap")
+         "fetch_add", "compare_swap", "nvshmem_atomic")
 RECEIVING_KINDS = frozenset({"send", "send_imm", "send_inline", "write_imm"})   # take a receive WQE
 
 
@@ -15,7 +15,9 @@ def wqe_fields(kind, rng, *, length, lkey, laddr, raddr, rkey, read_raddr=None,
     """A WQE of ``kind`` (one of :data:`KINDS`): ``length`` bytes from ``laddr`` (key
     ``lkey``) to ``raddr`` (key ``rkey``); a READ reads ``read_raddr`` and an atomic works
     on ``atomic_raddr`` when given (else ``raddr``, 8-byte aligned down). Signaled 4 times
-    in 5, solicited 1 in 5; immediates, inline bytes and atomic operands random."""
+    in 5, solicited 1 in 5; immediates, inline bytes and atomic operands random.
+    ``nvshmem_atomic``: a random NVSHMEM operation of 4 or 8 bytes as NVSHMEM posts it
+    (:func:`models.mlx5.nvshmem_atomic_fields`; a 4-byte one on either half of the word)."""
     signaled = mlx5.CTRL_CQ_UPDATE if rng.random() < 0.8 else 0
     fields = dict(fm_ce_se=signaled | (mlx5.CTRL_SOLICITED if rng.random() < 0.2 else 0))
     if kind in ("write_inline", "send_inline"):
@@ -38,6 +40,13 @@ def wqe_fields(kind, rng, *, length, lkey, laddr, raddr, rkey, read_raddr=None,
                       lkey=lkey, laddr=laddr & ~7,
                       raddr=(raddr if atomic_raddr is None else atomic_raddr) & ~7, rkey=rkey,
                       swap_add=rng.getrandbits(64), compare=rng.getrandbits(64))
+    elif kind == "nvshmem_atomic":
+        nbytes = rng.choice([4, 8])
+        word = (raddr if atomic_raddr is None else atomic_raddr) & ~7
+        fields.update(mlx5.nvshmem_atomic_fields(
+            rng.choice(mlx5.NVSHMEM_AMOS), nbytes, rng.getrandbits(64), rng.getrandbits(64)),
+            lkey=lkey, laddr=laddr & ~7, byte_count=nbytes, rkey=rkey,
+            raddr=word + (rng.choice([0, 4]) if nbytes == 4 else 0))
     else:
         raise ValueError(f"unknown WQE kind {kind!r}")
     return fields

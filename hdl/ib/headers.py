@@ -27,10 +27,12 @@ from hdl.arith import lookahead_sum
 
 __all__ = [
     "HeaderLayout", "from_wire", "to_wire", "iba_local_headers",
-    "LRH", "GRH", "BTH", "RETH", "AETH", "ATOMIC_ETH", "ATOMIC_ACK_ETH", "IMMDT",
+    "LRH", "GRH", "BTH", "RETH", "AETH", "ATOMIC_ETH", "MASKED_ATOMIC_ETH", "ATOMIC_ACK_ETH",
+    "IMMDT",
     "FLOW_CONTROL", "FlowControlOp",
     "LNH_RAW", "LNH_IP_NON_IBA", "LNH_IBA_LOCAL", "LNH_IBA_GLOBAL",
     "LRH_BYTES", "GRH_BYTES", "BTH_BYTES", "RETH_BYTES", "AETH_BYTES", "ATOMIC_ETH_BYTES",
+    "MASKED_ATOMIC_ETH_BYTES",
     "ATOMIC_ACK_ETH_BYTES", "IMMDT_BYTES", "FLOW_CONTROL_BYTES", "ICRC_BYTES", "VCRC_BYTES",
     "LPCRC_BYTES", "VL15", "CREDIT_BLOCK_BYTES", "PKTLEN_WORD_BYTES",
 ]
@@ -118,6 +120,9 @@ RETH = HeaderLayout({"dmalen": 32, "rkey": 32, "va": 64})
 AETH = HeaderLayout({"msn": 24, "syndrome": 8})
 
 ATOMIC_ETH = HeaderLayout({"compare": 64, "swap_add": 64, "rkey": 32, "va": 64})
+# This project's masked-atomic header: AtomicETH, then the masks (docs/nic-formats.md).
+MASKED_ATOMIC_ETH = HeaderLayout({"compare_mask": 64, "swap_mask": 64, "compare": 64,
+                                  "swap_add": 64, "rkey": 32, "va": 64})
 
 ATOMIC_ACK_ETH = HeaderLayout({"orig": 64})
 
@@ -140,6 +145,7 @@ BTH_BYTES = BTH.size_bytes
 RETH_BYTES = RETH.size_bytes
 AETH_BYTES = AETH.size_bytes
 ATOMIC_ETH_BYTES = ATOMIC_ETH.size_bytes
+MASKED_ATOMIC_ETH_BYTES = MASKED_ATOMIC_ETH.size_bytes
 ATOMIC_ACK_ETH_BYTES = ATOMIC_ACK_ETH.size_bytes
 IMMDT_BYTES = IMMDT.size_bytes
 FLOW_CONTROL_BYTES = FLOW_CONTROL.size_bytes

@@ -15,17 +15,19 @@ AXI_BURST_INCR = 0b01
 
 
 class AtomicUnit(wiring.Component):
-    """8-byte read-modify-write for the responder's atomics (docs/nic-responder.md).
+    """Read-modify-write of a 4- or 8-byte word for the responder's atomics
+    (docs/nic-responder.md).
 
     One operation at a time, never overlapped, which is what makes them atomic against
     each other: the 64-byte beat holding the word at ``addr`` is read (``ar``, one beat,
     id ``ATOMIC_ID``), the little-endian word at ``addr mod 64`` taken (``addr``'s low
-    three bits are ignored: the engine checks alignment), the new value computed
-    (FETCH_ADD: ``orig + swap_add`` mod 2^64; COMPARE_SWAP: ``swap_add`` if
-    ``orig == compare``, else ``orig``) and always written back (one beat, id
-    ``ATOMIC_ID``, ``wstrb`` only the word's 8 bytes; AW and W offered together), the
-    write response awaited, and then the result given: ``orig`` and ``error`` when RRESP
-    or BRESP was not OKAY. A failed read writes nothing and returns ``orig`` 0.
+    three bits, two with ``size4``, are ignored: the engine checks alignment), the new
+    value computed as ``AtomicRequestLayout`` says (a 4-byte operation works on its half
+    of the 8-byte word with the other half's operands 0 and the carry out of its top bit
+    stopped) and always written back (one beat, id ``ATOMIC_ID``, ``wstrb`` only the
+    word's 8 or 4 bytes; AW and W offered together), the write response awaited, and
+    then the result given: ``orig`` (a 4-byte word in its low 32 bits) and ``error`` when
+    RRESP or BRESP was not OKAY. A failed read writes nothing and returns ``orig`` 0.
 
     ``r.ready`` and ``bready`` are always high: a beat or write response arriving while
     none is awaited is dropped; ``r.last`` and ``bid`` are not looked at (the
@@ -58,9 +60,34 @@ class AtomicUnit(wiring.Component):
         new = Signal(64)
         aw_done = Signal()
         w_done = Signal()
-        fetched_add = lookahead_sum(m, orig, op.swap_add)[:64]
         word = op.addr[3:6]
+        upper = op.size4 & op.addr[2]       # a 4-byte word in the upper half of its 8
         beat_addr = Cat(C(0, 6), op.addr[6:self.addr_width])
+
+        # The operands placed on the 8-byte word, registered while the read is under way
+        # (``op`` is held from the cycle after IDLE; COMPUTE is two cycles later at the
+        # earliest), so that COMPUTE starts from registers.
+        def placed(value):
+            low = value[:32]
+            return Mux(op.size4, Mux(op.addr[2], Cat(C(0, 32), low), Cat(low, C(0, 32))), value)
+        swap_add, compare = Signal(64), Signal(64)
+        swap_mask, compare_mask, boundary = Signal(64), Signal(64), Signal(64)
+        add_kept = Signal(64)               # the addend, its boundary bits cleared
+        # A lower 4-byte word's carry must not reach the upper half.
+        placed_boundary = placed(op.swap_mask) | ((op.size4 & ~op.addr[2]) << 31)
+        m.d.sync += [
+            swap_add.eq(placed(op.swap_add)), compare.eq(placed(op.compare)),
+            swap_mask.eq(placed(op.swap_mask)), compare_mask.eq(placed(op.compare_mask)),
+            boundary.eq(placed_boundary), add_kept.eq(placed(op.swap_add) & ~placed_boundary),
+        ]
+        # Masked add: with the boundary bits cleared in both operands no carry leaves them,
+        # and each sum bit adds its own half sum to its carry in (lookahead_sum's ``half``);
+        # the read word is registered in those three forms as it arrives.
+        orig_kept = Signal(64)
+        orig_half = Signal(64)
+        masked_sum = lookahead_sum(m, orig_kept, add_kept, half=orig_half)[:64]
+        swapped = Mux(((orig ^ compare) & compare_mask).any(), orig,
+                      (orig & ~swap_mask) | (swap_add & swap_mask))
 
         m.d.comb += [
             ar.payload.id.eq(ATOMIC_ID),
@@ -73,10 +100,11 @@ class AtomicUnit(wiring.Component):
             axi.awsize.eq((BEAT_BYTES - 1).bit_length()),
             axi.awburst.eq(AXI_BURST_INCR),
             axi.wdata.eq(new.replicate(BEAT_BYTES // 8)),
-            axi.wstrb.eq(Const(0xFF, BEAT_BYTES) << (word * 8)),
+            axi.wstrb.eq(Mux(op.size4, Const(0xF, BEAT_BYTES) << (op.addr[2:6] * 4),
+                             Const(0xFF, BEAT_BYTES) << (word * 8))),
             axi.wlast.eq(1),
             axi.bready.eq(1),
-            result.payload.orig.eq(orig),
+            result.payload.orig.eq(Mux(upper, orig[32:], Mux(op.size4, orig[:32], orig))),
         ]
 
         with m.FSM():
@@ -95,13 +123,12 @@ class AtomicUnit(wiring.Component):
                         m.d.sync += [orig.eq(0), result.payload.error.eq(1)]
                         m.next = "RESULT"
                     with m.Else():
-                        m.d.sync += orig.eq(r.payload.data.word_select(word, 64))
+                        read = r.payload.data.word_select(word, 64)
+                        m.d.sync += [orig.eq(read), orig_kept.eq(read & ~boundary),
+                                     orig_half.eq(read ^ swap_add)]
                         m.next = "COMPUTE"
             with m.State("COMPUTE"):
-                with m.If(op.fetch_add):
-                    m.d.sync += new.eq(fetched_add)
-                with m.Else():
-                    m.d.sync += new.eq(Mux(orig == op.compare, op.swap_add, orig))
+                m.d.sync += new.eq(Mux(op.fetch_add, masked_sum, swapped))
                 m.d.sync += [aw_done.eq(0), w_done.eq(0)]
                 m.next = "WRITE"
             with m.State("WRITE"):

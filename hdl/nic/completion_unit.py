@@ -9,6 +9,7 @@ from hdl.crc.crc_check_stage import CRCCheckStage
 from hdl.crc.icrc_engine import variant_masks
 from hdl.ib.headers import AETH, BTH, LNH_IBA_LOCAL, LRH, from_wire
 from hdl.link.signatures import BeatLayout, vl_index
+from hdl.nic.response_writer import ORIG_WORD4_BYTE
 from hdl.nic.signatures import (
     MAX_OUTSTANDING_BLOCKS, PSN_BITS, QPN_BITS, RESPONSE_SEQ_BITS, AxiWriteSignature,
     CompletionRecordLayout, CompletionStatus, ContextReadSignature, CqConfigLayout,
@@ -94,13 +95,18 @@ def _round_robin(m, requests, last, name):
     return requests.any(), Mux(after.any(), lowest_after, lowest_any)
 
 
+def _is_atomic(opcode):
+    """An mlx5 atomic opcode: IBA's (ATOMIC_CS, ATOMIC_FA) or masked (0x14, 0x15)."""
+    return opcode.matches(MlxOpcode.ATOMIC_CS.value, MlxOpcode.ATOMIC_FA.value,
+                          MlxOpcode.ATOMIC_MASKED_CS.value, MlxOpcode.ATOMIC_MASKED_FA.value)
+
+
 def _head_outcome(m, rec, st, flushing, name):
     """Whether head record ``rec`` of a QP in state ``st`` can complete, and how: (can,
     error, syndrome, nak_error)."""
     last_psn = rec.last_psn
     is_read = rec.opcode == MlxOpcode.RDMA_READ.value
-    is_atomic = ((rec.opcode == MlxOpcode.ATOMIC_CS.value)
-                 | (rec.opcode == MlxOpcode.ATOMIC_FA.value))
+    is_atomic = _is_atomic(rec.opcode)
     # READ and atomic WQEs complete only by their own responses: their data must land.
     acknowledged = Mux(is_read, _psn_le(last_psn, st.read_psn),
                        Mux(is_atomic, _psn_le(last_psn, st.atomic_psn),
@@ -779,8 +785,7 @@ class CompletionUnit(wiring.Component):
             m.d.comb += [r_new.sent_psn.eq(r2_record.last_psn), r_new.started.eq(1)]
             with m.If(~r_tail.started):
                 m.d.comb += r_new.base_psn.eq(r2_record.first_psn - 1)
-        r2_atomic = ((r2_record.opcode == MlxOpcode.ATOMIC_CS.value)
-                     | (r2_record.opcode == MlxOpcode.ATOMIC_FA.value))
+        r2_atomic = _is_atomic(r2_record.opcode)
         r2_reads = (r2_valid & (r2_record.status == CompletionStatus.SENT)
                     & ((r2_record.opcode == MlxOpcode.RDMA_READ.value) | r2_atomic))
         m.d.comb += [
@@ -922,8 +927,7 @@ class CompletionUnit(wiring.Component):
         opcode = head_rec.opcode
         head_sent = head_valid & (head_rec.status == CompletionStatus.SENT)
         head_is_read = head_sent & (opcode == MlxOpcode.RDMA_READ.value)
-        head_is_atomic = head_sent & ((opcode == MlxOpcode.ATOMIC_CS.value)
-                                      | (opcode == MlxOpcode.ATOMIC_FA.value))
+        head_is_atomic = head_sent & _is_atomic(opcode)
         can, error, syndrome, nak_error = _head_outcome(m, head_rec, st, x_flushing, "head")
 
         # X, event for QP q at PSN p.
@@ -1041,9 +1045,14 @@ class CompletionUnit(wiring.Component):
             self.verdict.payload.seq.eq(x_event.seq),
             self.verdict.payload.write.eq(taken & ~x_killed & (x_event.payload_bytes != 0)),
             self.verdict.payload.addr.eq(rd.laddr + data_offset),
-            self.verdict.payload.bytes.eq(x_event.payload_bytes),
+            # A 4-byte atomic's original value lands big-endian, as NVSHMEM reads it: the
+            # ResponseWriter keeps those 4 wire bytes where the stored copy's ICRC was.
+            self.verdict.payload.bytes.eq(Mux(rd.atomic & rd.byte_count[2], 4,
+                                              x_event.payload_bytes)),
             self.verdict.payload.offset.eq(Mux(x_event.opcode == READ_MIDDLE, LRH_BTH_BYTES,
-                                               LRH_BTH_BYTES + AETH_BYTES)),
+                                               Mux(rd.atomic & rd.byte_count[2],
+                                                   ORIG_WORD4_BYTE,
+                                                   LRH_BTH_BYTES + AETH_BYTES))),
         ]
 
         # X, completion of the head.

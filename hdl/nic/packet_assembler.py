@@ -63,7 +63,7 @@ class PacketAssembler(wiring.Component):
     * A descriptor that cannot be assembled is dropped, counted in ``bad_descriptors``,
       and for ``source == DMA`` its ``dma_beats`` payload beats are taken from the buffer
       and discarded (the executor reserved them): ``vl >= num_vls``, ``header_bytes`` not
-      a multiple of 4 in 20..48, ``payload_bytes > 4096``, INLINE with more than 64
+      a multiple of 4 in 20..64, ``payload_bytes > 4096``, INLINE with more than 64
       bytes, NONE with a payload, DMA with ``dma_beats`` not ``ceil((offset +
       payload_bytes) / 64)`` (0 for an empty payload), or an unknown ``source``.
     * A payload beat with RRESP not OKAY is counted in ``payload_read_errors``; the

@@ -8,8 +8,8 @@ from hdl.arith import lookahead_sum
 from hdl.crc.algorithms import ICRC
 from hdl.crc.crc_check_stage import CRCCheckStage
 from hdl.crc.icrc_engine import variant_masks
-from hdl.ib.headers import (ATOMIC_ETH, BTH, ICRC_BYTES, IMMDT, LNH_IBA_LOCAL, LRH, RETH,
-                            from_wire)
+from hdl.ib.headers import (ATOMIC_ETH, BTH, ICRC_BYTES, IMMDT, LNH_IBA_LOCAL, LRH,
+                            MASKED_ATOMIC_ETH, RETH, from_wire)
 from hdl.link.signatures import BeatLayout, vl_index
 from hdl.nic.signatures import (MAX_NIC_HEADER_BYTES, MAX_PACKET_BEATS, RX_BUFFER_BEAT_BITS,
                                 ContextReadSignature, RequestDescriptorLayout)
@@ -27,6 +27,8 @@ SEND_FIRST, SEND_MIDDLE, SEND_LAST, SEND_LAST_IMM, SEND_ONLY, SEND_ONLY_IMM = ra
 READ_REQUEST = 0x0C
 FIRST_RESPONSE, LAST_RESPONSE = 0x0D, 0x12   # READ responses, ACKNOWLEDGE, ATOMIC ACKNOWLEDGE
 COMPARE_SWAP, FETCH_ADD = 0x13, 0x14
+# This project's masked atomics (docs/nic-formats.md): 8-byte CS, FA, 4-byte CS, FA.
+MASKED_ATOMICS = (0xD3, 0xD4, 0xF3, 0xF4)
 
 LRH_BTH_BYTES = LRH.size_bytes + BTH.size_bytes
 
@@ -48,8 +50,8 @@ class RequestReceiver(wiring.Component):
     Three stages: T takes a beat (steering, arbitration, room); W, a cycle later, writes
     it into the ring and feeds it to the ICRC check (:class:`CRCCheckStage`, its lanes
     past the count masked by a thermometer registered in T). On the end beat W also
-    reduces the header (every request header lies in the start beat, held from it) to
-    registered facts: the descriptor, the opcode's shape, compares of the count and beat
+    reduces the header (every request header lies in the start beat, held from it; a
+    masked atomic's fills it, its ICRC in the next beat) to registered facts: the descriptor, the opcode's shape, compares of the count and beat
     index against the header's overhead, DLID, LNH, TVer, PktLen. D, the cycle after the
     end beat, decides from those registers and the ICRC match: a kept packet's
     descriptor enters the queue (on ``request`` in the next cycle, two after the end beat
@@ -269,6 +271,7 @@ class RequestReceiver(wiring.Component):
         extension = header[8 * LRH_BTH_BYTES:]
         reth = from_wire(RETH, extension[:RETH.size])
         atomic = from_wire(ATOMIC_ETH, extension[:ATOMIC_ETH.size])
+        masked = from_wire(MASKED_ATOMIC_ETH, extension[:MASKED_ATOMIC_ETH.size])
         immdt = from_wire(IMMDT, extension[:IMMDT.size])
         immdt_after_reth = from_wire(IMMDT, extension[RETH.size:RETH.size + IMMDT.size])
 
@@ -315,14 +318,27 @@ class RequestReceiver(wiring.Component):
                     descriptor.compare.eq(atomic.compare),
                     no_payload.eq(1),
                 ]
+            with m.Case(*MASKED_ATOMICS):
+                m.d.comb += [
+                    header_bytes.eq(LRH_BTH_BYTES + MASKED_ATOMIC_ETH.size_bytes),
+                    descriptor.va.eq(masked.va),
+                    descriptor.rkey.eq(masked.rkey),
+                    descriptor.swap_add.eq(masked.swap_add),
+                    descriptor.compare.eq(masked.compare),
+                    descriptor.swap_mask.eq(masked.swap_mask),
+                    descriptor.compare_mask.eq(masked.compare_mask),
+                    no_payload.eq(1),
+                ]
             with m.Default():
                 m.d.comb += known.eq(0)
 
         # The bytes beyond the payload: overhead = header_bytes + ICRC + pad, below one
-        # beat (at most 55). The packet's length is index * WIDTH + count, so against the
-        # overhead: length >= overhead is index > 0 or count >= overhead; a payload of at
-        # most 4096 bytes (64 beats) is index < 64, or index == 64 and count <= overhead.
-        overhead = Signal(range(WIDTH))
+        # beat (at most 55) for every opcode that may carry payload; 68 for a masked
+        # atomic, which has none. The packet's length is index * WIDTH + count, so against
+        # the overhead: length >= overhead is index > 0 or count >= overhead; a payload of
+        # at most 4096 bytes (64 beats) is index < 64, or index == 64 and count <= overhead;
+        # no payload is length == overhead: index == overhead // WIDTH, count the rest.
+        overhead = Signal(range(2 * WIDTH))
         m.d.comb += overhead.eq(header_bytes + ICRC_BYTES + bth.padcnt)
         count = w_beat.count
         # The bytes stored; D replaces them by the payload (less the overhead).
@@ -341,6 +357,7 @@ class RequestReceiver(wiring.Component):
         d_known, d_no_payload, d_pad0 = Signal(), Signal(), Signal()
         d_first_beat, d_before_64, d_beat_64 = Signal(), Signal(), Signal()
         d_count_ge, d_count_le = Signal(), Signal()
+        d_no_payload_length = Signal()      # length == overhead
         # Past MAX_PACKET_BEATS the length saturates: such a packet is malformed outright.
         d_link_ok = Signal()        # stored whole, LNH, DLID, TVer and PktLen right
         d_icrc_bad = Signal()       # end_bad
@@ -358,6 +375,8 @@ class RequestReceiver(wiring.Component):
             d_beat_64.eq(w_index == MAX_PAYLOAD_BYTES // WIDTH),
             d_count_ge.eq(count >= overhead),
             d_count_le.eq(count <= overhead),
+            d_no_payload_length.eq((w_index == overhead[exact_log2(WIDTH):])
+                                   & (count == overhead[:exact_log2(WIDTH)])),
             d_link_ok.eq(w_stores & (lrh.lnh == LNH_IBA_LOCAL) & (lrh.dlid == self.lid)
                          & (bth.tver == 0) & pktlen_ok),
             d_icrc_bad.eq(w_beat.end_bad),
@@ -366,7 +385,7 @@ class RequestReceiver(wiring.Component):
         # --- Stage D: the decision ---
         overhead_wide = Cat(d_overhead, C(0, len(d_length) - len(d_overhead)))
         payload = lookahead_sum(m, d_length, ~overhead_wide, 1, name="payload")   # length - overhead
-        shape_ok = Mux(d_no_payload, d_first_beat & d_count_ge & d_count_le & d_pad0,
+        shape_ok = Mux(d_no_payload, d_no_payload_length & d_pad0,
                        (~d_first_beat | d_count_ge) & (d_before_64 | (d_beat_64 & d_count_le)))
         well_formed = Signal()
         icrc_good = Signal()

@@ -36,6 +36,10 @@ SEND_FIRST, SEND_MIDDLE, SEND_LAST, SEND_LAST_IMM, SEND_ONLY, SEND_ONLY_IMM = ra
 READ_REQUEST = 0x0C
 COMPARE_SWAP = 0x13
 FETCH_ADD = 0x14
+# This project's masked atomics (docs/nic-formats.md): 8-byte CS, FA, 4-byte CS, FA. Every
+# atomic opcode has bit 2 set for fetch-and-add; the masked ones have bit 7, the 4-byte ones
+# bits 7 and 5.
+MASKED_ATOMICS = (0xD3, 0xD4, 0xF3, 0xF4)
 
 FIRSTS = (SEND_FIRST, SEND_ONLY, SEND_ONLY_IMM, WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_IMM)
 LASTS = (SEND_LAST, SEND_LAST_IMM, SEND_ONLY, SEND_ONLY_IMM,
@@ -206,7 +210,8 @@ class ResponderEngine(wiring.Component):
         p_first = _one_of(p_op, FIRSTS)
         p_is_write = (p_op >= WRITE_FIRST) & (p_op <= WRITE_ONLY_IMM)
         p_is_read = p_op == READ_REQUEST
-        p_is_atomic = (p_op == COMPARE_SWAP) | (p_op == FETCH_ADD)
+        p_is_atomic = _one_of(p_op, (COMPARE_SWAP, FETCH_ADD) + MASKED_ATOMICS)
+        p_size4 = p_op[7] & p_op[5]
         p_dmalen_nonzero = p.dmalen != 0
         minus_pl = named(m, ~Cat(p_pl, C(0, 32 - len(p_pl))), "minus_pl_ones")
         facts = {
@@ -224,7 +229,7 @@ class ResponderEngine(wiring.Component):
             "pl_eq_mtu": (Cat(p_pl == (128 << k) for k in range(8)), 8),
             "pl_gt_mtu": (Cat(p_pl > (128 << k) for k in range(8)), 8),
             "pl_eq_dmalen": (p_pl == p.dmalen, 1),
-            "align_err": (p_is_atomic & (p.va[:3] != 0), 1),
+            "align_err": (p_is_atomic & ((p.va[:2] != 0) | (~p_size4 & p.va[2])), 1),
             "key_applies": (((p_is_write & p_first) | p_is_read) & p_dmalen_nonzero
                             | p_is_atomic, 1),
             "need": (Mux(p_is_write & p_first, Access.REMOTE_WRITE.value,
@@ -241,7 +246,7 @@ class ResponderEngine(wiring.Component):
                                  lookahead_sum(m, p.dmalen, C(-1, 32), name="dmalen_less1_sum")[:32],
                                  0), 32),
             "end_dmalen": (lookahead_sum(m, p.va, p.dmalen, name="end_dmalen_sum"), 65),
-            "end_atomic": (lookahead_sum(m, p.va, C(8, 4), name="end_atomic_sum"), 65),
+            "end_atomic": (lookahead_sum(m, p.va, Mux(p_size4, 4, 8), name="end_atomic_sum"), 65),
         }
         f = {name: Signal(width, name=f"d_{name}") for name, (_, width) in facts.items()}
         is_send, is_write, is_read, is_atomic = f["is_send"], f["is_write"], f["is_read"], f["is_atomic"]
@@ -473,7 +478,8 @@ class ResponderEngine(wiring.Component):
                     x_too_long.eq(pl_gt_room),
                     cmd.eq(0),
                     cmd.src_beat.eq(d.buffer_beat),
-                    cmd.src_offset.eq(d.header_bytes),
+                    # mod 64: a masked atomic's 64-byte header, with no payload after it
+                    cmd.src_offset.eq(d.header_bytes[:6]),
                     cmd.release_beats.eq(d.beats),
                     resp.eq(0),
                     resp.vl.eq(vl),
@@ -582,9 +588,15 @@ class ResponderEngine(wiring.Component):
                 m.d.comb += [
                     self.atomic_request.valid.eq(1),
                     self.atomic_request.payload.addr.eq(d.va),
-                    self.atomic_request.payload.fetch_add.eq(d.opcode == FETCH_ADD),
+                    self.atomic_request.payload.fetch_add.eq(d.opcode[2]),
+                    self.atomic_request.payload.size4.eq(d.opcode[7] & d.opcode[5]),
                     self.atomic_request.payload.swap_add.eq(d.swap_add),
                     self.atomic_request.payload.compare.eq(d.compare),
+                    # IBA FetchAdd: no field boundary; CmpSwap: the whole word, both masks.
+                    self.atomic_request.payload.swap_mask.eq(
+                        Mux(d.opcode[7], d.swap_mask, Mux(d.opcode[2], 0, C(-1, 64)))),
+                    self.atomic_request.payload.compare_mask.eq(
+                        Mux(d.opcode[7], d.compare_mask, Mux(d.opcode[2], 0, C(-1, 64)))),
                 ]
                 with m.If(self.atomic_request.ready):
                     m.next = "ATOMIC_WAIT"

@@ -24,6 +24,10 @@ ATOMIC_ACKNOWLEDGE = 0x12
 OPCODE_BYTE = LRH.size_bytes                                  # BTH's first byte
 ORIG_BYTE = LRH.size_bytes + BTH.size_bytes + AETH.size_bytes  # AtomicAckETH: 24
 ORIG_BYTES = 8
+# Where the stored copy of an ATOMIC ACKNOWLEDGE keeps the original value's low 4 bytes in
+# wire order (big-endian, as a 4-byte atomic's result lands): over its ICRC, which nobody
+# reads from the ring.
+ORIG_WORD4_BYTE = ORIG_BYTE + ORIG_BYTES
 MAX_STORED_BYTES = MAX_PACKET_BEATS * WIDTH
 MIN_BUFFER_BEATS = 1 << (MAX_PACKET_BEATS - 1).bit_length()     # 128
 
@@ -72,7 +76,9 @@ class ResponseWriter(wiring.Component):
     VL's beats from a start to an end are one packet). For an ATOMIC ACKNOWLEDGE the
     stored copy has bytes 24..31 of its start beat (the AtomicAckETH original value,
     big-endian on the wire) reversed, so that a verdict writing them puts the value in
-    memory little-endian, in host order. ``end_bad`` and the ICRC are not looked at: the
+    memory little-endian, in host order, and at bytes 32..35 (``ORIG_WORD4_BYTE``, where
+    its ICRC was) the wire's bytes 28..31, the value's low 4 bytes big-endian: a 4-byte
+    atomic's result as NVSHMEM reads it. ``end_bad`` and the ICRC are not looked at: the
     packet is stored, and the completion unit sends ``discard`` for it. A stored kind
     longer than ``MAX_PACKET_BEATS`` beats (not possible from a well-behaved link) passes
     whole, but only its first ``MAX_PACKET_BEATS`` beats are stored: its stored length
@@ -295,8 +301,11 @@ class ResponseWriter(wiring.Component):
             count = rx.payload.count
             lengths.append(named(m, Mux(stores, Cat(count[:6], Mux(count[6], index_plus1, index)),
                                     MAX_STORED_BYTES), f"length{v}"))
-            orig = rx.payload.data[8 * ORIG_BYTE:8 * (ORIG_BYTE + ORIG_BYTES)]
-            orig_host = Cat(orig[8 * i:8 * i + 8] for i in reversed(range(ORIG_BYTES)))
+            # bytes 24..35: the original value reversed into host order, then its low 4
+            # bytes as on the wire
+            orig = rx.payload.data[8 * ORIG_BYTE:8 * (ORIG_WORD4_BYTE + 4)]
+            orig_host = Cat(*(orig[8 * i:8 * i + 8] for i in reversed(range(ORIG_BYTES))),
+                            orig[8 * (ORIG_BYTES - 4):8 * ORIG_BYTES])
             is_atomic = opcode == ATOMIC_ACKNOWLEDGE
             origs.append(named(m, Mux(~busy & is_atomic, orig_host, orig), f"orig{v}"))
 
@@ -310,7 +319,7 @@ class ResponseWriter(wiring.Component):
         m.d.comb += [
             ring_w.addr.eq(write_ptr),
             ring_w.data.eq(Cat(beat.data[:8 * ORIG_BYTE], Array(origs)[select],
-                               beat.data[8 * (ORIG_BYTE + ORIG_BYTES):])),
+                               beat.data[8 * (ORIG_WORD4_BYTE + 4):])),
             ring_w.en.eq(take & stores),
         ]
         # Sums of registers, chosen by the ingress handshake afterwards.

@@ -35,7 +35,8 @@ __all__ = [
     "RESPONSE_ID", "RECV_ID", "ATOMIC_ID", "CQE_ID", "DMA_WRITE_ID", "RX_BUFFER_BEAT_BITS",
     "MAX_PACKET_BEATS",
     "QPN_BITS", "CQN_BITS", "PSN_BITS", "WQEBB_BYTES", "MAX_WQE_BLOCKS", "MAX_INLINE_BYTES",
-    "MAX_NIC_HEADER_BYTES", "MAX_OUTSTANDING_BLOCKS", "MAX_MESSAGE_BYTES",
+    "MAX_NIC_HEADER_BYTES", "EXT_AMO_OPMOD_4", "EXT_AMO_OPMOD_8", "MAX_OUTSTANDING_BLOCKS",
+    "MAX_MESSAGE_BYTES",
     "FETCH_ID", "PAYLOAD_ID", "AXI_ID_BITS", "COUNTERS",
 ]
 
@@ -45,7 +46,8 @@ PSN_BITS = 24
 WQEBB_BYTES = 64             # mlx5 WQE basic block
 MAX_WQE_BLOCKS = 16          # ds is 6 bits of 16-byte units: at most 63 * 16 B = 16 blocks
 MAX_INLINE_BYTES = 64        # inline data a WQE may carry (larger: LOCAL_LENGTH error CQE)
-MAX_NIC_HEADER_BYTES = 48    # LRH + BTH + AtomicETH: the longest header the NIC sends or takes (no GRH)
+EXT_AMO_OPMOD_4, EXT_AMO_OPMOD_8 = 0x08, 0x09   # NVSHMEM's IBGDA_4/8_BYTE_EXT_AMO_OPMOD >> 24
+MAX_NIC_HEADER_BYTES = 64    # LRH + BTH + MaskedAtomicETH: the longest header the NIC sends or takes (no GRH)
 MAX_OUTSTANDING_BLOCKS = 64  # per-QP window of fetched, not yet completed WQE basic blocks
 MAX_MESSAGE_BYTES = 1 << 31  # IBA maximum message size
 
@@ -182,6 +184,8 @@ class MlxOpcode(enum.Enum, shape=8):
     RDMA_READ = 0x10
     ATOMIC_CS = 0x11
     ATOMIC_FA = 0x12
+    ATOMIC_MASKED_CS = 0x14      # opmod EXT_AMO_OPMOD_4 / _8: the operand size
+    ATOMIC_MASKED_FA = 0x15
     DUMP = 0x23                  # NVSHMEM's IBGDA_MLX5_OPCODE_DUMP: a NOP with a data segment
 
 
@@ -368,6 +372,8 @@ class WqeDescriptorLayout(data.StructLayout):
             "rkey": 32,
             "swap_add": 64,
             "compare": 64,
+            "swap_mask": 64,                         # masked atomics (FA: the field boundary)
+            "compare_mask": 64,
             "has_data": 1,                           # a data segment (lkey/laddr/byte_count)
             "lkey": 32,
             "laddr": 64,
@@ -483,7 +489,8 @@ class RequestDescriptorLayout(data.StructLayout):
     this port's LID), stored in the receive buffer from beat ``buffer_beat`` on, for the
     :class:`ResponderEngine`. Header values are integers (wire byte order decoded); fields
     of headers the opcode does not have are zero. The payload starts at byte
-    ``header_bytes`` of the packet (always inside its first beat)."""
+    ``header_bytes`` of the packet (inside its first beat; a masked atomic's 64-byte
+    header fills that beat and it has no payload)."""
     def __init__(self):
         super().__init__({
             "vl": 4,
@@ -498,8 +505,10 @@ class RequestDescriptorLayout(data.StructLayout):
             "va": 64,                            # RETH.va or AtomicETH.va
             "rkey": 32,                          # RETH.rkey or AtomicETH.rkey
             "dmalen": 32,                        # RETH.dmalen
-            "swap_add": 64,                      # AtomicETH
-            "compare": 64,                       # AtomicETH
+            "swap_add": 64,                      # AtomicETH, MaskedAtomicETH
+            "compare": 64,                       # AtomicETH, MaskedAtomicETH
+            "swap_mask": 64,                     # MaskedAtomicETH
+            "compare_mask": 64,                  # MaskedAtomicETH
             "imm": 32,                           # ImmDt
             "header_bytes": range(MAX_NIC_HEADER_BYTES + 1),
             "payload_bytes": range(4096 + 1),
@@ -574,15 +583,19 @@ class RecvResultLayout(data.StructLayout):
 
 
 class AtomicRequestLayout(data.StructLayout):
-    """An 8-byte read-modify-write at ``addr`` (8-byte aligned, little-endian word):
-    FETCH_ADD adds ``swap_add``; COMPARE_SWAP writes ``swap_add`` if the word equals
-    ``compare``."""
+    """A read-modify-write of the little-endian word at ``addr``, 8 bytes (8-byte aligned)
+    or with ``size4`` 4 bytes (4-byte aligned; operands in the low 32 bits of each field).
+    ``fetch_add``: masked fetch-and-add, ``orig + swap_add`` where a set bit of
+    ``swap_mask`` (the field boundary) stops the carry out of that bit (IBA FetchAdd: 0);
+    else masked compare-and-swap: when ``(orig ^ compare) & compare_mask`` is 0, the bits
+    of ``swap_mask`` take ``swap_add``'s (IBA CmpSwap: both masks all ones)."""
     def __init__(self):
-        super().__init__({"addr": 64, "fetch_add": 1, "swap_add": 64, "compare": 64})
+        super().__init__({"addr": 64, "fetch_add": 1, "size4": 1, "swap_add": 64,
+                          "compare": 64, "swap_mask": 64, "compare_mask": 64})
 
 
 class AtomicResultLayout(data.StructLayout):
-    """The word before the operation; ``error``: the read or write was answered with a
+    """The word before the operation (a 4-byte one in the low 32 bits); ``error``: the read or write was answered with a
     response other than OKAY (nothing was written if the read failed)."""
     def __init__(self):
         super().__init__({"orig": 64, "error": 1})

@@ -4,12 +4,13 @@ from amaranth.lib.wiring import In, Out
 
 from hdl.arith import lookahead_sum, or_all
 from hdl.ib.headers import (
-    ATOMIC_ETH, ATOMIC_ETH_BYTES, BTH_BYTES, IMMDT, IMMDT_BYTES, LRH_BYTES, RETH, RETH_BYTES,
-    VL15, iba_local_headers, to_wire,
+    ATOMIC_ETH, ATOMIC_ETH_BYTES, BTH_BYTES, IMMDT, IMMDT_BYTES, LRH_BYTES, MASKED_ATOMIC_ETH,
+    MASKED_ATOMIC_ETH_BYTES, RETH, RETH_BYTES, VL15, iba_local_headers, to_wire,
 )
 from hdl.nic.payload_reads import dma_payload, payload_bursts, payload_read_stage, payload_words
 from hdl.nic.signatures import (
-    EPOCH_BITS, MAX_NIC_HEADER_BYTES, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, PAYLOAD_ID, PSN_BITS,
+    EPOCH_BITS, EXT_AMO_OPMOD_4, MAX_NIC_HEADER_BYTES, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES,
+    PAYLOAD_ID, PSN_BITS,
     Access, ArLayout, CompletionRecordLayout, CompletionStatus, ContextReadSignature,
     EventSignature, MkeyLayout, MlxOpcode, PacketDescriptorLayout, PacketSentLayout,
     PayloadSource, QpConfigLayout, QpState, RewindLayout, Syndrome, WqeDescriptorLayout,
@@ -42,12 +43,14 @@ class _JobLayout(data.StructLayout):
             "cmp": CompletionRecordLayout(),
             "resent": 1,
             "send": 1, "write": 1, "read": 1, "atomic": 1, "fetch_add": 1,
+            "masked": 1, "size4": 1,    # a masked atomic; of 4 bytes
             "local": 1,              # NOP / DUMP: a record and no packet
             "with_imm": 1,           # SEND_IMM / RDMA_WRITE_IMM
             "solicited": 1,          # SE on the last packet
             "inline": 1,
             "vl": 4, "sl": 4, "dlid": 16, "dest_qpn": 24, "pkey": 16, "mtu": 3,
             "length": 32, "raddr": 64, "rkey": 32, "imm": 32, "swap_add": 64, "compare": 64,
+            "swap_mask": 64, "compare_mask": 64,
             "inline_data": 8 * MAX_INLINE_BYTES,
         })
 
@@ -57,6 +60,7 @@ class _WqeFactsLayout(data.StructLayout):
     def __init__(self):
         super().__init__({
             "is_write": 1, "is_send": 1, "is_read": 1, "is_fetch_add": 1, "is_atomic": 1,
+            "is_masked": 1, "size4": 1,
             "is_local": 1,                  # NOP / DUMP
             "with_imm": 1,
             "length": 32,                   # 0 without a data or inline segment
@@ -300,8 +304,12 @@ class WqeExecutor(wiring.Component):
                       | (w_opcode == MlxOpcode.RDMA_WRITE_IMM.value))
         w_is_send = (w_opcode == MlxOpcode.SEND.value) | (w_opcode == MlxOpcode.SEND_IMM.value)
         w_is_read = w_opcode == MlxOpcode.RDMA_READ.value
-        w_is_fetch_add = w_opcode == MlxOpcode.ATOMIC_FA.value
-        w_is_atomic = (w_opcode == MlxOpcode.ATOMIC_CS.value) | w_is_fetch_add
+        w_is_masked = ((w_opcode == MlxOpcode.ATOMIC_MASKED_CS.value)
+                       | (w_opcode == MlxOpcode.ATOMIC_MASKED_FA.value))
+        w_size4 = w_is_masked & (w.opmod == EXT_AMO_OPMOD_4)
+        w_is_fetch_add = ((w_opcode == MlxOpcode.ATOMIC_FA.value)
+                          | (w_opcode == MlxOpcode.ATOMIC_MASKED_FA.value))
+        w_is_atomic = (w_opcode == MlxOpcode.ATOMIC_CS.value) | w_is_fetch_add | w_is_masked
         w_with_imm = ((w_opcode == MlxOpcode.RDMA_WRITE_IMM.value)
                       | (w_opcode == MlxOpcode.SEND_IMM.value))
         w_is_dump = w_opcode == MlxOpcode.DUMP.value
@@ -320,6 +328,7 @@ class WqeExecutor(wiring.Component):
                 r0_valid.eq(1), r0.eq(w),
                 f0.is_write.eq(w_is_write), f0.is_send.eq(w_is_send), f0.is_read.eq(w_is_read),
                 f0.is_fetch_add.eq(w_is_fetch_add), f0.is_atomic.eq(w_is_atomic),
+                f0.is_masked.eq(w_is_masked), f0.size4.eq(w_size4),
                 f0.is_local.eq(w_is_local), f0.with_imm.eq(w_with_imm),
                 f0.length.eq(w_length),
                 f0.end.eq(w_end),
@@ -334,7 +343,7 @@ class WqeExecutor(wiring.Component):
                                    | ((w_is_atomic | w_is_dump) & ~w.has_data)
                                    | (w_is_local & ~w_is_dump & w.has_data)),
                 f0.bad_length.eq((w.inline & (w.byte_count > MAX_INLINE_BYTES))
-                                 | (w_is_atomic & (w.byte_count != 8))
+                                 | (w_is_atomic & (w.byte_count != Mux(w_size4, 4, 8)))
                                  | (w_length > MAX_MESSAGE_BYTES)),
                 f0.wqe_end.eq(w_wqe_end),
             ]
@@ -530,6 +539,8 @@ class WqeExecutor(wiring.Component):
                 job.resent.eq(resent),
                 job.send.eq(is_send), job.write.eq(is_write), job.read.eq(is_read),
                 job.atomic.eq(is_atomic), job.fetch_add.eq(is_fetch_add), job.local.eq(f1.is_local),
+                job.masked.eq(f1.is_masked), job.size4.eq(f1.size4),
+                job.swap_mask.eq(r1.swap_mask), job.compare_mask.eq(r1.compare_mask),
                 job.with_imm.eq(with_imm),
                 job.solicited.eq(((r1.fm_ce_se & SOLICITED) != 0) & (is_send | with_imm)),
                 job.inline.eq(r1.inline),
@@ -592,7 +603,9 @@ class WqeExecutor(wiring.Component):
         with m.If(job.read):
             m.d.comb += ib_opcode.eq(RDMA_READ_REQUEST)
         with m.Elif(job.atomic):
-            m.d.comb += ib_opcode.eq(Mux(job.fetch_add, FETCH_ADD, COMPARE_SWAP))
+            # masked: this project's vendor opcodes, 0xC0 (0xE0 for 4 bytes) | IBA's code
+            m.d.comb += ib_opcode.eq(Mux(job.fetch_add, FETCH_ADD, COMPARE_SWAP)
+                                     | Cat(C(0, 5), job.size4, job.masked, job.masked))
         with m.Elif(first & last):
             m.d.comb += ib_opcode.eq(base + Mux(job.with_imm, ONLY_IMM, ONLY))
         with m.Elif(first):
@@ -607,7 +620,7 @@ class WqeExecutor(wiring.Component):
         header_bytes = Signal(range(MAX_NIC_HEADER_BYTES + 1))
         m.d.comb += header_bytes.eq(
             LRH_BYTES + BTH_BYTES + Mux(with_reth, RETH_BYTES, 0) + Mux(with_immdt, IMMDT_BYTES, 0)
-            + Mux(job.atomic, ATOMIC_ETH_BYTES, 0))
+            + Mux(job.masked, MASKED_ATOMIC_ETH_BYTES, Mux(job.atomic, ATOMIC_ETH_BYTES, 0)))
 
         headers = iba_local_headers(
             m, vl=job.vl, sl=job.sl, dlid=job.dlid, slid=self.slid, opcode=ib_opcode,
@@ -616,14 +629,20 @@ class WqeExecutor(wiring.Component):
         reth = Signal(RETH)
         immdt = Signal(IMMDT)
         atomic_eth = Signal(ATOMIC_ETH)
+        masked_eth = Signal(MASKED_ATOMIC_ETH)
         m.d.comb += [
+            masked_eth.va.eq(job.raddr), masked_eth.rkey.eq(job.rkey),
+            masked_eth.swap_add.eq(job.swap_add), masked_eth.compare.eq(job.compare),
+            masked_eth.swap_mask.eq(job.swap_mask), masked_eth.compare_mask.eq(job.compare_mask),
             reth.va.eq(job.raddr), reth.rkey.eq(job.rkey), reth.dmalen.eq(job.length),
             immdt.imm.eq(job.imm),
             atomic_eth.va.eq(job.raddr), atomic_eth.rkey.eq(job.rkey),
             atomic_eth.swap_add.eq(job.swap_add), atomic_eth.compare.eq(job.compare),
         ]
         ext = Signal(8 * EXT_BYTES)
-        with m.If(job.atomic):
+        with m.If(job.masked):
+            m.d.comb += ext.eq(to_wire(MASKED_ATOMIC_ETH, masked_eth))
+        with m.Elif(job.atomic):
             m.d.comb += ext.eq(to_wire(ATOMIC_ETH, atomic_eth))
         with m.Elif(with_reth):
             m.d.comb += ext.eq(Cat(to_wire(RETH, reth),

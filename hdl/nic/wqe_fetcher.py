@@ -5,7 +5,8 @@ from amaranth.lib.wiring import In, Out
 from hdl.arith import count_registered, lookahead_sum
 
 from hdl.nic.signatures import (
-    FETCH_ID, MAX_INLINE_BYTES, MAX_WQE_BLOCKS, QPN_BITS, WQEBB_BYTES, ArLayout,
+    EXT_AMO_OPMOD_4, EXT_AMO_OPMOD_8, FETCH_ID, MAX_INLINE_BYTES, MAX_WQE_BLOCKS, QPN_BITS,
+    WQEBB_BYTES, ArLayout,
     ContextReadSignature, FetchDoneLayout, FetchRequestLayout, MlxOpcode, QpConfigLayout,
     RBeatLayout, Syndrome, WqeDescriptorLayout,
 )
@@ -33,7 +34,7 @@ class _WqeFactsLayout(data.StructLayout):
             "has_atomic": 1,
             "has_data": 1,
             "has_inline": 1,
-            "data_at": 2,               # data segment at byte 16, 32, 48 (1, 2, 3)
+            "data_at": 3,               # data segment at byte 16, 32, 48, 64 (1, 2, 3, 4)
             "inline_len": range(MAX_INLINE_BYTES + 1),
         })
 
@@ -398,6 +399,18 @@ class WqeFetcher(wiring.Component):
                 with m.If((ds == 4) & (word48 != 8)):
                     m.d.comb += syndrome.eq(Syndrome.LOCAL_LENGTH_ERR)
                 m.d.comb += ok.eq((ds == 4) & (word48 == 8))
+            # NVSHMEM's masked atomics: the opmod is the operand size; an 8-byte masked CS
+            # has a second atomic segment (ds 5), its data segment the next block's first,
+            # whose word the parser checks (``_fields``).
+            with m.Case(MlxOpcode.ATOMIC_MASKED_CS, MlxOpcode.ATOMIC_MASKED_FA):
+                size4 = opmod == EXT_AMO_OPMOD_4
+                two = (opcode == MlxOpcode.ATOMIC_MASKED_CS) & (opmod == EXT_AMO_OPMOD_8)
+                shape = (size4 | (opmod == EXT_AMO_OPMOD_8)) & (ds == Mux(two, 5, 4))
+                word_ok = two | (word48 == Mux(size4, 4, 8))
+                m.d.comb += [has_raddr.eq(1), has_atomic.eq(1), has_data.eq(1),
+                             data_at.eq(Mux(two, 4, 3)), ok.eq(shape & word_ok)]
+                with m.If(shape):
+                    m.d.comb += syndrome.eq(Syndrome.LOCAL_LENGTH_ERR)
             # NVSHMEM's two forms, ds 2 (ibgda_write_nop_wqe: the second unit unwritten)
             # and ds 1 (ending a warp-combined put); opmod 0 as it writes them.
             with m.Case(MlxOpcode.NOP):
@@ -419,12 +432,16 @@ class WqeFetcher(wiring.Component):
         data_at, inline_len = facts.data_at, facts.inline_len
 
         good = Signal()
-        m.d.comb += good.eq(ok & ~bad0 & ~bad_later)
         segment = Signal(128)
         with m.Switch(data_at):
             for at in (1, 2, 3):
                 with m.Case(at):
                     m.d.comb += segment.eq(_segment(block0, 16 * at))
+            with m.Case(4):
+                m.d.comb += segment.eq(_segment(block1, 0))
+        # An 8-byte masked CS's data segment is in its second block: its word checked here.
+        word_bad = (data_at == 4) & (_be(block1, 0, 4) != 8)
+        m.d.comb += good.eq(ok & ~word_bad & ~bad0 & ~bad_later)
         # Inline data runs on from the first block into the second.
         both = Cat(block0, block1)
         window = Mux(opcode[1], both[8 * 20:8 * (20 + MAX_INLINE_BYTES)],
@@ -444,8 +461,21 @@ class WqeFetcher(wiring.Component):
             with m.If(has_raddr):
                 m.d.comb += [desc.raddr.eq(_be(raddr_at, 0, 8)), desc.rkey.eq(_be(raddr_at, 8, 4))]
             with m.If(has_atomic):
-                m.d.comb += [desc.swap_add.eq(_be(block0, 32, 8)),
-                             desc.compare.eq(_be(block0, 40, 8))]
+                masked = opcode[2]              # 0x14, 0x15; the plain ones are 0x11, 0x12
+                size4 = block0[0:8] == EXT_AMO_OPMOD_4
+                # Masked FA {add, field boundary}; CS {swap, compare, swap mask, compare
+                # mask}: the k-th operand of 4 or 8 bytes (an 8-byte CS's masks are its
+                # second atomic segment, bytes 48..63).
+                def operand(k):
+                    return Mux(size4, _be(block0, 32 + 4 * k, 4), _be(block0, 32 + 8 * k, 8))
+                with m.If(~masked):
+                    m.d.comb += [desc.swap_add.eq(_be(block0, 32, 8)),
+                                 desc.compare.eq(_be(block0, 40, 8))]
+                with m.Elif(opcode == MlxOpcode.ATOMIC_MASKED_FA):
+                    m.d.comb += [desc.swap_add.eq(operand(0)), desc.swap_mask.eq(operand(1))]
+                with m.Else():
+                    m.d.comb += [desc.swap_add.eq(operand(0)), desc.compare.eq(operand(1)),
+                                 desc.swap_mask.eq(operand(2)), desc.compare_mask.eq(operand(3))]
             with m.If(has_data):
                 m.d.comb += [
                     desc.has_data.eq(1),
@@ -458,5 +488,7 @@ class WqeFetcher(wiring.Component):
                              desc.inline_data.eq(inline_data)]
         with m.Else():
             m.d.comb += [desc.format_error.eq(1), desc.syndrome.eq(syndrome)]
+            with m.If(ok & word_bad):
+                m.d.comb += desc.syndrome.eq(Syndrome.LOCAL_LENGTH_ERR)
             with m.If(bad0 | bad_later):
                 m.d.comb += desc.syndrome.eq(Syndrome.LOCAL_QP_OP_ERR)

@@ -4,7 +4,8 @@ import zlib
 from dataclasses import dataclass
 from enum import Enum, IntEnum, IntFlag
 
-from models.ib import BTH, LNH_IBA_LOCAL, LRH, Opcode, extension_headers
+from models.ib import (BTH, LNH_IBA_LOCAL, LRH, MASKED_FETCH_ADDS, Opcode, atomic_operand_bytes,
+                       extension_headers)
 from models.mlx5 import WQEBB_BYTES
 
 PSN_MOD = 1 << 24
@@ -193,6 +194,39 @@ def decode_packet(buf: bytes) -> Packet:
     if end < offset:
         raise ValueError("PadCnt runs into the headers")
     return Packet(lrh, bth, tuple(ext), body[offset:end], icrc_ok)
+
+def masked_fetch_add(orig: int, add: int, field_boundary: int, nbits: int) -> int:
+    """MFetchAdd: ``orig + add`` where a set bit ``i`` of ``field_boundary`` stops the carry
+    out of bit ``i``, so each field adds on its own, modulo its width (the ConnectX
+    extended-atomics pseudo-code; all ones: XOR)."""
+    result, carry = 0, 0
+    for i in range(nbits):
+        total = carry + (orig >> i & 1) + (add >> i & 1)
+        result |= (total & 1) << i
+        carry = total >> 1 & ~(field_boundary >> i) & 1
+    return result
+
+
+def atomic_new_value(opcode: int, orig: int, header) -> int:
+    """The value an atomic request (BTH ``opcode``, its AtomicETH or MaskedAtomicETH
+    ``header``) leaves in memory whose original value is ``orig``.
+
+    FetchAdd: ``orig + swap_add`` (mod 2^64); CmpSwap: ``swap_add`` if ``orig == compare``;
+    masked FA: :func:`masked_fetch_add` with ``swap_mask`` as the field boundary; masked CS
+    (MskCmpSwap): if ``orig`` and ``compare`` agree on ``compare_mask``, the bits of
+    ``swap_mask`` take ``swap_add``'s. 4-byte operands: the fields' low 32 bits."""
+    nbits = 8 * atomic_operand_bytes(opcode)
+    ones = (1 << nbits) - 1
+    if opcode == Opcode.FETCH_ADD:
+        return (orig + header.swap_add) & ones
+    if opcode == Opcode.COMPARE_SWAP:
+        return header.swap_add if orig == header.compare else orig
+    if opcode in MASKED_FETCH_ADDS:
+        return masked_fetch_add(orig, header.swap_add & ones, header.swap_mask & ones, nbits)
+    if (orig ^ header.compare) & header.compare_mask & ones:
+        return orig
+    return (orig & ~header.swap_mask | header.swap_add & header.swap_mask) & ones
+
 
 class NakCode(IntEnum):
     """AETH NAK codes (syndrome 0b011_ccccc)."""

@@ -4,7 +4,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, replace
 
 from models.ib import AETH, Opcode
-from models.mlx5 import Cqe, Opcode as MlxOpcode, Syndrome, cqe_address, cqe_owner, error_cqe
+from models.mlx5 import (ATOMIC_OPCODES, Cqe, Opcode as MlxOpcode, Syndrome, cqe_address, cqe_owner,
+                         error_cqe, landed_atomic_result)
 from models.nic.common import (CompletionStatus, NakCode, Packet, QpState, decode_packet, psn_add,
                                psn_diff, psn_le, psn_lt, read_response_opcode)
 from models.nic.requester import RequesterModel, WqeResult
@@ -36,7 +37,7 @@ class Completion:
 _RESPONSES = frozenset({Opcode.ACKNOWLEDGE, Opcode.ATOMIC_ACKNOWLEDGE,
                         Opcode.RDMA_READ_RESPONSE_FIRST, Opcode.RDMA_READ_RESPONSE_MIDDLE,
                         Opcode.RDMA_READ_RESPONSE_LAST, Opcode.RDMA_READ_RESPONSE_ONLY})
-_ATOMIC_MLX = (MlxOpcode.ATOMIC_CS, MlxOpcode.ATOMIC_FA)
+_ATOMIC_MLX = ATOMIC_OPCODES
 
 
 # IBA RNR NAK timer field (AETH bits 4..0) -> the wait in microseconds (IBA table 45).
@@ -110,8 +111,8 @@ class CompletionModel:
       acknowledges everything before R), the opcode is the one p's position in R needs
       (:func:`read_response_opcode`) and the payload is the position's length (MTU, or the
       rest; atomic: the AtomicAckETH). Taken: the payload goes to ``write_memory`` at
-      ``R.laddr + (p - R.first_psn) * MTU`` (atomic: the original value, 8 bytes
-      little-endian, at ``R.laddr``), ``ack_psn = p``, LAST/ONLY: ``read_psn = p`` and R
+      ``R.laddr + (p - R.first_psn) * MTU`` (atomic: the original value at ``R.laddr``,
+      as :func:`models.mlx5.landed_atomic_result` lays out its ``byte_count`` bytes), ``ack_psn = p``, LAST/ONLY: ``read_psn = p`` and R
       has all its responses, atomic: ``atomic_psn = p``. Not taken with ``ack_psn + 1 < p`` (a
       response went missing): like a sequence NAK, without moving ``ack_psn``. Otherwise
       dropped (``rx_dropped_unexpected``). ``read_responses`` / ``atomic_acks`` count the
@@ -407,7 +408,8 @@ class CompletionModel:
             if self._response_fits(st, head, opcode, psn, pkt):
                 self.counters["atomic_acks" if atomic else "read_responses"] += 1
                 if atomic:
-                    data, addr = pkt.ext[1].orig.to_bytes(8, "little"), head.laddr
+                    data = landed_atomic_result(pkt.ext[1].orig, head.byte_count)
+                    addr = head.laddr
                 else:
                     data = pkt.payload
                     addr = head.laddr + psn_diff(psn, head.first_psn) * head.mtu_bytes

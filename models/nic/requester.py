@@ -2,8 +2,8 @@
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from models.ib import RETH, AtomicETH, ImmDt, Opcode
-from models.mlx5 import (LOCAL_OPCODES, MAX_MESSAGE_BYTES, WQEBB_BYTES, Cqe, Opcode as MlxOpcode,
+from models.ib import RETH, AtomicETH, ImmDt, MaskedAtomicETH, Opcode
+from models.mlx5 import (ATOMIC_OPCODES, LOCAL_OPCODES, MAX_MESSAGE_BYTES, WQEBB_BYTES, Cqe, Opcode as MlxOpcode,
                          ParsedWqe, Syndrome, CTRL_CQ_UPDATE, CTRL_SOLICITED, error_cqe, parse_wqe,
                          requester_cqe, wqe_blocks)
 from models.nic.common import (Access, CompletionStatus, Mkey, QpContext, QpState, VL15,
@@ -21,6 +21,14 @@ _WRITE_OPS = {
     MlxOpcode.SEND: (Opcode.SEND_FIRST, Opcode.SEND_MIDDLE, Opcode.SEND_LAST, Opcode.SEND_ONLY),
     MlxOpcode.SEND_IMM: (Opcode.SEND_FIRST, Opcode.SEND_MIDDLE, Opcode.SEND_LAST_WITH_IMMEDIATE,
                          Opcode.SEND_ONLY_WITH_IMMEDIATE),
+}
+
+# BTH opcode of a masked atomic by (mlx5 opcode, operand bytes): docs/nic-formats.md
+_MASKED_OPS = {
+    (MlxOpcode.ATOMIC_MASKED_CS, 8): Opcode.MASKED_COMPARE_SWAP,
+    (MlxOpcode.ATOMIC_MASKED_FA, 8): Opcode.MASKED_FETCH_ADD,
+    (MlxOpcode.ATOMIC_MASKED_CS, 4): Opcode.MASKED_COMPARE_SWAP_4,
+    (MlxOpcode.ATOMIC_MASKED_FA, 4): Opcode.MASKED_FETCH_ADD_4,
 }
 
 
@@ -196,7 +204,7 @@ class RequesterModel:
             end = wqe.laddr + length
             if wqe.laddr < key.base or end > key.base + key.length or end > 1 << 64:
                 return Syndrome.LOCAL_PROT_ERR
-            if (wqe.opcode in (MlxOpcode.RDMA_READ, MlxOpcode.ATOMIC_CS, MlxOpcode.ATOMIC_FA)
+            if ((wqe.opcode == MlxOpcode.RDMA_READ or wqe.opcode in ATOMIC_OPCODES)
                     and not Access(key.access) & Access.LOCAL_WRITE):
                 return Syndrome.LOCAL_PROT_ERR
         return 0
@@ -246,6 +254,15 @@ class RequesterModel:
                                        ackreq=1, ext=[RETH(va=wqe.raddr, rkey=wqe.rkey,
                                                            dmalen=length)]))
             consumed = max(1, -(-length // mtu))
+        elif op in (MlxOpcode.ATOMIC_MASKED_CS, MlxOpcode.ATOMIC_MASKED_FA):
+            opcode = _MASKED_OPS[op, wqe.operand_bytes]
+            packets.append(make_packet(**common, opcode=opcode, psn=psn, ackreq=1,
+                                       ext=[MaskedAtomicETH(va=wqe.raddr, rkey=wqe.rkey,
+                                                            swap_add=wqe.swap_add,
+                                                            compare=wqe.compare,
+                                                            swap_mask=wqe.swap_mask,
+                                                            compare_mask=wqe.compare_mask)]))
+            consumed = 1
         else:
             # FETCH_ADD: the compare field goes out as 0 (libmlx5 leaves it unwritten)
             compare = wqe.compare if op == MlxOpcode.ATOMIC_CS else 0

@@ -4,14 +4,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from models.crc import icrc_bytes
-from models.ib import (AETH, BTH, LNH_IBA_LOCAL, LRH, RETH, AtomicAckETH, AtomicETH, ImmDt, Opcode,
-                       carries_payload, extension_headers)
+from models.ib import (AETH, BTH, LNH_IBA_LOCAL, LRH, MASKED_ATOMICS, RETH, AtomicAckETH, AtomicETH,
+                       ImmDt, MaskedAtomicETH, Opcode, atomic_operand_bytes, carries_payload,
+                       extension_headers)
 from models.mlx5 import (RECV_WQE_BYTES, Cqe, CqeOpcode, Syndrome, parse_recv_wqe,
                          parse_rq_doorbell_record, recv_wqe, responder_cqe, responder_error_cqe,
                          rq_doorbell_record)
 from models.nic.common import (Access, ICRC_SIZE, Mkey, NakCode, PSN_MOD, Packet, QpContext,
-                               QpState, decode_packet, make_packet, mkey_index, psn_add, psn_diff,
-                               read_response_opcode)
+                               QpState, atomic_new_value, decode_packet, make_packet, mkey_index,
+                               psn_add, psn_diff, read_response_opcode)
 
 # --- responder ------------------------------------------------------------------------------------
 
@@ -141,8 +142,8 @@ class _Fail(Exception):
         self.recv_syndrome = recv_syndrome
 
 
-_REQUEST_OPCODES = frozenset(range(Opcode.SEND_FIRST, Opcode.RDMA_READ_REQUEST + 1)) | {
-    Opcode.COMPARE_SWAP, Opcode.FETCH_ADD}
+_ATOMIC_OPCODES = frozenset({Opcode.COMPARE_SWAP, Opcode.FETCH_ADD}) | MASKED_ATOMICS
+_REQUEST_OPCODES = frozenset(range(Opcode.SEND_FIRST, Opcode.RDMA_READ_REQUEST + 1)) | _ATOMIC_OPCODES
 _RESPONSE_OPCODES = frozenset(range(Opcode.RDMA_READ_RESPONSE_FIRST, Opcode.ATOMIC_ACKNOWLEDGE + 1))
 _HEADER_BYTES = {op: LRH.SIZE + BTH.SIZE + sum(h.SIZE for h in extension_headers(op))
                  for op in _REQUEST_OPCODES}
@@ -200,8 +201,8 @@ class ResponderPeer(_ResponderMemory):
     :class:`_ResponderMemory`; accesses outside it get NAK remote access error.
     ``ack_every``: an ACK for the newest PSN at least every that many SEND/WRITE packets,
     and for every AckReq packet unless ``coalesce_ackreq`` (then only every ``ack_every``
-    packets and at :meth:`flush`). Atomics operate on little-endian 64-bit words, 8-byte
-    aligned. A packet that does not decode is dropped and counted (``dropped_malformed``).
+    packets and at :meth:`flush`). Atomics operate on little-endian words of their
+    operand size (8 bytes; 4 for the 4-byte masked ones), aligned to it. A packet that does not decode is dropped and counted (``dropped_malformed``).
     The NIC's own responder, rule for rule, is :class:`NicResponderModel`.
     """
 
@@ -320,8 +321,8 @@ class ResponderPeer(_ResponderMemory):
         ext = {type(h): h for h in pkt.ext}
         if op == Opcode.RDMA_READ_REQUEST:
             return self._read_request(qp, psn, ext[RETH], mtu)
-        if op in (Opcode.COMPARE_SWAP, Opcode.FETCH_ADD):
-            return self._atomic(qp, op, psn, ext[AtomicETH])
+        if op in _ATOMIC_OPCODES:
+            return self._atomic(qp, op, psn, pkt.ext[0])
         if op not in _WRITE_OPS_ALL:
             raise _Nak(NakCode.INVALID_REQUEST)
         first = op in _FIRSTS
@@ -387,15 +388,12 @@ class ResponderPeer(_ResponderMemory):
         qp.last_psn = psn_add(psn, count - 1)
         return out
 
-    def _atomic(self, qp: ResponderQp, op: int, psn: int, aeth: AtomicETH) -> list:
-        if qp.in_progress is not None or aeth.va % 8:
+    def _atomic(self, qp: ResponderQp, op: int, psn: int, aeth) -> list:
+        n = atomic_operand_bytes(op)
+        if qp.in_progress is not None or aeth.va % n:
             raise _Nak(NakCode.INVALID_REQUEST)
-        orig = int.from_bytes(self.read(aeth.va, 8), "little")
-        if op == Opcode.FETCH_ADD:
-            new = (orig + aeth.swap_add) % (1 << 64)
-        else:
-            new = aeth.swap_add if orig == aeth.compare else orig
-        self.write(aeth.va, new.to_bytes(8, "little"))
+        orig = int.from_bytes(self.read(aeth.va, n), "little")
+        self.write(aeth.va, atomic_new_value(op, orig, aeth).to_bytes(n, "little"))
         qp.msn = (qp.msn + 1) % PSN_MOD
         qp.unacked = 0
         qp.epsn = psn_add(psn, 1)
@@ -686,13 +684,14 @@ class NicResponderModel(_ResponderMemory):
                 left = ext[RETH].dmalen if first else st.write_left
                 if n > left or (last and n != left):
                     raise invalid
-        if op in (Opcode.COMPARE_SWAP, Opcode.FETCH_ADD):
-            atomic = ext[AtomicETH]
-            if atomic.va % 8:
+        if op in _ATOMIC_OPCODES:
+            atomic = ext[MaskedAtomicETH if op in MASKED_ATOMICS else AtomicETH]
+            n = atomic_operand_bytes(op)
+            if atomic.va % n:
                 raise invalid
             if not Access(ctx.access) & Access.REMOTE_ATOMIC:
                 raise access
-            if not self._key_ok(atomic.rkey, ctx.pd, Access.REMOTE_ATOMIC, atomic.va, 8):
+            if not self._key_ok(atomic.rkey, ctx.pd, Access.REMOTE_ATOMIC, atomic.va, n):
                 raise access
             self._execute_atomic(ctx, st, op, psn, atomic, d)
             return
@@ -808,12 +807,9 @@ class NicResponderModel(_ResponderMemory):
         self.receive_completions.append(c)
 
     def _execute_atomic(self, ctx, st, op, psn, atomic, d):
-        orig = int.from_bytes(self.read(atomic.va, 8), "little")
-        if op == Opcode.FETCH_ADD:
-            new = (orig + atomic.swap_add) % (1 << 64)
-        else:
-            new = atomic.swap_add if orig == atomic.compare else orig
-        data = new.to_bytes(8, "little")
+        n = atomic_operand_bytes(op)
+        orig = int.from_bytes(self.read(atomic.va, n), "little")
+        data = atomic_new_value(op, orig, atomic).to_bytes(n, "little")
         self.write(atomic.va, data)
         d.writes.append((atomic.va, data))
         st.msn = (st.msn + 1) % PSN_MOD
@@ -821,6 +817,9 @@ class NicResponderModel(_ResponderMemory):
         st.saved_atomics = [(psn, orig)] + st.saved_atomics[:SAVED_ATOMICS - 1]
         d.atomic = dict(addr=atomic.va, fetch_add=int(op == Opcode.FETCH_ADD),
                         swap_add=atomic.swap_add, compare=atomic.compare, orig=orig)
+        if op in MASKED_ATOMICS:
+            d.atomic.update(opcode=op, swap_mask=atomic.swap_mask,
+                            compare_mask=atomic.compare_mask)
         d.commands.append(self._atomic_command(ctx, psn, st.msn, orig))
 
     def _command(self, ctx, kind, psn, msn, **kw) -> dict:
