@@ -33,14 +33,15 @@ def lookahead_sum(m, a, b, carry=0, *, half=None, name="sum"):
     b = Cat(b, C(0, n - len(b))) if len(b) < n else b
 
     def wire(value, suffix):
-        # A named wire: an expression used twice would be emitted twice.
-        signal = Signal(name=f"{name}_{suffix}")
+        # A named wire, one per vector: an expression used twice would be emitted twice,
+        # and a wire per bit would multiply the netlist's signals by the width.
+        signal = Signal(len(value), name=f"{name}_{suffix}")
         m.d.comb += signal.eq(value)
         return signal
 
-    generate = [wire(a[i] & b[i], f"g{i}") for i in range(n)]
-    propagate = [wire(a[i] ^ b[i], f"p{i}") for i in range(n)]
-    own = propagate if half is None else [Value.cast(half)[i] for i in range(n)]
+    generate = wire(a & b, "g")
+    propagate = wire(a ^ b, "p")
+    own = propagate if half is None else Value.cast(half)[:n]
     # A carry in takes one input of the first group's LUT: that group is a bit shorter.
     first = _GROUP if isinstance(carry, Const) else _GROUP - 1
     groups = [range(0, min(first, n))] + [range(start, min(start + _GROUP, n))
@@ -54,8 +55,10 @@ def lookahead_sum(m, a, b, carry=0, *, half=None, name="sum"):
         for i in bits:
             g = generate[i] | (propagate[i] & g)
             p = p & propagate[i]
-        group_g.append(wire(g, f"gg{k}"))
-        group_p.append(wire(p, f"gp{k}"))
+        group_g.append(g)
+        group_p.append(p)
+    group_g = _bits(wire(Cat(*group_g), "gg"))
+    group_p = _bits(wire(Cat(*group_p), "gp"))
 
     # Prefix: after a level of span s, group k's pair covers groups k - s*_RADIX + 1 .. k;
     # the first group's pair carries ``carry``, so a pair reaching it is the carry out.
@@ -70,18 +73,23 @@ def lookahead_sum(m, a, b, carry=0, *, half=None, name="sum"):
                     break
                 g = g | (p & group_g[low])
                 p = p & group_p[low]
-            next_g.append(wire(g, f"cg{span}_{k}") if g is not group_g[k] else g)
-            next_p.append(wire(p, f"cp{span}_{k}") if p is not group_p[k] else p)
-        group_g, group_p = next_g, next_p
+            next_g.append(g)
+            next_p.append(p)
+        group_g = _bits(wire(Cat(*next_g), f"cg{span}"))
+        group_p = _bits(wire(Cat(*next_p), f"cp{span}"))
         span *= _RADIX
 
-    bits = []
+    carries = []
     for k, group in enumerate(groups):
         into = carry if k == 0 else group_g[k - 1]
         for i in group:
-            bits.append(own[i] ^ into)
+            carries.append(into)
             into = generate[i] | (propagate[i] & into)
-    return Cat(*bits, group_g[-1])
+    return Cat(own ^ Cat(*carries), group_g[-1])
+
+
+def _bits(signal):
+    return [signal[i] for i in range(len(signal))]
 
 
 def sum3(m, a, b, c, width, *, plus_one=False, name="sum3"):

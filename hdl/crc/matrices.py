@@ -66,17 +66,16 @@ def multiply(matrix, vector):
 def xor_nodes(m, terms, per_node, *, name):
     """The XORs of ``terms`` taken ``per_node`` at a time, each a kept net (one LUT6 when
     the terms hold six inputs between them): ABC would otherwise map a reduction as the
-    chain it was written as, or merge the levels into deeper cones."""
-    nodes = []
-    for k in range(0, len(terms), per_node):
-        group = terms[k:k + per_node]
-        if len(group) == 1:
-            nodes.append(group[0])
-            continue
-        node = Signal(name=f"{name}_{k // per_node}", attrs={"keep": 1})
-        m.d.comb += node.eq(Cat(group).xor())
-        nodes.append(node)
-    return nodes
+    chain it was written as, or merge the levels into deeper cones. The nets are the bits
+    of one kept vector: a signal per net would multiply the netlist's signals."""
+    groups = [terms[k:k + per_node] for k in range(0, len(terms), per_node)]
+    xored = [k for k, group in enumerate(groups) if len(group) > 1]
+    if not xored:
+        return [group[0] for group in groups]
+    node = Signal(len(xored), name=name, attrs={"keep": 1})
+    m.d.comb += node.eq(Cat(*(Cat(groups[k]).xor() for k in xored)))
+    bit = iter(node[i] for i in range(len(xored)))
+    return [next(bit) if len(group) > 1 else group[0] for group in groups]
 
 
 def xor_tree(m, terms, *, name):
