@@ -119,16 +119,6 @@ def modules_of(top):
     return dict(blocks.specs) if blocks is not None else {}
 
 
-def _hdl_digest():
-    """Digest of the RTL sources (hdl/): the modules are emitted again when it changes."""
-    from tb.runner import REPO
-    digest = hashlib.sha1()
-    for path in sorted((REPO / "hdl").rglob("*.py")):
-        digest.update(str(path.relative_to(REPO)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
 def _emit_one(name, kind, kwargs, path):
     from tb.runner import emit_verilog
     t0 = time.monotonic()
@@ -141,7 +131,8 @@ def _emit_one(name, kind, kwargs, path):
 def module_paths(specs, out_dir):
     """``{module name: path}``: each file is named by a digest of hdl/ and the module's
     kind and parameters."""
-    digest = _hdl_digest()
+    from tb.runner import source_digest
+    digest = source_digest(("hdl",))
     return {name: Path(out_dir) / f"{name}_{_key(digest, kind, kwargs)[:12]}.v"
             for name, (kind, kwargs) in specs.items()}
 

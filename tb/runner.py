@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import sysconfig
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,14 +64,48 @@ def emit_verilog(component, name, path):
     return path
 
 
-def source_digest():
-    """Digest of every Python file that can shape a design: hdl/, models/ and tb/."""
+SOURCE_TREES = ("hdl", "models", "tb")     # the Python a design can be shaped by
+
+
+def source_digest(trees=SOURCE_TREES, root=REPO):
+    """Digest of every Python file under ``trees`` (folders of ``root``)."""
     digest = hashlib.sha1()
-    for top in ("hdl", "models", "tb"):
-        for path in sorted((REPO / top).rglob("*.py")):
-            digest.update(str(path.relative_to(REPO)).encode())
+    for top in trees:
+        for path in sorted((root / top).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def process_start():
+    """When this process started, in ``time.time()`` seconds (Linux); elsewhere, when
+    this module was imported."""
+    try:
+        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as stat:
+            boot = next(int(line.split()[1]) for line in stat if line.startswith("btime "))
+        return boot + int(after_name[19]) / os.sysconf("SC_CLK_TCK")   # field 22, starttime
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
+def sources_changed_since(moment, trees=SOURCE_TREES, root=REPO):
+    """The Python files under ``trees`` (folders of ``root``) written after ``moment``."""
+    return [path for top in trees for path in sorted((root / top).rglob("*.py"))
+            if path.stat().st_mtime > moment]
+
+
+def stamp_sources(stamp, digest, root=REPO):
+    """Record in ``stamp`` that a build was made from the sources ``digest`` describes,
+    unless one of them was written after this process started: what it imported may be
+    older than the digest says, so the next run builds again."""
+    if sources_changed_since(process_start(), root=root):
+        stamp.unlink(missing_ok=True)
+    else:
+        stamp.write_text(digest)
 
 
 def public_top_config(toplevel):
@@ -142,7 +177,7 @@ def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
             top = factory(**params)
             declared.write_text(json.dumps(hier_build.modules_of(top), sort_keys=True))
             emit_verilog(top, toplevel, source)
-            stamp.write_text(digest)
+            stamp_sources(stamp, digest)
         specs = json.loads(declared.read_text())
         module_sources, module_args = hier_build.build_inputs(specs, build_dir, hierarchical)
         with hier_build.build_lock(specs, flavour):
