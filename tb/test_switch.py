@@ -510,11 +510,13 @@ TESTS = [
     ("fifo", "head_of_line"),
     ("fifo", "uniform_random_traffic"),
 ]
-# Every rule holds for both allocators. make test runs the pipelined allocator's hop, traffic
-# and incast checks; its longer runs (bad input, head-of-line, lifetimes, FIFO mode) are
-# under make test-full.
-PIPELINED_IN_MAKE_TEST = {("voq", "zero_load_latency"), ("voq", "uniform_random_traffic"),
-                          ("voq", "incast"), ("voq", "forwarding_table_rewrite")}
+# Every rule holds for both allocators: every pipelined build's test is under make test-full
+# (its make-test items, the build with hop, traffic, incast and table rewrite, took 178 s of
+# make test on 2026-12-06). The pipelined allocator is not the default and no other top of
+# make test uses it; make test checks it alone against the model (test_switch_allocator.py)
+# and its depth (test_fpga.py, tf_switch_allocator_8p). When it becomes the default it takes
+# voq_w16's place here.
+PIPELINED_IN_MAKE_TEST = set()
 
 
 def switch_test(build, testcase, full):
