@@ -1235,7 +1235,7 @@ def test_masked_atomics_decode_in_tshark(tmp_path):
     """tshark reads a masked atomic's LRH and BTH (DLID, opcode, DestQP, PSN); the rest it
     shows as vendor-specific data (docs/nic-formats.md)."""
     if not shutil.which("tshark"):
-        pytest.skip("tshark not installed")
+        pytest.skip("tshark not installed: apt-get install tshark (CI installs it)")
     from models.crc import vcrc_bytes
     from models.pcap import LinkCapture, tshark_data_mismatches
     req, local = world()

@@ -295,6 +295,12 @@ class RequestReceiver(wiring.Component):
         ]
         with_reth = [descriptor.va.eq(reth.va), descriptor.rkey.eq(reth.rkey),
                      descriptor.dmalen.eq(reth.dmalen)]
+        def atomic_fields(eth):
+            # The fields a plain and a masked AtomicETH share, and no payload after them.
+            return [descriptor.va.eq(eth.va), descriptor.rkey.eq(eth.rkey),
+                    descriptor.swap_add.eq(eth.swap_add), descriptor.compare.eq(eth.compare),
+                    no_payload.eq(1)]
+
         with m.Switch(bth.opcode):
             with m.Case(SEND_FIRST, SEND_MIDDLE, SEND_LAST, SEND_ONLY, WRITE_MIDDLE, WRITE_LAST):
                 m.d.comb += header_bytes.eq(LRH_BTH_BYTES)
@@ -310,25 +316,13 @@ class RequestReceiver(wiring.Component):
                 m.d.comb += [header_bytes.eq(LRH_BTH_BYTES + RETH.size_bytes), *with_reth,
                              no_payload.eq(1)]
             with m.Case(COMPARE_SWAP, FETCH_ADD):
-                m.d.comb += [
-                    header_bytes.eq(LRH_BTH_BYTES + ATOMIC_ETH.size_bytes),
-                    descriptor.va.eq(atomic.va),
-                    descriptor.rkey.eq(atomic.rkey),
-                    descriptor.swap_add.eq(atomic.swap_add),
-                    descriptor.compare.eq(atomic.compare),
-                    no_payload.eq(1),
-                ]
+                m.d.comb += [header_bytes.eq(LRH_BTH_BYTES + ATOMIC_ETH.size_bytes),
+                             *atomic_fields(atomic)]
             with m.Case(*MASKED_ATOMICS):
-                m.d.comb += [
-                    header_bytes.eq(LRH_BTH_BYTES + MASKED_ATOMIC_ETH.size_bytes),
-                    descriptor.va.eq(masked.va),
-                    descriptor.rkey.eq(masked.rkey),
-                    descriptor.swap_add.eq(masked.swap_add),
-                    descriptor.compare.eq(masked.compare),
-                    descriptor.swap_mask.eq(masked.swap_mask),
-                    descriptor.compare_mask.eq(masked.compare_mask),
-                    no_payload.eq(1),
-                ]
+                m.d.comb += [header_bytes.eq(LRH_BTH_BYTES + MASKED_ATOMIC_ETH.size_bytes),
+                             *atomic_fields(masked),
+                             descriptor.swap_mask.eq(masked.swap_mask),
+                             descriptor.compare_mask.eq(masked.compare_mask)]
             with m.Default():
                 m.d.comb += known.eq(0)
 
