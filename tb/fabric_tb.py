@@ -25,6 +25,7 @@ from hdl.switch import register_map as switch_map
 from models import mlx5
 from models.nic import CqContext, Mkey, QpContext, RequesterModel, NicResponderModel, mkey_index
 from tb.beats import WireMonitor
+from tb.credit_monitor import CreditMonitor
 from tb.fabric_top import fabric_of
 from tb import nic_pair_tb, runner
 from tb.gpu_model import GpuModel, GpuQp
@@ -133,6 +134,11 @@ class FabricTB(RcTB):
             nic.host.memory.read_if.log.setLevel(logging.WARNING)
         self.sl_to_vl = [sl % self.num_vls for sl in range(16)]
         self._monitors = {}
+        # The credit rule at every switch transmitter, at its pins (the NICs' own: Side).
+        self.credit_monitors = [
+            self.loop.add(CreditMonitor(dut, f"{name}_out__{port}", f"{name}_in__{port}", 64,
+                                        self.num_vls, name=f"{name} port {port}"))
+            for name, ports in fabric.switches.items() for port in range(ports)]
 
     # --- switch registers ----------------------------------------------------------------------
 

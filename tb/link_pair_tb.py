@@ -11,6 +11,7 @@ from models.packet import random_packet
 from tb import runner
 from tb.beats import (CycleLoop, PacketSink, PacketSource, WireChannel, WireMonitor,
                       backpressure_random, idle_random)
+from tb.credit_monitor import CreditMonitor
 
 __all__ = ["TB", "CLOCK_NS", "PARAM_SETS", "bring_up", "drop_counts", "factory", "read_port",
            "wait_active"]
@@ -73,6 +74,11 @@ class TB:
                 mutate=mutate if src == "a" else None, invalid_vl=self.num_vls))
             for src, dst in (("a", "b"), ("b", "a"))
         }
+        # The credit rule at both senders, at their own pins (the cables may lose or corrupt
+        # flow-control packets on the way: what counts is what arrived).
+        self.credit_monitors = {side: self.loop.add(CreditMonitor(
+            dut, f"{side}_wire_out", f"{side}_wire_in", self.width, self.num_vls,
+            name=f"port {side}")) for side in ("a", "b")}
         self.sent = {key: [] for key in self.sources}
         self.loop.checks.append(self.check_overflow)
 

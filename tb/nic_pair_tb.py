@@ -43,6 +43,7 @@ from models.nic import (CompletionModel, CqContext, Mkey, QpContext, RequesterMo
                         NicResponderModel, mkey_index)
 from tb import runner
 from tb.beats import WireMonitor
+from tb.credit_monitor import CreditMonitor
 from tb.gpu_model import GpuModel, GpuQp
 from tb.nic_host import NicHost
 from tb.nic_tb import BusMonitor
@@ -121,6 +122,10 @@ class Side:
         self.wire = tb.loop.add(WireMonitor(dut, f"{name}_wire_monitor", 64, clock_ns=CLOCK_NS))
         self.wire_in = tb.loop.add(WireMonitor(dut, f"{name}_wire_in_monitor", 64,
                                                clock_ns=CLOCK_NS))
+        # The credit rule at the NIC's transmitter, at its pins (whatever the cable does).
+        self.credit_monitor = tb.loop.add(CreditMonitor(
+            dut, f"{name}_wire_monitor", f"{name}_wire_in_monitor", 64, tb.num_vls,
+            name=f"NIC {name}"))
         self.writes = []                       # (cycle, address, bytes) of every NIC write
         self.peer = None
         self.qps, self.cqs = {}, {}

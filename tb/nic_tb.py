@@ -41,6 +41,7 @@ from models.packet import parse_packet
 from models.pcap import LinkCapture
 from tb import runner
 from tb.beats import CycleLoop, PacketSink, PacketSource, WireMonitor, backpressure_random
+from tb.credit_monitor import CreditMonitor
 from tb.gpu_model import GpuModel, GpuQp
 from tb.nic_host import NicHost
 
@@ -82,6 +83,7 @@ class NicTB(NicHost):
         self.num_cqs = params.get("num_cqs", 16)
         self.num_mkeys = params.get("num_mkeys", 64)
         self.num_vls = params.get("num_vls", 2)
+        self.wire_delay = params["wire_delay"]
         self.rng = random.Random(seed)
         self.clock = dut.clk
         cocotb.start_soon(Clock(dut.clk, CLOCK_NS, "ns").start())
@@ -103,6 +105,14 @@ class NicTB(NicHost):
         self.capture = LinkCapture(capture_path).__enter__() if capture_path else None
         self.wire = self.loop.add(WireMonitor(dut, "nic_wire_monitor", 64, capture=self.capture,
                                               clock_ns=CLOCK_NS))
+        # The credit rule at both ends of the cable: the NIC at its pins, the remote port
+        # seen across the cable's pure delay.
+        self.credit_monitors = [
+            self.loop.add(CreditMonitor(dut, "nic_wire_monitor", "nic_wire_in_monitor", 64,
+                                        self.num_vls, name="NIC")),
+            self.loop.add(CreditMonitor(dut, "nic_wire_in_monitor", "nic_wire_monitor", 64,
+                                        self.num_vls, name="remote port",
+                                        out_offset=-self.wire_delay, in_offset=self.wire_delay))]
         self.bus = self.loop.add(BusMonitor(dut))
         self.loop.add(_Responder(self))
 

@@ -12,7 +12,8 @@ shared with every other top that uses a NIC of the same parameters.
   plain :class:`hdl.link.link_port.LinkPort`, the remote end, whose packet streams and
   state come out as ``remote_*`` ports (:func:`tb.link_pair.port_members`); a Python
   responder model answers there.
-- ``nic_wire_monitor`` is the NIC's ``wire_out`` at its own pins (before the cable), and
+- ``nic_wire_monitor`` is the NIC's ``wire_out`` at its own pins (before the cable),
+  ``nic_wire_in_monitor`` its ``wire_in`` (after the cable), and
   ``nic_ar_fire``/``nic_ar_id`` mark each read burst the NIC issues (before the memory
   delay), so a latency can be split into NIC cycles and memory waits.
 """
@@ -78,6 +79,7 @@ class NicTop(wiring.Component):
             "nic_ar_fire": Out(1),          # the NIC issued a read burst this cycle ...
             "nic_ar_id": Out(AXI_ID_BITS),  # ... with this ARID (before the memory delay)
             "nic_wire_monitor": Out(WireSignature(NIC_WIDTH)),
+            "nic_wire_in_monitor": Out(WireSignature(NIC_WIDTH)),
             **port_members("remote", NIC_WIDTH, num_vls),
         }
         super().__init__(members)
@@ -107,6 +109,7 @@ class NicTop(wiring.Component):
             flat(remote.wire_in).eq(delay_line(m, "nic_to_remote", leaving, self.wire_delay)),
             flat(nic.wire_in).eq(delay_line(m, "remote_to_nic", flat(remote.wire_out),
                                             self.wire_delay)),
+            flat(self.nic_wire_in_monitor).eq(flat(nic.wire_in)),
         ]
         return m
 

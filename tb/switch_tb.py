@@ -28,6 +28,7 @@ from models.switch import FlowScoreboard, ForwardingTable, SlToVl
 from tb import runner
 from tb.beats import (CycleLoop, PacketSink, PacketSource, WireChannel, WireMonitor,
                       backpressure_random, idle_random)
+from tb.credit_monitor import CreditMonitor
 
 __all__ = ["SwitchTB", "CLOCK_NS", "host_lid", "bursty_backpressure", "WireBeatMonitor"]
 
@@ -150,6 +151,19 @@ class SwitchTB:
                 delay=max(1, self.wire_delay), rng=random.Random(self.rng.random()),
                 mutate=mutate, invalid_vl=self.num_vls if invalid_vl is None else invalid_vl))
             for p in self.tb_ports}
+        # The credit rule at every sender: the switch's transmitters at its pins, the hosts'
+        # seen across their pure-delay cables (a testbench-carried cable may lose beats, so
+        # its host is watched at its own wire out).
+        self.credit_monitors = []
+        for p in range(self.ports):
+            out, into = f"switch{p}_wire_monitor", f"switch{p}_wire_in_monitor"
+            self.credit_monitors.append(self.loop.add(CreditMonitor(
+                dut, out, into, self.width, self.num_vls, name=f"switch port {p}")))
+            host_out = (dict(out_prefix=f"host{p}_wire_out") if p in self.tb_ports else
+                        dict(out_prefix=into, out_offset=-self.wire_delay))
+            self.credit_monitors.append(self.loop.add(CreditMonitor(
+                dut, in_prefix=out, in_offset=self.wire_delay, width=self.width,
+                num_vls=self.num_vls, name=f"host {p}", **host_out)))
         # Mirrors of the switch's tables (what the scoreboard forwards with).
         self.table = ForwardingTable()
         self.sl_to_vl = SlToVl(self.num_vls)
