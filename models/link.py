@@ -302,7 +302,8 @@ class LinkStateMachine:
     Events: :meth:`heard` (a good flow-control packet of the peer, ``init`` for Op INIT),
     :meth:`sent_init` (one of our INIT packets went out on ``vl``), :meth:`data` (a good
     data packet of the peer ended: returns whether it is taken, False meaning dropped as
-    ``link_down``), :meth:`armed_for` (cycles spent in ARMED so far), :meth:`reset`.
+    ``link_down``), :meth:`armed_for` (cycles spent in ARMED so far), :meth:`quiet_for`
+    (cycles in ACTIVE since the peer's last good flow-control packet), :meth:`reset`.
     ``sends()`` says what the port sends now: ``"INIT"``, ``"NORMAL"`` or
     ``"NORMAL+data"``; ``fc_interval`` the cycles between one VL's flow-control packets
     while the link is not ACTIVE; ``abr_held`` whether ABR is held at 0.
@@ -313,6 +314,7 @@ class LinkStateMachine:
     def __init__(self, num_vls: int = 2, fc_period: int = 1024, fc_min_interval: int = 64):
         self.num_vls = num_vls
         self.armed_timeout = 4 * fc_period
+        self.fail_timeout = 8 * fc_period
         self.fc_min_interval = fc_min_interval
         self.link_inits = 0
         self.reset()
@@ -374,6 +376,11 @@ class LinkStateMachine:
     def armed_for(self, cycles: int) -> None:
         if self.state == self.ARMED and cycles > self.armed_timeout:
             self._enter_init(heard=False)      # the peer never answered
+
+    def quiet_for(self, cycles: int) -> None:
+        if self.state == self.ACTIVE and cycles > self.fail_timeout:
+            self.link_inits += 1
+            self._enter_init(heard=False)      # the link failed
 
 
 class VlArbiter:

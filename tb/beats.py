@@ -243,9 +243,10 @@ class WireChannel:
     (at least 1: this model is itself one register). Flow-control packets are
     dropped or corrupted at random with ``fc_drop`` / ``fc_corrupt``. Data
     packets are altered by ``mutate(packet_bytes) -> kind or None`` (called
-    when a packet's start beat passes; the kinds are :attr:`MUTATIONS`); every
-    altered packet is recorded in ``mutated`` (original bytes, without VCRC)
-    so the scoreboard knows not to expect it.
+    when a packet's start beat passes; the kinds are :attr:`MUTATIONS`); while
+    ``cut`` is set every beat is lost. Every altered packet, and every packet
+    that lost a beat to a cut, is recorded in ``mutated`` (original bytes,
+    without VCRC) so the scoreboard knows not to expect it.
     """
 
     MUTATIONS = ("vcrc", "truncated", "overlong", "too_long", "invalid_vl", "end_bad")
@@ -255,6 +256,8 @@ class WireChannel:
     # A cable fault: one beat without a start right after a packet's end (an end beat or
     # not, by a coin), which belongs to no packet.
     STRAY = "stray"
+    # The cable is cut (``cut`` set): every beat is lost, a packet's included in part.
+    CUT = "cut"
 
     def __init__(self, dut, source, sink, width, delay=1, rng=None, fc_drop=0.0,
                  fc_corrupt=0.0, mutate=None, invalid_vl=7):
@@ -278,6 +281,10 @@ class WireChannel:
         self.fc_dropped = 0
         self.fc_corrupted = 0
         self.kind = None            # mutation of the packet passing now
+        self.cut = False            # set by a test: the cable loses everything
+        self.cut_damaged = False    # the packet passing now lost a beat to the cut ...
+        self.cut_passed = False     # ... and one went through
+        self.cut_midway = 0         # packets the cut caught in the middle
         self.flip_pending = False
         self.original = bytearray()
         self.driving = False
@@ -288,6 +295,8 @@ class WireChannel:
             return
         beat = {n: int(s.value) for n, s in self.src.items()}
         if beat["link"]:
+            if self.cut:
+                return
             if self.rng.random() < self.fc_drop:
                 self.fc_dropped += 1
                 return
@@ -300,6 +309,7 @@ class WireChannel:
         raw = beat["data"].to_bytes(self.width, "little")[:count]
         if beat["start"]:
             self.original = bytearray()
+            self.cut_damaged = self.cut_passed = False
             self.kind = self.mutate(raw) if self.mutate else None
             self.flip_pending = self.kind == "vcrc"
             if self.kind == "too_long":
@@ -307,6 +317,8 @@ class WireChannel:
             elif self.kind == "invalid_vl":
                 beat["data"] = beat["data"] & ~0xF0 | self.invalid_vl << 4
         self.original += raw
+        self.cut_damaged |= self.cut
+        self.cut_passed |= not self.cut
         kind = self.kind
         if beat["start"]:
             self.passing = []
@@ -314,7 +326,12 @@ class WireChannel:
         if beat["end"]:
             if kind and kind not in (self.DUPLICATE, self.STRAY):
                 self.mutated.append((kind, bytes(self.original[:-2])))
+            elif self.cut_damaged:
+                self.mutated.append((self.CUT, bytes(self.original[:-2])))
+                self.cut_midway += self.cut_passed
             self.kind = None
+        if self.cut:
+            return
         first_lane = 8 if beat["start"] else 0     # past the LRH: only the CRCs can tell
         if kind == "vcrc" and self.flip_pending and count > first_lane:
             lane = self.rng.randrange(first_lane, count)

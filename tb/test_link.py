@@ -226,6 +226,51 @@ async def reset_one_end_mid_traffic(dut):
 
 
 @cocotb.test()
+@cocotb.parametrize(cut=[("a", "b"), ("a",)])
+async def cable_cut_and_restored(dut, cut):
+    """The cable is cut under long packets (in the middle of one, as a rule), in both
+    directions or from A to B only, and restored once the ports gave up on it: a port that
+    hears no flow-control packet leaves ACTIVE within ``fail_timeout`` cycles, the link comes
+    back by itself, every packet is delivered intact and in order but those that lost a
+    beat on the cut cable, and the credits come home exactly (docs/link.md)."""
+    tb = TB(dut, rng=random.Random(31 + len(cut)))
+    await tb.bring_up()
+    fail_timeout = 8 * tb.params["fc_period"]
+    tb.random_traffic(60, sizes=(1024, 4096))
+    await tb.loop.run(cycles=tb.rng.randrange(300, 900))
+    cut_at = tb.loop.cycle
+    for side in cut:
+        tb.channels[side, tb.other(side)].cut = True
+    active = LinkState.ACTIVE.value
+    deaf = [tb.other(side) for side in cut]        # the ends that hear nothing any more
+    left = {}
+    await tb.loop.run(until=lambda: left.update(
+        {s: tb.loop.cycle for s in ("a", "b") if s not in left and tb.port("state", s) != active})
+        or len(left) == 2, limit=2 * fail_timeout)
+    for side in deaf:
+        detect = left[side] - cut_at
+        dut._log.info(f"cut {cut}: {side} left ACTIVE {detect} cycles after the cut")
+        # Its last flow-control packet came at most a period and a packet before the cut.
+        assert fail_timeout - 2 * tb.params["fc_period"] <= detect <= fail_timeout + 8, detect
+    await tb.loop.run(cycles=2 * fail_timeout)
+    assert tb.port("state", "a") != active or tb.port("state", "b") != active, \
+        "the link came up over a cut cable"
+    restored_at = tb.loop.cycle
+    for side in cut:
+        tb.channels[side, tb.other(side)].cut = False
+    await tb.wait_active(limit=20 * tb.params["fc_period"])
+    dut._log.info(f"cut {cut}: both ends ACTIVE {tb.loop.cycle - restored_at} cycles after "
+                  f"the cable came back")
+    assert tb.port("link_inits", "a") >= 1 and tb.port("link_inits", "b") >= 1
+    lost = [kind for channel in tb.channels.values() for kind, _ in channel.mutated]
+    assert lost and set(lost) == {WireChannel.CUT}, lost
+    assert sum(channel.cut_midway for channel in tb.channels.values()) >= 1, "no packet cut midway"
+    await tb.drain(limit=400000)
+    tb.check_delivery()
+    tb.check_credits()
+
+
+@cocotb.test()
 async def bring_up_cycles(dut):
     """Reset released on both ends to both ACTIVE, with the cadence of docs/link.md: the
     INIT repeats (INIT_REPEATS per VL, one per VL every fc_min_interval cycles) and a few

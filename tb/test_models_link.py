@@ -311,3 +311,18 @@ def test_flow_control_scheduler_armed_cadence():
     # The decision is a register (the first goes at 1), and the timer counts from the
     # cycle after a packet: a cadence of N puts N + 1 cycles between one VL's packets.
     assert sent[:4] == [1 + k * (ARMED_FC_INTERVAL + 1) for k in range(4)]
+
+
+def test_state_machine_silence_in_active_is_a_failed_link():
+    port = bring_to_armed(LinkStateMachine(fc_period=512))
+    port.quiet_for(10 ** 6)
+    assert port.state == port.ARMED, "only ACTIVE watches for silence (ARMED has its timeout)"
+    port.heard(init=False)
+    port.quiet_for(8 * 512)
+    assert port.state == port.ACTIVE
+    port.quiet_for(8 * 512 + 1)
+    assert port.state == port.INIT and not port.heard_init and port.link_inits == 1
+    assert port.data() is True, "no reset of ours: nothing stale"
+    port.heard(init=True)
+    bring_to_armed(port)
+    assert port.state == port.ARMED

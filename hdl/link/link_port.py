@@ -24,7 +24,9 @@ class LinkPort(wiring.Component):
     packet in ACTIVE means the peer was reset: forget FCTBS, ABR and credit
     limits and initialise again; in ARMED it is the peer still initialising.
     A port left ARMED for ``4 * fc_period`` cycles (the peer was reset again
-    and ignores NORMAL packets) starts over from INIT.
+    and ignores NORMAL packets) starts over from INIT, and so does an ACTIVE port that
+    hears no good flow-control packet for ``fail_timeout`` = ``8 * fc_period`` cycles
+    (the link failed: the peer sends one per VL at least every ``fc_period``).
     """
 
     def __init__(self, *, width=64, num_vls=2, mtu=4096, buffer_blocks=None, cut_through=True,
@@ -41,6 +43,10 @@ class LinkPort(wiring.Component):
         self.buffer_blocks = self.receiver.buffer_blocks
         # An answer to our INIT comes within a round trip and one flow-control period.
         self.armed_timeout = 4 * fc_period
+        # An ACTIVE peer sends each VL's flow-control packet at least every fc_period cycles
+        # (after a data packet in progress); eight periods of silence are a failed link, not
+        # flow-control packets lost to noise.
+        self.fail_timeout = 8 * fc_period
         # With an external store (a switch port) the receiver's store, route and drop
         # events are used directly as ``port.receiver.store`` etc.; there is no data_out.
         outputs = ({"data_out": Out(stream.Signature(BeatLayout(width))).array(num_vls)}
@@ -52,7 +58,8 @@ class LinkPort(wiring.Component):
             "wire_in": In(WireSignature(width)),
             "vl_weight": In(8).array(num_vls),
             "state": Out(LinkState),
-            "link_inits": Out(32),      # times the link (re)entered INIT after coming up
+            # Times the link re-entered INIT from ACTIVE: the peer's INIT, or a failed link.
+            "link_inits": Out(32),
         })
 
     def elaborate(self, platform):
@@ -79,6 +86,7 @@ class LinkPort(wiring.Component):
 
         heard_init = Signal()
         armed_cycles = Signal(range(self.armed_timeout + 1))
+        quiet_cycles = Signal(range(self.fail_timeout + 1))     # ACTIVE, since a flow-control packet
         init_sent = Signal(num_vls)
         clear = Signal()
         # From reset until we first arm, the peer may still send data meant for our earlier
@@ -123,11 +131,19 @@ class LinkPort(wiring.Component):
                     m.d.sync += [self.state.eq(LinkState.INIT), heard_init.eq(0), armed_cycles.eq(0)]
                     m.d.sync += [count.eq(0) for count in init_repeats]
             with m.Case(LinkState.ACTIVE):
+                m.d.sync += quiet_cycles.eq(Mux(peer_fc.valid, 0, quiet_cycles + 1))
                 with m.If(peer_init):
                     # The peer was reset. This INIT packet counts as heard, and the
                     # transmitter takes its credit limit over the clear.
                     m.d.comb += clear.eq(1)
                     m.d.sync += [self.state.eq(LinkState.INIT), heard_init.eq(1),
-                                 self.link_inits.eq(self.link_inits + 1)]
+                                 self.link_inits.eq(self.link_inits + 1), quiet_cycles.eq(0)]
+                    m.d.sync += [count.eq(0) for count in init_repeats]
+                with m.Elif(quiet_cycles == self.fail_timeout):
+                    # The link failed (cable cut, peer gone): initialise again, which
+                    # completes by itself once the peer's INIT packets arrive.
+                    m.d.comb += clear.eq(1)
+                    m.d.sync += [self.state.eq(LinkState.INIT), heard_init.eq(0),
+                                 self.link_inits.eq(self.link_inits + 1), quiet_cycles.eq(0)]
                     m.d.sync += [count.eq(0) for count in init_repeats]
         return m
