@@ -368,17 +368,20 @@ class SwitchTB:
 
     # --- checks -------------------------------------------------------------------------
 
-    def switch_fctbs(self, port, vl):
+    def switch_fctbs(self, port, vl, since=0):
         """Blocks the switch sent on output ``port``, VL ``vl``, from the egress monitor:
-        its transmitter's FCTBS (mod 4096)."""
+        its transmitter's FCTBS (mod 4096), counted from cycle ``since`` (the link's last
+        initialisation)."""
         total = 0
-        for packet, _, _ in self.egress[port].data_packets:
-            if packet[0] >> 4 == vl:
+        for packet, _, start in self.egress[port].data_packets:
+            if packet[0] >> 4 == vl and start >= since:
                 words = ((packet[4] & 0x7) << 8) | packet[5]
                 total += -(-(4 * words + 2) // 64)
         return total % 4096
 
-    def check_credits(self):
+    def check_credits(self, since=None):
+        """``since``: {port: a cycle after its link last re-initialised}."""
+        since = since or {}
         switch_blocks = self.signal("switch_buffer_blocks")
         for p in range(self.ports):
             for v in range(self.num_vls):
@@ -390,7 +393,7 @@ class SwitchTB:
                     f"host {p} -> switch VL {v}: {available} blocks of credit after drain, "
                     f"expected the switch input's {switch_blocks}")
                 abr = self.signal(f"host{p}_abr__{v}")
-                fctbs = self.switch_fctbs(p, v)
+                fctbs = self.switch_fctbs(p, v, since.get(p, 0))
                 assert abr == fctbs, (f"switch -> host {p} VL {v}: host ABR {abr} != blocks "
                                       f"the switch sent {fctbs}")
 

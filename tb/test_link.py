@@ -229,13 +229,16 @@ async def reset_one_end_mid_traffic(dut):
 @cocotb.parametrize(cut=[("a", "b"), ("a",)])
 async def cable_cut_and_restored(dut, cut):
     """The cable is cut under long packets (in the middle of one, as a rule), in both
-    directions or from A to B only, and restored once the ports gave up on it: a port that
-    hears no flow-control packet leaves ACTIVE within ``fail_timeout`` cycles, the link comes
-    back by itself, every packet is delivered intact and in order but those that lost a
-    beat on the cut cable, and the credits come home exactly (docs/link.md)."""
+    directions or from A to B only, and restored once the ports gave up on it: a packet
+    caught midway is closed after ``stall_timeout`` cycles without a beat, a port that hears
+    no flow-control packet leaves ACTIVE after ``fail_timeout`` cycles of silence outside
+    packets, the link comes back by itself, every packet is delivered intact and in order
+    but those that lost a beat on the cut cable, and the credits come home exactly
+    (docs/link.md)."""
     tb = TB(dut, rng=random.Random(31 + len(cut)))
     await tb.bring_up()
     fail_timeout = 8 * tb.params["fc_period"]
+    stall_timeout = 4 * tb.params["fc_period"]
     tb.random_traffic(60, sizes=(1024, 4096))
     await tb.loop.run(cycles=tb.rng.randrange(300, 900))
     cut_at = tb.loop.cycle
@@ -250,11 +253,21 @@ async def cable_cut_and_restored(dut, cut):
     for side in deaf:
         detect = left[side] - cut_at
         dut._log.info(f"cut {cut}: {side} left ACTIVE {detect} cycles after the cut")
-        # Its last flow-control packet came at most a period and a packet before the cut.
-        assert fail_timeout - 2 * tb.params["fc_period"] <= detect <= fail_timeout + 8, detect
+        # Its last flow-control packet came at most a period and a packet before the cut; a
+        # packet the cut caught midway is closed after stall_timeout, and the silence
+        # counts outside packets only.
+        assert fail_timeout - 2 * tb.params["fc_period"] <= detect \
+            <= stall_timeout + fail_timeout + 8, detect
     await tb.loop.run(cycles=2 * fail_timeout)
     assert tb.port("state", "a") != active or tb.port("state", "b") != active, \
         "the link came up over a cut cable"
+    # A packet the cut caught midway was closed when its receiver's port left ACTIVE, not
+    # when the cable came back: counted as truncated, no consumer waits for its tail.
+    for side in cut:
+        far = tb.other(side)
+        midway = tb.channels[side, far].cut_midway
+        assert drop_counts(dut, far)["truncated"] == midway, (drop_counts(dut, far), midway)
+        assert not any(tb.sinks[far, v].in_packet for v in range(tb.num_vls))
     restored_at = tb.loop.cycle
     for side in cut:
         tb.channels[side, tb.other(side)].cut = False

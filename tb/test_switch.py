@@ -19,6 +19,7 @@ import random
 import cocotb
 import pytest
 
+from hdl.link.signatures import LinkState
 from models.switch import jain_index
 from tb import runner
 from tb.beats import WireChannel
@@ -477,6 +478,78 @@ async def forwarding_table_rewrite(dut):
         f"on the port in force, {ambiguous} within {margin} cycles of a rewrite (either port)")
 
 
+# --- link failure --------------------------------------------------------------------------
+
+@cocotb.test()
+async def cable_cut_mid_packet(dut):
+    """Host 0's cable into the switch is cut while a long packet of its leaves through output
+    1 cut-through. Switch port 0 closes the packet after ``stall_timeout`` cycles without a
+    beat (docs/link.md): it leaves end-bad, counted as truncated at port 0, host 1 drops it,
+    and output 1 is free again while the cable is still cut, so host 2's packets waiting
+    behind it are delivered. Port 0 then takes its link for failed; host 1's link stays up
+    (its silence counts outside packets only). The cable back, the link re-initialises by
+    itself and host 0's later packets arrive; credits come home."""
+    tb = SwitchTB(dut, seed=7)
+    assert 0 in tb.tb_ports, "this test needs host 0's wire carried by the testbench"
+    await tb.bring_up()
+    channel = tb.channels[0]
+    stall_timeout, fail_timeout = 4 * tb.fc_period, 8 * tb.fc_period
+    long = tb.make_packet(0, host_lid(1), payload_len=4096, vl=0, sl=0)
+    tb.send(0, long, expect=False)
+    await tb.run(until=lambda: len(channel.passing) >= 8 and not channel.passing[-1]["end"],
+                 limit=2000)
+    channel.cut = True
+    cut_at = tb.loop.cycle
+    host1_drops = tb.host_drops(1)
+    delivered = tb.scoreboard.delivered
+    for _ in range(4):
+        tb.send(2, tb.make_packet(2, host_lid(1), payload_len=256, vl=0, sl=0))
+    await tb.run(until=lambda: tb.scoreboard.delivered == delivered + 4,
+                 limit=stall_timeout + 4000, what="host 2's packets behind the cut one")
+    waited = tb.loop.cycle - cut_at
+    log(dut, f"cable cut mid-packet: output 1 free and host 2's packets delivered {waited} "
+        f"cycles after the cut (stall_timeout {stall_timeout})")
+    assert waited > stall_timeout, "delivered past a packet still open"
+    # What left of it: the beats that came before the cut (the VL nibble rewritten), then
+    # the VCRC.
+    on_wire = [(len(packet) - 2, bad) for packet, bad, _ in tb.egress[1].data_packets
+               if len(packet) > 24 and packet[1:-2] == long[1:len(packet) - 2]]
+    assert len(on_wire) == 1 and on_wire[0][1] and on_wire[0][0] < len(long), \
+        f"the cut packet left as {on_wire} (bytes, end-bad): a part marked end-bad wanted"
+    # Host 1 drops it as end-bad, or, when its own stall timeout closed the packet first
+    # (the two timers run a hop apart), as truncated and the late end beat as malformed.
+    dropped = {k: n - host1_drops[k] for k, n in tb.host_drops(1).items() if n != host1_drops[k]}
+    assert dropped in ({"end_bad": 1}, {"truncated": 1, "malformed": 1}), \
+        f"host 1 dropped {dropped}, not the cut packet"
+    assert (await tb.counters(0, 0))["drop_truncated"] == 1
+    assert channel.cut_midway == 1 and [kind for kind, _ in channel.mutated] == [WireChannel.CUT]
+    await tb.run(until=lambda: tb.signal("switch_link_state__0") != LinkState.ACTIVE.value,
+                 limit=fail_timeout + 100, what="port 0 taking its link for failed")
+    log(dut, f"port 0 left ACTIVE {tb.loop.cycle - cut_at} cycles after the cut")
+    assert all(tb.signal(f"host{p}_link_inits") == 0 for p in range(1, tb.ports)), \
+        "a link whose peer only paused inside a packet was taken for failed"
+
+    channel.cut = False
+    restored_at = tb.loop.cycle
+    await tb.run(until=tb.all_active, limit=20 * tb.fc_period, what="the link back")
+    log(dut, f"cable back: every link ACTIVE {tb.loop.cycle - restored_at} cycles later")
+    assert tb.signal("host0_link_inits") == 1, "host 0 heard the switch port's INIT once"
+    since = tb.loop.cycle
+    rng = random.Random(77)
+    for _ in range(40):
+        p = rng.randrange(tb.ports)
+        q = rng.choice([o for o in range(tb.ports) if o != p])
+        vl = rng.randrange(tb.num_vls)
+        tb.send(p, tb.make_packet(p, host_lid(q), payload_len=rng.randrange(0, 2049), vl=vl,
+                                  sl=vl))
+    await tb.drain()
+    tb.raise_errors()
+    tb.scoreboard.check_all_delivered()
+    tb.check_overflow()
+    assert tb.all_active()
+    tb.check_credits(since={0: since})
+
+
 # --- launchers -------------------------------------------------------------------------------
 
 BUILDS = {
@@ -507,6 +580,7 @@ TESTS = [
     ("voq", "bad_input"),
     ("voq", "forwarding_table_rewrite"),
     ("voq", "hoq_lifetime"),
+    ("voq", "cable_cut_mid_packet"),
     ("fifo", "head_of_line"),
     ("fifo", "uniform_random_traffic"),
 ]

@@ -26,7 +26,9 @@ class LinkPort(wiring.Component):
     A port left ARMED for ``4 * fc_period`` cycles (the peer was reset again
     and ignores NORMAL packets) starts over from INIT, and so does an ACTIVE port that
     hears no good flow-control packet for ``fail_timeout`` = ``8 * fc_period`` cycles
-    (the link failed: the peer sends one per VL at least every ``fc_period``).
+    outside data packets (the link failed: the peer sends one per VL at least every
+    ``fc_period`` between its packets); a packet with no beat for ``4 * fc_period`` cycles
+    is closed as truncated (docs/link.md, Link failure and recovery).
     """
 
     def __init__(self, *, width=64, num_vls=2, mtu=4096, buffer_blocks=None, cut_through=True,
@@ -35,9 +37,11 @@ class LinkPort(wiring.Component):
         self.transmitter = LinkTransmitter(width=width, num_vls=num_vls, mtu=mtu,
                                            fc_period=fc_period, fc_min_interval=fc_min_interval,
                                            fc_batch_blocks=fc_batch_blocks)
+        # A peer pauses inside a data packet only while its own source does (a cut-through
+        # packet whose input link failed); four periods of that and the packet is closed.
         self.receiver = LinkReceiver(width=width, num_vls=num_vls, mtu=mtu,
                                      buffer_blocks=buffer_blocks, cut_through=cut_through,
-                                     store=store, routed=routed)
+                                     store=store, routed=routed, stall_timeout=4 * fc_period)
         self.width = width
         self.num_vls = num_vls
         self.buffer_blocks = self.receiver.buffer_blocks
@@ -86,7 +90,8 @@ class LinkPort(wiring.Component):
 
         heard_init = Signal()
         armed_cycles = Signal(range(self.armed_timeout + 1))
-        quiet_cycles = Signal(range(self.fail_timeout + 1))     # ACTIVE, since a flow-control packet
+        # ACTIVE, since a flow-control packet, outside data packets (none can come inside one).
+        quiet_cycles = Signal(range(self.fail_timeout + 1))
         init_sent = Signal(num_vls)
         clear = Signal()
         # From reset until we first arm, the peer may still send data meant for our earlier
@@ -98,7 +103,7 @@ class LinkPort(wiring.Component):
         in_init = self.state == LinkState.INIT
         with m.If(self.state == LinkState.ARMED):
             m.d.sync += since_reset.eq(0)
-        m.d.comb += [tx.clear.eq(clear), rx.clear.eq(clear | in_init),
+        m.d.comb += [tx.clear.eq(clear), rx.clear.eq(clear | in_init), rx.close.eq(clear),
                      rx.link_down.eq(in_init & since_reset)]
 
         peer_fc = rx.flow_control
@@ -131,7 +136,10 @@ class LinkPort(wiring.Component):
                     m.d.sync += [self.state.eq(LinkState.INIT), heard_init.eq(0), armed_cycles.eq(0)]
                     m.d.sync += [count.eq(0) for count in init_repeats]
             with m.Case(LinkState.ACTIVE):
-                m.d.sync += quiet_cycles.eq(Mux(peer_fc.valid, 0, quiet_cycles + 1))
+                with m.If(peer_fc.valid):
+                    m.d.sync += quiet_cycles.eq(0)
+                with m.Elif(~rx.in_packet):
+                    m.d.sync += quiet_cycles.eq(quiet_cycles + 1)
                 with m.If(peer_init):
                     # The peer was reset. This INIT packet counts as heard, and the
                     # transmitter takes its credit limit over the clear.

@@ -75,8 +75,12 @@ class LinkReceiver(wiring.Component):
     """
 
     def __init__(self, *, width=64, num_vls=2, mtu=4096, buffer_blocks=None, cut_through=True,
-                 store="internal", routed=False):
+                 store="internal", routed=False, stall_timeout=None):
         check_width(width)
+        if stall_timeout is not None and (not isinstance(stall_timeout, int) or stall_timeout < 1):
+            raise ValueError(f"Stall timeout must be a positive number of cycles or None, "
+                             f"not {stall_timeout!r}")
+        self.stall_timeout = stall_timeout
         if store not in ("internal", "external"):
             raise ValueError(f"Store must be 'internal' or 'external', not {store!r}")
         check_mtu(mtu)
@@ -114,6 +118,11 @@ class LinkReceiver(wiring.Component):
             # Data packets arriving now are dropped as link_down (LinkPort: INIT since reset).
             "link_down": In(1),
             "clear": In(1),
+            # The link went down (LinkPort's clear): a packet being stored will not be
+            # finished; it is closed as truncated in the first cycle without a beat.
+            "close": In(1),
+            # A data packet has started on the wire and not ended (as the check register saw).
+            "in_packet": Out(1),
             "flow_control": Out(FlowControlSignature()),
             "fccl": Out(FCCL_BITS, init=buffer_blocks).array(num_vls),
             "abr": Out(FCCL_BITS).array(num_vls),
@@ -223,14 +232,31 @@ class LinkReceiver(wiring.Component):
         count_events(self.forwarded_bad, forwarded_bad_event)
 
         # --- data packet state ---
-        in_packet = Signal()        # a data packet's start has passed on the wire, its end not
+        in_packet = self.in_packet  # a data packet's start has passed on the wire, its end not
         storing = Signal()          # ... and its beats go into a buffer
         end_stored = Signal()       # the buffer already holds this packet's end beat
         stored_any = Signal()
         packet_bad = Signal()       # overflow seen in this packet
         current_vl = Signal(vl_index(num_vls))
         terminate = Signal()        # the packet being stored ended without its end beat
-        m.d.comb += terminate.eq(w_valid & storing & (w.start | w_link))
+        closing = Signal()          # ... or will: the link went down, or the packet stalled
+        close_now = Signal()        # ... now, in a cycle without a beat
+        stalled = Signal()          # no beat of the packet for stall_timeout cycles
+        if self.stall_timeout is not None:
+            stall_cycles = Signal(range(self.stall_timeout + 1))
+            with m.If(w_valid | ~in_packet):
+                m.d.sync += stall_cycles.eq(0)
+            with m.Elif(~stalled):
+                m.d.sync += stall_cycles.eq(stall_cycles + 1)
+            m.d.comb += stalled.eq(stall_cycles == self.stall_timeout)
+        with m.If(self.close | stalled):
+            m.d.sync += closing.eq(1)
+        with m.Elif(~in_packet | w_valid & w.start):
+            m.d.sync += closing.eq(0)
+        m.d.comb += [
+            close_now.eq(closing & in_packet & ~w_valid),
+            terminate.eq(w_valid & storing & (w.start | w_link) | close_now & storing),
+        ]
 
         # --- credits: ABR, used blocks, FCCL ---
         # Every sum is taken from registers (the blocks of both verdicts a beat can give, a
@@ -306,6 +332,9 @@ class LinkReceiver(wiring.Component):
         # beat ends any. Only the start beat decides to store a packet.
         with m.If(w_valid):
             m.d.sync += [in_packet.eq(~w_link & ~w.end), storing.eq(0)]
+        with m.If(close_now):
+            # The tail, should it come after all, has no start: dropped as malformed.
+            m.d.sync += [in_packet.eq(0), storing.eq(0)]
 
         with m.If(terminate):
             # Truncated: the next packet (or flow-control packet) began first. Close the
@@ -320,7 +349,7 @@ class LinkReceiver(wiring.Component):
                 verdict_blocks.eq(f.close_blocks),
             ]
             count_drop("truncated")
-            with m.If(~w_link):
+            with m.If(w_valid & ~w_link):
                 count_drop("malformed")
         with m.Elif(w_valid & ~w_link):
             with m.If(w.start):
