@@ -173,6 +173,11 @@ class WqeExecutor(wiring.Component):
     came after the last) and ``sent`` for each packet one cycle after its descriptor
     left (stage 0 added a cycle on 2026-12-06: t + 3 and t + 4 before).
 
+    Inline data longer than the descriptor's 64 bytes (up to 256) is read back from the
+    send queue as the packet's DMA payload: from ``sq_base + 64 * (wqe_index mod
+    2**log_sq_size) + 36`` (20 for a SEND), without a key check, in two bursts when the
+    ring ends inside it (the rest from ``sq_base``; the WQE fits its ring).
+
     A NOP or DUMP sends nothing: its ``SENT`` record goes through the stages without a
     packet, with ``byte_count`` 0 and no PSN of its own (``last_psn`` is the one before
     ``first_psn``, the QP's next), so the completion unit completes it once the records
