@@ -36,7 +36,8 @@ exact, and a second run after ``qp_reset``.
 
 Runs: random WQEs of every opcode (NOP and DUMP: a record, no packet, no PSN; the
 rewind runs leave them out, since a NOP sent again is invisible to their squash count)
-with lengths 0 .. 20 KiB, unaligned addresses, MTUs
+with lengths 0 .. 20 KiB, inline data of 0 .. 256 bytes (past 64 read back from the send
+queue: bursts checked slot by slot, rings ending inside the data), unaligned addresses, MTUs
 256 .. 4096, PSNs wrapping, and each check of the table failing now and then (several
 seeds); directed: every check row with its syndrome (then FLUSH for the QP, other QPs
 unaffected), QP reset and PSN reload, RESET state and bad QPN, reservation exactness with
