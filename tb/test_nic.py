@@ -57,7 +57,7 @@ async def post_all(tb, work):
     """Run one warp per work list and wait for all of them."""
     for task in tb.gpu.start_warps(work):
         await task
-    await tb.gpu.quiet()
+    await tb.gpu.flush()
 
 
 @cocotb.test()
