@@ -21,7 +21,7 @@ from typing import NamedTuple
 WQEBB_BYTES = 64             # a send WQE basic block (MLX5_SEND_WQE_BB)
 DS_BYTES = 16                # ds counts 16-byte units (octowords)
 MAX_WQE_BLOCKS = 16          # ds is 6 bits: at most ceil(63 / 4) blocks
-MAX_INLINE_BYTES = 64
+MAX_INLINE_BYTES = 256        # NVSHMEM's largest: a warp-combined put of 8-byte T (docs/nic-formats.md)
 CQE_BYTES = 64
 MAX_MESSAGE_BYTES = 1 << 31
 
@@ -274,7 +274,7 @@ def parse_wqe(wqe: bytes) -> ParsedWqe:
 
     Rules (docs/nic.md, segment rules), checked in this order:
     ds 0 or an opcode not in :class:`Opcode` -> LOCAL_QP_OP_ERR; inline data longer than
-    64 bytes -> LOCAL_LENGTH_ERR (checked before its ds); ds not matching the opcode's
+    256 bytes -> LOCAL_LENGTH_ERR (checked before its ds); ds not matching the opcode's
     segments -> LOCAL_QP_OP_ERR; an atomic's data-segment word not 8 (an inline-marked
     segment included) -> LOCAL_LENGTH_ERR; a READ whose data segment is marked inline ->
     LOCAL_QP_OP_ERR. NOP: ds 1 or 2 (the second unit is not read) and opmod 0; DUMP: ds 2,

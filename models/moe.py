@@ -15,17 +15,19 @@ on rank ``e // experts_per_rank``:
   experts live there: FP8, ``16 + hidden + hidden / 128 * 4`` bytes (7,408 for hidden
   7,168): the header (:func:`dispatch_header`), the hidden vector and one float32 scale
   per 128 values; written from the source's send buffer into the destination's receive
-  buffer at the slot of (source rank, token); then one fetch-and-add per destination rank,
-  every rank, on the source's dispatch signal word in the destination's memory, adding
-  ``count + 1`` (``count`` tokens sent there, zero included: a word that is still 0 has
-  not been signalled);
+  buffer at the slot of (source rank, token); then one signal per destination rank, every
+  rank: DeepEP's ``nvshmemi_ibgda_amo_nonfetch_add`` of ``-count - 1`` on the source's
+  4-byte dispatch signal word in the destination's memory (``count`` tokens sent there,
+  zero included: a word that is still 0 has not been signalled; the receiver decodes
+  ``-word - 1``, :func:`signalled_count`);
 - **combine**: each rank sends every token it received back to its source (BF16,
   ``2 * hidden`` bytes) into the source's combine buffer at (token, slot), ``slot`` being the
   destination's position among the token's destination ranks in ascending order; then
-  signals the same way on its combine signal word in every source's memory.
+  adds 1 to its combine signal word in every source's memory (DeepEP's combine flag).
 
 Tokens whose expert is on their own rank do not cross the network: the GPU copies them
-(:meth:`MoePlan.local_dispatch`, :meth:`MoePlan.local_combine`), and signals itself.
+(:meth:`MoePlan.local_dispatch`, :meth:`MoePlan.local_combine`), and stores its own
+signal word (DeepEP's ``st_release_sys_global`` for a rank it reaches without RDMA).
 
 Payload bytes are a function of (seed, phase, rank, token), so every byte's right place
 is known: :meth:`MoePlan.expected` lists the receive buffers' final contents.
@@ -36,7 +38,8 @@ from dataclasses import dataclass
 from models.fabric import LeafSpine, _check_int
 
 __all__ = ["MoePlan", "KvPlan", "Write", "Signal", "dispatch_bytes", "combine_bytes",
-           "dispatch_header", "parse_dispatch_header", "scenario_config", "DEFAULTS",
+           "dispatch_header", "parse_dispatch_header", "scenario_config", "signal_bytes",
+           "signalled_count", "DEFAULTS",
            "DEFAULT_REGIONS", "HEADER_BYTES", "SLOT_ALIGN", "SIGNAL_BYTES", "MAX_TOPK",
            "MAX_EXPERTS", "CLOCK_NS", "BEAT_BYTES"]
 
@@ -47,15 +50,14 @@ MAX_TOPK = 8                # expert ids in the header
 MAX_EXPERTS = 256           # an expert id is one byte
 NO_EXPERT = 0xFF            # header filler after the token's top-k expert ids
 SLOT_ALIGN = 64             # buffer slots start on a 64-byte beat
-SIGNAL_BYTES = 8            # a 64-bit signal word (the atomic's operand)
+SIGNAL_BYTES = 4            # DeepEP's int signal words (rdma_recv_count, rdma_recv_flag)
 CLOCK_NS = 2.5              # the fabric's clock (400 MHz), for derived figures
 BEAT_BYTES = 64
 
 # The regions of each NIC's 16 MiB memory the scenarios may use: tb/nic_pair_tb.py's
-# SOURCE_REGION (the GPU's send buffers), TARGET_REGION (what other NICs write) and
-# RESULT_REGION (what the NIC's atomics return). (base, bytes).
-DEFAULT_REGIONS = {"send": (0x800000, 0x200000), "receive": (0xC00000, 0x400000),
-                   "result": (0xA00000, 0x200000)}
+# SOURCE_REGION (the GPU's send buffers) and TARGET_REGION (what other NICs write).
+# (base, bytes).
+DEFAULT_REGIONS = {"send": (0x800000, 0x200000), "receive": (0xC00000, 0x400000)}
 
 # Options of a scenario run (`make sim`), with their defaults. Derived keys (fabric shape,
 # message sizes, clock) are added by scenario_config. Small, for a short `make sim`: the
@@ -112,6 +114,19 @@ def parse_dispatch_header(header):
             tuple(header[8:8 + topk]))
 
 
+def signal_bytes(value):
+    """A signal word holding ``value`` (a signed int), as GPU memory keeps it: 4 bytes,
+    little-endian, two's complement."""
+    return (value & ((1 << 8 * SIGNAL_BYTES) - 1)).to_bytes(SIGNAL_BYTES, "little")
+
+
+def signalled_count(word):
+    """The token count a dispatch signal word announces, as DeepEP's receiver decodes it
+    (``num_recv_tokens = -num_recv_tokens - 1`` of the nonzero int); None while it is 0."""
+    value = int.from_bytes(word, "little", signed=True)
+    return None if value == 0 else -value - 1
+
+
 def _stream(*key):
     """Deterministic bytes for ``key``: a generator seeded by the key's text."""
     return random.Random("/".join(str(k) for k in key))
@@ -139,15 +154,14 @@ class Write:
 
 @dataclass(frozen=True)
 class Signal:
-    """A fetch-and-add of ``add`` from ``src`` on the word at ``address`` in ``dst``'s memory,
-    the old value returned to ``result`` in ``src``'s memory. ``src == dst``: the GPU adds
-    it itself (no network)."""
+    """DeepEP's signal: ``nvshmemi_ibgda_amo_nonfetch_add`` of ``add`` (a signed int) from
+    ``src`` on the 4-byte word at ``address`` in ``dst``'s memory. ``src == dst``: the GPU
+    stores ``add`` itself (no network; the word starts at 0)."""
     kind: str
     src: int
     dst: int
     address: int
     add: int
-    result: int
 
 
 class _Regions:
@@ -156,8 +170,8 @@ class _Regions:
         unknown = set(regions) - set(DEFAULT_REGIONS)
         if unknown:
             raise ValueError(f"unknown regions: {', '.join(sorted(unknown))}")
-        (self.send, self.send_bytes), (self.receive, self.receive_bytes), \
-            (self.result, self.result_bytes) = (regions[k] for k in ("send", "receive", "result"))
+        (self.send, self.send_bytes), (self.receive, self.receive_bytes) = \
+            (regions[k] for k in ("send", "receive"))
 
     def fit(self, region, need, what):
         have = getattr(self, f"{region}_bytes")
@@ -201,7 +215,6 @@ class MoePlan:
               + tokens * self.slots * self.combine_stride,
               f"tokens {tokens}: the receive buffers (dispatch per source and token, combine "
               f"per token and slot)")
-        r.fit("result", 2 * ranks * SIGNAL_BYTES, f"ranks {ranks}: the signal results")
         self.routing = {}
         for rank in range(ranks):
             for token in range(tokens):
@@ -231,9 +244,6 @@ class MoePlan:
         return (self.regions.receive + self.signal_area
                 + self.ranks * self.tokens * self.dispatch_stride
                 + (token * self.slots + slot) * self.combine_stride)
-
-    def signal_result(self, phase, destination):
-        return self.regions.result + SIGNAL_BYTES * (self._phase(phase) * self.ranks + destination)
 
     @staticmethod
     def _phase(phase):
@@ -285,12 +295,12 @@ class MoePlan:
         return sum(destination in self.destinations[(source, t)] for t in range(self.tokens))
 
     def signals(self, rank, phase):
-        """``rank``'s signals of ``phase`` to every rank (itself included), ``count + 1``
-        each: dispatch counts what ``rank`` sent there, combine what it returns there."""
-        def count(other):
-            return self.count(rank, other) if phase == "dispatch" else self.count(other, rank)
-        return [Signal(phase, rank, d, self.signal_word(phase, rank), count(d) + 1,
-                       self.signal_result(phase, d)) for d in range(self.ranks)]
+        """``rank``'s signals of ``phase`` to every rank (itself included): dispatch
+        ``-count - 1``, ``count`` the tokens ``rank`` sent there (DeepEP's expert count);
+        combine 1 (DeepEP's flag)."""
+        return [Signal(phase, rank, d, self.signal_word(phase, rank),
+                       -self.count(rank, d) - 1 if phase == "dispatch" else 1)
+                for d in range(self.ranks)]
 
     def received(self, rank):
         """(source, token) of every token ``rank`` receives in the dispatch (its own too)."""
@@ -323,7 +333,7 @@ class MoePlan:
     def expected(self, rank):
         """(address, bytes, what) of everything ``rank``'s receive buffers must hold after the
         step: every token it received at its (source, token) slot, every combine result at
-        its (token, slot), every signal word at ``count + 1``."""
+        its (token, slot), every signal word as :meth:`signals` left it."""
         out = [(self.dispatch_slot(s, t), self.dispatch_payload(s, t),
                 f"dispatch token {t} of rank {s}") for s, t in self.received(rank)]
         for t in range(self.tokens):
@@ -332,8 +342,8 @@ class MoePlan:
                             f"combine of token {t} from rank {d}"))
         for phase in ("dispatch", "combine"):
             for s in range(self.ranks):
-                value = (self.count(s, rank) if phase == "dispatch" else self.count(rank, s)) + 1
-                out.append((self.signal_word(phase, s), value.to_bytes(SIGNAL_BYTES, "little"),
+                add = next(x.add for x in self.signals(s, phase) if x.dst == rank)
+                out.append((self.signal_word(phase, s), signal_bytes(add),
                             f"{phase} signal of rank {s}"))
         return out
 
@@ -390,8 +400,7 @@ class KvPlan:
                 for b in range(self.kv_blocks)]
 
     def kv_signal(self):
-        return Signal("kv", self.kv_src, self.kv_dst, self.flag, self.kv_blocks,
-                      self.regions.result)
+        return Signal("kv", self.kv_src, self.kv_dst, self.flag, self.kv_blocks)
 
     def background_writes(self, rank):
         """``{peer: [Write]}`` of background rank ``rank`` (empty for the KV ranks)."""
@@ -419,7 +428,7 @@ class KvPlan:
         out = []
         if rank == self.kv_dst:
             out += [(w.raddr, w.payload, f"KV block {w.index}") for w in self.kv_writes()]
-            out.append((self.flag, self.kv_blocks.to_bytes(SIGNAL_BYTES, "little"), "KV flag"))
+            out.append((self.flag, signal_bytes(self.kv_blocks), "KV flag"))
         for src in self.background_ranks:
             for w in self.background_writes(src).get(rank, ()):
                 out.append((w.raddr, w.payload, f"background message {w.index} of rank {src}"))

@@ -75,7 +75,7 @@ async def message_rate(dut, coalesce_acks):
     first = len(tb.wire.data_packets)
     for task in tb.gpu.start_warps(work):
         await task
-    await tb.gpu.quiet()
+    await tb.gpu.flush()
     await tb.drain(limit=400_000)
     await tb.check_clean()
     packets = tb.wire.data_packets[first:]
@@ -122,7 +122,7 @@ async def write_bandwidth(dut):
     beats_before = tb.wire.busy_cycles
     for task in tb.gpu.start_warps(work):
         await task
-    await tb.gpu.quiet()
+    await tb.gpu.flush()
     await tb.drain(limit=400_000)
     await tb.check_clean()
     packets = tb.wire.data_packets[first:]

@@ -122,7 +122,7 @@ async def bulk(tb, kind, size=64 * 1024, qps=4, per_qp=4):
     first = len(wire.data_packets)
     for task in a.gpu.start_warps(work):
         await task
-    await a.gpu.quiet()
+    await a.gpu.flush()
     await tb.drain(limit=1_000_000)
     await tb.check_clean()
     opcodes = range(0x06, 0x0C) if kind == "write" else range(0x0D, 0x11)
@@ -165,7 +165,7 @@ async def goodput_phase(tb, rounds=4, qps=4, per_qp=4, size=64 * 1024):
         for task in a.gpu.start_warps(work):
             await task
         total += size * qps * per_qp
-    await a.gpu.quiet()
+    await a.gpu.flush()
     await tb.drain(limit=3_000_000)
     start = a.wire.data_packets[first_packet][2]
     end = max(cycle for cycle, address, _ in a.writes if address < 0x100000)   # CQ region

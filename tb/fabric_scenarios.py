@@ -8,9 +8,12 @@ Each cocotb test reads its configuration from ``SCENARIO_CONFIG`` (JSON, the ``c
 1. brings the fabric up and measures the zero-load 1-hop and 3-hop latency (8-byte inline
    WRITEs from NIC 0, :meth:`FabricTB.measure_latency`);
 2. runs the workload (:class:`models.moe.MoePlan` or :class:`models.moe.KvPlan`) with one
-   GPU model per NIC: one warp per destination rank, each posting its WRITEs and then its
-   signalling fetch-and-add on the QP to that rank; a rank waits for its arrivals by
-   polling its signal words in its own memory every ``POLL_CYCLES`` cycles;
+   GPU model per NIC: one warp per destination rank, posting on the QP to that rank as
+   DeepEP's low-latency kernels do: its WRITEs with ``nvshmemi_ibgda_put_nbi_warp``
+   (message ``k`` rings the doorbell when ``(k + 1) % 4 == 0``) and then its signal with
+   ``nvshmemi_ibgda_amo_nonfetch_add`` (NVSHMEM's 4-byte masked fetch-add, which always
+   rings); a rank waits for its arrivals by polling its signal words in its own memory
+   every ``POLL_CYCLES`` cycles, as DeepEP's receivers spin until a word is nonzero;
 3. meanwhile samples every link end's data-beat counter (FabricTop's ``*_busy_beats``) every
    ``sample_cycles``, writes ``progress.json`` every ``PROGRESS_CYCLES`` and captures the
    ``pcap_link`` cable (its ``a`` end's output) into ``link.pcap``;
@@ -29,12 +32,11 @@ from pathlib import Path
 import cocotb
 from cocotb.triggers import ClockCycles
 
-from models import mlx5
-from models.moe import KvPlan, MoePlan, link_names, scenario_config
+from models.moe import (SIGNAL_BYTES, KvPlan, MoePlan, link_names, scenario_config, signal_bytes,
+                        signalled_count)
 from models.pcap import LinkCapture
 from tb.fabric_tb import CLOCK_NS, DROP_COUNTERS, LATENCY_PROBE_BYTES, FabricTB
-from tb.nic_pair_tb import (RESULT_BYTES, RESULT_REGION, SOURCE_BYTES, SOURCE_REGION,
-                            TARGET_BYTES, TARGET_REGION)
+from tb.nic_pair_tb import SOURCE_BYTES, SOURCE_REGION, TARGET_BYTES, TARGET_REGION
 
 __all__ = ["launch", "full_config", "ScenarioFailed", "REGIONS"]
 
@@ -44,11 +46,10 @@ PROGRESS_CYCLES = 1000
 LATENCY_TRIALS = 1              # zero load is deterministic (test_fabric checks 3 agree)
 WORKLOAD_LIMIT = 200_000        # cycles a rank may wait for its arrivals, and the drain
 # Each NIC's memory as the plans use it: the send buffers in the source region, the receive
-# buffers in the target region after the latency probe's first 4 KiB, the atomics' results
-# in the result region (tb/nic_pair_tb.py's memory map).
+# buffers in the target region after the latency probe's first 4 KiB (tb/nic_pair_tb.py's
+# memory map).
 REGIONS = {"send": (SOURCE_REGION, SOURCE_BYTES),
-           "receive": (TARGET_REGION + LATENCY_PROBE_BYTES, TARGET_BYTES - LATENCY_PROBE_BYTES),
-           "result": (RESULT_REGION, RESULT_BYTES)}
+           "receive": (TARGET_REGION + LATENCY_PROBE_BYTES, TARGET_BYTES - LATENCY_PROBE_BYTES)}
 RETRANSMISSION_COUNTERS = ("retransmits_nak", "retransmits_timeout", "retransmits_rnr",
                            "packets_resent", "retries_exhausted")
 
@@ -132,53 +133,56 @@ class Scenario:
         self.messages.append(message)
         return message
 
-    def write_item(self, write):
-        """A warp's work item for RDMA WRITE ``write`` (models.moe.Write)."""
+    def put(self, write, message_idx, always_post=False):
+        """A warp's step: DeepEP's ``nvshmemi_ibgda_put_nbi_warp`` of RDMA WRITE ``write``
+        (models.moe.Write), its ``message_idx``-th put to that rank."""
         nic, peer = self.tb.nics[write.src], self.tb.nics[write.dst]
         message = self._message(write.kind, write.kind, write.src, write.dst, write.nbytes,
                                 write.raddr)
-        fields = dict(opcode=mlx5.Opcode.RDMA_WRITE, byte_count=write.nbytes, lkey=nic.data_key,
-                      laddr=write.laddr, raddr=write.raddr, rkey=peer.data_key,
-                      fm_ce_se=mlx5.CTRL_CQ_UPDATE)
-        return (write.dst, 1, nic.builder(write.dst, **fields), message)
+        return lambda: nic.gpu.put_nbi_warp(
+            write.dst, laddr=write.laddr, lkey=nic.data_key, raddr=write.raddr,
+            rkey=peer.data_key, nbytes=write.nbytes, message_idx=message_idx,
+            always_post=always_post, tag=message)
 
-    def signal_item(self, signal):
-        """A warp's work item for the fetch-and-add ``signal`` (models.moe.Signal)."""
+    def signal(self, signal):
+        """A warp's step: DeepEP's ``nvshmemi_ibgda_amo_nonfetch_add`` of ``signal``
+        (models.moe.Signal)."""
         nic, peer = self.tb.nics[signal.src], self.tb.nics[signal.dst]
-        message = self._message("signal", signal.kind, signal.src, signal.dst, 8,
+        message = self._message("signal", signal.kind, signal.src, signal.dst, SIGNAL_BYTES,
                                 signal.address)
-        fields = dict(opcode=mlx5.Opcode.ATOMIC_FA, lkey=nic.data_key, laddr=signal.result,
-                      raddr=signal.address, rkey=peer.data_key, swap_add=signal.add,
-                      fm_ce_se=mlx5.CTRL_CQ_UPDATE)
-        return (signal.dst, 1, nic.builder(signal.dst, **fields), message)
+        return lambda: nic.gpu.amo_nonfetch_add(signal.dst, raddr=signal.address,
+                                                rkey=peer.data_key, value=signal.add, tag=message)
 
-    def start_warps(self, rank, work):
-        self.warps += self.tb.nics[rank].gpu.start_warps([items for items in work if items])
+    def start_warps(self, work):
+        """One cocotb task per warp: ``work`` lists each warp's steps, run in order."""
+        async def warp(steps):
+            for step in steps:
+                await step()
+        self.warps += [cocotb.start_soon(warp(steps)) for steps in work if steps]
 
     def gpu_write(self, rank, pieces):
         """What the GPU of ``rank`` writes into its own memory (and the mirror)."""
         for address, data in pieces:
             self.tb.nics[rank].memory.write(address, data)
 
-    def add_locally(self, signal):
-        """A signal to the rank itself: the GPU adds to its own word."""
-        memory = self.tb.nics[signal.src].memory
-        value = int.from_bytes(memory.read(signal.address, 8), "little") + signal.add
-        memory.write(signal.address, value.to_bytes(8, "little"))
+    def store_locally(self, signal):
+        """A signal to the rank itself: the GPU stores it into its own word (DeepEP's
+        ``st_release_sys_global``)."""
+        self.tb.nics[signal.src].memory.write(signal.address, signal_bytes(signal.add))
 
     async def wait_words(self, rank, words, seen):
-        """Poll ``rank``'s memory until every word of ``words`` (``{key: address}``) is
-        nonzero, calling ``seen(key, value)`` as each turns up; returns the cycle of the poll
-        that saw the last."""
+        """Poll ``rank``'s memory until every signal word of ``words`` (``{key: address}``)
+        is nonzero, calling ``seen(key, word)`` with its bytes as each turns up; returns the
+        cycle of the poll that saw the last."""
         memory = self.tb.nics[rank].host.memory
         waiting = dict(words)
         start = self.tb.loop.cycle
         while True:
             for key, address in list(waiting.items()):
-                value = int.from_bytes(memory.read(address, 8), "little")
-                if value:
+                word = memory.read(address, SIGNAL_BYTES)
+                if any(word):
                     del waiting[key]
-                    seen(key, value)
+                    seen(key, word)
             if not waiting:
                 return self.tb.loop.cycle
             if self.tb.loop.cycle - start > WORKLOAD_LIMIT:
@@ -207,18 +211,21 @@ class Scenario:
             work = []
             for signal in plan.signals(rank, phase):
                 if signal.dst == rank:
-                    self.add_locally(signal)
+                    self.store_locally(signal)
                 else:
-                    work.append([self.write_item(w) for w in writes[signal.dst]]
-                                + [self.signal_item(signal)])
-            self.start_warps(rank, work)
+                    work.append([self.put(w, k) for k, w in enumerate(writes[signal.dst])]
+                                + [self.signal(signal)])
+            self.start_warps(work)
 
-            def seen(source, value, phase=phase):
-                want = (plan.count(source, rank) if phase == "dispatch"
-                        else plan.count(rank, source)) + 1
-                if value != want:
+            def seen(source, word, phase=phase):
+                # DeepEP's receivers: dispatch decodes the token count, combine sees its flag
+                if phase == "dispatch":
+                    got, want = signalled_count(word), plan.count(source, rank)
+                else:
+                    got, want = int.from_bytes(word, "little", signed=True), 1
+                if got != want:
                     self.signal_errors.append(f"rank {rank}: {phase} signal of rank {source} "
-                                              f"is {value}, expected {want}")
+                                              f"says {got}, expected {want}")
                 if phase == "dispatch":
                     pieces = [(plan.dispatch_slot(source, t), plan.dispatch_payload(source, t),
                                f"token {t} of rank {source}")
@@ -255,13 +262,16 @@ class Scenario:
         self.phase = "kv"
         for rank in range(plan.ranks):
             self.gpu_write(rank, plan.staging(rank))
-        self.start_warps(plan.kv_src, [[self.write_item(w) for w in plan.kv_writes()]
-                                       + [self.signal_item(plan.kv_signal())]])
+        self.start_warps([[self.put(w, k) for k, w in enumerate(plan.kv_writes())]
+                          + [self.signal(plan.kv_signal())]])
         for rank in plan.background_ranks:
-            self.start_warps(rank, [[self.write_item(w) for w in writes]
-                                    for writes in plan.background_writes(rank).values()])
+            # no signal follows a background warp's puts: its last one always rings
+            self.start_warps([[self.put(w, k, always_post=k == len(writes) - 1)
+                               for k, w in enumerate(writes)]
+                              for writes in plan.background_writes(rank).values()])
 
-        def seen(_, value):
+        def seen(_, word):
+            value = int.from_bytes(word, "little", signed=True)
             if value != plan.kv_blocks:
                 self.signal_errors.append(f"KV flag is {value}, expected {plan.kv_blocks}")
             self.check_arrived(plan.kv_dst, [(w.raddr, w.payload, f"KV block {w.index}")
@@ -470,6 +480,10 @@ class Scenario:
                    for nic, values in nics.items()}
         posted_wqes = sum(len(qp.posted) for nic in self.tb.nics for qp in nic.gpu.qps.values())
         cqe = {k: sum(nic.cqe_counts[k] for nic in self.tb.nics) for k in ("send", "recv", "errors")}
+        by_opcode = {}
+        for nic in self.tb.nics:
+            for name, count in nic.send_cqe_opcodes.items():
+                by_opcode[name] = by_opcode.get(name, 0) + count
         return {
             "schema": SCHEMA, "config": c, "latency": latency, "phases": phases,
             "ranks": self.ranks, "messages": [m.record() for m in network], "links": links,
@@ -480,6 +494,7 @@ class Scenario:
             "retransmissions": {"total": sum(sum(v.values()) for v in retrans.values()),
                                 "by_nic": retrans},
             "cqes": {"posted_wqes": posted_wqes, "send_cqes": cqe["send"],
+                     "send_cqes_by_opcode": by_opcode,
                      "receive_cqes": cqe["recv"], "errors": cqe["errors"] + len(self.tb.errors)},
             "nic_counters": nics,
             "cycles": self.tb.loop.cycle,

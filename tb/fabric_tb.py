@@ -54,6 +54,7 @@ class FabricNic(Side):
         self.rung = []                      # (qpn, producer index) of every doorbell, in order
         self.arrivals = {}                  # end address -> callback(cycle) of awaited writes
         self.cqe_counts = {"send": 0, "recv": 0, "errors": 0}
+        self.send_cqe_opcodes = {}          # mlx5 opcode of the WQE -> its requester CQEs
 
     async def ring_doorbell(self, data8):
         """:meth:`Side.ring_doorbell`, noting which QP and producer index it rang: the
@@ -80,9 +81,13 @@ class FabricNic(Side):
         if callback is not None:
             callback(self.tb.loop.cycle)
         if CQ_REGION <= address < CQ_REGION + CQ_STRIDE * len(self.cqs) and len(data) == 64:
-            opcode = mlx5.parse_cqe(data).opcode
-            self.cqe_counts["send" if opcode in (mlx5.CqeOpcode.REQ, mlx5.CqeOpcode.REQ_ERR)
-                            else "recv"] += 1
+            cqe = mlx5.parse_cqe(data)
+            opcode = cqe.opcode
+            send = opcode in (mlx5.CqeOpcode.REQ, mlx5.CqeOpcode.REQ_ERR)
+            self.cqe_counts["send" if send else "recv"] += 1
+            if send:
+                name = mlx5.Opcode(cqe.wqe_opcode).name
+                self.send_cqe_opcodes[name] = self.send_cqe_opcodes.get(name, 0) + 1
             self.cqe_counts["errors"] += opcode in (mlx5.CqeOpcode.REQ_ERR,
                                                     mlx5.CqeOpcode.RESP_ERR)
 
@@ -265,7 +270,8 @@ class FabricTB(RcTB):
                 from models.nic import CompletionModel
                 nic.completion = CompletionModel(nic.requester, write_memory=nic.write_mirror)
             nic.gpu = GpuModel(nic, [GpuQp(qpn=q, sq_base=nic.qps[q].sq_base,
-                                           log_sq_size=log_sq_size, dbr_address=DBR_REGION + 64 * q)
+                                           log_sq_size=log_sq_size, dbr_address=DBR_REGION + 64 * q,
+                                           ibuf=nic.results(q)[0], ibuf_lkey=key)
                                      for q in nic.peers])
 
     # --- monitors ------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from cocotb.triggers import RisingEdge
 
 from hdl.link.signatures import LinkState
 from hdl.nic import register_map as rmap
+from hdl.nic.signatures import DESCRIPTOR_INLINE_BYTES, PAYLOAD_ID
 from models import mlx5
 from models.ib import Opcode
 from models.nic import (CompletionStatus, CqContext, Mkey, QpContext, RequesterModel,
@@ -258,23 +259,32 @@ class NicTB(NicHost):
         return mlx5.build_wqe(wqe["opcode"], 0, 0,
                               **{k: v for k, v in wqe.items() if k != "opcode"}).blocks
 
-    async def timed_inline_write(self, qpn, rng):
-        """Post one 8-byte inline RDMA WRITE on an idle QP ``qpn`` and wait for its
+    async def timed_inline_write(self, qpn, rng, size=8):
+        """Post one ``size``-byte inline RDMA WRITE on an idle QP ``qpn`` and wait for its
         completion. Returns cycle counts: ``total`` (doorbell accepted -> first beat at the
         NIC's wire pins), ``to_ar`` (doorbell -> the WQE fetch's AR), ``memory`` (that AR ->
-        its first R beat) and ``nic`` (total without the memory wait)."""
-        fields = dict(opcode=mlx5.Opcode.RDMA_WRITE, inline=rng.randbytes(8),
-                      raddr=rng.randrange(0, MEMORY_BYTES - 64), rkey=1,
+        its first R beat; for more than 64 bytes plus the payload read's AR -> first R
+        beat, the bytes read back from the ring) and ``nic`` (total without the memory
+        waits)."""
+        fields = dict(opcode=mlx5.Opcode.RDMA_WRITE, inline=rng.randbytes(size),
+                      raddr=rng.randrange(0, MEMORY_BYTES - size), rkey=1,
                       fm_ce_se=mlx5.CTRL_CQ_UPDATE)
         marks = (len(self.wire.data_packets), len(self.bus.doorbells), len(self.bus.ar[0]),
-                 len(self.bus.r[0]))
-        await self.gpu.post(qpn, 1, self.builder(qpn, **fields), last=True)
+                 len(self.bus.r[0]), len(self.bus.ar[PAYLOAD_ID]), len(self.bus.r[PAYLOAD_ID]))
+        await self.gpu.post(qpn, self.blocks_of(**fields), self.builder(qpn, **fields),
+                            last=True)
         await self.drain()
         t_db, t_ar = self.bus.doorbells[marks[1]], self.bus.ar[0][marks[2]]
         t_r, t_wire = self.bus.r[0][marks[3]], self.wire.data_packets[marks[0]][2]
         assert t_db < t_ar < t_r < t_wire, (t_db, t_ar, t_r, t_wire)
-        return {"total": t_wire - t_db, "to_ar": t_ar - t_db, "memory": t_r - t_ar,
-                "nic": (t_ar - t_db) + (t_wire - t_r)}
+        memory = t_r - t_ar
+        if size > DESCRIPTOR_INLINE_BYTES:
+            t_payload_ar, t_payload_r = (self.bus.ar[PAYLOAD_ID][marks[4]],
+                                         self.bus.r[PAYLOAD_ID][marks[5]])
+            assert t_r < t_payload_ar < t_payload_r < t_wire, (t_r, t_payload_ar, t_payload_r)
+            memory += t_payload_r - t_payload_ar
+        return {"total": t_wire - t_db, "to_ar": t_ar - t_db, "memory": memory,
+                "nic": t_wire - t_db - memory}
 
     # --- observation ------------------------------------------------------------------
 

@@ -43,6 +43,14 @@ def run(config):
 
 def check_moe(results):
     assert {p["name"] for p in results["phases"]} == {"dispatch", "combine"}
+    # every signal went as DeepEP posts it (a 4-byte masked fetch-add), every token as a
+    # put, besides the latency probe's inline WRITEs (one per trial on each of 2 paths)
+    kinds = {kind: sum(m["kind"] == kind for m in results["messages"])
+             for kind in ("signal", "dispatch", "combine")}
+    probe = 2 * results["latency"]["trials"]
+    assert results["cqes"]["send_cqes_by_opcode"] == {
+        "ATOMIC_MASKED_FA": kinds["signal"],
+        "RDMA_WRITE": kinds["dispatch"] + kinds["combine"] + probe}
     assert all(p["end"] > p["start"] for p in results["phases"])
     # both path lengths crossed: the latency probe's and the workload's own messages
     assert results["latency"]["hop1"]["hops"] == 1 and results["latency"]["hop3"]["hops"] == 3

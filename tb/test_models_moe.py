@@ -5,7 +5,7 @@ import pytest
 from models.fabric import LeafSpine
 from models.moe import (DEFAULT_REGIONS, DEFAULTS, HEADER_BYTES, SIGNAL_BYTES, KvPlan, MoePlan,
                         combine_bytes, dispatch_bytes, dispatch_header, link_names,
-                        parse_dispatch_header, scenario_config)
+                        parse_dispatch_header, scenario_config, signal_bytes, signalled_count)
 
 
 def overlaps(ranges):
@@ -77,17 +77,26 @@ def test_combine_returns_every_received_token():
     assert len(returned) == total
 
 
-def test_signals_count_plus_one_to_every_rank():
+def test_signals_as_deepep_to_every_rank():
+    """Dispatch adds -count - 1 (DeepEP's expert count), combine adds 1 (its flag); the
+    receiver decodes the count from the 4-byte word the add leaves in a zeroed word."""
     plan = MoePlan(8, 5, 2, 2, seed=1)
     for rank in range(8):
         for phase in ("dispatch", "combine"):
             signals = plan.signals(rank, phase)
             assert [s.dst for s in signals] == list(range(8))
             for s in signals:
-                count = plan.count(rank, s.dst) if phase == "dispatch" else plan.count(s.dst, rank)
-                assert s.add == count + 1 and s.address == plan.signal_word(phase, rank)
-    # somebody gets zero tokens from somebody: still signalled, with 1
-    assert any(s.add == 1 for r in range(8) for s in plan.signals(r, "dispatch"))
+                assert s.address == plan.signal_word(phase, rank)
+                word = signal_bytes(s.add)
+                assert len(word) == SIGNAL_BYTES and any(word)
+                if phase == "dispatch":
+                    assert signalled_count(word) == plan.count(rank, s.dst)
+                else:
+                    assert s.add == 1
+    # somebody gets zero tokens from somebody: still signalled, with -1
+    assert any(s.add == -1 for r in range(8) for s in plan.signals(r, "dispatch"))
+    assert signal_bytes(-1) == b"\xff" * 4 and signalled_count(bytes(4)) is None
+    assert signalled_count(signal_bytes(-7)) == 6 and signalled_count(signal_bytes(-1)) == 0
 
 
 def test_layout_disjoint_and_inside_regions():

@@ -122,7 +122,7 @@ def test_build_parse_round_trip():
             kw.update(byte_count=rng.getrandbits(rng.choice([0, 12, 31])),
                       lkey=rng.getrandbits(32), laddr=rng.getrandbits(64))
         elif rng.random() < 0.8:
-            inline = rng.randbytes(rng.randrange(65))
+            inline = rng.randbytes(rng.randrange(257))
             kw.update(inline=inline)
         idx = rng.getrandbits(16)
         wqe = m.build_wqe(op, idx, 77, **kw)
@@ -156,6 +156,12 @@ def test_nvshmem_shapes():
     assert m.build_wqe(m.Opcode.RDMA_WRITE, 0, 1, inline=bytes(12)).ds == 3
     assert m.build_wqe(m.Opcode.ATOMIC_FA, 0, 1).ds == 4
     assert m.build_wqe(m.Opcode.RDMA_WRITE, 0, 1, inline=bytes(64)).blocks == 2
+    # ibgda_write_rdma_write_inl_wqe_combine_warp<T>: 32 * sizeof(T) inline bytes, ds as
+    # ibgda_get_ds_in_inl_combine_warp gives them for RC; 8-byte T spans 5 blocks
+    for size, ds in ((1, 5), (2, 7), (4, 11), (8, 19)):
+        wqe = m.build_wqe(m.Opcode.RDMA_WRITE, 0, 1, inline=bytes(32 * size))
+        assert wqe.ds == ds and m.parse_wqe(wqe.data).byte_count == 32 * size
+    assert m.build_wqe(m.Opcode.RDMA_WRITE, 0, 1, inline=bytes(256)).blocks == 5
     # ibgda_write_nop_wqe: ds 2; the NOP ending a warp-combined put: ds 1;
     # ibgda_write_dump_wqe: ds 2
     assert m.build_wqe(m.Opcode.NOP, 0, 1, byte_count=0).ds == 2
@@ -257,10 +263,13 @@ FORMAT_ERRORS = [
      m.Syndrome.LOCAL_QP_OP_ERR),
     ("write, inline ds too small", _raw(m.Opcode.RDMA_WRITE_IMM, 3, RA, m.inline_segment(bytes(13))),
      m.Syndrome.LOCAL_QP_OP_ERR),
-    ("write, inline 65", _raw(m.Opcode.RDMA_WRITE, 7, RA, m.inline_segment(bytes(65))),
+    ("write, inline 257", _raw(m.Opcode.RDMA_WRITE, 19, RA, m.inline_segment(bytes(257))),
      m.Syndrome.LOCAL_LENGTH_ERR),
+    ("write, inline 256, ds one short", _raw(m.Opcode.RDMA_WRITE, 18, RA,
+                                             m.inline_segment(bytes(256))),
+     m.Syndrome.LOCAL_QP_OP_ERR),
     ("send, inline 100 bad ds", _raw(m.Opcode.SEND, 2, m.inline_segment(bytes(100))),
-     m.Syndrome.LOCAL_LENGTH_ERR),
+     m.Syndrome.LOCAL_QP_OP_ERR),
     ("send, two data segments", _raw(m.Opcode.SEND_IMM, 3, DATA8, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
     ("read, no data segment", _raw(m.Opcode.RDMA_READ, 2, RA), m.Syndrome.LOCAL_QP_OP_ERR),
     ("read, inline", _raw(m.Opcode.RDMA_READ, 3, RA, m.inline_segment(bytes(8))), m.Syndrome.LOCAL_QP_OP_ERR),
@@ -495,7 +504,7 @@ def _random_wqe(rng, mtu):
         if rng.random() < 0.5:
             kw["compare"] = None       # filled in with the current value: the swap happens
     elif op != m.Opcode.RDMA_READ and rng.random() < 0.3:
-        kw["inline"] = rng.randbytes(rng.randrange(65))
+        kw["inline"] = rng.randbytes(rng.randrange(257))
     else:
         length = rng.choice([0, 1, rng.randrange(2 * mtu), mtu, mtu + 1, rng.randrange(5 * mtu)])
         kw.update(byte_count=length, laddr=LOCAL_BASE + rng.randrange(0, 0x7000 - length))

@@ -57,7 +57,10 @@ async def post_all(tb, work):
     """Run one warp per work list and wait for all of them."""
     for task in tb.gpu.start_warps(work):
         await task
-    await tb.gpu.quiet()
+    await tb.gpu.flush()
+
+
+LONG_INLINE_NIC_CYCLES = 34     # measured 2026-12-06, every trial (7 more than 8 bytes: 27)
 
 
 @cocotb.test()
@@ -76,6 +79,17 @@ async def zero_load_latency(dut):
         dut._log.info(f"trial {trial}: doorbell -> wire {t['total']} cycles = NIC {t['nic']} "
                       f"(doorbell -> AR {t['to_ar']}) + memory {t['memory']}")
     assert max(nic_cycles) <= 27, f"NIC cycles {nic_cycles} (budget 27)"
+    # A warp-combined put of 8-byte T (256 inline bytes, 5 blocks): its bytes are read back
+    # from the ring, a second memory wait (docs/nic.md "Inline data from the ring").
+    long_cycles = []
+    for trial in range(4):
+        t = await tb.timed_inline_write(trial % 4, rng, size=256)
+        assert t["memory"] >= 2 * tb.memory_latency
+        long_cycles.append(t["nic"])
+        dut._log.info(f"256-byte inline trial {trial}: doorbell -> wire {t['total']} cycles = "
+                      f"NIC {t['nic']} + memory {t['memory']}")
+    assert max(long_cycles) <= LONG_INLINE_NIC_CYCLES, \
+        f"NIC cycles {long_cycles} (budget {LONG_INLINE_NIC_CYCLES})"
     await tb.check_clean()
 
 
@@ -164,8 +178,8 @@ async def doorbell_storm(dut):
     assert c["doorbells_bad_qpn"] == junk["bad_qpn"]
     assert c["doorbells_not_ready"] == junk["not_ready"]
     assert c["doorbells_too_far"] == junk["too_far"]
-    # Warps of one QP ring with indices that may already be stale: those count as
-    # duplicates or backwards too, never as accepted twice.
+    # The chaos task's stale and repeated indices count as duplicates or backwards, never
+    # as accepted twice.
     assert c["doorbells_accepted"] <= rung
     assert c["wqes_parsed"] == 1500
     dut._log.info(f"doorbells: {total} written, counters {c}")
@@ -181,7 +195,7 @@ BAD_WQES = {
     "dump_ds1": (dict(opcode=Op.DUMP, ds=1), mlx5.Syndrome.LOCAL_QP_OP_ERR),
     "dump_inline": (dict(opcode=Op.DUMP, inline=b"\x01"), mlx5.Syndrome.LOCAL_QP_OP_ERR),
     "dump_key_not_found": (dict(opcode=Op.DUMP, lkey=(9 << 8) | 1), mlx5.Syndrome.LOCAL_PROT_ERR),
-    "inline_too_long": (dict(opcode=Op.RDMA_WRITE, inline=bytes(65)), mlx5.Syndrome.LOCAL_LENGTH_ERR),
+    "inline_too_long": (dict(opcode=Op.RDMA_WRITE, inline=bytes(257)), mlx5.Syndrome.LOCAL_LENGTH_ERR),
     "atomic_length": (dict(opcode=Op.ATOMIC_FA, byte_count=16), mlx5.Syndrome.LOCAL_LENGTH_ERR),
     "key_not_found": (dict(opcode=Op.RDMA_WRITE, byte_count=64, lkey=(9 << 8) | 1),
                       mlx5.Syndrome.LOCAL_PROT_ERR),
@@ -200,8 +214,10 @@ BAD_WQES = {
 }
 # NVSHMEM's masked atomics (ibgda_write_atomic_wqe) malformed: an opmod it never writes, ds
 # one short (an 8-byte masked CS's data segment past the WQE), the data word not the
-# operand size (a second run of bad_wqes: one QP per row, at most 15 rows a run)
-BAD_MASKED_ATOMICS = {
+# operand size; its warp-combined put of 8-byte T (256 inline bytes) with ds one short and
+# with 4 bytes more than the limit (a second run of bad_wqes: one QP per row, at most 15
+# rows a run)
+BAD_NVSHMEM_POSTS = {
     "masked_opmod": (dict(opcode=Op.ATOMIC_MASKED_FA, opmod=0x0A, byte_count=8),
                      mlx5.Syndrome.LOCAL_QP_OP_ERR),
     "masked_cs_ds4": (dict(opcode=Op.ATOMIC_MASKED_CS, opmod=0x09, ds=4),
@@ -210,11 +226,17 @@ BAD_MASKED_ATOMICS = {
                           mlx5.Syndrome.LOCAL_LENGTH_ERR),
     "masked_cs8_length": (dict(opcode=Op.ATOMIC_MASKED_CS, opmod=0x09, byte_count=4),
                           mlx5.Syndrome.LOCAL_LENGTH_ERR),
+    "combined_put_ds18": (dict(opcode=Op.RDMA_WRITE, inline=bytes(256), ds=18, fm_ce_se=0),
+                          mlx5.Syndrome.LOCAL_QP_OP_ERR),
+    "combined_put_260": (dict(opcode=Op.RDMA_WRITE, inline=bytes(260), fm_ce_se=0),
+                         mlx5.Syndrome.LOCAL_LENGTH_ERR),
+    "send_inline_ds_long": (dict(opcode=Op.SEND, inline=bytes(100), ds=9),
+                            mlx5.Syndrome.LOCAL_QP_OP_ERR),
 }
 
 
 @cocotb.test()
-@cocotb.parametrize(table=["BAD_WQES", "BAD_MASKED_ATOMICS"])
+@cocotb.parametrize(table=["BAD_WQES", "BAD_NVSHMEM_POSTS"])
 async def bad_wqes(dut, table):
     """Each bad WQE of ``table`` on its own QP, between good ones, while QP 0 streams good
     traffic: the bad one completes with its syndrome, its QP goes to ERR and flushes every
@@ -268,9 +290,10 @@ def nvshmem_post(tb, rng, kind, ibuf):
     field dicts for :meth:`NicTB.builder_many`; the first is a random WQE of the mix when
     ``kind`` names none."""
     put_raddr = rng.randrange(0, MEMORY_BYTES - 256)
-    if kind in ("combined_put_1", "combined_put_2"):
-        # ibgda_write_rdma_write_inl_wqe_combine_warp<T>, sizeof(T) 1 or 2: 32 * sizeof(T)
-        # inline bytes (ds 5 / 7), no CQ update, then the NOP of ds 1 that carries it
+    if kind.startswith("combined_put_"):
+        # ibgda_write_rdma_write_inl_wqe_combine_warp<T>, sizeof(T) 1, 2, 4 or 8: 32 *
+        # sizeof(T) inline bytes at byte 36 (ds 5, 7, 11, 19: ibgda_get_ds_in_inl_combine_warp
+        # for RC; 8-byte T spans 5 blocks), no CQ update, then the NOP of ds 1 that carries it
         size = 32 * int(kind[-1])
         return [dict(opcode=Op.RDMA_WRITE, inline=rng.randbytes(size), raddr=put_raddr,
                      rkey=rng.getrandbits(32), fm_ce_se=0),
@@ -298,28 +321,45 @@ def nvshmem_post(tb, rng, kind, ibuf):
     return [random_wqe(tb, rng, small=True)]
 
 
+def counting_wraps(build, blocks, ring, wrapped):
+    """``build``, noting in ``wrapped`` each index whose first ``blocks`` blocks cross the
+    end of a ring of ``ring`` blocks."""
+    def counted(index):
+        if index % ring + blocks > ring:
+            wrapped.append(index)
+        return build(index)
+    return counted
+
+
 @cocotb.test()
 async def nvshmem_nop_and_dump(dut):
     """NVSHMEM's NOP (both forms) and DUMP WQEs as its IBGDA code posts them, mixed with
     random traffic over 8 QPs: each completes with its CQE in order (the tb fails a NOP's
     or DUMP's CQE written while a packet before it is still unreceived, or before the data
-    of a READ or atomic before it landed), sends nothing, and every QP stays in RTS."""
+    of a READ or atomic before it landed), sends nothing, and every QP stays in RTS. The
+    warp-combined puts of 4- and 8-byte T (128 and 256 inline bytes, read back from the
+    ring) land byte for byte, some of them wrapping around the 32-block ring's end."""
     rng = random.Random(19)
     tb = NicTB(dut, seed=19, memory_latency=100, ack_every=3)
     await tb.reset()
-    qps = await tb.setup(qps=8, ring_every=4)
+    log_sq_size = 5
+    qps = await tb.setup(qps=8, ring_every=4, log_sq_size=log_sq_size)
     fill_data(tb, rng)
     ibuf = DATA_REGION + 64
-    kinds = ["combined_put_1", "combined_put_2", "put_and_nop", "blocking_get",
-             "fetching_atomic", "cst", "other", "other"]
+    kinds = ["combined_put_1", "combined_put_2", "combined_put_4", "combined_put_8",
+             "put_and_nop", "blocking_get", "fetching_atomic", "cst", "other", "other"]
     work = [[] for _ in range(16)]
     posted = {}
+    wrapped = []
     for n in range(240):
         q = rng.choice(qps)
         kind = rng.choice(kinds)
         items = nvshmem_post(tb, rng, kind, ibuf)
         blocks = sum(tb.blocks_of(**f) for f in items)
-        work[n % 16].append((q, blocks, tb.builder_many(q, items), n))
+        build = tb.builder_many(q, items)
+        if kind in ("combined_put_4", "combined_put_8"):
+            build = counting_wraps(build, tb.blocks_of(**items[0]), 1 << log_sq_size, wrapped)
+        work[n % 16].append((q, blocks, build, n))
         posted[kind] = posted.get(kind, 0) + 1
     await post_all(tb, work)
     await tb.drain(limit=400_000)
@@ -329,7 +369,9 @@ async def nvshmem_nop_and_dump(dut):
     c = await tb.counters()
     assert c["wqe_errors"] == c["wqes_flushed"] == c["error_cqes"] == 0
     assert tb.local_cqes > 100, tb.local_cqes
-    dut._log.info(f"posted {posted}; {tb.local_cqes} NOP/DUMP CQEs")
+    assert wrapped, "no long inline put wrapped around its ring"
+    dut._log.info(f"posted {posted}; {tb.local_cqes} NOP/DUMP CQEs; "
+                  f"{len(wrapped)} long inline puts wrapped the ring")
 
 
 @cocotb.test()

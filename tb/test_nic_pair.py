@@ -65,7 +65,7 @@ async def run_both(tb, work):
     for task in tasks:
         await task
     for side in work:
-        await side.gpu.quiet()
+        await side.gpu.flush()
 
 
 def plan(tb, rng, qps, per_qp, kinds, limit, receive_bytes):

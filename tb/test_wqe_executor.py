@@ -36,7 +36,8 @@ exact, and a second run after ``qp_reset``.
 
 Runs: random WQEs of every opcode (NOP and DUMP: a record, no packet, no PSN; the
 rewind runs leave them out, since a NOP sent again is invisible to their squash count)
-with lengths 0 .. 20 KiB, unaligned addresses, MTUs
+with lengths 0 .. 20 KiB, inline data of 0 .. 256 bytes (past 64 read back from the send
+queue: bursts checked slot by slot, rings ending inside the data), unaligned addresses, MTUs
 256 .. 4096, PSNs wrapping, and each check of the table failing now and then (several
 seeds); directed: every check row with its syndrome (then FLUSH for the QP, other QPs
 unaffected), QP reset and PSN reload, RESET state and bad QPN, reservation exactness with
@@ -168,7 +169,7 @@ class Reference:
                 or ((atomic or op == OP["DUMP"]) and not d["has_data"])
                 or (op == OP["NOP"] and d["has_data"])):
             return ERROR, Syndrome.LOCAL_QP_OP_ERR.value
-        if ((d["inline"] and d["byte_count"] > 64) or (atomic and d["byte_count"] != atomic_bytes(d))
+        if ((d["inline"] and d["byte_count"] > 256) or (atomic and d["byte_count"] != atomic_bytes(d))
                 or length > 1 << 31):
             return ERROR, Syndrome.LOCAL_LENGTH_ERR.value
         vl = self.sl_to_vl[qp["sl"]]
@@ -233,8 +234,22 @@ class Reference:
                         payload_bytes=plen, source=PayloadSource.NONE.value, offset=0,
                         dma_beats=0, inline_data=0)
             ars = []
-            if plen and d["inline"]:
+            if plen and d["inline"] and plen <= 64:
                 desc.update(source=PayloadSource.INLINE.value, inline_data=d["inline_data"])
+            elif plen and d["inline"]:
+                # Read back from the send queue: the WQE's blocks are ring slots in turn,
+                # a burst per run of contiguous slots within a 4 KiB page.
+                offset = 36 if op in (OP["RDMA_WRITE"], OP["RDMA_WRITE_IMM"]) else 20
+                ring = 1 << qp["log_sq_size"]
+                words = (offset + plen - 1) // 64 + 1
+                slots = [(qp["sq_base"] + 64 * ((d["wqe_index"] + k) % ring)) % (1 << 64)
+                         for k in range(words)]
+                desc.update(source=PayloadSource.DMA.value, offset=offset, dma_beats=words)
+                for addr in slots:
+                    if ars and ars[-1][0] + 64 * (ars[-1][1] + 1) == addr and addr % 4096:
+                        ars[-1] = (ars[-1][0], ars[-1][1] + 1)
+                    else:
+                        ars.append((addr, 0))
             elif plen:
                 start, stop = first_byte // 64, (first_byte + plen - 1) // 64
                 desc.update(source=PayloadSource.DMA.value, offset=first_byte % 64,
@@ -516,8 +531,10 @@ def simulate(dut, body, *, seed=0, **bench_args):
 # --- Stimulus ---------------------------------------------------------------------------------
 
 def random_qp(rng, *, mtu=None, sl=None):
+    log_sq_size = rng.randrange(16)
     return dict(
-        sq_base=rng.getrandbits(64), log_sq_size=rng.randrange(16),
+        # aligned to min(4096, ring bytes), as RESET -> RTS checks
+        sq_base=rng.getrandbits(64) & -min(4096, 64 << log_sq_size), log_sq_size=log_sq_size,
         mtu=(rng.randint(1, 5) if rng.random() < 0.97 else rng.choice([0, 6, 7])) if mtu is None else mtu,
         sl=(rng.randrange(13) if rng.random() < 0.95 else rng.choice([13, 14])) if sl is None else sl,
         max_outstanding=rng.randint(1, 64), dest_qpn=rng.getrandbits(24),
@@ -573,8 +590,14 @@ def random_wqe(rng, ref, qpn, index, *, p_bad=0.08):
     kind = ("data" if atomic or op in (OP["RDMA_READ"], OP["DUMP"]) else "none" if op == OP["NOP"]
             else rng.choice(["data", "data", "inline", "none"]))
     if kind == "inline":
-        n = rng.randint(0, 64)
-        w.update(inline=1, byte_count=n, inline_data=rng.getrandbits(8 * n))
+        # Longer than 64 bytes: read back from the ring, which holds the whole WQE (the
+        # doorbell checks keep a WQE within its ring); the descriptor's first 64 bytes
+        # are not used then.
+        n = rng.choice([rng.randint(0, 64), rng.randint(65, 256), 256])
+        header = 36 if op in (OP["RDMA_WRITE"], OP["RDMA_WRITE_IMM"]) else 20
+        if (header + n - 1) // 64 >= 1 << qp.get("log_sq_size", 15):
+            n = 64
+        w.update(inline=1, byte_count=n, inline_data=rng.getrandbits(8 * min(n, 64)))
     elif kind == "data":
         length = (atomic_bytes(w) if atomic else rng.choice([0, 1]) if op == OP["DUMP"]
                   else random_length(rng))
@@ -612,7 +635,7 @@ def random_wqe(rng, ref, qpn, index, *, p_bad=0.08):
         elif bad == "inconsistent":
             w.update(opcode=rng.choice([0x01, 0x0F, 0x13, 0x14, 0xFF]))
         elif bad == "inline_long":
-            w.update(inline=1, has_data=0, byte_count=rng.randint(65, 300))
+            w.update(inline=1, has_data=0, byte_count=rng.randint(257, 300))
         elif bad == "atomic_len" and atomic:
             w["byte_count"] = rng.choice([0, 4, 16])
     return w
@@ -696,7 +719,7 @@ CHECK_ROWS = [
      ERROR, OP_ERR),
     ("atomic without data segment", {}, RTS, dict(opcode=OP["ATOMIC_FA"], has_data=0, byte_count=8),
      ERROR, OP_ERR),
-    ("inline longer than 64", {}, RTS, dict(has_data=0, inline=1, byte_count=65), ERROR, LEN_ERR),
+    ("inline longer than 256", {}, RTS, dict(has_data=0, inline=1, byte_count=257), ERROR, LEN_ERR),
     ("atomic of 16 bytes", {}, RTS, dict(opcode=OP["ATOMIC_CS"], byte_count=16), ERROR, LEN_ERR),
     ("4-byte masked atomic of 8 bytes", {}, RTS,
      dict(opcode=OP["ATOMIC_MASKED_FA"], opmod=0x08, byte_count=8), ERROR, LEN_ERR),
@@ -1279,7 +1302,9 @@ def test_reference_matches_requester_model():
         if ref.check(w, ref.qps[q])[0] != SENT:
             continue
         if w["inline"]:
-            data = dict(inline=w["inline_data"].to_bytes(64, "little")[:w["byte_count"]])
+            # (past 64 bytes the executor reads the ring, not the descriptor: zeros here)
+            data = dict(inline=w["inline_data"].to_bytes(64, "little")[:w["byte_count"]]
+                        + bytes(max(0, w["byte_count"] - 64)))
         elif w["has_data"]:
             data = dict(byte_count=w["byte_count"], lkey=w["lkey"], laddr=w["laddr"])
         else:

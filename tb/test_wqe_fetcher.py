@@ -18,7 +18,7 @@ The rings hold WQEs built here byte by byte (mlx5 layouts: control, remote-addre
 inline and atomic segments, big-endian, random bytes wherever the parser must not look:
 reserved bytes, inline padding, the top bits of the ds byte, the control segment's WQE
 index and QPN copies, the second unit of a ds-2 NOP): every opcode (NVSHMEM's NOP of ds 1
-and 2 and its DUMP included), inline lengths 0..64, multi-block WQEs, WQEs wrapping
+and 2 and its DUMP included), inline lengths 0..256 (up to 5 blocks), multi-block WQEs, WQEs wrapping
 around the ring's end, rings crossing 4 KiB pages, and malformed WQEs of every row of
 docs/nic.md's table. A Python parser written from that table predicts, for every accepted
 request, the bursts, every descriptor field and the fetch-done record; the bench checks
@@ -141,7 +141,8 @@ def good_wqe(rng, kind=None):
     if kind == "empty":
         return wqe_bytes(rng, ctrl_seg(rng, op, base), *head)
     if rng.random() < 0.5:
-        n = rng.choice([0, 1, 12, 13, 28, 29, 44, 45, 60, 61, 64, rng.randrange(65)])
+        n = rng.choice([0, 1, 12, 13, 28, 29, 44, 45, 60, 61, 64, rng.randrange(65),
+                        65, 128, 252, 256, rng.randrange(65, 257)])
         return wqe_bytes(rng, ctrl_seg(rng, op, inline_ds(base, n)), *head, inline_seg(rng, n))
     count = rng.choice([0, 1, 8, 4096, rng.randrange(1 << 31)])
     return wqe_bytes(rng, ctrl_seg(rng, op, base + 1), *head, data_seg(rng, byte_count=count))
@@ -163,11 +164,16 @@ def bad_wqes(rng):
                           inline_seg(rng, 20))),
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, wi, inline_ds(2, 61) - 1), r(rng),
                           inline_seg(rng, 61))),
-        # inline longer than 64 bytes (LOCAL_LENGTH even when ds matches the length)
-        (LEN, wqe_bytes(rng, ctrl_seg(rng, w, inline_ds(2, 65)), r(rng), inline_seg(rng, 65))),
-        (LEN, wqe_bytes(rng, ctrl_seg(rng, s, 7), inline_seg(rng, 80))),
+        # inline longer than 256 bytes (LOCAL_LENGTH even when ds matches the length)
+        (LEN, wqe_bytes(rng, ctrl_seg(rng, w, inline_ds(2, 257)), r(rng), inline_seg(rng, 257))),
+        (LEN, wqe_bytes(rng, ctrl_seg(rng, s, 7), inline_seg(rng, 80, length=300))),
         (LEN, wqe_bytes(rng, ctrl_seg(rng, si, 3), inline_seg(rng, 12, length=0x7FFFFFFF))),
-        (LEN, wqe_bytes(rng, ctrl_seg(rng, wi, 10), r(rng), inline_seg(rng, 130))),
+        (LEN, wqe_bytes(rng, ctrl_seg(rng, wi, 10), r(rng), inline_seg(rng, 130, length=512))),
+        # 65..256 inline bytes (NVSHMEM's warp-combined puts: 128 and 256) with ds one short
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, w, inline_ds(2, 256) - 1), r(rng),
+                          inline_seg(rng, 256))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, s, inline_ds(1, 128) - 1), inline_seg(rng, 128))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, s, inline_ds(1, 80) + 1), inline_seg(rng, 80))),
         # SEND: two data segments, inline ds wrong, ds 0
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, s, 3), data_seg(rng), data_seg(rng))),
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, si, inline_ds(1, 44) + 1), inline_seg(rng, 44))),
@@ -270,12 +276,14 @@ def ref_descriptor(blocks, bads, qpn, index):
         word = be(b, at, 4)
         if word & 0x80000000:
             n = word & 0x7FFFFFFF
-            if n > 64:
+            if n > 256:
                 return LEN
             if ds != inline_ds(base, n):
                 return QP_OP
+            # the descriptor carries up to 64 bytes (the executor reads longer data back
+            # from the ring)
             seg.update(inline=1, byte_count=n,
-                       inline_data=int.from_bytes(b[at + 4:at + 4 + n], "little"))
+                       inline_data=int.from_bytes(b[at + 4:at + 4 + n], "little") if n <= 64 else 0)
             return None
         if ds != base + 1:
             return QP_OP

@@ -22,7 +22,7 @@ def wqe_fields(kind, rng, *, length, lkey, laddr, raddr, rkey, read_raddr=None,
     fields = dict(fm_ce_se=signaled | (mlx5.CTRL_SOLICITED if rng.random() < 0.2 else 0))
     if kind in ("write_inline", "send_inline"):
         fields.update(opcode=Op.RDMA_WRITE if kind == "write_inline" else Op.SEND,
-                      inline=rng.randbytes(rng.randrange(0, 65)))
+                      inline=rng.randbytes(rng.randrange(0, 257)))
         if kind == "write_inline":
             fields.update(raddr=raddr, rkey=rkey)
     elif kind in ("write", "write_imm", "send", "send_imm"):

@@ -9,7 +9,7 @@ from hdl.crc.icrc_engine import variant_masks
 from hdl.crc.matrices import advance_columns, data_matrix, rows, xor_nodes, xor_tree
 from hdl.ib.headers import LRH, from_wire
 from hdl.link.signatures import BeatLayout, vl_index
-from hdl.nic.signatures import (MAX_NIC_HEADER_BYTES, MAX_INLINE_BYTES, PacketDescriptorLayout,
+from hdl.nic.signatures import (MAX_NIC_HEADER_BYTES, DESCRIPTOR_INLINE_BYTES, PacketDescriptorLayout,
                                 PayloadSource, RBeatLayout)
 
 __all__ = ["PacketAssembler", "MAX_DMA_BEATS", "MIN_HEADER_BYTES", "expected_dma_beats"]
@@ -155,7 +155,7 @@ class PacketAssembler(wiring.Component):
         cur_header = Signal(8 * MAX_NIC_HEADER_BYTES)
         cur_header_bytes = Signal(range(MAX_NIC_HEADER_BYTES + 1))
         cur_inline = Signal()
-        cur_inline_data = Signal(8 * MAX_INLINE_BYTES)
+        cur_inline_data = Signal(8 * DESCRIPTOR_INLINE_BYTES)
         cur_shift = Signal(6)       # (source offset - header_bytes) mod 64
         cur_late = Signal()         # source offset < header_bytes: beat 0 uses one source beat
         cur_need = Signal(range(3)) # window beats needed to start
@@ -266,7 +266,7 @@ class PacketAssembler(wiring.Component):
             & (desc.header_bytes >= MIN_HEADER_BYTES) & (desc.header_bytes <= MAX_NIC_HEADER_BYTES)
             & (desc.payload_bytes <= MAX_PAYLOAD_BYTES)
             & ((source == PayloadSource.NONE) & (desc.payload_bytes == 0)
-               | (source == PayloadSource.INLINE) & (desc.payload_bytes <= MAX_INLINE_BYTES)
+               | (source == PayloadSource.INLINE) & (desc.payload_bytes <= DESCRIPTOR_INLINE_BYTES)
                | is_dma & (desc.dma_beats == Mux(desc.payload_bytes == 0, 0,
                                                  (desc.offset + desc.payload_bytes + WIDTH - 1) >> exact_log2(WIDTH)))))
         accept = Signal()

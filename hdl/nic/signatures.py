@@ -35,6 +35,7 @@ __all__ = [
     "RESPONSE_ID", "RECV_ID", "ATOMIC_ID", "CQE_ID", "DMA_WRITE_ID", "RX_BUFFER_BEAT_BITS",
     "MAX_PACKET_BEATS",
     "QPN_BITS", "CQN_BITS", "PSN_BITS", "WQEBB_BYTES", "MAX_WQE_BLOCKS", "MAX_INLINE_BYTES",
+    "DESCRIPTOR_INLINE_BYTES",
     "MAX_NIC_HEADER_BYTES", "EXT_AMO_OPMOD_4", "EXT_AMO_OPMOD_8", "MAX_OUTSTANDING_BLOCKS",
     "MAX_MESSAGE_BYTES",
     "FETCH_ID", "PAYLOAD_ID", "AXI_ID_BITS", "COUNTERS",
@@ -45,7 +46,10 @@ CQN_BITS = 8                 # CQ index (at most 256 CQs)
 PSN_BITS = 24
 WQEBB_BYTES = 64             # mlx5 WQE basic block
 MAX_WQE_BLOCKS = 16          # ds is 6 bits of 16-byte units: at most 63 * 16 B = 16 blocks
-MAX_INLINE_BYTES = 64        # inline data a WQE may carry (larger: LOCAL_LENGTH error CQE)
+MAX_INLINE_BYTES = 256       # inline data a WQE may carry (larger: LOCAL_LENGTH error CQE)
+# Inline bytes a descriptor carries; the executor reads longer inline data back from the
+# send queue (docs/nic.md, "Execution").
+DESCRIPTOR_INLINE_BYTES = 64
 EXT_AMO_OPMOD_4, EXT_AMO_OPMOD_8 = 0x08, 0x09   # NVSHMEM's IBGDA_4/8_BYTE_EXT_AMO_OPMOD >> 24
 MAX_NIC_HEADER_BYTES = 64    # LRH + BTH + MaskedAtomicETH: the longest header the NIC sends or takes (no GRH)
 MAX_OUTSTANDING_BLOCKS = 64  # per-QP window of fetched, not yet completed WQE basic blocks
@@ -379,7 +383,7 @@ class WqeDescriptorLayout(data.StructLayout):
             "laddr": 64,
             "byte_count": 32,                        # data segment or inline length
             "inline": 1,
-            "inline_data": 8 * MAX_INLINE_BYTES,     # byte 0 in bits 7..0
+            "inline_data": 8 * DESCRIPTOR_INLINE_BYTES,   # byte 0 in bits 7..0
             "format_error": 1,
             "syndrome": Syndrome,
         })
@@ -406,7 +410,7 @@ class PacketDescriptorLayout(data.StructLayout):
             "source": PayloadSource,
             "offset": 6,
             "dma_beats": range(4096 // 64 + 2),
-            "inline_data": 8 * MAX_INLINE_BYTES,
+            "inline_data": 8 * DESCRIPTOR_INLINE_BYTES,
         })
 
 

@@ -8,9 +8,10 @@ from hdl.ib.headers import (
     MASKED_ATOMIC_ETH_BYTES, RETH, RETH_BYTES, VL15, iba_local_headers, to_wire,
 )
 from hdl.nic.payload_reads import dma_payload, payload_bursts, payload_read_stage, payload_words
+from hdl.nic.wqe_fetcher import sq_block_address
 from hdl.nic.signatures import (
-    EPOCH_BITS, EXT_AMO_OPMOD_4, MAX_NIC_HEADER_BYTES, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES,
-    PAYLOAD_ID, PSN_BITS,
+    DESCRIPTOR_INLINE_BYTES, EPOCH_BITS, EXT_AMO_OPMOD_4, MAX_NIC_HEADER_BYTES, MAX_INLINE_BYTES,
+    MAX_MESSAGE_BYTES, PAYLOAD_ID, PSN_BITS,
     Access, ArLayout, CompletionRecordLayout, CompletionStatus, ContextReadSignature,
     EventSignature, MkeyLayout, MlxOpcode, PacketDescriptorLayout, PacketSentLayout,
     PayloadSource, QpConfigLayout, QpState, RewindLayout, Syndrome, WqeDescriptorLayout,
@@ -47,11 +48,15 @@ class _JobLayout(data.StructLayout):
             "local": 1,              # NOP / DUMP: a record and no packet
             "with_imm": 1,           # SEND_IMM / RDMA_WRITE_IMM
             "solicited": 1,          # SE on the last packet
-            "inline": 1,
+            "inline": 1,             # the payload is the descriptor's inline_data
+            "ring_wrap": 1,          # inline data read back from a ring that wraps inside it
+            "ring_first_len": 3,     # ... the first burst's beats less one (to the ring's end)
+            "ring_rest_len": 3,      # ... the second's, from sq_base
+            "sq_base": 64,
             "vl": 4, "sl": 4, "dlid": 16, "dest_qpn": 24, "pkey": 16, "mtu": 3,
             "length": 32, "raddr": 64, "rkey": 32, "imm": 32, "swap_add": 64, "compare": 64,
             "swap_mask": 64, "compare_mask": 64,
-            "inline_data": 8 * MAX_INLINE_BYTES,
+            "inline_data": 8 * DESCRIPTOR_INLINE_BYTES,
         })
 
 
@@ -73,6 +78,11 @@ class _WqeFactsLayout(data.StructLayout):
             "inconsistent": 1,
             "bad_length": 1,
             "wqe_end": 16,                  # wqe_index + wqe_blocks
+            # Inline data longer than the descriptor carries, read back from the ring: its
+            # byte offset in the WQE's first block and the WQE block holding its last byte.
+            "ring_inline": 1,
+            "inline_offset": 6,
+            "inline_last_block": 3,
         })
 
 
@@ -95,6 +105,12 @@ class _ContextFactsLayout(data.StructLayout):
             "recorded": 16,                 # the QP's ``recorded``
             "flushing": 1,                  # the QP is not in RTS or has its error bit
             "stale": 1,                     # epoch differed, or a rewind or skip came since
+            # Inline data read back from the ring (``ring_inline``): its address, and the
+            # bursts it takes when the ring ends inside it.
+            "ring_address": 64,
+            "ring_wrap": 1,
+            "ring_first_len": 3,
+            "ring_rest_len": 3,
         })
 
 
@@ -157,6 +173,11 @@ class WqeExecutor(wiring.Component):
     came after the last) and ``sent`` for each packet one cycle after its descriptor
     left (stage 0 added a cycle on 2026-12-06: t + 3 and t + 4 before).
 
+    Inline data longer than the descriptor's 64 bytes (up to 256) is read back from the
+    send queue as the packet's DMA payload: from ``sq_base + 64 * (wqe_index mod
+    2**log_sq_size) + 36`` (20 for a SEND), without a key check, in two bursts when the
+    ring ends inside it (the rest from ``sq_base``; the WQE fits its ring).
+
     A NOP or DUMP sends nothing: its ``SENT`` record goes through the stages without a
     packet, with ``byte_count`` 0 and no PSN of its own (``last_psn`` is the one before
     ``first_psn``, the QP's next), so the completion unit completes it once the records
@@ -174,7 +195,7 @@ class WqeExecutor(wiring.Component):
     parser should have flagged (unknown opcode; inline data together with a data
     segment, or on a READ, atomic, NOP or DUMP; an atomic or DUMP without a data segment,
     a NOP with one) fails with
-    LOCAL_QP_OP_ERR, one with more than 64 inline bytes or an atomic byte count other
+    LOCAL_QP_OP_ERR, one with more than 256 inline bytes or an atomic byte count other
     than 8 with LOCAL_LENGTH_ERR, checked right after the parser's own format error; a
     path MTU code outside 1..5, or an SL mapped to a VL this port does not have
     (``num_vls`` .. 15), fails like VL 15 with LOCAL_QP_OP_ERR; ``payload_freed`` with
@@ -323,6 +344,11 @@ class WqeExecutor(wiring.Component):
         # The message's packets less one at MTU code k: (length - 1) >> (k + 7).
         w_length_less_one = lookahead_sum(m, w.byte_count, C(-1, 32), name="length_less_one")
         w_wqe_end = lookahead_sum(m, w.wqe_index, w.wqe_blocks, name="wqe_end")[:16]
+        # Inline data past what the descriptor carries is read back from the send queue:
+        # it follows the inline segment's byte count, at byte 36 (WRITE) or 20 (SEND).
+        w_inline_offset = Mux(w_is_write, 36, 20)
+        w_inline_end = lookahead_sum(m, w.byte_count[:9], Mux(w_is_write, 36 - 1, 20 - 1),
+                                     name="inline_end")     # its last byte's, in the WQE
         with m.If(self.wqe.valid & self.wqe.ready):
             m.d.sync += [
                 r0_valid.eq(1), r0.eq(w),
@@ -346,6 +372,9 @@ class WqeExecutor(wiring.Component):
                                  | (w_is_atomic & (w.byte_count != Mux(w_size4, 4, 8)))
                                  | (w_length > MAX_MESSAGE_BYTES)),
                 f0.wqe_end.eq(w_wqe_end),
+                f0.ring_inline.eq(w.inline & (w.byte_count > DESCRIPTOR_INLINE_BYTES)),
+                f0.inline_offset.eq(w_inline_offset),
+                f0.inline_last_block.eq(w_inline_end[6:9]),
             ]
         with m.Elif(to_r1):
             m.d.sync += r0_valid.eq(0)
@@ -403,6 +432,14 @@ class WqeExecutor(wiring.Component):
                         fits0.eq(f0.fits_mtu[code - 1]),
                     ]
 
+        # Inline data read back from the ring: where it starts, and whether the ring ends
+        # before the WQE block holding its last byte (the rest is at sq_base).
+        wqe_block, in_ring = sq_block_address(m, qp0.sq_base, qp0.log_sq_size, r0.wqe_index,
+                                              name="inline")
+        to_end_less1 = Signal(16)           # the WQE's blocks after its first, to the ring's end
+        m.d.comb += to_end_less1.eq(~r0.wqe_index & in_ring)
+        ring_wrap0 = f0.ring_inline & (to_end_less1[3:] == 0) & (to_end_less1[:3] < f0.inline_last_block)
+
         # --- stage 1: the decision, from registers ------------------------------------------
         qp = c1.qp
         vl = c1.vl
@@ -447,10 +484,11 @@ class WqeExecutor(wiring.Component):
         # The words holding a DMA payload: its last packet's (those of the whole message
         # from the current packet on) and a full packet's, the MTU's and one more when the
         # payload does not start on a word.
-        words, words_less1 = payload_words(m, r1.laddr[:6], length)
+        source_addr = Mux(f1.ring_inline, c1.ring_address, r1.laddr)
+        words, words_less1 = payload_words(m, source_addr[:6], length)
         mtu_words = Signal(7)
         m.d.comb += mtu_words.eq(Const(2, 7) << qp.mtu)
-        unaligned = r1.laddr[:6] != 0
+        unaligned = source_addr[:6] != 0
 
         # --- stage 0 to stage 1 ------------------------------------------------------------
         # The per-QP state of the WQE's QP as stage 1 leaves it: stage 1 moves on in the
@@ -477,6 +515,10 @@ class WqeExecutor(wiring.Component):
                 c1.flushing.eq((qp_states[r0.qpn] != QpState.RTS.value) | local_error[r0.qpn]
                                | (commit_same & (status == CompletionStatus.ERROR))),
                 c1.stale.eq((r0.epoch != qp_epochs[r0.qpn]) | hits(r0.qpn)),
+                c1.ring_address.eq(Cat(f0.inline_offset, wqe_block[6:])),
+                c1.ring_wrap.eq(ring_wrap0),
+                c1.ring_first_len.eq(to_end_less1[:3]),
+                c1.ring_rest_len.eq(f0.inline_last_block + ~to_end_less1[:3]),
             ]
         with m.Elif(r1_advance):
             m.d.sync += r1_valid.eq(0)
@@ -543,13 +585,17 @@ class WqeExecutor(wiring.Component):
                 job.swap_mask.eq(r1.swap_mask), job.compare_mask.eq(r1.compare_mask),
                 job.with_imm.eq(with_imm),
                 job.solicited.eq(((r1.fm_ce_se & SOLICITED) != 0) & (is_send | with_imm)),
-                job.inline.eq(r1.inline),
+                job.inline.eq(r1.inline & ~f1.ring_inline),
+                job.ring_wrap.eq(c1.ring_wrap),
+                job.ring_first_len.eq(c1.ring_first_len),
+                job.ring_rest_len.eq(c1.ring_rest_len),
+                job.sq_base.eq(qp.sq_base),
                 job.vl.eq(vl), job.sl.eq(qp.sl), job.dlid.eq(qp.dlid),
                 job.dest_qpn.eq(qp.dest_qpn), job.pkey.eq(qp.pkey), job.mtu.eq(qp.mtu),
                 job.length.eq(length), job.raddr.eq(r1.raddr), job.rkey.eq(r1.rkey),
                 job.imm.eq(r1.imm), job.swap_add.eq(r1.swap_add), job.compare.eq(Mux(is_fetch_add, 0, r1.compare)),
                 job.inline_data.eq(r1.inline_data),
-                laddr.eq(r1.laddr), psn.eq(first_psn), first.eq(1),
+                laddr.eq(source_addr), psn.eq(first_psn), first.eq(1),
                 last.eq(~(is_send | is_write) | fits),
                 has_payload.eq((is_send | is_write) & ~empty),
                 mtu_bytes.eq(Const(128, 13) << qp.mtu),
@@ -669,6 +715,13 @@ class WqeExecutor(wiring.Component):
         ]
         with m.If(dma):
             m.d.comb += dma_payload(item, bursts)
+            with m.If(job.ring_wrap):
+                m.d.comb += [
+                    item.n_ar.eq(2),
+                    item.ar0_len.eq(job.ring_first_len),
+                    item.ar1_addr.eq(Cat(C(0, 6), job.sq_base[6:])),
+                    item.ar1_len.eq(job.ring_rest_len),
+                ]
         with m.Elif(job_sent & job.inline & has_payload):
             m.d.comb += [
                 item.desc.source.eq(PayloadSource.INLINE),

@@ -5,13 +5,13 @@ from amaranth.lib.wiring import In, Out
 from hdl.arith import count_registered, lookahead_sum
 
 from hdl.nic.signatures import (
-    EXT_AMO_OPMOD_4, EXT_AMO_OPMOD_8, FETCH_ID, MAX_INLINE_BYTES, MAX_WQE_BLOCKS, QPN_BITS,
-    WQEBB_BYTES, ArLayout,
+    DESCRIPTOR_INLINE_BYTES, EXT_AMO_OPMOD_4, EXT_AMO_OPMOD_8, FETCH_ID, MAX_INLINE_BYTES,
+    MAX_WQE_BLOCKS, QPN_BITS, WQEBB_BYTES, ArLayout,
     ContextReadSignature, FetchDoneLayout, FetchRequestLayout, MlxOpcode, QpConfigLayout,
     RBeatLayout, Syndrome, WqeDescriptorLayout,
 )
 
-__all__ = ["WqeFetcher"]
+__all__ = ["WqeFetcher", "sq_block_address"]
 
 
 def _be(block, start, n):
@@ -22,6 +22,26 @@ def _be(block, start, n):
 
 def _segment(block, start):
     return block[8 * start:8 * (start + 16)]
+
+
+def sq_block_address(m, sq_base, log_sq_size, position, *, name):
+    """``(address, in_ring)``: the byte address of send-queue block ``position`` (16 bits,
+    taken modulo the ring of 2**log_sq_size blocks), and ``in_ring``, bit i set for
+    i < log_sq_size, driven combinationally in ``m``. ``sq_base`` must be aligned to
+    min(4096, ring bytes), as RESET -> RTS checks: then a ring of up to 64 blocks lies
+    within one 4 KiB page and the index's bits 0..5 are ORed into the base, and its bits
+    6..15 reach into the base's bits 12..21 only, whose carry out chooses between the
+    upper bits and their increment, formed beside it."""
+    in_ring = Signal(16, name=f"{name}_in_ring")     # at most 15 bits: bit 15 never
+    m.d.comb += in_ring.eq(Cat(log_sq_size > i for i in range(15)))
+    index = position & in_ring
+    page_low = lookahead_sum(m, sq_base[12:22], index[6:], name=f"{name}_page_low")
+    upper = sq_base[22:]
+    upper_next = lookahead_sum(m, upper, 0, 1, name=f"{name}_page_upper_next")
+    address = Signal(64, name=f"{name}_block_address")
+    m.d.comb += address.eq(Cat(C(0, 6), sq_base[6:12] | index[:6], page_low[:10],
+                               Mux(page_low[10], upper_next[:len(upper)], upper)))
+    return address, in_ring
 
 
 class _WqeFactsLayout(data.StructLayout):
@@ -36,6 +56,9 @@ class _WqeFactsLayout(data.StructLayout):
             "has_inline": 1,
             "data_at": 3,               # data segment at byte 16, 32, 48, 64 (1, 2, 3, 4)
             "inline_len": range(MAX_INLINE_BYTES + 1),
+            # the bytes the descriptor carries: inline_len up to 64, else none (the
+            # executor reads longer data back from the ring)
+            "carried_len": range(DESCRIPTOR_INLINE_BYTES + 1),
         })
 
 
@@ -72,7 +95,8 @@ class WqeFetcher(wiring.Component):
     memory; ``imm`` is the big-endian value of control-segment bytes 12..15, so sending it
     most significant byte first puts those bytes on the wire unchanged. ``wqe_index`` is
     the fetch position of the WQE's first block (mod 2^16), not the control segment's copy.
-    ``inline_data`` holds ``byte_count`` bytes, the rest zero. A WQE with a format error
+    ``inline_data`` holds ``byte_count`` bytes, the rest zero, for up to 64 bytes; for
+    65 to 256 it is zero (the executor reads the data back from the ring). A WQE with a format error
     carries only its control-segment fields (opcode, opmod, ds, fm_ce_se, imm), all
     segment fields zero; one whose first block was read with an error carries none (its
     contents are unknown) and is one block long.
@@ -141,24 +165,14 @@ class WqeFetcher(wiring.Component):
         left_less_one = Signal(4)
         first = Signal()                # the fetch has not reserved yet
 
-        # sq_base is aligned to min(4096, ring bytes) (RESET -> RTS checks it), so a ring
-        # of up to 64 blocks lies within one 4 KiB page and a larger one starts and ends on
-        # page boundaries: the next boundary, whichever it is, is the first position after
-        # ``at`` whose bits below min(log_sq_size, 6) are zero, and the ring index's bits
-        # 0..5 are ORed into the base, not added.
-        in_ring = Signal(16)            # bit i: i < log_sq_size (at most 15: bit 15 never)
-        m.d.comb += in_ring.eq(Cat(cfg.log_sq_size > i for i in range(15)))
-        index = Signal(16)
-        m.d.comb += index.eq(at & in_ring)
+        # sq_base is aligned to min(4096, ring bytes) (RESET -> RTS checks it), so a larger
+        # ring than 64 blocks starts and ends on page boundaries: the next boundary,
+        # whichever it is, is the first position after ``at`` whose bits below
+        # min(log_sq_size, 6) are zero.
+        burst_address, in_ring = sq_block_address(m, cfg.sq_base, cfg.log_sq_size, at,
+                                                  name="sq")
         to_boundary_less_one = Signal(6)
         m.d.comb += to_boundary_less_one.eq(~at[:6] & in_ring[:6])
-        # The ring's index reaches into the base's bits 12..21 only: their carry out
-        # chooses between the upper bits and their increment, formed beside it.
-        page_low = lookahead_sum(m, cfg.sq_base[12:22], index[6:], name="sq_page_low")
-        upper = cfg.sq_base[22:]
-        upper_next = lookahead_sum(m, upper, 0, 1, name="sq_page_upper_next")
-        page = Signal(52)
-        m.d.comb += page.eq(Cat(page_low[:10], Mux(page_low[10], upper_next[:len(upper)], upper)))
         last_burst = Signal()
         m.d.comb += last_burst.eq(left_less_one <= to_boundary_less_one)
 
@@ -170,7 +184,7 @@ class WqeFetcher(wiring.Component):
         m.d.comb += [
             ar.valid.eq(held & requesting & (~first | room)),
             ar.payload.id.eq(FETCH_ID),
-            ar.payload.addr.eq(Cat(C(0, 6), cfg.sq_base[6:12] | index[:6], page)),
+            ar.payload.addr.eq(burst_address),
             ar.payload.len.eq(Mux(last_burst, left_less_one, to_boundary_less_one[:4])),
         ]
         fire = Signal()
@@ -373,7 +387,7 @@ class WqeFetcher(wiring.Component):
         def data_or_inline(at, word, base):
             # ``base``: ds of the WQE without its data (the empty form).
             length = word[:31]
-            segments = (length[:7] + 4 + 15) >> 4
+            segments = (length[:9] + 4 + 15) >> 4
             # The segment's first word is part of the WQE only when ds goes beyond the base.
             with m.If(ds == base):
                 m.d.comb += ok.eq(1)
@@ -381,7 +395,9 @@ class WqeFetcher(wiring.Component):
                 with m.If(length > MAX_INLINE_BYTES):
                     m.d.comb += syndrome.eq(Syndrome.LOCAL_LENGTH_ERR)
                 with m.Elif(ds == base + segments):
-                    m.d.comb += [ok.eq(1), has_inline.eq(1), inline_len.eq(length)]
+                    m.d.comb += [ok.eq(1), has_inline.eq(1), inline_len.eq(length),
+                                 facts.carried_len.eq(Mux(length <= DESCRIPTOR_INLINE_BYTES,
+                                                          length, 0))]
             with m.Elif(ds == base + 1):
                 m.d.comb += [ok.eq(1), has_data.eq(1), data_at.eq(at)]
 
@@ -444,10 +460,10 @@ class WqeFetcher(wiring.Component):
         m.d.comb += good.eq(ok & ~word_bad & ~bad0 & ~bad_later)
         # Inline data runs on from the first block into the second.
         both = Cat(block0, block1)
-        window = Mux(opcode[1], both[8 * 20:8 * (20 + MAX_INLINE_BYTES)],
-                     both[8 * 36:8 * (36 + MAX_INLINE_BYTES)])
-        inline_data = Cat(*(Mux(k < inline_len, window[8 * k:8 * (k + 1)], 0)
-                            for k in range(MAX_INLINE_BYTES)))
+        window = Mux(opcode[1], both[8 * 20:8 * (20 + DESCRIPTOR_INLINE_BYTES)],
+                     both[8 * 36:8 * (36 + DESCRIPTOR_INLINE_BYTES)])
+        inline_data = Cat(*(Mux(k < facts.carried_len, window[8 * k:8 * (k + 1)], 0)
+                            for k in range(DESCRIPTOR_INLINE_BYTES)))
 
         with m.If(~bad0):
             m.d.comb += [
