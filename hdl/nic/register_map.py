@@ -264,9 +264,10 @@ def register_map(num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2):
                  "(at least one packet per turn)", ("vl_weight",)),
         Register("link", 0x0028, "RO", 0, LINK_FIELDS,
                  "Link status: link_state [1:0] as the link port reports it, link_inits "
-                 "[63:32] (re-initialisations: times the link went from ACTIVE back to INIT on the "
-                 "peer's INIT packet, the peer having been reset; 0 after the first bring-up, "
-                 "wrapping; docs/link.md)", ("link",)),
+                 "[63:32] (re-initialisations: times the link went from ACTIVE back to INIT, on "
+                 "the peer's INIT packet (the peer was reset) or on a failed link (no flow-control "
+                 "packet for fail_timeout cycles); 0 after the first bring-up, wrapping; "
+                 "docs/link.md)", ("link",)),
     ]
     for k, (name, block, words) in enumerate(counter_words()):
         binding = (("own_counter", name) if k < len(OWN_COUNTERS)
