@@ -254,10 +254,10 @@ async def cable_cut_and_restored(dut, cut):
         detect = left[side] - cut_at
         dut._log.info(f"cut {cut}: {side} left ACTIVE {detect} cycles after the cut")
         # Its last flow-control packet came at most a period and a packet before the cut; a
-        # packet the cut caught midway is closed after stall_timeout, and the silence
-        # counts outside packets only.
+        # packet the cut caught midway is closed after stall_timeout without a beat (the last
+        # one still on the cable at the cut), and the silence counts outside packets only.
         assert fail_timeout - 2 * tb.params["fc_period"] <= detect \
-            <= stall_timeout + fail_timeout + 8, detect
+            <= stall_timeout + fail_timeout + tb.params["wire_delay"] + 8, detect
     await tb.loop.run(cycles=2 * fail_timeout)
     assert tb.port("state", "a") != active or tb.port("state", "b") != active, \
         "the link came up over a cut cable"
