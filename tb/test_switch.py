@@ -487,7 +487,8 @@ async def cable_cut_mid_packet(dut):
     beat (docs/link.md): it leaves end-bad, counted as truncated at port 0, host 1 drops it,
     and output 1 is free again while the cable is still cut, so host 2's packets waiting
     behind it are delivered. Port 0 then takes its link for failed; host 1's link stays up
-    (its silence counts outside packets only). The cable back, the link re-initialises by
+    (its silence counts outside packets only). While port 0 is down, packets queued for it
+    are discarded and counted, and their input's other flows keep moving. The cable back, the link re-initialises by
     itself and host 0's later packets arrive; credits come home."""
     tb = SwitchTB(dut, seed=7)
     assert 0 in tb.tb_ports, "this test needs host 0's wire carried by the testbench"
@@ -528,6 +529,22 @@ async def cable_cut_mid_packet(dut):
     log(dut, f"port 0 left ACTIVE {tb.loop.cycle - cut_at} cycles after the cut")
     assert all(tb.signal(f"host{p}_link_inits") == 0 for p in range(1, tb.ports)), \
         "a link whose peer only paused inside a packet was taken for failed"
+    # While port 0 is down, what is queued for it is discarded and counted, and the input
+    # that queued it keeps serving its other outputs.
+    discarded = [(await tb.counters(0, v))["drop_hoq_lifetime"] for v in range(tb.num_vls)]
+    delivered = tb.scoreboard.delivered
+    for k in range(6):
+        vl = k % tb.num_vls
+        tb.send(2, tb.make_packet(2, host_lid(0), payload_len=512, vl=vl, sl=vl), expect=False)
+        tb.send(2, tb.make_packet(2, host_lid(3), payload_len=512, vl=vl, sl=vl))
+    await tb.run(until=lambda: tb.all_sent() and tb.scoreboard.delivered == delivered + 6,
+                 limit=20000, what="host 2's packets past the dead output")
+    await tb.run(cycles=64)
+    now = [(await tb.counters(0, v))["drop_hoq_lifetime"] for v in range(tb.num_vls)]
+    assert [n - d for n, d in zip(now, discarded)] == [3, 3], (discarded, now)
+    assert tb.signal("switch_link_state__0") != LinkState.ACTIVE.value, "port 0 came back early"
+    assert not tb.egress[0].data_packets or all(
+        start < cut_at for _, _, start in tb.egress[0].data_packets), "a packet left on port 0"
 
     channel.cut = False
     restored_at = tb.loop.cycle

@@ -71,8 +71,10 @@ COUNTER_WORDS = (
       for reason in DROP_REASONS),
     ("drop_unknown_dlid", "input packets dropped because their DLID missed the forwarding "
                           "table (beyond the table or an invalid entry)"),
-    ("drop_hoq_lifetime", "packets for this output port and VL discarded because they headed "
-                          "their queue for longer than `hoq_lifetime` (IBA HOQLife)"),
+    ("drop_hoq_lifetime", "packets for this output port and VL discarded unsent because they "
+                          "headed their queue for longer than `hoq_lifetime` (IBA HOQLife), or "
+                          "while the output's link was down after having been up (it failed or "
+                          "its peer was reset: docs/link.md)"),
 )
 COUNTER_NAMES = tuple(name for name, _ in COUNTER_WORDS)
 assert len(COUNTER_NAMES) * 4 <= COUNTER_VL_STRIDE

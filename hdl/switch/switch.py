@@ -48,6 +48,10 @@ class Switch(wiring.Component):
     leaves marked end-bad. Cycles in which a packet waits only for credit are counted as
     credit stalls.
 
+    A queued packet is discarded unsent, counted in ``drop_hoq_lifetime`` of its output and
+    VL, when it heads its queue longer than ``hoq_lifetime`` or while its output's link is
+    down after having been up.
+
     ``mode="fifo"`` keeps one queue per input and VL instead of one per output and VL, to
     show head-of-line blocking.
 
@@ -167,6 +171,18 @@ class Switch(wiring.Component):
         m.d.sync += tick_count.eq(tick_count + 1)
         m.d.comb += tick.eq(tick_count == HOQ_TICK_CYCLES - 1)
         lifetime = regs.hoq_lifetime
+        # An output whose link went down after being up (it failed, or its peer was reset)
+        # takes nothing until it is back: the heads queued for it are discarded as expired ones
+        # are, so no input waits on a dead output (docs/switch.md, Routing and bad input).
+        was_active = Signal(P)
+        out_down = Signal(P)
+        for p, port in enumerate(self.link_ports):
+            active = port.state == LinkState.ACTIVE
+            m.d.sync += was_active[p].eq(active)
+            with m.If(active):
+                m.d.sync += out_down[p].eq(0)
+            with m.Elif(was_active[p]):
+                m.d.sync += out_down[p].eq(1)
         hoq_head = [Signal(range(max(buffer.num_queues, 2)), name=f"hoq_queue{i}")
                     for i, buffer in enumerate(self.buffers)]
         for i, buffer in enumerate(self.buffers):
@@ -178,8 +194,10 @@ class Switch(wiring.Component):
                     m.d.sync += age.eq(0)
                 with m.Elif(tick & (age != 0xFFFF)):
                     m.d.sync += age.eq(age + 1)
-                m.d.comb += expired[q].eq(buffer.heads[q].valid & (lifetime != 0)
-                                          & (age >= lifetime))
+                down = (out_down[q // self.num_vls] if self.mode == "voq" else
+                        Array(out_down)[buffer.heads[q].port])
+                m.d.comb += expired[q].eq(buffer.heads[q].valid & (
+                    (lifetime != 0) & (age >= lifetime) | down))
             for q in reversed(range(buffer.num_queues)):
                 with m.If(expired[q]):
                     m.d.comb += hoq_head[i].eq(q)
