@@ -55,6 +55,8 @@ def link_benchmarks():
     records += run_link("throughput_both_ways", buffer_blocks=328, wire_delay=max(SWEEP_DELAYS))
     records += run_link("latency", buffer_blocks=192, wire_delay=0)
     records += run_link("bringup", buffer_blocks=328, wire_delay=max(SWEEP_DELAYS))
+    # Cables carried by the testbench, so that they can be cut.
+    records += run_link("failure", buffer_blocks=192, wire_delay=8, channel="tb")
     sweep = []
     for blocks in SWEEP_BUFFERS:
         sweep += run_link("credit_loop", buffer_blocks=blocks, wire_delay=max(SWEEP_DELAYS),

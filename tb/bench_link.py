@@ -149,3 +149,44 @@ async def credit_loop(dut):
         record("link.credit_loop.throughput", round(value, 4), "fraction of wire", tb.config(
             payload_bytes=4096, wire_delay_cycles=delay))
         tb.sink.packets.clear()
+
+
+@cocotb.test()
+async def failure(dut):
+    """A cable cut both ways and restored (docs/link.md, Link failure and recovery): cycles from
+    the cut to the later end leaving ACTIVE, the cut falling between packets (the idle link's
+    flow-control packets only) or inside a 4 KiB packet; and from the cable's return to both
+    ends ACTIVE. Needs a build whose cables are the testbench's (``channel="tb"``)."""
+    from hdl.link.signatures import LinkState
+    from tb.link_pair_tb import CLOCK_NS, TB
+    tb = TB(dut, rng=random.Random(5))
+    await tb.bring_up()
+    active = LinkState.ACTIVE.value
+    fc_period = tb.params["fc_period"]
+    config = dict(wire_delay_cycles=tb.params["wire_delay"], fc_period=fc_period,
+                  stall_timeout=4 * fc_period, fail_timeout=8 * fc_period,
+                  clock_mhz=round(1000 / CLOCK_NS, 3))
+    channels = list(tb.channels.values())
+    for where in ("idle", "mid_packet"):
+        await tb.loop.run(cycles=2 * fc_period)
+        if where == "mid_packet":
+            tb.send("a", 0, random_packet(tb.rng, payload_len=4096, vl=0, opcode=Opcode.SEND_ONLY))
+            passing = tb.channels["a", "b"]
+            await tb.loop.run(until=lambda: len(passing.passing) >= 8
+                              and not passing.passing[-1]["end"], limit=4000)
+        cut_at = tb.loop.cycle
+        for channel in channels:
+            channel.cut = True
+        await tb.loop.run(until=lambda: tb.port("state", "a") != active
+                          and tb.port("state", "b") != active, limit=3 * 8 * fc_period)
+        record(f"link.failure_detect_cycles.{where}", tb.loop.cycle - cut_at, "cycles",
+               dict(config, cut=where))
+        await tb.loop.run(cycles=64)
+        for channel in channels:
+            channel.cut = False
+        restored_at = tb.loop.cycle
+        await tb.wait_active(limit=20 * fc_period)
+        if where == "idle":
+            record("link.recovery_cycles", tb.loop.cycle - restored_at, "cycles", config)
+    await tb.drain()
+
