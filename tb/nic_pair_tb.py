@@ -295,6 +295,7 @@ class NicPairTB(RcTB):
         # simulation may have left them losing packets.
         for side in self.sides:
             self.set_faults(side, 0)
+            self.cut(side, False)
 
     def traffic_record(self):
         """What the run put on the cables, and when: the cycle now and, per side, the count
@@ -409,6 +410,10 @@ class NicPairTB(RcTB):
         getattr(self.dut, f"{side}_fault_rate").value = rate
         getattr(self.dut, f"{side}_fault_mode").value = mode
         getattr(self.dut, f"{side}_fault_seed").value = seed
+
+    def cut(self, side, cut=True):
+        """Cut (or restore) the cable out of NIC ``side``: every beat on it is lost."""
+        getattr(self.dut, f"{side}_fault_cut").value = int(cut)
 
     def faults(self, side):
         return int(getattr(self.dut, f"{side}_faults").value)

@@ -14,8 +14,9 @@ the same latency on both). Each cable is a delay line of ``wire_delay`` cycles e
 so a latency can be split into NIC cycles, memory waits, wire and switch.
 
 Loss: each NIC's outgoing cable starts with a :class:`tb.gateware.wire_fault.WireFault`
-(``{side}_fault_rate``, ``{side}_fault_mode``, ``{side}_fault_seed`` in, ``{side}_faults``
-out; rate 0, the reset state of the inputs, passes everything untouched). The wire monitor
+(``{side}_fault_rate``, ``{side}_fault_mode``, ``{side}_fault_seed``, ``{side}_fault_cut``
+in, ``{side}_faults`` out; rate 0 and no cut, the reset state of the inputs, pass everything
+untouched; ``{side}_fault_cut`` loses every beat, a cut cable). The wire monitor
 shows the packets before it. ``{side}_rx_drop_{reason}`` are the drop counters of each NIC's
 own link receiver (docs/link.md, Drop reasons); with a switch, the packets a fault hit on
 the way in are counted by the switch's input port (its registers).
@@ -77,6 +78,7 @@ class NicPairTop(wiring.Component):
                 f"{side}_fault_mode": In(1),
                 f"{side}_fault_seed": In(32),
                 f"{side}_faults": Out(32),
+                f"{side}_fault_cut": In(1),
                 **{f"{side}_rx_drop_{reason}": Out(32) for reason in DROP_REASONS},
             })
         super().__init__(members)
@@ -99,6 +101,7 @@ class NicPairTop(wiring.Component):
                 fault.mode.eq(getattr(self, f"{side}_fault_mode")),
                 fault.seed.eq(getattr(self, f"{side}_fault_seed")),
                 getattr(self, f"{side}_faults").eq(fault.faults),
+                fault.cut.eq(getattr(self, f"{side}_fault_cut")),
                 *(getattr(self, f"{side}_rx_drop_{reason}").eq(getattr(nic.link_drops, reason))
                   for reason in DROP_REASONS),
             ]

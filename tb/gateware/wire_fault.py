@@ -21,6 +21,9 @@ steps once per data packet, so the choice of hit packets depends only on the pac
 not on timing. It starts from ``seed`` (a port, so that one Verilator build serves many
 seeds; 0 means :data:`DEFAULT_SEED`), taken at the first data packet after reset. ``mode``
 is sampled at each packet's start beat. ``faults`` counts hit packets (wrapping).
+
+``cut`` (a port) cuts the cable: while it is set every beat is lost, flow-control packets
+and the middle of a packet included, and none is counted in ``faults``.
 """
 from amaranth import *
 from amaranth.lib import wiring
@@ -60,6 +63,7 @@ class WireFault(wiring.Component):
             "mode": In(1),
             "seed": In(32),
             "faults": Out(32),
+            "cut": In(1),
         })
 
     def elaborate(self, platform):
@@ -104,7 +108,7 @@ class WireFault(wiring.Component):
 
         data_drop = data_beat & beat_dropping
         m.d.comb += [
-            w_out.valid.eq(w_in.valid & ~data_drop),
+            w_out.valid.eq(w_in.valid & ~data_drop & ~self.cut),
             w_out.data.eq(w_in.data ^ Mux(data_beat, mask, 0)),
             w_out.start.eq(w_in.start),
             w_out.end.eq(w_in.end),
