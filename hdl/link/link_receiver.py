@@ -68,6 +68,10 @@ class LinkReceiver(wiring.Component):
     Every drop is also reported on ``drop_event`` with the packet's VL, for per-VL
     counters.
 
+    A data packet that gets no beat for ``stall_timeout`` cycles (None: never), or is in
+    progress when ``close`` rises, is closed as truncated (docs/link.md, Link failure and
+    recovery).
+
     Flow-control packets with a bad LPCRC, a VL we do not have or a length
     other than 6 are dropped and counted. Good ones are reported on
     ``flow_control`` when the link state accepts them: NORMAL ones are stale
@@ -118,7 +122,7 @@ class LinkReceiver(wiring.Component):
             # Data packets arriving now are dropped as link_down (LinkPort: INIT since reset).
             "link_down": In(1),
             "clear": In(1),
-            # The link went down (LinkPort's clear): a packet being stored will not be
+            # The link went down (LinkPort's clear): the data packet in progress will not be
             # finished; it is closed as truncated in the first cycle without a beat.
             "close": In(1),
             # A data packet has started on the wire and not ended (as the check register saw).
