@@ -5,7 +5,7 @@ sender, always on."""
 from collections import deque
 
 from models.ib import FlowControl, FlowControlOp
-from models.link import FCCL_MASK, CreditSender
+from models.link import CreditSender
 from models.packet import blocks
 
 __all__ = ["CreditMonitor", "CreditViolation", "FC_TO_START_CYCLES"]
@@ -56,7 +56,6 @@ class CreditMonitor:
         self.vls = [CreditSender(0) for _ in range(num_vls)]
         self.granted = deque()      # (cycle at the sender, vl, fccl) not yet usable
         self.packets = [0] * num_vls    # data packets checked, per VL
-        self.least_room = [None] * num_vls  # smallest credit left after a start, in blocks
 
     def _first_bytes(self, wire, count):
         return int(wire["data"].value).to_bytes(self.width, "little")[:count]
@@ -100,9 +99,6 @@ class CreditMonitor:
                 f"{sender.blocks_available()} blocks of credit")
         sender.sent(need)
         self.packets[vl] += 1
-        room = (sender.limit - sender.fctbs) & FCCL_MASK
-        if self.least_room[vl] is None or room < self.least_room[vl]:
-            self.least_room[vl] = room
 
     def _flow_control(self, wire):
         """The flow-control packet on ``wire`` as a receiver takes it, or None (malformed, bad

@@ -167,6 +167,11 @@ class TB:
                     position += 1
 
     def check_credits(self):
+        # Each credit monitor checked every packet its transmitter started (it watched the
+        # right wire).
+        for side, monitor in self.credit_monitors.items():
+            assert monitor.packets == [self.port("packets_sent", side, v)
+                                       for v in range(self.num_vls)], (side, monitor.packets)
         blocks = self.params["buffer_blocks"]
         for side in ("a", "b"):
             far = self.other(side)

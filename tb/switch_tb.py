@@ -382,6 +382,15 @@ class SwitchTB:
     def check_credits(self, since=None):
         """``since``: {port: a cycle after its link last re-initialised}."""
         since = since or {}
+        # Each credit monitor checked every packet its sender started (it watched the right
+        # wires): the hosts' transmitters count theirs, the egress monitors the switch's.
+        for p in range(self.ports):
+            switch_side, host = self.credit_monitors[2 * p:2 * p + 2]
+            assert host.packets == [self.signal(f"host{p}_packets_sent__{v}")
+                                    for v in range(self.num_vls)], (p, host.packets)
+            assert switch_side.packets == [
+                sum(packet[0] >> 4 == v for packet, _, _ in self.egress[p].data_packets)
+                for v in range(self.num_vls)], (p, switch_side.packets)
         switch_blocks = self.signal("switch_buffer_blocks")
         for p in range(self.ports):
             for v in range(self.num_vls):

@@ -68,7 +68,7 @@ K = FC_TO_START_CYCLES
 def test_packets_within_credit_pass():
     monitor = run({0: [grant(0, 10)], K: [send(0, 4)], K + 10: [send(0, 6)]})
     assert monitor.packets == [2, 0]
-    assert monitor.least_room[0] == 0
+    assert monitor.vls[0].fctbs == 10 and monitor.vls[0].blocks_available() == 0
 
 
 def test_one_block_over_the_limit_fails():
