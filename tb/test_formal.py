@@ -17,18 +17,19 @@ PROOFS = {
                                                       mtu=4096), 6),
 }
 
-# name -> (proof it breaks, module, the line as it is, the line with the bug)
+# name -> (proof it breaks, module, the harness keyword that takes the component, the
+# component's class in the module, the line as it is, the line with the bug)
 PLANTED = {
     # A head one block larger than the room passes the credit test.
-    "credit_one_block_short": ("link_transmitter_credit_w8", TRANSMITTER,
+    "credit_one_block_short": ("link_transmitter_credit_w8", TRANSMITTER, "transmitter", "LinkTransmitter",
         "credit_ok[v].eq(Cat(view_sel[v][k] & (over[v][k] ^ _less_than(blocks_less1[v][:bits], lim[v][k]))",
         "credit_ok[v].eq(Cat(view_sel[v][k] & (over[v][k] ^ _less_than(blocks_less1[v][:bits], lim[v][k] + 1))"),
     # FCTBS counts a packet one block short.
-    "fctbs_one_block_short": ("link_transmitter_credit_w8", TRANSMITTER,
+    "fctbs_one_block_short": ("link_transmitter_credit_w8", TRANSMITTER, "transmitter", "LinkTransmitter",
         "m.d.sync += [register.eq(_sum(counts[k + 1], blocks_less1[v], 0))",
         "m.d.sync += [register.eq(_sum(counts[k], blocks_less1[v], 0))"),
     # A start flag inside a packet goes on the wire as a new, uncounted packet.
-    "start_flag_inside_a_packet": ("link_transmitter_credit_w8", TRANSMITTER,
+    "start_flag_inside_a_packet": ("link_transmitter_credit_w8", TRANSMITTER, "transmitter", "LinkTransmitter",
         'fields["start"].eq(beat.start & ~busy), fields["end"].eq(last),',
         'fields["start"].eq(beat.start), fields["end"].eq(last),'),
 }
@@ -58,9 +59,9 @@ def test_covered(tmp_path, name):
 
 @pytest.mark.parametrize("bug", PLANTED)
 def test_planted_bug_is_caught(tmp_path, bug):
-    name, module, line, planted_line = PLANTED[bug]
+    name, module, keyword, component, line, planted_line = PLANTED[bug]
     copy = sby.planted(module, line, planted_line)
     make, _ = PROOFS[name]
-    harness = functools.partial(make, transmitter=copy.LinkTransmitter)
+    harness = functools.partial(make, **{keyword: getattr(copy, component)})
     status, seconds, log = sby.run(proof(name, harness, BUG_DEPTH), tmp_path, "prove")
     assert status == "FAIL", f"{bug}: the proof of {name} did not fail ({status})"
