@@ -1,7 +1,8 @@
 """pytest launchers of the fabric scenarios (tb/fabric_scenarios.py). Each fails unless every
 check of the scenario passed (tokens intact at the right rank and offset, signals counted,
-memories equal to the models, no drop, no overflow, no retransmission, every CQE as
-predicted, every message landed).
+memories equal to the models, no overflow, every CQE as predicted, every message landed;
+no drop and no retransmission, or with a cut cable drops only where the cut explains them
+and the link back up).
 
 - ``test_moe_reduced`` (in ``make test``): an MoE step of 2 tokens per rank, top-2, on a
   fabric whose switches are all one module: 6 NICs on 3 leaves, 1 spine, every switch
@@ -10,10 +11,10 @@ predicted, every message landed).
   NicTop's public one; with one switch module, the cheapest shape measured
   (docs/fabric.md, Scenarios: Figures).
 - ``test_moe_reduced_spine_cut`` (in ``make test``): the same step on the same build with
-  leaf 0's spine cable cut both ways ``cut_at`` cycles into the workload and restored once
-  both ends went down (docs/fabric.md, A cut cable): every token still arrives byte-exact,
-  the loss only where the cut explains it, recovered by RC retransmission (local ACK
-  timeout code 3, 13,104 cycles).
+  leaf 0's spine cable cut both ways ``cut_at`` cycles into the workload (mid-packet) and
+  restored once both ends went down (docs/fabric.md, A cut cable): every token still
+  arrives byte-exact, the loss only where the cut explains it, recovered by RC
+  retransmission (local ACK timeout code 3, 13,104 cycles).
 - ``test_moe_8_ranks``, ``test_kv_small``: the default 8-NIC fabric (the build ``make sim``
   and tb/test_fabric.py share), marked full: a first build of it takes 6 to 7 minutes.
 """
@@ -33,7 +34,7 @@ CHECKS = {"tokens_intact", "signals_counted", "memories_match_model", "no_overfl
           "cqes_complete", "messages_landed"}
 LOSSLESS_CHECKS = {"no_drops", "no_retransmissions"}
 CUT_CHECKS = {"drops_only_from_the_cut", "cut_recovered"}
-SPINE_CUT_MOE = dict(REDUCED_MOE, ack_timeout=3, cut_link="leaf0.p2", cut_at=300)
+SPINE_CUT_MOE = dict(REDUCED_MOE, ack_timeout=3, cut_link="leaf0.p2", cut_at=700)
 
 
 def run(config):
