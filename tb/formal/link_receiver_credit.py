@@ -33,7 +33,7 @@ class LinkReceiverCreditHarness(Elaboratable):
         m = Module()
         dut = self.dut
         # Elaborated here, not by Amaranth later, so that its invariants exist to be asserted.
-        m.submodules.dut = receiver = dut.elaborate(platform)
+        m.submodules.dut = elaborated = dut.elaborate(platform)
         dut._MustUse__silence = True
         vls = range(dut.num_vls)
         buffer_blocks = dut.buffer_blocks
@@ -114,7 +114,7 @@ class LinkReceiverCreditHarness(Elaboratable):
         # charged: what makes buffer_blocks * max(1, 64 / width) + 1 beats enough.
         beats_per_block = max(1, BLOCK_BYTES // dut.width)
         for v in vls:
-            buffer = receiver.submodules[f"buffer{v}"]
+            buffer = elaborated.submodules[f"buffer{v}"]
             write, verdict = buffer.write, buffer.verdict
             stored = Signal(range(dut.buffer_beats + 1), name=f"packet_beats{v}")
             stored_now = Signal.like(stored, name=f"packet_beats_now{v}")
