@@ -6,6 +6,7 @@ import pytest
 
 from tb.formal import sby
 from tb.formal.link_transmitter_credit import LinkTransmitterCreditHarness
+from tb.formal.switch_allocator_credit import SwitchAllocatorCreditHarness
 
 TRANSMITTER = "hdl.link.link_transmitter"
 
@@ -16,6 +17,13 @@ PROOFS = {
     "link_transmitter_credit_w64": (functools.partial(LinkTransmitterCreditHarness, width=64,
                                                       mtu=4096), 6),
 }
+
+# The switch's egress credit check (issue 24): SwitchAllocator, 2 ports, 2 VLs, packets of up
+# to 3 blocks (docs/formal.md).
+PROOFS.update({
+    "switch_allocator_credit_2p": (functools.partial(SwitchAllocatorCreditHarness, ports=2,
+                                                     num_vls=2, max_blocks=3), 6),
+})
 
 # name -> (proof it breaks, module, the harness keyword that takes the component, the
 # component's class in the module, the line as it is, the line with the bug)
@@ -33,6 +41,20 @@ PLANTED = {
         'fields["start"].eq(beat.start & ~busy), fields["end"].eq(last),',
         'fields["start"].eq(beat.start), fields["end"].eq(last),'),
 }
+
+ALLOCATOR = "hdl.switch.switch_allocator"
+PLANTED.update({
+    # A head one block larger than the registered bound passes stage E's credit test.
+    "allocator_credit_one_block_short": ("switch_allocator_credit_2p", ALLOCATOR, "allocator",
+        "SwitchAllocator",
+        "within.eq(blocks[:B] <= bound[o][v]),",
+        "within.eq(blocks[:B] <= bound[o][v] + 1),"),
+    # The output rejoins allocation one cycle before its credit view has seen the count.
+    "allocator_hold_ends_a_cycle_early": ("switch_allocator_credit_2p", ALLOCATOR, "allocator",
+        "SwitchAllocator",
+        "m.d.comb += credit_busy.eq(pend_out | matched_out | hold_valid | hold_after[0] | hold_after[1])",
+        "m.d.comb += credit_busy.eq(pend_out | matched_out | hold_valid | hold_after[0])"),
+})
 
 
 # Bounded depth at which every planted bug shows a counterexample (a start flag inside a
