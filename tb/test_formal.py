@@ -19,18 +19,25 @@ PROOFS = {
                                                       mtu=4096), 6),
 }
 
-# The switch's egress credit check (issue 24): SwitchAllocator, 2 ports, 2 VLs, packets of up
-# to 3 blocks (docs/formal.md).
+# The switch's egress credit check (issue 24): SwitchAllocator, 2 and 3 ports, 2 VLs, packets
+# of up to 3 blocks (docs/formal.md).
 PROOFS.update({
     "switch_allocator_credit_2p": (functools.partial(SwitchAllocatorCreditHarness, ports=2,
                                                      num_vls=2, max_blocks=3), 6),
+    "switch_allocator_credit_3p": (functools.partial(SwitchAllocatorCreditHarness, ports=3,
+                                                     num_vls=2, max_blocks=3), 6),
     # The VOQ buffer's cell accounting: 2 ports, 2 VLs, 2 cells per VL (8 cells), packets of
-    # up to 4 beats; bounded (bmc: every input sequence of 9 cycles from reset), memories
-    # mapped to registers (docs/formal.md says why it is not k-induction yet).
+    # up to 4 beats; bounded (bmc: every input sequence of 8 or 9 cycles from reset),
+    # memories mapped to registers (docs/formal.md says why it is not k-induction yet).
+    "voq_buffer_cells_bmc8": (functools.partial(VoqBufferCellsHarness, ports=2, num_vls=2,
+                                                share=2, max_beats=4), 8,
+                              {"mode": "bmc", "script": ("memory_map", "opt -fast")}),
     "voq_buffer_cells_bmc9": (functools.partial(VoqBufferCellsHarness, ports=2, num_vls=2,
                                                 share=2, max_beats=4), 9,
                               {"mode": "bmc", "script": ("memory_map", "opt -fast")}),
 })
+# Proofs of minutes: make formal and make test-full only (pytest mark "full").
+SLOW = {"voq_buffer_cells_bmc9"}
 
 # name -> (proof it breaks, module, the harness keyword that takes the component, the
 # component's class in the module, the line as it is, the line with the bug)
@@ -66,11 +73,11 @@ PLANTED.update({
 VOQ_BUFFER = "hdl.switch.voq_buffer"
 PLANTED.update({
     # A packet skipped unsent (known bad, or dropped) does not give its cells back.
-    "voq_discard_keeps_its_cells": ("voq_buffer_cells_bmc9", VOQ_BUFFER, "buffer", "VoqBuffer",
+    "voq_discard_keeps_its_cells": ("voq_buffer_cells_bmc8", VOQ_BUFFER, "buffer", "VoqBuffer",
         "m.d.comb += [free_cells.w_data.eq(shown_cell), free_cells.w_en.eq(consume)]",
         "m.d.comb += [free_cells.w_data.eq(shown_cell), free_cells.w_en.eq(consume & ~skip)]"),
     # The free list hands out its head without removing it: the next write gets it again.
-    "voq_free_cell_handed_out_twice": ("voq_buffer_cells_bmc9", VOQ_BUFFER, "buffer",
+    "voq_free_cell_handed_out_twice": ("voq_buffer_cells_bmc8", VOQ_BUFFER, "buffer",
         "VoqBuffer",
         "m.d.comb += free_cells.r_en.eq(1)",
         "m.d.comb += free_cells.r_en.eq(0)"),
@@ -88,13 +95,17 @@ def proof(name, harness=None, depth=None):
                      **(options[0] if options else {}))
 
 
-@pytest.mark.parametrize("name", PROOFS)
+PROOF_NAMES = [pytest.param(name, marks=pytest.mark.full) if name in SLOW else name
+               for name in PROOFS]
+
+
+@pytest.mark.parametrize("name", PROOF_NAMES)
 def test_proved(tmp_path, name):
     status, seconds, log = sby.run(proof(name), tmp_path, "prove")
     assert status == "PASS", f"{name}: {status} after {seconds:.0f} s\n{log[-4000:]}"
 
 
-@pytest.mark.parametrize("name", PROOFS)
+@pytest.mark.parametrize("name", PROOF_NAMES)
 def test_covered(tmp_path, name):
     status, seconds, log = sby.run(proof(name), tmp_path, "cover")
     assert status == "PASS", f"{name}: a cover was not reached ({status})\n{log[-4000:]}"

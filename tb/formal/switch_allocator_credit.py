@@ -4,10 +4,10 @@ credit covers all of it (IBA's modular rule), one packet per output and per inpu
 
 Around the real ``SwitchAllocator`` the harness plays the switch and the output transmitters:
 queue heads arrive with any block count and stay until started or discarded (discards only
-while the allocator has nothing in flight for that input, as the switch's head-of-queue drop);
-``start`` comes for a matched input at any time; each transmitter takes a started packet (its
-FCTBS grows by exactly the packet's blocks, ``counted`` the cycle after) or skips it, whenever
-it likes; the credit limit moves only forward and stays within the peer's buffer of FCTBS
+while the allocator has nothing in flight for that input, the input not ready in the cycle
+after, as the switch's head-of-queue drop); ``start`` comes for a matched input at any time;
+each transmitter takes a started packet (its FCTBS grows by exactly the packet's blocks,
+``counted`` the cycle after) or skips it, in any cycle after the start; the credit limit moves only forward and stays within the peer's buffer of FCTBS
 (2047 blocks at most), as a peer's FCCL does. Everything else is free in every cycle.
 """
 from amaranth import Array, Cat, Elaboratable, Module, Mux, Signal
@@ -17,7 +17,6 @@ from amaranth.hdl import Assert, Assume, Cover
 from hdl.link.signatures import FCCL_BITS
 from hdl.switch.switch_allocator import SwitchAllocator
 
-FCCL_MODULUS = 1 << FCCL_BITS
 CREDIT_WINDOW = 2048
 
 
