@@ -1,5 +1,6 @@
-"""Formal proofs of the lossless rules (docs/formal.md): each proved by k-induction, each with
-a reachable cover, and each shown to fail on a planted one-line bug."""
+"""Formal proofs of the lossless rules (docs/formal.md): each proved by k-induction (or, where
+marked bounded, checked for every input sequence of its depth from reset), each with a
+reachable cover, and each shown to fail on a planted one-line bug."""
 import functools
 
 import pytest
@@ -7,29 +8,45 @@ import pytest
 from tb.formal import sby
 from tb.formal.link_receiver_credit import LinkReceiverCreditHarness
 from tb.formal.link_transmitter_credit import LinkTransmitterCreditHarness
+from tb.formal.switch_allocator_credit import SwitchAllocatorCreditHarness
+from tb.formal.voq_buffer_cells import VoqBufferCellsHarness
 
 TRANSMITTER = "hdl.link.link_transmitter"
+RECEIVER = "hdl.link.link_receiver"
+ALLOCATOR = "hdl.switch.switch_allocator"
+VOQ_BUFFER = "hdl.switch.voq_buffer"
+BOUNDED = {"mode": "bmc"}       # every state reachable within the depth from reset, no induction
 
-# name -> (harness, k); every entry is proved in make test (each takes seconds).
+# name -> (harness, depth: k of the k-induction or the bound, sby.Proof's other options).
 PROOFS = {
     "link_transmitter_credit_w8": (functools.partial(LinkTransmitterCreditHarness, width=8,
-                                                     mtu=256), 6),
+                                                     mtu=256), 6, {}),
     "link_transmitter_credit_w64": (functools.partial(LinkTransmitterCreditHarness, width=64,
-                                                      mtu=4096), 6),
-}
-
-# LinkReceiver and its peer: checked for the first k cycles from reset (bmc), not by
-# induction (docs/formal.md says why).
-RECEIVER_PROOFS = {
+                                                      mtu=4096), 6, {}),
+    # LinkReceiver and its peer: bounded (docs/formal.md says why); its buffer fills and
+    # drains in 11 cycles.
     "link_receiver_credit_w64": (functools.partial(LinkReceiverCreditHarness, width=64,
-                                                   mtu=256), 8),
+                                                   mtu=256), 8, {**BOUNDED, "cover_depth": 12}),
+    # The switch's egress credit check: SwitchAllocator, 2 and 3 ports, 2 VLs, packets of up
+    # to 3 blocks.
+    "switch_allocator_credit_2p": (functools.partial(SwitchAllocatorCreditHarness, ports=2,
+                                                     num_vls=2, max_blocks=3), 6, {}),
+    "switch_allocator_credit_3p": (functools.partial(SwitchAllocatorCreditHarness, ports=3,
+                                                     num_vls=2, max_blocks=3), 6, {}),
+    # The VOQ buffer's cell accounting: 2 ports, 2 VLs, 2 cells per VL (8 cells), packets of
+    # up to 4 beats; bounded, memories mapped to registers.
+    "voq_buffer_cells_bmc8": (functools.partial(VoqBufferCellsHarness, ports=2, num_vls=2,
+                                                share=2, max_beats=4), 8,
+                              {**BOUNDED, "script": ("memory_map", "opt -fast")}),
+    "voq_buffer_cells_bmc9": (functools.partial(VoqBufferCellsHarness, ports=2, num_vls=2,
+                                                share=2, max_beats=4), 9,
+                              {**BOUNDED, "script": ("memory_map", "opt -fast")}),
 }
-PROOFS.update(RECEIVER_PROOFS)
-BOUNDED = set(RECEIVER_PROOFS)
-# Cover depths other than 10: the receiver's buffer fills and drains in 11 cycles.
-COVER_DEPTH = {"link_receiver_credit_w64": 12}
-# Covers that take over a minute: make formal (and make test-full) only.
-FORMAL_ONLY_COVERS = {"link_receiver_credit_w64"}
+# What takes minutes runs in make formal and make test-full only (pytest mark "full").
+SLOW_PROOFS = {"voq_buffer_cells_bmc9"}
+# One cover per harness: voq_buffer_cells_bmc9's is voq_buffer_cells_bmc8's.
+COVERS = [name for name in PROOFS if name != "voq_buffer_cells_bmc9"]
+SLOW_COVERS = {"link_receiver_credit_w64"}
 
 # name -> (proof it breaks, module, the harness keyword that takes the component, the
 # component's class in the module, the line as it is, the line with the bug)
@@ -46,10 +63,6 @@ PLANTED = {
     "start_flag_inside_a_packet": ("link_transmitter_credit_w8", TRANSMITTER, "transmitter", "LinkTransmitter",
         'fields["start"].eq(beat.start & ~busy), fields["end"].eq(last),',
         'fields["start"].eq(beat.start), fields["end"].eq(last),'),
-}
-
-RECEIVER = "hdl.link.link_receiver"
-PLANTED.update({
     # FCCL advertises one block more than ABR + free blocks.
     "fccl_one_block_too_many": ("link_receiver_credit_w64", RECEIVER, "receiver", "LinkReceiver",
         "m.d.sync += self.fccl[v].eq(abr + self.buffer_blocks - used)",
@@ -62,8 +75,27 @@ PLANTED.update({
     "cut_short_one_block_short": ("link_receiver_credit_w64", RECEIVER, "receiver", "LinkReceiver",
         "return Mux(terminate, base + f.close_blocks, base + f.blocks)",
         "return Mux(terminate, base + f.close_blocks - 1, base + f.blocks)"),
-})
-
+    # A head one block larger than the registered bound passes stage E's credit test.
+    "allocator_credit_one_block_short": ("switch_allocator_credit_2p", ALLOCATOR, "allocator",
+        "SwitchAllocator",
+        "within.eq(blocks[:B] <= bound[o][v]),",
+        "within.eq(blocks[:B] <= bound[o][v] + 1),"),
+    # The output rejoins allocation one cycle before its credit view has seen the count.
+    "allocator_hold_ends_a_cycle_early": ("switch_allocator_credit_2p", ALLOCATOR, "allocator",
+        "SwitchAllocator",
+        "m.d.comb += credit_busy.eq(pend_out | matched_out | hold_valid | hold_after[0] | hold_after[1])",
+        "m.d.comb += credit_busy.eq(pend_out | matched_out | hold_valid | hold_after[0])"),
+    # A packet skipped unsent (known bad, or dropped) does not give its cells back.
+    "voq_discard_keeps_its_cells": ("voq_buffer_cells_bmc8", VOQ_BUFFER, "buffer", "VoqBuffer",
+        "m.d.comb += [free_cells.w_data.eq(shown_cell), free_cells.w_en.eq(consume)]",
+        "m.d.comb += [free_cells.w_data.eq(shown_cell), free_cells.w_en.eq(consume & ~skip)]"),
+    # The free list hands out its head without removing it: the next write gets it again.
+    "voq_free_cell_handed_out_twice": ("voq_buffer_cells_bmc8", VOQ_BUFFER, "buffer",
+        "VoqBuffer",
+        "m.d.comb += free_cells.r_en.eq(1)",
+        "m.d.comb += free_cells.r_en.eq(0)"),
+}
+SLOW_BUGS = set()
 
 # Bounded depth at which every planted bug shows a counterexample (a start flag inside a
 # packet needs 7 cycles: a packet, the flagged beat, two cycles to the wire).
@@ -71,29 +103,31 @@ BUG_DEPTH = 10
 
 
 def proof(name, harness=None, depth=None):
-    make, k = PROOFS[name]
-    return sby.Proof(name, harness or make, depth=depth or k, cover_depth=COVER_DEPTH.get(name, 10),
-                     bounded=name in BOUNDED)
+    make, k, options = PROOFS[name]
+    return sby.Proof(name, harness or make, depth=depth or k, **{"cover_depth": 10, **options})
 
 
-@pytest.mark.parametrize("name", PROOFS)
+def _marked(names, slow):
+    return [pytest.param(name, marks=pytest.mark.full) if name in slow else name
+            for name in names]
+
+
+@pytest.mark.parametrize("name", _marked(PROOFS, SLOW_PROOFS))
 def test_proved(tmp_path, name):
     status, seconds, log = sby.run(proof(name), tmp_path, "prove")
     assert status == "PASS", f"{name}: {status} after {seconds:.0f} s\n{log[-4000:]}"
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.full)
-                                  if name in FORMAL_ONLY_COVERS else name for name in PROOFS])
+@pytest.mark.parametrize("name", _marked(COVERS, SLOW_COVERS))
 def test_covered(tmp_path, name):
     status, seconds, log = sby.run(proof(name), tmp_path, "cover")
     assert status == "PASS", f"{name}: a cover was not reached ({status})\n{log[-4000:]}"
 
 
-@pytest.mark.parametrize("bug", PLANTED)
+@pytest.mark.parametrize("bug", _marked(PLANTED, SLOW_BUGS))
 def test_planted_bug_is_caught(tmp_path, bug):
     name, module, keyword, component, line, planted_line = PLANTED[bug]
     copy = sby.planted(module, line, planted_line)
-    make, _ = PROOFS[name]
-    harness = functools.partial(make, **{keyword: getattr(copy, component)})
+    harness = functools.partial(PROOFS[name][0], **{keyword: getattr(copy, component)})
     status, seconds, log = sby.run(proof(name, harness, BUG_DEPTH), tmp_path, "prove")
     assert status == "FAIL", f"{bug}: the proof of {name} did not fail ({status})"

@@ -112,6 +112,10 @@ class SwitchAllocator(wiring.Component):
                 ]
         credit_busy = Signal(P)
         matched_out = Signal(P)         # an output matched in the cycle before
+        # What a formal proof ties to the transmitters' counts (docs/formal.md): the hold
+        # stands for the matched packet until it is counted.
+        self.formal_hold = {"valid": hold_valid, "vl": hold_vl, "blocks": hold_blocks,
+                            "matched_out": matched_out}
         m.d.comb += credit_busy.eq(pend_out | matched_out | hold_valid | hold_after[0] | hold_after[1])
 
         # --- stage E: heads with credit for the whole packet.

@@ -286,6 +286,11 @@ class VoqBuffer(wiring.Component):
             m.d.sync += shown.eq(0)
 
         m.d.comb += [free_cells.w_data.eq(shown_cell), free_cells.w_en.eq(consume)]
+        # The free list's moves, for a formal proof's shadow of the cells in use
+        # (docs/formal.md): a write takes new_cell, a consumed beat gives its cell back.
+        self.formal_cells = {"fresh": fresh, "free_level": free_cells.level, "take": write,
+                             "taken": new_cell, "give": free_cells.w_en,
+                             "given": free_cells.w_data, "reserved": reserved}
         for v in range(num_vls):
             gained = write & (store.write_vl == v)
             lost = consume & (rd_in_vl == v)

@@ -23,7 +23,8 @@ class Proof:
     harness: object     # () -> Elaboratable with Assert/Assume/Cover statements
     depth: int          # k of the k-induction; also the cover depth
     cover_depth: int = 0  # cover depth when it differs from depth
-    bounded: bool = False  # "prove" checks the first ``depth`` cycles only (bmc), no induction
+    mode: str = "prove"   # "bmc": every state reachable within depth cycles of reset
+    script: tuple = ()    # Yosys commands after prep (memory_map: memories as registers)
 
 
 def _tool(name):
@@ -40,11 +41,10 @@ def _tool(name):
 def sby_text(proof):
     return "\n".join([
         "[tasks]", "prove", "cover", "",
-        "[options]", f"prove: mode {'bmc' if proof.bounded else 'prove'}",
-        f"prove: depth {proof.depth}",
+        "[options]", f"prove: mode {proof.mode}", f"prove: depth {proof.depth}",
         "cover: mode cover", f"cover: depth {proof.cover_depth or proof.depth}", "",
         "[engines]", "smtbmc yices", "",
-        "[script]", "read_rtlil harness.il", "prep -top top", "",
+        "[script]", "read_rtlil harness.il", "prep -top top", *proof.script, "",
         "[files]", "harness.il", "",
     ])
 
