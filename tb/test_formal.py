@@ -6,6 +6,7 @@ import pytest
 
 from tb.formal import sby
 from tb.formal.link_transmitter_credit import LinkTransmitterCreditHarness
+from tb.formal.responder_mkey_range import ResponderMkeyRangeHarness
 
 TRANSMITTER = "hdl.link.link_transmitter"
 
@@ -35,6 +36,35 @@ PLANTED = {
 }
 
 
+# --- NIC responder: a WRITE never leaves its memory key's range (responder_mkey_range.py) ---
+RESPONDER = "hdl.nic.responder_engine"
+PROOFS["responder_mkey_range"] = (ResponderMkeyRangeHarness, 12)
+# Proofs that take minutes: make formal and make test-full only (docs/formal.md).
+SLOW = {"responder_mkey_range"}
+PLANTED.update({
+    # A range one byte past the key's end passes the range compare.
+    "key_end_one_byte_over": ("responder_mkey_range", RESPONDER, "engine", "ResponderEngine",
+        "not_end = ~Cat(end, C(0, 1))",
+        "not_end = ~Cat((end - 1)[:65], C(0, 1))"),
+    # The request's end loses its carry into bit 64: a range ending at 2^64 reads as ending at 0.
+    "end_carry_dropped": ("responder_mkey_range", RESPONDER, "engine", "ResponderEngine",
+        "m.d.sync += [end.eq(end_now), wraps.eq(end_now[64] & (end_now[:64] != 0))]",
+        "m.d.sync += [end.eq(end_now[:64]), wraps.eq(end_now[64] & (end_now[:64] != 0))]"),
+    # A range wrapping 2^64 passes when the key's own limit lies past 2^64.
+    "wrap_check_removed": ("responder_mkey_range", RESPONDER, "engine", "ResponderEngine",
+        "& (d.va >= mk.base) & in_limit & ~wraps)",
+        "& (d.va >= mk.base) & in_limit)"),
+    # A range starting a byte below the key's base passes.
+    "base_one_byte_under": ("responder_mkey_range", RESPONDER, "engine", "ResponderEngine",
+        "& (d.va >= mk.base) & in_limit & ~wraps)",
+        "& (d.va + 1 >= mk.base) & in_limit & ~wraps)"),
+})
+
+
+def _marked(names):
+    return [pytest.param(n, marks=pytest.mark.full) if n in SLOW else n for n in names]
+
+
 # Bounded depth at which every planted bug shows a counterexample (a start flag inside a
 # packet needs 7 cycles: a packet, the flagged beat, two cycles to the wire).
 BUG_DEPTH = 10
@@ -45,13 +75,13 @@ def proof(name, harness=None, depth=None):
     return sby.Proof(name, harness or make, depth=depth or k, cover_depth=10)
 
 
-@pytest.mark.parametrize("name", PROOFS)
+@pytest.mark.parametrize("name", _marked(PROOFS))
 def test_proved(tmp_path, name):
     status, seconds, log = sby.run(proof(name), tmp_path, "prove")
     assert status == "PASS", f"{name}: {status} after {seconds:.0f} s\n{log[-4000:]}"
 
 
-@pytest.mark.parametrize("name", PROOFS)
+@pytest.mark.parametrize("name", _marked(PROOFS))
 def test_covered(tmp_path, name):
     status, seconds, log = sby.run(proof(name), tmp_path, "cover")
     assert status == "PASS", f"{name}: a cover was not reached ({status})\n{log[-4000:]}"
