@@ -39,8 +39,12 @@ PLANTED = {
 # --- NIC responder: a WRITE never leaves its memory key's range (responder_mkey_range.py) ---
 RESPONDER = "hdl.nic.responder_engine"
 PROOFS["responder_mkey_range"] = (ResponderMkeyRangeHarness, 12)
+# MIDDLE/LAST packets: bounded, from reset (a FIRST and a LAST fit in 10 cycles).
+PROOFS["responder_mkey_range_continuation"] = (
+    functools.partial(ResponderMkeyRangeHarness, continuation=True), 10)
+BMC = {"responder_mkey_range_continuation"}
 # Proofs that take minutes: make formal and make test-full only (docs/formal.md).
-SLOW = {"responder_mkey_range"}
+SLOW = {"responder_mkey_range", "responder_mkey_range_continuation"}
 PLANTED.update({
     # A range one byte past the key's end passes the range compare.
     "key_end_one_byte_over": ("responder_mkey_range", RESPONDER, "engine", "ResponderEngine",
@@ -58,11 +62,17 @@ PLANTED.update({
     "base_one_byte_under": ("responder_mkey_range", RESPONDER, "engine", "ResponderEngine",
         "& (d.va >= mk.base) & in_limit & ~wraps)",
         "& (d.va + 1 >= mk.base) & in_limit & ~wraps)"),
+    # MIDDLE/LAST packets are not checked against the room their FIRST left.
+    "room_unchecked_after_first": ("responder_mkey_range_continuation", RESPONDER, "engine",
+        "ResponderEngine",
+        "write_len_err = is_write & (pl_gt_room | (last & ~pl_eq_room))",
+        "write_len_err = is_write & first & (pl_gt_room | (last & ~pl_eq_room))"),
 })
+SLOW_BUGS = {"room_unchecked_after_first"}   # minutes: make formal and make test-full
 
 
-def _marked(names):
-    return [pytest.param(n, marks=pytest.mark.full) if n in SLOW else n for n in names]
+def _marked(names, slow):
+    return [pytest.param(n, marks=pytest.mark.full) if n in slow else n for n in names]
 
 
 # Bounded depth at which every planted bug shows a counterexample (a start flag inside a
@@ -72,22 +82,23 @@ BUG_DEPTH = 10
 
 def proof(name, harness=None, depth=None):
     make, k = PROOFS[name]
-    return sby.Proof(name, harness or make, depth=depth or k, cover_depth=10)
+    return sby.Proof(name, harness or make, depth=depth or k, cover_depth=10,
+                     mode="bmc" if name in BMC else "prove")
 
 
-@pytest.mark.parametrize("name", _marked(PROOFS))
+@pytest.mark.parametrize("name", _marked(PROOFS, SLOW))
 def test_proved(tmp_path, name):
     status, seconds, log = sby.run(proof(name), tmp_path, "prove")
     assert status == "PASS", f"{name}: {status} after {seconds:.0f} s\n{log[-4000:]}"
 
 
-@pytest.mark.parametrize("name", _marked(PROOFS))
+@pytest.mark.parametrize("name", PROOFS)
 def test_covered(tmp_path, name):
     status, seconds, log = sby.run(proof(name), tmp_path, "cover")
     assert status == "PASS", f"{name}: a cover was not reached ({status})\n{log[-4000:]}"
 
 
-@pytest.mark.parametrize("bug", PLANTED)
+@pytest.mark.parametrize("bug", _marked(PLANTED, SLOW_BUGS))
 def test_planted_bug_is_caught(tmp_path, bug):
     name, module, keyword, component, line, planted_line = PLANTED[bug]
     copy = sby.planted(module, line, planted_line)

@@ -124,9 +124,11 @@ class ResponderMkeyRangeHarness(Elaboratable):
             # Reachable: a LAST that fills its message's range to the byte.
             m.d.comb += Cover(writes & (op == WRITE_LAST) & (cmd_end == end[q]))
 
-        # Reachable: a WRITE that ends exactly at its key's end is written; one a byte longer
-        # is refused (NAK remote access error) though everything else about its key is right.
+        # Reachable: a WRITE that ends exactly at its key's end is written, and one that ends at
+        # 2^64; one a byte longer than its key is refused (NAK remote access error) though
+        # everything else about the key is right.
         m.d.comb += Cover(writes & write_first & (reth_end == key_limit))
+        m.d.comb += Cover(writes & write_first & (reth_end == TOP))
         response = dut.response
         refused = Signal()
         m.d.comb += refused.eq(response.valid & (response.payload.kind == ResponseKind.ACK)
