@@ -65,8 +65,9 @@ DEFAULT_REGIONS = {"send": (0x800000, 0x200000), "receive": (0xC00000, 0x400000)
 DEFAULTS = dict(scenario="moe", ranks=8, spines=2, tokens=4, topk=2, experts_per_rank=2, hidden=7168,
                 kv_block_bytes=65536, kv_blocks=8, kv_src=0, kv_dst=7, background_bytes=4096,
                 background_messages=4, wire_delay=8, memory_latency=200, seed=1,
-                pcap_link="nic0.p0", sample_cycles=500)
+                pcap_link="nic0.p0", sample_cycles=500, ack_timeout=0, cut_link="", cut_at=500)
 SCENARIOS = ("moe", "kv")
+MAX_ACK_TIMEOUT = 31            # the QP context's 5-bit local ACK timeout code
 # The fabric of a run: NICS_PER_LEAF ranks on each leaf (so ranks / 2 leaves and both path
 # lengths, 1 and 3 switches), ``spines`` spines; a leaf has NICS_PER_LEAF + spines of the
 # switch's at most 16 ports.
@@ -456,6 +457,13 @@ def scenario_config(config, *, max_ranks):
                        wire_delay=c["wire_delay"])
     c.update(nics_per_leaf=NICS_PER_LEAF, leaves=fabric.leaves)
     link_names(fabric, c["pcap_link"])
+    _check_int("ack_timeout", c["ack_timeout"], 0, MAX_ACK_TIMEOUT)
+    _check_int("cut_at", c["cut_at"], 0)
+    if c["cut_link"]:
+        link_names(fabric, c["cut_link"], option="cut_link")
+        if not c["ack_timeout"]:
+            raise ValueError("cut_link needs an ack_timeout: without the timer, a message "
+                             "whose last packets the cut lost is never resent")
     if c["scenario"] == "moe":
         MoePlan(c["ranks"], c["tokens"], c["topk"], c["experts_per_rank"], c["hidden"], c["seed"])
     else:
@@ -467,14 +475,14 @@ def scenario_config(config, *, max_ranks):
     return c
 
 
-def link_names(fabric, pcap_link=None):
+def link_names(fabric, link_name=None, *, option="pcap_link"):
     """``{name: Link}`` of every cable, named ``<a node>.p<a port>`` (``nic0.p0``,
-    ``leaf0.p2``); with ``pcap_link`` (that name or the cable's ``nic0-leaf0``) checks it
-    names one and returns only it."""
+    ``leaf0.p2``); with ``link_name`` (that name or the cable's ``nic0-leaf0``) checks it
+    names one (``ValueError`` naming ``option``) and returns only it."""
     names = {f"{link.a[0]}.p{link.a[1]}": link for link in fabric.links}
-    if pcap_link is None:
+    if link_name is None:
         return names
     for name, link in names.items():
-        if pcap_link in (name, link.name):
+        if link_name in (name, link.name):
             return {name: link}
-    raise ValueError(f"pcap_link {pcap_link!r} is not a link: one of {', '.join(names)}")
+    raise ValueError(f"{option} {link_name!r} is not a link: one of {', '.join(names)}")

@@ -11,9 +11,10 @@ from xdist.scheduler import LoadScopeScheduling
 
 __all__ = ["build_group", "BuildGroupScheduling"]
 
-# Test modules whose items all run on one build.
+# Test modules whose items all run on one build (test_fabric_moe: make test's two on the
+# reduced fabric; its full items, on the default fabric, share their own build).
 ONE_BUILD = {"test_nic": "nic_top", "test_nic_responder": "nic_top",
-             "test_nic_pair": "nic_pair_top"}
+             "test_nic_pair": "nic_pair_top", "test_fabric_moe": "fabric_top"}
 # Test modules whose items name their build first in their parameters ("voq_w16-incast").
 BUILD_IN_PARAMETERS = {"test_switch": "switch_top", "test_link": "link_pair"}
 

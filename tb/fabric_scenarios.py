@@ -30,10 +30,11 @@ import time
 from pathlib import Path
 
 import cocotb
-from cocotb.triggers import ClockCycles
+from cocotb.triggers import ClockCycles, RisingEdge
 
 from models.moe import (SIGNAL_BYTES, KvPlan, MoePlan, link_names, scenario_config, signal_bytes,
                         signalled_count)
+from hdl.link.signatures import LinkState
 from models.pcap import LinkCapture
 from tb.fabric_tb import CLOCK_NS, DROP_COUNTERS, LATENCY_PROBE_BYTES, FabricTB
 from tb.nic_pair_tb import SOURCE_BYTES, SOURCE_REGION, TARGET_BYTES, TARGET_REGION
@@ -108,6 +109,7 @@ class Scenario:
         self.warps = []
         self.total_messages = 0         # network messages of the workload, once planned
         self.kv_seen = None             # the cycle kv_dst saw the KV flag
+        self.cut = None                 # the cut_link's story (cut_and_restore)
 
     @property
     def phase(self):
@@ -248,8 +250,23 @@ class Scenario:
             len(ws) + 1 for r in range(plan.ranks)
             for ws in (*plan.dispatch_writes(r).values(), *plan.combine_writes(r).values()))
         self.phase = "dispatch"
-        await self.tb.all_of(*(self.moe_rank(plan, r) for r in range(plan.ranks)))
+        await self.every_rank_to_its_end([self.moe_rank(plan, r) for r in range(plan.ranks)])
         return plan
+
+    async def every_rank_to_its_end(self, ranks):
+        """Run every rank's coroutine to its end, then raise the first rank's
+        AssertionError, if any: cocotb fails a test at once when a task it is not awaiting
+        yet raises, which would leave no results file to say what went wrong."""
+        errors = []
+
+        async def guarded(rank):
+            try:
+                await rank
+            except AssertionError as error:
+                errors.append(error)
+        await self.tb.all_of(*(guarded(rank) for rank in ranks))
+        if errors:
+            raise errors[0]
 
     # --- KV -----------------------------------------------------------------------------
 
@@ -278,6 +295,36 @@ class Scenario:
                                              for w in plan.kv_writes()], "the KV flag")
         self.kv_seen = await self.wait_words(plan.kv_dst, {"kv": plan.flag}, seen)
         return plan
+
+    # --- a cable cut ---------------------------------------------------------------------
+
+    async def cut_and_restore(self, workload_start):
+        """``cut_at`` cycles into the workload, cut ``cut_link`` both ways; restore it once
+        both its ends have left ACTIVE (each saw the silence: docs/link.md, Link failure and
+        recovery); record when both are ACTIVE again."""
+        tb = self.tb
+        (name, link), = link_names(tb.fabric, self.config["cut_link"], option="cut_link").items()
+        self.cut = cut = {"link": name, "cable": link.name, "cut": None, "down": None,
+                          "restored": None, "up": None}
+        await ClockCycles(self.dut.clk, self.config["cut_at"])
+        tb.cut(link)
+        cut["cut"] = tb.loop.cycle - workload_start
+        active = LinkState.ACTIVE.value
+
+        def states():
+            every = tb.link_states()
+            return every[link.a], every[link.b]
+        while any(s == active for s in states()):
+            await RisingEdge(self.dut.clk)
+        cut["down"] = tb.loop.cycle - workload_start
+        tb.cut(link, False)
+        self.dut._log.info(f"cable {link.name} cut at workload cycle {cut['cut']}, both ends "
+                           f"down at {cut['down']}: restored")
+        cut["restored"] = cut["down"]
+        while any(s != active for s in states()):
+            await RisingEdge(self.dut.clk)
+        cut["up"] = tb.loop.cycle - workload_start
+        self.dut._log.info(f"cable {link.name}: both ends ACTIVE at workload cycle {cut['up']}")
 
     # --- measurement --------------------------------------------------------------------
 
@@ -349,13 +396,14 @@ class Scenario:
         tb, c = self.tb, self.config
         progress = cocotb.start_soon(self.report_progress())
         await tb.reset()
-        await tb.setup()
+        await tb.setup(ack_timeout=c["ack_timeout"])
         self.phase = "latency"
         latency = await self.latency()
         tb.stop_wire_monitors(keep=[self.pcap_monitor])
         beats_before = tb.busy_beats()
         sampler = cocotb.start_soon(self.sample())
         workload_start = tb.loop.cycle
+        cutter = cocotb.start_soon(self.cut_and_restore(workload_start)) if c["cut_link"] else None
         plan = None
         try:
             plan = await workload()
@@ -366,6 +414,9 @@ class Scenario:
         except AssertionError as error:
             self.failures.append(f"workload: {error}")
         sampler.cancel()
+        if cutter is not None and not cutter.done():
+            cutter.cancel()
+            self.failures.append("cut_link: the workload ended before the cut link recovered")
         workload_end = tb.loop.cycle
         beats = tb.busy_beats()
         self.phase = "counters"
@@ -391,12 +442,11 @@ class Scenario:
             "tokens_intact": not payload_errors and not self.order_errors and plan is not None,
             "signals_counted": not signal_errors and not self.signal_errors and plan is not None,
             "memories_match_model": memories_match,
-            "no_drops": results["drops"]["total"] == 0,
             "no_overflow": not overflows,
-            "no_retransmissions": results["retransmissions"]["total"] == 0,
             "cqes_complete": (results["cqes"]["errors"] == 0
                               and results["cqes"]["send_cqes"] == results["cqes"]["posted_wqes"]),
             "messages_landed": all(m.landed is not None for m in self.messages),
+            **self.loss_checks(results),
         }
         self.failures += payload_errors[:10] + signal_errors[:10] + self.order_errors[:10] \
             + self.signal_errors[:10] + tb.errors[:10]
@@ -415,6 +465,23 @@ class Scenario:
         self.dut._log.info(self.summary(results))
         failed = [name for name, ok in checks.items() if not ok]
         assert not failed, f"checks failed: {', '.join(failed)}\n" + "\n".join(self.failures[:20])
+
+    def loss_checks(self, results):
+        """Without a cut nothing is lost: ``no_drops``, ``no_retransmissions``. With one,
+        ``drops_only_from_the_cut``: drops only at the cut cable's switch ends, and
+        downstream only packets forwarded before the cut truncated them (``drop_end_bad``);
+        ``cut_recovered``: both ends went down and came back ACTIVE."""
+        if not self.config["cut_link"]:
+            return {"no_drops": results["drops"]["total"] == 0,
+                    "no_retransmissions": results["retransmissions"]["total"] == 0}
+        link = self.tb.fabric.link(self.cut["cable"])
+        ends = {f"{node}.p{port}" for node, port in (link.a, link.b)}
+        elsewhere = [name for name, count in results["drops"]["by_counter"].items()
+                     if count and ".".join(name.split(".")[:2]) not in ends
+                     and not name.endswith(".drop_end_bad")]
+        self.failures += [f"dropped away from the cut: {name}" for name in elsewhere]
+        return {"drops_only_from_the_cut": not elsewhere,
+                "cut_recovered": self.cut["up"] is not None}
 
     def results(self, latency, switch, nics, overflows, beats_before, beats, workload_start,
                 workload_end):
@@ -499,6 +566,7 @@ class Scenario:
             "nic_counters": nics,
             "cycles": self.tb.loop.cycle,
             "pcap": "link.pcap", "pcap_link": self.pcap_name,
+            "cut": self.cut,
         }
 
     def bench_records(self, results):

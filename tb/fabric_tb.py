@@ -139,6 +139,8 @@ class FabricTB(RcTB):
             nic.host.memory.read_if.log.setLevel(logging.WARNING)
         self.sl_to_vl = [sl % self.num_vls for sl in range(16)]
         self._monitors = {}
+        self._cut = 0
+        dut.link_cut.value = 0
         # The credit rule at every switch transmitter, at its pins (the NICs' own: Side).
         self.credit_monitors = [
             self.loop.add(CreditMonitor(dut, f"{name}_out__{port}", f"{name}_in__{port}", 64,
@@ -219,17 +221,25 @@ class FabricTB(RcTB):
         down = [end for end, s in self.link_states().items() if s != active]
         raise AssertionError(f"links not ACTIVE after {limit} cycles: {down}")
 
+    def cut(self, link, cut=True):
+        """Cut (or restore) the cable ``link`` (a :class:`models.fabric.Link`): both ways,
+        every beat is lost at its ends' outputs."""
+        bit = 1 << self.fabric.links.index(link)
+        self._cut = self._cut | bit if cut else self._cut & ~bit
+        self.dut.link_cut.value = self._cut
+
     @staticmethod
     async def all_of(*coroutines):
         tasks = [cocotb.start_soon(c) for c in coroutines]
         for task in tasks:
             await task
 
-    async def setup(self, log_sq_size=6, log_rq_size=4, mtu=5):
-        """Connect every pair of NICs (QP q of NIC n with QP n of NIC q, path MTU ``mtu``),
-        one CQ per QP for its send and receive completions, a memory key over each whole
-        memory with every right, source regions filled with random bytes. The NICs are
-        programmed at the same time."""
+    async def setup(self, log_sq_size=6, log_rq_size=4, mtu=5, ack_timeout=0):
+        """Connect every pair of NICs (QP q of NIC n with QP n of NIC q, path MTU ``mtu``,
+        local ACK timeout code ``ack_timeout``: 0 no timer, else 4.096 us * 2**n), one CQ
+        per QP for its send and receive completions, a memory key over each whole memory
+        with every right, source regions filled with random bytes. The NICs are programmed
+        at the same time."""
         fabric = self.fabric
         psns = {(n, q): self.rng.randrange(1 << 24)
                 for n in range(fabric.nics) for q in range(fabric.nics)}
@@ -252,7 +262,8 @@ class FabricTB(RcTB):
                                mtu=mtu, sl=0, max_outstanding=64, dest_qpn=nic.index,
                                dlid=peer.lid, pd=PD, pkey=0xFFFF, sq_psn=psns[(nic.index, q)],
                                cqn=q, access=ALL_RIGHTS, rq_psn=psns[(q, nic.index)],
-                               min_rnr_timer=1, rq_base=RQ_REGION + q * RQ_STRIDE,
+                               min_rnr_timer=1, ack_timeout=ack_timeout,
+                               rq_base=RQ_REGION + q * RQ_STRIDE,
                                log_rq_size=log_rq_size, rq_dbr=DBR_REGION + 0x8000 + 64 * q,
                                rcqn=q)
                 nic.qps[q] = qp
@@ -297,7 +308,7 @@ class FabricTB(RcTB):
     def inline_write(self, src, dst, data, offset=0):
         """The fields of an 8-byte-or-less inline RDMA WRITE from NIC ``src`` into its slice of
         NIC ``dst``'s memory at ``offset``; returns (qpn, fields, remote address)."""
-        source, target = self.nics[src], self.nics[dst]
+        target = self.nics[dst]
         base, _ = target.target_from(src)
         raddr = base + offset
         return dst, dict(opcode=mlx5.Opcode.RDMA_WRITE, inline=data, raddr=raddr,

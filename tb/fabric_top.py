@@ -28,6 +28,11 @@ Ports of the top (prefix ``nic<n>_`` for NIC ``n``, ``<switch>_`` for ``leaf<l>`
   hop latencies; ``<switch>_busy_beats__<p>``: data beats each port has sent since reset
   (for per-link utilisation, read once per sample window).
 
+- ``link_cut``: one bit per cable, in the order of ``models.fabric.LeafSpine.links``: while
+  a bit is set, that cable loses every beat both ways at its ends' outputs (a cut cable:
+  flow-control packets and the middle of a packet included; beats already on the cable
+  still arrive).
+
 Every cable is a :func:`tb.link_pair.delay_line` of its link's delay, each way.
 """
 from amaranth import *
@@ -80,6 +85,12 @@ def _flat(wire):
     return Cat(getattr(wire, name) for name in WireSignature(8).members)
 
 
+def _cable(wire, cut):
+    """The beats ``wire`` puts on its cable: none while ``cut``."""
+    return Cat(wire.valid & ~cut if name == "valid" else getattr(wire, name)
+               for name in WireSignature(8).members)
+
+
 # Data beats each link end has sent since reset (wraps): the scenario reads them once per
 # sample window for per-link utilisation (reading every wire every cycle from Python would
 # cost about half the simulation speed).
@@ -116,7 +127,8 @@ class FabricTop(wiring.Component):
                                          max_latency=p["max_memory_latency"])
                             for _ in range(fabric.nics)]
         axi = self.nics[0].signature.members["axi"].signature
-        members = {"memory_latency": In(range(p["max_memory_latency"] + 1))}
+        members = {"memory_latency": In(range(p["max_memory_latency"] + 1)),
+                   "link_cut": In(len(fabric.links))}
         for n in range(fabric.nics):
             members.update({
                 f"nic{n}_axil": In(AxiLite64Signature(16)),
@@ -172,11 +184,12 @@ class FabricTop(wiring.Component):
                 ]
                 ends[(name, port)] = (switch.wire_out[port], switch.wire_in[port])
                 _count_busy_beats(m, switch.wire_out[port], getattr(self, f"{name}_busy_beats")[port])
-        for link in fabric.links:
+        for index, link in enumerate(fabric.links):
             (a_out, a_in), (b_out, b_in) = ends[link.a], ends[link.b]
+            cut = self.link_cut[index]
             m.d.comb += [
-                _flat(b_in).eq(delay_line(m, f"{link.name}_down", _flat(a_out), link.delay)),
-                _flat(a_in).eq(delay_line(m, f"{link.name}_up", _flat(b_out), link.delay)),
+                _flat(b_in).eq(delay_line(m, f"{link.name}_down", _cable(a_out, cut), link.delay)),
+                _flat(a_in).eq(delay_line(m, f"{link.name}_up", _cable(b_out, cut), link.delay)),
             ]
         return m
 

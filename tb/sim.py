@@ -54,6 +54,11 @@ HELP = {
     "pcap_link": "cable whose traffic goes into the pcap, <node>.p<port> (e.g. leaf0.p2: "
                  "leaf 0 up to spine 0)",
     "sample_cycles": "width of one per-link utilisation window, cycles",
+    "ack_timeout": "every QP's local ACK timeout code: 0 no timer, n: 4.096 us x 2^n "
+                   "(IBA; 3: 13,104 cycles)",
+    "cut_link": "cable to cut both ways during the workload, <node>.p<port> (e.g. leaf0.p2); "
+                "restored once both its ends went down; needs --ack-timeout",
+    "cut_at": "workload cycles before the cut",
 }
 
 

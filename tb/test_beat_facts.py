@@ -72,7 +72,9 @@ def expected_facts(width, beats):
             facts["fc_framing"] = int(start and end and count == 6)
             facts["fc_fields"] = int((header >> 20 & 15) < NUM_VLS and (header >> 4 & 15) <= 1)
         if valid and (link or start) and in_packet:
-            facts["close_blocks"] = blocks_of(min(received, expected))
+            # Up to 64-byte beats, the empty end beat that closes the packet is charged too.
+            facts["close_blocks"] = blocks_of(min(received + (width if width <= 64 else 0),
+                                                  expected))
         if valid and not link:
             nbytes = count if end else width
             if start:
@@ -92,7 +94,9 @@ def expected_facts(width, beats):
                 if end:
                     facts["short"] = int(after < expected)
                     facts["exact"] = int(after == expected)
-                    facts["blocks"] = blocks_of(min(after, expected))
+                    # Up to 64-byte beats, an end beat of no bytes takes a slot: charged.
+                    charged = received + width if width <= 64 and nbytes == 0 else after
+                    facts["blocks"] = blocks_of(min(charged, expected))
                 received = after
                 in_packet = not end
         if valid and link:

@@ -5,18 +5,32 @@ import functools
 import pytest
 
 from tb.formal import sby
+from tb.formal.link_receiver_credit import LinkReceiverCreditHarness
 from tb.formal.link_transmitter_credit import LinkTransmitterCreditHarness
 from tb.formal.responder_mkey_range import ResponderMkeyRangeHarness
 
 TRANSMITTER = "hdl.link.link_transmitter"
 
-# name -> (harness, k); every entry is proved in make test (each takes seconds).
+# name -> (harness, k); proved in make test, except those in SLOW (below).
 PROOFS = {
     "link_transmitter_credit_w8": (functools.partial(LinkTransmitterCreditHarness, width=8,
                                                      mtu=256), 6),
     "link_transmitter_credit_w64": (functools.partial(LinkTransmitterCreditHarness, width=64,
                                                       mtu=4096), 6),
 }
+
+# LinkReceiver and its peer: checked for the first k cycles from reset (bmc), not by
+# induction (docs/formal.md says why).
+RECEIVER_PROOFS = {
+    "link_receiver_credit_w64": (functools.partial(LinkReceiverCreditHarness, width=64,
+                                                   mtu=256), 8),
+}
+PROOFS.update(RECEIVER_PROOFS)
+BOUNDED = set(RECEIVER_PROOFS)
+# Cover depths other than 10: the receiver's buffer fills and drains in 11 cycles.
+COVER_DEPTH = {"link_receiver_credit_w64": 12}
+# Covers that take over a minute: make formal (and make test-full) only.
+FORMAL_ONLY_COVERS = {"link_receiver_credit_w64"}
 
 # name -> (proof it breaks, module, the harness keyword that takes the component, the
 # component's class in the module, the line as it is, the line with the bug)
@@ -35,6 +49,22 @@ PLANTED = {
         'fields["start"].eq(beat.start), fields["end"].eq(last),'),
 }
 
+RECEIVER = "hdl.link.link_receiver"
+PLANTED.update({
+    # FCCL advertises one block more than ABR + free blocks.
+    "fccl_one_block_too_many": ("link_receiver_credit_w64", RECEIVER, "receiver", "LinkReceiver",
+        "m.d.sync += self.fccl[v].eq(abr + self.buffer_blocks - used)",
+        "m.d.sync += self.fccl[v].eq(abr + self.buffer_blocks + 1 - used)"),
+    # A packet leaving the buffer returns one block short.
+    "release_one_block_short": ("link_receiver_credit_w64", RECEIVER, "receiver", "LinkReceiver",
+        "m.d.sync += used.eq(used - freed_blocks[v])",
+        "m.d.sync += used.eq(used - freed_blocks[v] + 1)"),
+    # A packet cut short adds a block less to ABR and used than its release gives back.
+    "cut_short_one_block_short": ("link_receiver_credit_w64", RECEIVER, "receiver", "LinkReceiver",
+        "return Mux(terminate, base + f.close_blocks, base + f.blocks)",
+        "return Mux(terminate, base + f.close_blocks - 1, base + f.blocks)"),
+})
+
 
 # --- NIC responder: a WRITE never leaves its memory key's range (responder_mkey_range.py) ---
 RESPONDER = "hdl.nic.responder_engine"
@@ -42,7 +72,7 @@ PROOFS["responder_mkey_range"] = (ResponderMkeyRangeHarness, 10)   # k = 9 does 
 # MIDDLE/LAST packets: bounded, from reset (a FIRST and a LAST fit in 10 cycles).
 PROOFS["responder_mkey_range_continuation"] = (
     functools.partial(ResponderMkeyRangeHarness, continuation=True), 10)
-BMC = {"responder_mkey_range_continuation"}
+BOUNDED.add("responder_mkey_range_continuation")
 # Proofs that take minutes: make formal and make test-full only (docs/formal.md).
 SLOW = {"responder_mkey_range", "responder_mkey_range_continuation"}
 PLANTED.update({
@@ -82,8 +112,8 @@ BUG_DEPTH = 10
 
 def proof(name, harness=None, depth=None):
     make, k = PROOFS[name]
-    return sby.Proof(name, harness or make, depth=depth or k, cover_depth=10,
-                     mode="bmc" if name in BMC else "prove")
+    return sby.Proof(name, harness or make, depth=depth or k, cover_depth=COVER_DEPTH.get(name, 10),
+                     bounded=name in BOUNDED)
 
 
 @pytest.mark.parametrize("name", _marked(PROOFS, SLOW))
@@ -92,7 +122,8 @@ def test_proved(tmp_path, name):
     assert status == "PASS", f"{name}: {status} after {seconds:.0f} s\n{log[-4000:]}"
 
 
-@pytest.mark.parametrize("name", PROOFS)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.full)
+                                  if name in FORMAL_ONLY_COVERS else name for name in PROOFS])
 def test_covered(tmp_path, name):
     status, seconds, log = sby.run(proof(name), tmp_path, "cover")
     assert status == "PASS", f"{name}: a cover was not reached ({status})\n{log[-4000:]}"

@@ -190,7 +190,10 @@ def test_scenario_config():
                         ({"wire_delay": 0}, "wire_delay"), ({"topk": 20}, "topk"),
                         ({"spines": 0}, "spines"), ({"spines": 15}, "spines"),
                         ({"spines": 1.5}, "spines"), ({"ranks": 4, "pcap_link": "leaf0.p3",
-                                                       "spines": 1}, "pcap_link")):
+                                                       "spines": 1}, "pcap_link"),
+                        ({"ack_timeout": 32}, "ack_timeout"), ({"cut_at": -1}, "cut_at"),
+                        ({"cut_link": "leaf9.p0", "ack_timeout": 3}, "^cut_link 'leaf9"),
+                        ({"cut_link": "leaf0.p2"}, "needs an ack_timeout")):
         with pytest.raises(ValueError, match=option):
             scenario_config(bad, max_ranks=8)
 

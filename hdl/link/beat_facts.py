@@ -25,9 +25,11 @@ class BeatFactsLayout(data.StructLayout):
     all of them before the data end, up to the data end in the beat that holds it);
     ``short`` and ``exact`` (if the packet ends with this beat, it ended before ``PktLen``
     said or exactly there; neither is overlong), ``blocks`` (its credit blocks if it ends
-    with this beat: the bytes that arrived, capped at ``PktLen``), ``close_blocks`` (the
-    credit blocks of the packet in progress before this beat, capped the same way: what
-    a packet cut short by this beat held).
+    with this beat: the bytes that arrived, capped at ``PktLen``; up to 64-byte beats an
+    end beat of no bytes counts as a full one), ``close_blocks`` (the credit blocks of the
+    packet in progress before this beat, capped the same way: what a packet cut short by
+    this beat held; up to 64-byte beats with one more full beat, the empty end beat that
+    closes it in the buffer).
 
     Flow-control beats: ``fc_framing`` (a lone start-and-end beat of 6 bytes), ``fc_fields``
     (its VL is one of ours and its Op is NORMAL or INIT).
@@ -86,12 +88,15 @@ class BeatFacts(wiring.Component):
 
         # The input register's copy of what the arithmetic needs, and the beat's size: its
         # bytes, and the blocks they begin when the beat starts on a block boundary
-        # (``cfull``: all of a full beat's, else ``partial`` of them; wide beats only).
+        # (``cfull``: all of a full beat's, else ``partial`` of them; wide beats only). A beat
+        # of up to 64 bytes is charged a full beat's blocks whatever its count, an end beat
+        # of no bytes too: it takes a buffer slot (block boundaries fall between such beats,
+        # so the charge never passes the bytes' blocks otherwise).
         valid, link, start, end = Signal(), Signal(), Signal(), Signal()
         count = Signal(range(width + 1))
         lrh = Signal(64)
         nbytes = Signal(range(width + 1))
-        cfull = Signal()
+        cfull = Signal() if per_beat > 1 else C(1)
         partial = Signal(range(per_beat)) if per_beat > 1 else C(0)
         wire_bytes = Mux(self.end, self.count, width)
         wire_blocks = blocks_of(wire_bytes)
@@ -99,10 +104,9 @@ class BeatFacts(wiring.Component):
             valid.eq(self.valid), link.eq(self.link), start.eq(self.start), end.eq(self.end),
             count.eq(self.count), lrh.eq(self.lrh),
             nbytes.eq(wire_bytes),
-            cfull.eq(wire_blocks == per_beat),
         ]
         if per_beat > 1:
-            m.d.sync += partial.eq(wire_blocks[:len(partial)])
+            m.d.sync += [cfull.eq(wire_blocks == per_beat), partial.eq(wire_blocks[:len(partial)])]
 
         # The packet in progress, as of the next beat: ``ahead`` = h - i, saturating at -1
         # ("past the end"), with flags for ahead > 1, == 1, == 0 and < 0; the end beat's
@@ -144,6 +148,11 @@ class BeatFacts(wiring.Component):
         arrived_blocks = Mux(cfull, pick(per_beat, done_next), pick(0, done) | partial)
         short = positive_now | (zero_now & (nbytes < tail_now))
 
+        # A packet cut short before its end is closed in the buffer by an empty end beat: up
+        # to 64-byte beats it is charged that slot as one more full beat (wider beats hold
+        # two blocks or more each, enough for it).
+        closing_blocks = done_next if per_beat == 1 else done
+
         facts = self.facts
         m.d.sync += [
             facts.malformed.eq((length < MIN_WIRE_BYTES) | (end & (count < 8))),
@@ -155,7 +164,7 @@ class BeatFacts(wiring.Component):
             facts.short.eq(short),
             facts.exact.eq(zero_now & (nbytes == tail_now)),
             facts.blocks.eq(Mux(short, arrived_blocks, pick(start_blocks, packet_blocks))),
-            facts.close_blocks.eq(Mux(past, packet_blocks, done)),
+            facts.close_blocks.eq(Mux(past, packet_blocks, closing_blocks)),
             facts.fc_framing.eq(start & end & (count == 6)),
             facts.fc_fields.eq((lrh[20:24] < num_vls) & (lrh[4:8] <= FlowControlOp.INIT.value)),
         ]

@@ -146,6 +146,7 @@ class LinkReceiver(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         width, num_vls = self.width, self.num_vls
+        self.formal_invariants = []
 
         # Register the wire: the cable/PHY boundary. The VCRC check takes the beat from
         # there into its own register stage, and BeatFacts does the beat's length and
@@ -206,6 +207,10 @@ class LinkReceiver(wiring.Component):
                     buffer.verdict.valid.eq(verdict_en & selected),
                 ]
                 rooms.append(buffer.room)
+                # Used blocks are the blocks of the packets in the buffer: none when it holds
+                # no beat (a formal proof asserts it, docs/formal.md).
+                self.formal_invariants.append((buffer.room != self.buffer_beats) |
+                                              (self.used_blocks[v] == 0))
                 freed_valid.append(buffer.freed.valid)
                 freed_blocks.append(buffer.freed.payload)
             m.d.comb += [

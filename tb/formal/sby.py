@@ -23,7 +23,7 @@ class Proof:
     harness: object     # () -> Elaboratable with Assert/Assume/Cover statements
     depth: int          # k of the k-induction; also the cover depth
     cover_depth: int = 0  # cover depth when it differs from depth
-    mode: str = "prove"   # "bmc": no induction, the rule checked for depth cycles from reset
+    bounded: bool = False  # "prove" checks the first ``depth`` cycles only (bmc), no induction
 
 
 def _tool(name):
@@ -40,7 +40,8 @@ def _tool(name):
 def sby_text(proof):
     return "\n".join([
         "[tasks]", "prove", "cover", "",
-        "[options]", f"prove: mode {proof.mode}", f"prove: depth {proof.depth}",
+        "[options]", f"prove: mode {'bmc' if proof.bounded else 'prove'}",
+        f"prove: depth {proof.depth}",
         "cover: mode cover", f"cover: depth {proof.cover_depth or proof.depth}", "",
         "[engines]", "smtbmc yices", "",
         "[script]", "read_rtlil harness.il", "prep -top top", "",
