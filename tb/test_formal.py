@@ -8,6 +8,7 @@ import pytest
 from tb.formal import sby
 from tb.formal.link_receiver_credit import LinkReceiverCreditHarness
 from tb.formal.link_transmitter_credit import LinkTransmitterCreditHarness
+from tb.formal.responder_mkey_range import ResponderMkeyRangeHarness
 from tb.formal.switch_allocator_credit import SwitchAllocatorCreditHarness
 from tb.formal.voq_buffer_cells import VoqBufferCellsHarness
 
@@ -15,6 +16,7 @@ TRANSMITTER = "hdl.link.link_transmitter"
 RECEIVER = "hdl.link.link_receiver"
 ALLOCATOR = "hdl.switch.switch_allocator"
 VOQ_BUFFER = "hdl.switch.voq_buffer"
+RESPONDER = "hdl.nic.responder_engine"
 BOUNDED = {"mode": "bmc"}       # every state reachable within the depth from reset, no induction
 
 # name -> (harness, depth: k of the k-induction or the bound, sby.Proof's other options).
@@ -41,9 +43,16 @@ PROOFS = {
     "voq_buffer_cells_bmc9": (functools.partial(VoqBufferCellsHarness, ports=2, num_vls=2,
                                                 share=2, max_beats=4), 9,
                               {**BOUNDED, "script": ("memory_map", "opt -fast")}),
+    # The NIC responder: a WRITE never leaves its memory key's range. FIRST/ONLY by
+    # induction (k = 9 does not close); MIDDLE/LAST bounded (a FIRST and a LAST fit in 10
+    # cycles).
+    "responder_mkey_range": (ResponderMkeyRangeHarness, 10, {}),
+    "responder_mkey_range_continuation": (
+        functools.partial(ResponderMkeyRangeHarness, continuation=True), 10, BOUNDED),
 }
 # What takes minutes runs in make formal and make test-full only (pytest mark "full").
-SLOW_PROOFS = {"voq_buffer_cells_bmc9"}
+SLOW_PROOFS = {"voq_buffer_cells_bmc9", "responder_mkey_range",
+               "responder_mkey_range_continuation"}
 # One cover per harness: voq_buffer_cells_bmc9's is voq_buffer_cells_bmc8's.
 COVERS = [name for name in PROOFS if name != "voq_buffer_cells_bmc9"]
 SLOW_COVERS = {"link_receiver_credit_w64"}
@@ -94,8 +103,29 @@ PLANTED = {
         "VoqBuffer",
         "m.d.comb += free_cells.r_en.eq(1)",
         "m.d.comb += free_cells.r_en.eq(0)"),
+    # A range one byte past the key's end passes the range compare.
+    "key_end_one_byte_over": ("responder_mkey_range", RESPONDER, "engine", "ResponderEngine",
+        "not_end = ~Cat(end, C(0, 1))",
+        "not_end = ~Cat((end - 1)[:65], C(0, 1))"),
+    # The request's end loses its carry into bit 64: a range ending at 2^64 reads as ending at 0.
+    "end_carry_dropped": ("responder_mkey_range", RESPONDER, "engine", "ResponderEngine",
+        "m.d.sync += [end.eq(end_now), wraps.eq(end_now[64] & (end_now[:64] != 0))]",
+        "m.d.sync += [end.eq(end_now[:64]), wraps.eq(end_now[64] & (end_now[:64] != 0))]"),
+    # A range wrapping 2^64 passes when the key's own limit lies past 2^64.
+    "wrap_check_removed": ("responder_mkey_range", RESPONDER, "engine", "ResponderEngine",
+        "& (d.va >= mk.base) & in_limit & ~wraps)",
+        "& (d.va >= mk.base) & in_limit)"),
+    # A range starting a byte below the key's base passes.
+    "base_one_byte_under": ("responder_mkey_range", RESPONDER, "engine", "ResponderEngine",
+        "& (d.va >= mk.base) & in_limit & ~wraps)",
+        "& (d.va + 1 >= mk.base) & in_limit & ~wraps)"),
+    # MIDDLE/LAST packets are not checked against the room their FIRST left.
+    "room_unchecked_after_first": ("responder_mkey_range_continuation", RESPONDER, "engine",
+        "ResponderEngine",
+        "write_len_err = is_write & (pl_gt_room | (last & ~pl_eq_room))",
+        "write_len_err = is_write & first & (pl_gt_room | (last & ~pl_eq_room))"),
 }
-SLOW_BUGS = set()
+SLOW_BUGS = {"room_unchecked_after_first"}
 
 # Bounded depth at which every planted bug shows a counterexample (a start flag inside a
 # packet needs 7 cycles: a packet, the flagged beat, two cycles to the wire).
