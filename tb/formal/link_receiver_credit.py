@@ -17,6 +17,8 @@ from amaranth.hdl import Assert, Assume, Cover
 
 from hdl.link.link_receiver import LinkReceiver
 from hdl.link.signatures import BLOCK_BYTES, FCCL_BITS, LinkState, blocks_of, lrh_pktlen, max_wire_bytes
+from tb.formal import sby
+
 
 CREDIT_WINDOW = 2048
 
@@ -32,9 +34,7 @@ class LinkReceiverCreditHarness(Elaboratable):
     def elaborate(self, platform):
         m = Module()
         dut = self.dut
-        # Elaborated here, not by Amaranth later, so that its invariants exist to be asserted.
-        m.submodules.dut = elaborated = dut.elaborate(platform)
-        dut._MustUse__silence = True
+        elaborated = sby.add_elaborated(m, dut, platform)
         vls = range(dut.num_vls)
         buffer_blocks = dut.buffer_blocks
 

@@ -15,6 +15,8 @@ from amaranth.hdl import Assert, Assume, Cover
 
 from hdl.link.link_transmitter import LinkTransmitter
 from hdl.link.signatures import LinkState
+from tb.formal import sby
+
 
 FCCL_MODULUS = 4096
 CREDIT_WINDOW = 2048
@@ -33,9 +35,7 @@ class LinkTransmitterCreditHarness(Elaboratable):
     def elaborate(self, platform):
         m = Module()
         dut = self.dut
-        # Elaborated here, not by Amaranth later, so that its invariants exist to be asserted.
-        m.submodules.dut = dut.elaborate(platform)
-        dut._MustUse__silence = True
+        sby.add_elaborated(m, dut, platform)
         vls = range(dut.num_vls)
 
         def free(port):

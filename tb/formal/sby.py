@@ -14,7 +14,7 @@ from pathlib import Path
 
 from amaranth.back import rtlil
 
-__all__ = ["Proof", "run", "planted"]
+__all__ = ["Proof", "run", "planted", "add_elaborated"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,15 @@ class Proof:
     cover_depth: int = 0  # cover depth when it differs from depth
     mode: str = "prove"   # "bmc": every state reachable within depth cycles of reset
     script: tuple = ()    # Yosys commands after prep (memory_map: memories as registers)
+
+
+def add_elaborated(m, dut, platform):
+    """Add ``dut`` to the harness ``m`` as ``dut``, elaborated here rather than by Amaranth
+    later, so that what its ``elaborate`` builds for proofs (``formal_invariants``, the
+    internal signals it names) exists for the harness to assert on; returns its module."""
+    elaborated = m.submodules.dut = dut.elaborate(platform)
+    dut._MustUse__silence = True
+    return elaborated
 
 
 def _tool(name):

@@ -16,6 +16,8 @@ from amaranth.hdl import Assert, Assume, Cover
 
 from hdl.link.signatures import FCCL_BITS
 from hdl.switch.switch_allocator import SwitchAllocator
+from tb.formal import sby
+
 
 CREDIT_WINDOW = 2048
 
@@ -32,9 +34,7 @@ class SwitchAllocatorCreditHarness(Elaboratable):
     def elaborate(self, platform):
         m = Module()
         dut = self.dut
-        # Elaborated here, not by Amaranth later, so that its credit hold exists to be named.
-        m.submodules.dut = dut.elaborate(platform)
-        dut._MustUse__silence = True
+        sby.add_elaborated(m, dut, platform)
         hold = dut.formal_hold
         P, V = dut.ports, dut.num_vls
         ports, vls = range(P), range(V)

@@ -16,6 +16,7 @@ from amaranth.asserts import AnySeq
 from amaranth.hdl import Assert, Assume, Cover
 
 from hdl.switch.voq_buffer import VoqBuffer
+from tb.formal import sby
 
 
 def popcount(bits):
@@ -30,9 +31,7 @@ class VoqBufferCellsHarness(Elaboratable):
     def elaborate(self, platform):
         m = Module()
         dut = self.dut
-        # Elaborated here, not by Amaranth later, so that its free-list moves exist to be named.
-        m.submodules.dut = dut.elaborate(platform)
-        dut._MustUse__silence = True
+        sby.add_elaborated(m, dut, platform)
         cells = dut.formal_cells
         store = dut.store
         vls = range(dut.num_vls)
