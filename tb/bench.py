@@ -308,11 +308,18 @@ def nic_pair_benchmarks():
 
 # --- fabric (tb/test_fabric.py's zero-load probe, the scenario behind `make sim`) ------------
 
+# The cut of fabric_benchmarks: make sim's default step, leaf 0's spine-0 cable.
+SPINE_CUT = {"ack_timeout": 3, "cut_link": "leaf0.p2", "cut_at": 500}
+
+
 def fabric_benchmarks():
     """On the default fabric (8 NICs, 4 leaves, 2 spines): the zero-load 1-hop and 3-hop
     NIC-to-NIC latencies (tb/test_fabric.py zero_load_latency: fabric.hop1_latency_ns,
     fabric.hop3_latency_ns) and the default MoE step of `make sim` (tb/fabric_scenarios.py:
-    fabric.moe_dispatch_us, fabric.moe_combine_us, fabric.drops). Both share one build."""
+    fabric.moe_dispatch_us, fabric.moe_combine_us, fabric.drops), and the same step with
+    leaf 0's cable to spine 0 cut 500 cycles in and restored once both ends went down
+    (fabric.cut.*: the phases, drops, detect and recovery cycles, packets resent; docs/fabric.md,
+    A cut cable). All share one build."""
     from tb import fabric_scenarios
     from tb.fabric_top import run_fabric
     records = []
@@ -322,16 +329,18 @@ def fabric_benchmarks():
     run_fabric(module="tb.test_fabric", params={}, testcase="zero_load_latency",
                expect_tests=1, extra_env={"BENCH_RECORDS": str(path)})
     records += json.loads(path.read_text())
-    path = OUT / "records" / "fabric_moe.json"
-    path.unlink(missing_ok=True)
-    # launch() passes the environment on to the simulation.
-    os.environ["BENCH_RECORDS"] = str(path)
-    try:
-        fabric_scenarios.launch({})
-    finally:
-        del os.environ["BENCH_RECORDS"]
-    records += json.loads(path.read_text())
+    for name, config in (("fabric_moe", {}), ("fabric_moe_spine_cut", SPINE_CUT)):
+        path = OUT / "records" / f"{name}.json"
+        path.unlink(missing_ok=True)
+        # launch() passes the environment on to the simulation.
+        os.environ["BENCH_RECORDS"] = str(path)
+        try:
+            fabric_scenarios.launch(config)
+        finally:
+            del os.environ["BENCH_RECORDS"]
+        records += json.loads(path.read_text())
     return records
+
 
 
 def fpga_benchmarks():

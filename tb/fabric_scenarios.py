@@ -573,12 +573,21 @@ class Scenario:
         if not os.environ.get("BENCH_RECORDS"):
             return
         from tb.runner import bench_record
-        config = results["config"]
+        config, cut = results["config"], results["cut"]
+        # A run with a cut cable records under fabric.cut.*, beside the same step without it.
+        prefix = "fabric.cut." if cut else "fabric."
         for phase in results["phases"]:
             if config["scenario"] == "moe" and phase["end"] is not None:
-                bench_record(f"fabric.moe_{phase['name']}_us",
+                bench_record(f"{prefix}moe_{phase['name']}_us",
                              (phase["end"] - phase["start"]) * CLOCK_NS / 1000, "us", config)
-        bench_record("fabric.drops", results["drops"]["total"], "packets", config)
+        bench_record(f"{prefix}drops", results["drops"]["total"], "packets", config)
+        if cut and cut["up"] is not None:
+            bench_record("fabric.cut.detect_cycles", cut["down"] - cut["cut"], "cycles", config)
+            bench_record("fabric.cut.recovery_cycles", cut["up"] - cut["restored"], "cycles",
+                         config)
+            bench_record("fabric.cut.packets_resent", sum(
+                nic["packets_resent"] for nic in results["retransmissions"]["by_nic"].values()),
+                "packets", config)
 
     def summary(self, results):
         lines = [f"{self.config['scenario']}: {len(self.messages)} messages, "
