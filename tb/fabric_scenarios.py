@@ -32,9 +32,9 @@ from pathlib import Path
 import cocotb
 from cocotb.triggers import ClockCycles, RisingEdge
 
+from hdl.link.signatures import LinkState
 from models.moe import (SIGNAL_BYTES, KvPlan, MoePlan, link_names, scenario_config, signal_bytes,
                         signalled_count)
-from hdl.link.signatures import LinkState
 from models.pcap import LinkCapture
 from tb.fabric_tb import CLOCK_NS, DROP_COUNTERS, LATENCY_PROBE_BYTES, FabricTB
 from tb.nic_pair_tb import SOURCE_BYTES, SOURCE_REGION, TARGET_BYTES, TARGET_REGION
