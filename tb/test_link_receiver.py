@@ -4,12 +4,12 @@ of no bytes), and are charged for them, so that a peer keeping the credit rule n
 overflows the buffer (found by the proof in docs/formal.md). A good packet at the head, which
 the stalled consumer does not take, keeps the packets behind it in the buffer."""
 import pytest
-from amaranth.sim import Simulator
 
 from hdl.link.link_receiver import LinkReceiver
 from hdl.link.signatures import FCCL_BITS, LinkState
 from models.crc import vcrc_bytes
 from models.ib import LRH, FlowControl
+from tb.amaranth_sim import simulate
 
 MODULUS = 1 << FCCL_BITS
 PKTLEN = 31                 # 126 bytes on the wire: 2 blocks, cut short after the first
@@ -84,10 +84,7 @@ def test_packets_cut_short_at_a_block_boundary_never_overflow(width, buffer_bloc
         record["used"] = ctx.get(dut.used_blocks[0])
         record["room"] = (ctx.get(dut.fccl[0]) - fctbs) % MODULUS
 
-    sim = Simulator(dut)
-    sim.add_clock(1e-6)
-    sim.add_testbench(testbench)
-    sim.run()
+    simulate(dut, testbench)
     assert record["sent"] >= 2
     assert record["overflow"] == 0, f"{record['sent']} packets, each within credit, overflowed"
     assert record["used"] == 0 and record["room"] == buffer_blocks, record

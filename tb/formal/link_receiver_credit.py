@@ -18,9 +18,7 @@ from amaranth.hdl import Assert, Assume, Cover
 from hdl.link.link_receiver import LinkReceiver
 from hdl.link.signatures import BLOCK_BYTES, FCCL_BITS, LinkState, blocks_of, lrh_pktlen, max_wire_bytes
 from tb.formal import sby
-
-
-CREDIT_WINDOW = 2048
+from tb.formal.credit import CREDIT_WINDOW, fits
 
 
 class LinkReceiverCreditHarness(Elaboratable):
@@ -92,7 +90,7 @@ class LinkReceiverCreditHarness(Elaboratable):
             starts = Signal(name=f"starts{v}")
             m.d.comb += starts.eq(start & (start_vl == v))
             m.d.comb += [
-                Assume(~starts | ((peer_limit - peer_fctbs - blocks)[:FCCL_BITS] <= CREDIT_WINDOW)),
+                Assume(~starts | fits(peer_limit, peer_fctbs, blocks)),
                 Assume(~(fc_beat & (fc_vl == v)) | (fc_fctbs == peer_fctbs)),
             ]
             with m.If(dut.clear):

@@ -14,16 +14,9 @@ from amaranth.asserts import AnySeq
 from amaranth.hdl import Assert, Assume, Cover
 
 from hdl.link.link_transmitter import LinkTransmitter
-from hdl.link.signatures import LinkState
+from hdl.link.signatures import FCCL_BITS, LinkState
 from tb.formal import sby
-
-
-FCCL_MODULUS = 4096
-CREDIT_WINDOW = 2048
-
-
-def fits(limit, fctbs, blocks):
-    return ((limit - fctbs - blocks) % FCCL_MODULUS) <= CREDIT_WINDOW
+from tb.formal.credit import fits
 
 
 class LinkTransmitterCreditHarness(Elaboratable):
@@ -72,7 +65,7 @@ class LinkTransmitterCreditHarness(Elaboratable):
             start = Signal(name=f"took_start{v}")
             m.d.comb += start.eq(beat.valid & beat.ready & beat.payload.start)
             ok = Signal(name=f"fits{v}")
-            m.d.comb += ok.eq(((limit_before[v] - dut.fctbs[v] - blocks)[:12]) <= CREDIT_WINDOW)
+            m.d.comb += ok.eq(fits(limit_before[v], dut.fctbs[v], blocks))
             stages = [(Signal(name=f"took{v}_{d}"), Signal(name=f"fits{v}_{d}"),
                        Signal(12, name=f"fctbs{v}_{d}"), Signal(8, name=f"blocks{v}_{d}"))
                       for d in (1, 2)]
@@ -105,10 +98,10 @@ class LinkTransmitterCreditHarness(Elaboratable):
                 with m.If(cleared[1]):
                     m.d.comb += Assert(fctbs_after[v] == 0)
                 with m.Elif(started):
-                    m.d.comb += Assert(fctbs_after[v] == (fctbs_at[v] + blocks_of[v])[:12])
+                    m.d.comb += Assert(fctbs_after[v] == (fctbs_at[v] + blocks_of[v])[:FCCL_BITS])
                 with m.Else():
                     m.d.comb += Assert(fctbs_after[v] == fctbs_at[v])
                 # Reachable: a packet that needs more than a block starts on the exact credit.
                 m.d.comb += Cover(started & (blocks_of[v] > 1) &
-                                  (((limit_before[v] - fctbs_after[v]) % FCCL_MODULUS) == 0))
+                                  ((limit_before[v] - fctbs_after[v])[:FCCL_BITS] == 0))
         return m

@@ -17,14 +17,7 @@ from amaranth.hdl import Assert, Assume, Cover
 from hdl.link.signatures import FCCL_BITS
 from hdl.switch.switch_allocator import SwitchAllocator
 from tb.formal import sby
-
-
-CREDIT_WINDOW = 2048
-
-
-def fits(limit, counted_blocks, blocks):
-    """IBA: a packet may start when (FCCL - (FCTBS + blocks)) mod 4096 <= 2048."""
-    return (limit - counted_blocks - blocks)[:FCCL_BITS] <= CREDIT_WINDOW
+from tb.formal.credit import CREDIT_WINDOW, fits
 
 
 class SwitchAllocatorCreditHarness(Elaboratable):
