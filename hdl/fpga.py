@@ -12,10 +12,10 @@ memory went; ``pnr`` places and routes the top inside a small wrapper on the lar
 (LFE5U-85F) when it fits. Results are cached by the digest of the top's Verilog and the flow.
 """
 import argparse
+import functools
 import hashlib
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -37,6 +37,10 @@ ECP5 = {"device": "--85k", "package": "CABGA756", "name": "LFE5U-85F",
 ECP5_FILL = 0.85                # place and route only what uses at most this much of a resource
 PNR_TIMEOUT_S = 3600
 PNR_VERSION = "nextpnr-ecp5 --85k --package CABGA756 --freq 400 --seed 1, wrapper 1"
+# Tops whose depth is composed from their blocks (:func:`compose`) rather than measured
+# flattened, and why.
+COMPOSED_TOPS = {"tf_nic": "flattened, it stops YoWASP's Yosys (WebAssembly's 4 GiB) after "
+                           "`flatten`; docs/fpga.md"}
 # Bumped whenever a script or the analysis changes what a cached result would say.
 FLOW_VERSION = "2"
 
@@ -89,11 +93,11 @@ def _yosys(script, cwd, log):
 
 # --- depth --------------------------------------------------------------------------------
 
-def depth(name, work):
+def depth(name, work, *, port_timing=False):
     _yosys(DEPTH_SCRIPT.format(name=name), work, "depth")
     netlist = json.loads((work / "depth.json").read_text())
     (work / "depth.json").unlink()          # tens of MB for the big tops; the summary is kept
-    return logic_depth.analyze(netlist, name)
+    return logic_depth.analyze(netlist, name, port_timing=port_timing)
 
 
 # --- ECP5 resources -----------------------------------------------------------------------
@@ -214,9 +218,10 @@ def fits_ecp5(resources):
 # --- one top ------------------------------------------------------------------------------
 
 def synthesize(name, *, out="build/fpga", verilog_dir="build/verilog", resources=True, pnr=True,
-               emitted=False, log=print):
+               emitted=False, port_timing=False, log=print):
     """Depth, resources (``resources``) and, when it fits and ``pnr``, fmax of one top, each
-    cached by digest; its Verilog is emitted first unless ``emitted``."""
+    cached by digest; its Verilog is emitted first unless ``emitted``. ``port_timing``: the
+    depth result also holds the top's timing per port (``logic_depth.analyze``)."""
     out, verilog_dir = Path(out), Path(verilog_dir)
     if not emitted:
         emit.emit_top(name, verilog_dir)
@@ -225,7 +230,8 @@ def synthesize(name, *, out="build/fpga", verilog_dir="build/verilog", resources
     cache = work / "result.json"
     result = json.loads(cache.read_text()) if cache.exists() else {}
     result["name"] = name
-    steps = {"depth": (DEPTH_SCRIPT, lambda: depth(name, work))}
+    steps = {"depth": (DEPTH_SCRIPT + ("port timing" if port_timing else ""),
+                       lambda: depth(name, work, port_timing=port_timing))}
     if resources or pnr:
         steps["ecp5"] = (ECP5_SCRIPT, lambda: ecp5_resources(name, work))
     if pnr:
@@ -269,6 +275,11 @@ def records(results):
         config = {"clock_mhz": CLOCK_MHZ, "lut_level_budget": LUT_LEVEL_BUDGET,
                   "depth_mapping": "yosys synth -flatten -lut 6 (generic 6-input LUTs, the whole top at once)",
                   "resources": "yosys synth_ecp5", "flow_version": FLOW_VERSION}
+        if r["depth"].get("composed"):
+            config["depth_mapping"] = ("composed: each block synth -flatten -lut 6 alone, the top's "
+                                       "own logic with the blocks as black boxes, paths across "
+                                       "blocks summed (an upper bound)")
+            config["resources"] = "the depth runs' generic LUTs and flip-flops, summed"
         path = deepest_path(r)
         values = [("lut_levels", lut_levels(r), "LUT levels",
                    {"path": path and {k: path[k] for k in ("class", "from", "to")}}),
@@ -339,6 +350,14 @@ def render_report(results, failed=None):
                          f"`{path['to']}` through " + ", ".join(
                              f"`{n}` ({level})" for n, level in
                              list(zip(path["through"], path.get("through_levels", ())))[1:-1]))
+        if r["depth"].get("composed"):
+            why = COMPOSED_TOPS.get(r["name"])
+            lines += ["", "Composed from its blocks (docs/fpga.md, Composed depth)"
+                          + (f": {why}" if why else "") + ". Each block alone:", "",
+                      "| block | levels | deepest path | LUT6 | FF |", "|---|---:|---|---:|---:|"]
+            lines += [f"| `{block}` | {alone['levels']} | `{alone['path']['from']}` → "
+                      f"`{alone['path']['to']}` | {alone['luts']:,} | {alone['ffs']:,} |"
+                      for block, alone in r["depth"]["blocks_alone"].items() if alone["path"]]
         blocks = r["depth"].get("blocks", {})
         if len(blocks) > 1:
             lines += ["", "Deepest path into each block:", "", "| block | levels | from | to |",
@@ -362,15 +381,19 @@ def run_all(names=None, *, out="build/fpga", verilog_dir="build/verilog", resour
     the others still run. Returns the results of those that succeeded and raises at the end
     if any failed."""
     names = list(names or emit.TOPS)
-    if emit.main(["--out", str(verilog_dir), "-j", str(jobs), *names]):
+    flat = [name for name in names if name not in COMPOSED_TOPS]
+    if flat and emit.main(["--out", str(verilog_dir), "-j", str(jobs), *flat]):
         raise RuntimeError("hdl.emit failed")
     failed = {}
 
     def one(name):
+        log = functools.partial(print, flush=True)
         try:
+            if name in COMPOSED_TOPS:
+                return compose(name, out=out, verilog_dir=Path(verilog_dir) / "blocks", jobs=1,
+                               log=log)
             return synthesize(name, out=out, verilog_dir=verilog_dir, resources=resources,
-                              pnr=pnr, emitted=True,
-                              log=lambda s: print(s, flush=True))
+                              pnr=pnr, emitted=True, log=log)
         except Exception as exc:     # report every top, then fail
             failed[name] = f"{type(exc).__name__}: {exc}"
             print(f"error: {name}: {failed[name]}", file=sys.stderr, flush=True)
@@ -389,9 +412,15 @@ def run_all(names=None, *, out="build/fpga", verilog_dir="build/verilog", resour
 def blocks(name):
     """The blocks of top ``name``: the attributes of its component that are components (or
     lists of them), ``{block: component}`` in attribute order."""
-    from amaranth.lib import wiring
     component = emit.TOPS[name].factory()
-    component._MustUse__silence = True      # only its blocks are elaborated
+    found = _blocks_of(component)
+    for item in (component, *found.values()):
+        item._MustUse__silence = True       # the caller elaborates the blocks it needs
+    return found
+
+
+def _blocks_of(component):
+    from amaranth.lib import wiring
     found = {}
     for attr, value in vars(component).items():
         items = value if isinstance(value, (list, tuple)) else [value]
@@ -401,18 +430,32 @@ def blocks(name):
     return found
 
 
+def _signal_ports(component):
+    """``[(signal, is_input)]``: the ports of a block, the signals of its signature; a
+    constant one (the ready of an always-ready stream) stays inside."""
+    from amaranth.hdl import Signal, Value
+    from amaranth.lib.wiring import In
+    ports = []
+    for _, member, value in component.signature.flatten(component):
+        port = Value.cast(value)
+        if isinstance(port, Signal):
+            ports.append((port, member.flow == In))
+    return ports
+
+
 def synthesize_blocks(name, *, out="build/fpga", verilog_dir="build/verilog/blocks", jobs=2,
-                      only=None, log=print):
+                      only=None, port_timing=False, log=print):
     """Depth of each block of top ``name`` synthesized alone as ``<name>__<block>`` (its ports
     stand for the neighbouring blocks' registers): in a large flattened top, ABC9 relaxes
     every path up to the critical one, so only this says how deep each block is itself.
-    ``only``: the names of the blocks to synthesize (default: all).
+    ``only``: the names of the blocks to synthesize (default: all); ``port_timing``: keep
+    each block's timing per port (for :func:`compose`).
     Writes ``<out>/<name>_blocks.md``; returns ``{block: result or error text}``."""
     from amaranth.back import verilog
-    from amaranth.hdl import Module, Signal, Value
+    from amaranth.hdl import Module
     verilog_dir = Path(verilog_dir)
     verilog_dir.mkdir(parents=True, exist_ok=True)
-    tops, results = {}, {}
+    tops, results, same_as = {}, {}, {}
     found = blocks(name)
     unknown = sorted(set(only or ()) - set(found))
     if unknown:
@@ -421,27 +464,27 @@ def synthesize_blocks(name, *, out="build/fpga", verilog_dir="build/verilog/bloc
         if only and block not in only:
             continue
         top = f"{name}__{block}"
-        # Its ports are the signals of its signature; a constant one (the ready of an
-        # always-ready stream) stays inside.
-        ports = [port for port in (Value.cast(value) for _, _, value in
-                                   component.signature.flatten(component))
-                 if isinstance(port, Signal)]
         wrapper = Module()
         wrapper.submodules.block = component
+        ports = [signal for signal, _ in _signal_ports(component)]
         text = emit.drop_dangling_attributes(verilog.convert(wrapper, name=top, ports=ports,
                                                              emit_src=False))
         emit._write(verilog_dir / f"{top}.v", text)
-        tops[block] = top
+        # Blocks built alike (a switch's ports) are one Verilog but for the name: one run.
+        same = same_as.setdefault(text.replace(top, "\0"), block)
+        tops[block] = tops.get(same, top)
 
-    def one(block):
+    def one(top):
         try:
-            return synthesize(tops[block], out=out, verilog_dir=verilog_dir, resources=False,
-                              pnr=False, emitted=True, log=log)
+            return synthesize(top, out=out, verilog_dir=verilog_dir, resources=False,
+                              pnr=False, emitted=True, port_timing=port_timing, log=log)
         except Exception as exc:            # report every block
             return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
 
+    distinct = list(dict.fromkeys(tops.values()))
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results.update(zip(tops, pool.map(one, tops)))
+        done = dict(zip(distinct, pool.map(one, distinct)))
+    results.update((block, done[top]) for block, top in tops.items())
     lines = [f"# Blocks of {name}, each synthesized alone", "",
              f"`python -m hdl.fpga --blocks {name}`; docs/fpga.md. Budget {LUT_LEVEL_BUDGET} levels.",
              "", "| block | LUT levels | deepest path | LUT6 | FF |", "|---|---:|---|---:|---:|"]
@@ -459,6 +502,60 @@ def synthesize_blocks(name, *, out="build/fpga", verilog_dir="build/verilog/bloc
     return results
 
 
+COMPOSE_SCRIPT = "read_verilog -lib boxes.v\n" + DEPTH_SCRIPT
+
+
+def compose(name, *, out="build/fpga", verilog_dir="build/verilog/blocks", jobs=2, log=print):
+    """The depth of top ``name`` without flattening it: each block synthesized alone
+    (:func:`synthesize_blocks`) and timed by its ports, the top's own logic between them
+    synthesized with the blocks as black boxes, and every path across a block boundary
+    summed from the two sides (docs/fpga.md, "Composed depth"). An upper bound: no logic
+    is merged across a boundary. Returns a result like :func:`synthesize`'s, with
+    ``depth["blocks_alone"]`` the blocks' own figures."""
+    from amaranth.back import verilog
+    from amaranth.hdl import Instance
+    results = synthesize_blocks(name, out=out, verilog_dir=verilog_dir, jobs=jobs,
+                                port_timing=True, log=log)
+    failed = {block: r for block, r in results.items() if isinstance(r, str)}
+    if failed:
+        raise RuntimeError(f"{name}: blocks failed: " + "; ".join(f"{b}: {e}" for b, e in failed.items()))
+    component = emit.TOPS[name].factory()
+    stubs = []
+    for block, sub in _blocks_of(component).items():
+        box = f"{name}__{block}"
+        ports = _signal_ports(sub)
+        stubs.append(f"module {box}(" + ", ".join(
+            f"{'input' if is_input else 'output'} [{len(signal) - 1}:0] {signal.name}"
+            for signal, is_input in ports) + ");\nendmodule\n")
+
+        def elaborate(platform, box=box, ports=ports):
+            return Instance(box, **{("i_" if is_input else "o_") + signal.name: signal
+                                    for signal, is_input in ports})
+        sub.elaborate = elaborate
+    glue = f"{name}__composed"
+    work = Path(out) / glue
+    work.mkdir(parents=True, exist_ok=True)
+    (work / f"{glue}.v").write_text(emit.drop_dangling_attributes(
+        verilog.convert(component, name=glue, emit_src=False)))
+    (work / "boxes.v").write_text("".join(stubs))
+    started = time.monotonic()
+    _yosys(COMPOSE_SCRIPT.format(name=glue), work, "depth")
+    netlist = json.loads((work / "depth.json").read_text())
+    timing = {f"{name}__{block}": r["depth"]["ports"] for block, r in results.items()}
+    analysis = logic_depth.analyze(netlist, glue, boxes=timing)
+    analysis["blocks_alone"] = {block: {"levels": lut_levels(r), "path": deepest_path(r),
+                                        "luts": r["depth"]["cells"]["luts"],
+                                        "ffs": r["depth"]["cells"]["ffs"]}
+                                for block, r in results.items()}
+    analysis["cells"] = {k: analysis["cells"][k] + sum(r["depth"]["cells"][k] for r in results.values())
+                         for k in ("luts", "ffs")}
+    result = {"name": name, "depth": {**analysis, "seconds": round(time.monotonic() - started),
+                                      "composed": True}}
+    (work / "result.json").write_text(json.dumps(result, indent=1))
+    log(f"{name}: composed in {result['depth']['seconds']} s")
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m hdl.fpga", description=__doc__.split("\n")[0])
     parser.add_argument("names", nargs="*", help="tops (default: every registered top)")
@@ -469,6 +566,8 @@ def main(argv=None):
                         help="only the LUT-level run (no ECP5 resources, no place and route)")
     parser.add_argument("--blocks", action="store_true",
                         help="the depth of each block of the named tops, each synthesized alone")
+    parser.add_argument("--compose", action="store_true",
+                        help="the depth of the named tops from their blocks, without flattening")
     parser.add_argument("--only", default=None, metavar="BLOCK,...",
                         help="with --blocks: only these blocks (comma-separated)")
     parser.add_argument("-j", "--jobs", type=int, default=2)
@@ -476,6 +575,14 @@ def main(argv=None):
     unknown = [n for n in args.names if n not in emit.TOPS]
     if unknown:
         parser.error(f"unknown top(s) {', '.join(unknown)}")
+    if args.compose:
+        for name in args.names:
+            r = compose(name, out=args.out, jobs=args.jobs)
+            path = deepest_path(r)
+            print(f"{name}: composed {lut_levels(r)} levels  {path['from']} -> {path['to']}")
+            for block, alone in r["depth"]["blocks_alone"].items():
+                print(f"  {block:<22} {alone['levels']:>3} levels alone")
+        return 0
     if args.blocks:
         for name in args.names:
             only = args.only.split(",") if args.only else None

@@ -69,30 +69,44 @@ def _memory_ports(cell):
     return sync, asynchronous
 
 
-def analyze(netlist, top, *, worst=8):
+def analyze(netlist, top, *, worst=8, boxes=None, port_timing=False):
     """Longest path of each class in module ``top`` of a flattened, LUT-mapped netlist.
 
     Returns ``{"classes": {class: path or None}, "worst": [path, ...], "cells": {"luts",
     "ffs"}, "memories": [{"name", "depth", "width", "sync_read_ports", "async_read_ports"}]}``;
     a path is ``{"levels", "from", "to", "through", "through_levels"}`` (``through``: the
-    named nets on it, start to end; ``through_levels``: the levels at each). ``worst`` lists the deepest path into each of the ``worst`` deepest
-    endpoints (one per register, memory or port)."""
+    named nets on it, start to end; ``through_levels``: the levels at each). ``worst`` lists
+    the deepest path into each of the ``worst`` deepest endpoints (one per register, memory
+    or port).
+
+    ``boxes``: ``{cell type: timing}`` for black-box cells, each timed by the
+    ``port_timing`` of the block it stands for (a block synthesized alone): an input port
+    ends a path ``in_to_reg`` levels early, an output port starts one ``reg_to_out`` levels
+    in and follows its inputs by ``in_to_out``. ``port_timing``: also return that model of
+    this module, ``{"in_to_reg": {port: levels}, "reg_to_out": {port: levels},
+    "in_to_out": {output: {input: levels}}}``, the deepest path per port (not per bit)."""
     module = netlist["modules"][top]
+    boxes = boxes or {}
     names = _bit_names(module)
-    starts = {}         # bit -> (kind, name): where a path may begin
-    comb = {}           # driven bit -> (input bits, levels added)
-    ends = []           # (bit, end name): where a path must end
+    starts = {}         # bit -> (kind, name, levels at the start)
+    comb = {}           # driven bit -> [(input bit, levels added), ...]
+    ends = []           # (bit, (end kind, end name), levels still to come)
     counts = {"luts": 0, "ffs": 0}
     memories = []
+
+    def drive(bits, sources):
+        for bit in bits:
+            comb.setdefault(bit, []).extend(sources)
 
     for port_name, port in module["ports"].items():
         for bit in port["bits"]:
             if bit in _CONSTANTS:
                 continue
             if port["direction"] == "input":
-                starts[bit] = ("in", port_name)
+                # Per port, a path from an input keeps which one it came from.
+                starts[bit] = (("in", port_name) if port_timing else "in", port_name, 0)
             else:
-                ends.append((bit, ("out", port_name)))
+                ends.append((bit, ("out", port_name), 0))
 
     for cell_name, cell in module["cells"].items():
         kind, conn = cell["type"], cell["connections"]
@@ -100,15 +114,15 @@ def analyze(netlist, top, *, worst=8):
             continue
         if kind == "$lut":
             counts["luts"] += 1
-            comb[conn["Y"][0]] = (conn["A"], 1)
+            drive(conn["Y"], [(bit, 1) for bit in conn["A"]])
         elif _is_ff(kind):
             counts["ffs"] += 1
             (q,) = conn["Q"]
             register = names.get(q, cell_name)
-            starts[q] = ("reg", register)
+            starts[q] = ("reg", register, 0)
             for pin, bits in conn.items():
                 if pin not in ("Q", "C"):
-                    ends.extend((bit, ("reg", f"{register} ({pin})")) for bit in bits)
+                    ends.extend((bit, ("reg", f"{register} ({pin})"), 0) for bit in bits)
         elif kind == "$mem_v2":
             memory = cell["parameters"].get("MEMID", cell_name).lstrip("\\")
             sync, asynchronous = _memory_ports(cell)
@@ -117,18 +131,35 @@ def analyze(netlist, top, *, worst=8):
                              "sync_read_ports": len(sync), "async_read_ports": len(asynchronous),
                              "write_ports": _int(cell["parameters"]["WR_PORTS"])})
             for address, data in sync:
-                starts.update((bit, ("reg", memory)) for bit in data)
-                ends.extend((bit, ("reg", f"{memory} (read address)")) for bit in address)
+                starts.update((bit, ("reg", memory, 0)) for bit in data)
+                ends.extend((bit, ("reg", f"{memory} (read address)"), 0) for bit in address)
             levels = async_read_levels(_int(cell["parameters"]["SIZE"]))
             for address, data in asynchronous:
-                comb.update((bit, (address, levels)) for bit in data)
+                drive(data, [(bit, levels) for bit in address])
             for pin in ("WR_ADDR", "WR_DATA", "WR_EN", "RD_EN", "RD_SRST", "RD_ARST"):
-                ends.extend((bit, ("reg", f"{memory} ({pin})")) for bit in conn.get(pin, ()))
+                ends.extend((bit, ("reg", f"{memory} ({pin})"), 0) for bit in conn.get(pin, ()))
+        elif kind.lstrip("\\") in boxes:
+            timing = boxes[kind.lstrip("\\")]
+            block = cell_name.lstrip("\\")
+            for pin, bits in conn.items():
+                if pin in timing["in_to_reg"]:
+                    inside = timing["in_to_reg"][pin]
+                    ends.extend((bit, ("reg", f"{block}.{pin} (then {inside} inside)"), inside)
+                                for bit in bits)
+            for pin, bits in conn.items():
+                if pin in timing["reg_to_out"]:
+                    inside = timing["reg_to_out"][pin]
+                    starts.update((bit, ("reg", f"{block}.{pin} ({inside} inside)", inside))
+                                  for bit in bits if bit not in _CONSTANTS)
+                drive(bits, [(bit, levels) for source, levels in
+                             timing["in_to_out"].get(pin, {}).items()
+                             for bit in conn.get(source, ())])
         else:
             raise PathError(f"{top}: cell {cell_name} of type {kind} is not mapped to LUTs, "
-                            f"flip-flops or memories")
+                            f"flip-flops, memories or timed blocks")
 
     # Per bit and start kind: (levels, the input bit on the deepest path); iterative DFS.
+    # A block's output is both a start (its registers) and driven (through it, its inputs).
     best = {}
 
     def settle(root):
@@ -141,23 +172,22 @@ def analyze(netlist, top, *, worst=8):
             if bit in _CONSTANTS:
                 best[bit] = {}
                 continue
+            result = {}
             if bit in starts:
-                best[bit] = {starts[bit][0]: (0, None)}
-                continue
+                kind, _, levels = starts[bit]
+                result[kind] = (levels, None)
             if bit not in comb:
-                best[bit] = {}          # undriven: no path starts here
+                best[bit] = result      # a start, or undriven: no path starts here
                 continue
-            inputs, levels = comb[bit]
             if not expanded:
                 if bit in on_stack:
                     raise PathError(f"{top}: combinational loop through {names.get(bit, bit)}")
                 on_stack.add(bit)
                 stack.append((bit, True))
-                stack.extend((i, False) for i in inputs if i not in best)
+                stack.extend((i, False) for i, _ in comb[bit] if i not in best)
                 continue
             on_stack.discard(bit)
-            result = {}
-            for i in inputs:
+            for i, levels in comb[bit]:
                 for kind, (lvl, _) in best[i].items():
                     if kind not in result or lvl + levels > result[kind][0]:
                         result[kind] = (lvl + levels, i)
@@ -176,10 +206,22 @@ def analyze(netlist, top, *, worst=8):
 
     deepest = {}        # class -> path
     per_end = {}        # end name -> deepest path into it
-    for bit, (end_kind, end_name) in ends:
+    timing = {"in_to_reg": {}, "reg_to_out": {}, "in_to_out": {}}
+    for bit, (end_kind, end_name), still in ends:
         settle(bit)
         for start_kind, (levels, _) in best[bit].items():
-            cls = CLASSES[(start_kind, end_kind)]
+            levels += still
+            start = start_kind[0] if isinstance(start_kind, tuple) else start_kind
+            cls = CLASSES[(start, end_kind)]
+            if port_timing:
+                if cls == "in_to_reg":
+                    table, key = timing["in_to_reg"], start_kind[1]
+                elif cls == "reg_to_out":
+                    table, key = timing["reg_to_out"], end_name
+                elif cls == "in_to_out":
+                    table, key = timing["in_to_out"].setdefault(end_name, {}), start_kind[1]
+                if cls != "reg_to_reg" and levels > table.get(key, -1):
+                    table[key] = levels
             register = register_name(end_name)
             if cls in deepest and deepest[cls]["levels"] >= levels and \
                     per_end.get(register, {"levels": -1})["levels"] >= levels:
@@ -195,9 +237,12 @@ def analyze(netlist, top, *, worst=8):
     blocks = {}
     for path in worst_paths:
         blocks.setdefault(block_name(path["to"]), path)
-    return {"classes": {cls: deepest.get(cls) for cls in CLASSES.values()},
-            "worst": worst_paths[:worst], "blocks": dict(sorted(blocks.items())),
-            "cells": counts, "memories": memories}
+    result = {"classes": {cls: deepest.get(cls) for cls in CLASSES.values()},
+              "worst": worst_paths[:worst], "blocks": dict(sorted(blocks.items())),
+              "cells": counts, "memories": memories}
+    if port_timing:
+        result["ports"] = timing
+    return result
 
 
 def register_name(name):

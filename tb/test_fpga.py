@@ -67,6 +67,33 @@ def test_ports_start_and_end_paths():
     assert levels(result) == {"reg_to_reg": None, "in_to_reg": 2, "reg_to_out": 1, "in_to_out": 2}
 
 
+def test_timing_per_port():
+    # a -> 2 LUTs -> register; b -> 1 LUT -> y; the register -> 1 LUT -> y; a -> 4 LUTs -> z.
+    ports = {"a": {"direction": "input", "bits": [1]}, "b": {"direction": "input", "bits": [2]},
+             "y": {"direction": "output", "bits": [5]}, "z": {"direction": "output", "bits": [9]}}
+    cells = [lut([1], 3), lut([3], 4), ff(4, 6), lut([2, 6], 5), lut([4], 8), lut([8], 9)]
+    result = logic_depth.analyze(netlist(cells, ports), "top", port_timing=True)
+    assert result["ports"] == {"in_to_reg": {"a": 2}, "reg_to_out": {"y": 1},
+                               "in_to_out": {"y": {"b": 1}, "z": {"a": 4}}}
+    assert levels(result)["in_to_out"] == 4
+
+
+def test_a_timed_block_adds_its_ports_levels():
+    # q -> LUT -> box.a (3 more to its registers; 4 through it to y); box.y (2 from its
+    # registers) -> LUT -> d.
+    box = {"type": "blk", "parameters": {}, "connections": {"a": [2], "y": [3]}}
+    timing = {"in_to_reg": {"a": 3}, "reg_to_out": {"y": 2}, "in_to_out": {"y": {"a": 4}}}
+    cells = {"q": ff(20, 1), "l1": lut([1], 2), "inst": box, "l2": lut([3], 4), "d": ff(4, 5)}
+    result = logic_depth.analyze(netlist(cells, names={1: "q", 5: "d", 3: "y"}), "top",
+                                 boxes={"blk": timing})
+    path = result["classes"]["reg_to_reg"]
+    assert path["levels"] == 1 + 4 + 1           # through the block, not 2 + 1 from inside it
+    assert (path["from"], path["to"]) == ("q", "d (D)")
+    assert {p["to"]: p["levels"] for p in result["worst"]} == {"d (D)": 6, "inst.a (then 3 inside)": 4}
+    with pytest.raises(logic_depth.PathError, match="not mapped"):
+        logic_depth.analyze(netlist(cells), "top")      # a block without its timing
+
+
 def test_memories_start_end_or_cost_their_read():
     def mem(size, clocked, raddr, rdata, waddr):
         return {"type": "$mem_v2", "parameters": {
@@ -162,6 +189,62 @@ def test_blocks_are_the_component_attributes_of_a_top():
     assert list(fpga.blocks("tf_link_port_w16")) == ["transmitter", "receiver"]
     switch = fpga.blocks("tf_switch_4p")
     assert [b for b in switch if b.startswith("buffers")] == [f"buffers{i}" for i in range(4)]
+
+
+class XorSource(wiring.Component):
+    """36 registers into 6 outputs, each the XOR of 6: ``reg_to_out`` 1."""
+
+    def __init__(self):
+        super().__init__({"a": In(36), "y": Out(6)})
+
+    def elaborate(self, platform):
+        m = Module()
+        held = Signal(36)
+        m.d.sync += held.eq(self.a)
+        m.d.comb += [self.y[k].eq(held[6 * k:6 * k + 6].xor()) for k in range(6)]
+        return m
+
+
+class XorSink(wiring.Component):
+    """6 inputs XORed into a register: ``in_to_reg`` 1."""
+
+    def __init__(self):
+        super().__init__({"b": In(6), "q": Out(1)})
+
+    def elaborate(self, platform):
+        m = Module()
+        m.d.sync += self.q.eq(self.b.xor())
+        return m
+
+
+class XorPair(wiring.Component):
+    """A source and a sink with one LUT of the top's own logic between them."""
+
+    def __init__(self):
+        super().__init__({"a": In(36), "q": Out(1)})
+        self.source, self.sink = XorSource(), XorSink()
+
+    def elaborate(self, platform):
+        m = Module()
+        m.submodules.source, m.submodules.sink = self.source, self.sink
+        mask = Signal(6)
+        m.d.sync += mask.eq(self.a[:6])
+        m.d.comb += [self.source.a.eq(self.a), self.sink.b.eq(self.source.y ^ mask),
+                     self.q.eq(self.sink.q)]
+        return m
+
+
+def test_compose_sums_the_levels_across_blocks(tmp_path, monkeypatch):
+    monkeypatch.setitem(emit.TOPS, "tf_test_pair", emit.Top("tf_test_pair", XorPair, "test"))
+    result = fpga.compose("tf_test_pair", out=tmp_path / "fpga", verilog_dir=tmp_path / "v",
+                          log=lambda _: None)
+    path = fpga.deepest_path(result)
+    # 1 inside the source, 1 of the top's XOR, 1 inside the sink
+    assert (path["levels"], path["class"]) == (3, "reg_to_reg")
+    assert (path["from"], path["to"]) == ("source.y (1 inside)", "sink.b (then 1 inside)")
+    assert {block: alone["levels"] for block, alone in result["depth"]["blocks_alone"].items()} \
+        == {"source": 1, "sink": 1}
+    assert result["depth"]["composed"]
 
 
 # --- the budget ------------------------------------------------------------------------------
