@@ -414,8 +414,11 @@ def blocks(name):
     lists of them), ``{block: component}`` in attribute order."""
     component = emit.TOPS[name].factory()
     found = _blocks_of(component)
-    for item in (component, *found.values()):
-        item._MustUse__silence = True       # the caller elaborates the blocks it needs
+    unused = [component]
+    while unused:                           # the caller elaborates the blocks it needs
+        item = unused.pop()
+        item._MustUse__silence = True
+        unused.extend(_blocks_of(item).values())
     return found
 
 
