@@ -2,6 +2,7 @@
 
     python -m hdl.fpga [NAME ...] [--out build/fpga] [--no-pnr] [-j 2]
     python -m hdl.fpga --blocks tf_nic [--only scheduler,dma]   # each block of a top, alone
+    python -m hdl.fpga --compose tf_nic     # a top's depth from its blocks, not flattened
     make fpga        # every top: build/fpga/report.md and fpga.* in build/bench/results.json
 
 Three runs per top (docs/fpga.md defines every figure and how to reproduce it):
@@ -354,9 +355,11 @@ def render_report(results, failed=None):
             why = COMPOSED_TOPS.get(r["name"])
             lines += ["", "Composed from its blocks (docs/fpga.md, Composed depth)"
                           + (f": {why}" if why else "") + ". Each block alone:", "",
-                      "| block | levels | deepest path | LUT6 | FF |", "|---|---:|---|---:|---:|"]
+                      "| block | levels | deepest path | reg_to_out | in_to_out | LUT6 | FF |",
+                      "|---|---:|---|---:|---:|---:|---:|"]
             lines += [f"| `{block}` | {alone['levels']} | `{alone['path']['from']}` → "
-                      f"`{alone['path']['to']}` | {alone['luts']:,} | {alone['ffs']:,} |"
+                      f"`{alone['path']['to']}` | {alone['reg_to_out']} | {alone['in_to_out']} "
+                      f"| {alone['luts']:,} | {alone['ffs']:,} |"
                       for block, alone in r["depth"]["blocks_alone"].items() if alone["path"]]
         blocks = r["depth"].get("blocks", {})
         if len(blocks) > 1:
@@ -413,13 +416,17 @@ def blocks(name):
     """The blocks of top ``name``: the attributes of its component that are components (or
     lists of them), ``{block: component}`` in attribute order."""
     component = emit.TOPS[name].factory()
-    found = _blocks_of(component)
+    _silence(component)                     # the caller elaborates the blocks it needs
+    return _blocks_of(component)
+
+
+def _silence(component):
+    """No "created but never used" warning for ``component`` or any block below it."""
     unused = [component]
-    while unused:                           # the caller elaborates the blocks it needs
+    while unused:
         item = unused.pop()
         item._MustUse__silence = True
         unused.extend(_blocks_of(item).values())
-    return found
 
 
 def _blocks_of(component):
@@ -508,6 +515,15 @@ def synthesize_blocks(name, *, out="build/fpga", verilog_dir="build/verilog/bloc
 COMPOSE_SCRIPT = "read_verilog -lib boxes.v\n" + DEPTH_SCRIPT
 
 
+def _boundary(ports):
+    """How much of a block's depth reaches its neighbours: its deepest output behind
+    registers (``reg_to_out``) and its deepest path from an input to an output
+    (``in_to_out``); 0 for a block whose outputs are registers."""
+    through = [levels for inputs in ports["in_to_out"].values() for levels in inputs.values()]
+    return {"reg_to_out": max(ports["reg_to_out"].values(), default=0),
+            "in_to_out": max(through, default=0)}
+
+
 def compose(name, *, out="build/fpga", verilog_dir="build/verilog/blocks", jobs=2, log=print):
     """The depth of top ``name`` without flattening it: each block synthesized alone
     (:func:`synthesize_blocks`) and timed by its ports, the top's own logic between them
@@ -525,6 +541,7 @@ def compose(name, *, out="build/fpga", verilog_dir="build/verilog/blocks", jobs=
     component = emit.TOPS[name].factory()
     stubs = []
     for block, sub in _blocks_of(component).items():
+        _silence(sub)                       # a black box now: its own blocks stay unused
         box = f"{name}__{block}"
         ports = _signal_ports(sub)
         stubs.append(f"module {box}(" + ", ".join(
@@ -548,7 +565,8 @@ def compose(name, *, out="build/fpga", verilog_dir="build/verilog/blocks", jobs=
     analysis = logic_depth.analyze(netlist, glue, boxes=timing)
     analysis["blocks_alone"] = {block: {"levels": lut_levels(r), "path": deepest_path(r),
                                         "luts": r["depth"]["cells"]["luts"],
-                                        "ffs": r["depth"]["cells"]["ffs"]}
+                                        "ffs": r["depth"]["cells"]["ffs"],
+                                        **_boundary(r["depth"]["ports"])}
                                 for block, r in results.items()}
     analysis["cells"] = {k: analysis["cells"][k] + sum(r["depth"]["cells"][k] for r in results.values())
                          for k in ("luts", "ffs")}

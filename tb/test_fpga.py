@@ -244,6 +244,7 @@ def test_compose_sums_the_levels_across_blocks(tmp_path, monkeypatch):
     assert (path["from"], path["to"]) == ("source.y (1 inside)", "sink.b (then 1 inside)")
     assert {block: alone["levels"] for block, alone in result["depth"]["blocks_alone"].items()} \
         == {"source": 1, "sink": 1}
+    assert result["depth"]["blocks_alone"]["source"]["reg_to_out"] == 1
     assert result["depth"]["composed"]
 
 
