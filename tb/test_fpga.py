@@ -246,6 +246,13 @@ def test_compose_sums_the_levels_across_blocks(tmp_path, monkeypatch):
         == {"source": 1, "sink": 1}
     assert result["depth"]["blocks_alone"]["source"]["reg_to_out"] == 1
     assert result["depth"]["composed"]
+    # make fpga composes the tops listed in COMPOSED_TOPS, and its records say so
+    monkeypatch.setitem(fpga.COMPOSED_TOPS, "tf_test_pair", "a test")
+    (again,) = fpga.run_all(["tf_test_pair"], out=tmp_path / "fpga", verilog_dir=tmp_path / "v")
+    assert fpga.lut_levels(again) == 3
+    levels = next(r for r in fpga.records([again]) if r["name"] == "fpga.tf_test_pair.lut_levels")
+    assert levels["value"] == 3 and levels["config"]["depth_mapping"].startswith("composed")
+    assert "Composed from its blocks" in (tmp_path / "fpga" / "report.md").read_text()
 
 
 # --- the budget ------------------------------------------------------------------------------
