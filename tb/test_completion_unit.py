@@ -55,6 +55,9 @@ other tests strobe each record's last PSN as it is taken): answers past the high
 sent are dropped, a sequence NAK for a packet of a record still being sent rewinds,
 resends below the highest PSN sent leave it; packets sent restart the timer.
 
+READs whose byte count is a whole number of MTUs (their last response a full MTU), beside
+shorter last responses and a READ of 0 bytes: all taken, all complete.
+
 Throughput (AXI always ready, records offered every cycle, one QP or four in turn): records
 are taken at one per cycle while completions run (a record takes no engine operation), and
 retire back to back when they complete at once (flushed QPs), but for the one cycle in
@@ -722,6 +725,39 @@ def test_rnr():
         await bench.check_counters(ctx)
         assert ref.counters["retransmits_rnr"] == 2 + 9 + 2 and bench.qp_errors == [0], ref.counters
 
+    run(dut, factory, body)
+
+
+@pytest.mark.parametrize("sizes", [
+    [(512, 1), (256, 1), (4096, 5), (1024, 2), (300, 1), (0, 3)],
+    [(3 * 1024, 3), (1, 4), (8192, 5), (2048, 1)],
+])
+def test_read_whole_mtus(sizes):
+    """READs (byte count, MTU code) whose last response is a whole MTU, beside ones whose
+    last is shorter and a READ of 0 bytes: every response is taken at its length and every
+    READ completes (the record path stores the last response's length with R)."""
+    dut, factory = reliability_bench(2, [QpState.RTS, QpState.RTS])
+
+    async def body(ctx, bench):
+        bench.drive_qp_states(ctx)
+        psn = M24 - 5
+        recs = []
+        for k, (nbytes, mtu) in enumerate(sizes):
+            packets = max(1, -(-nbytes // (128 << mtu)))
+            rec = make_rec(1, READ, psn, packets, index=k)
+            rec.byte_count, rec.mtu = nbytes, mtu
+            recs.append(rec)
+            psn += packets
+        await offer(ctx, bench, *recs)
+        for rec in recs:
+            for k in range(rec.read_packets()):
+                # taken; a response without payload has nothing to write
+                send_read(bench, rec, k, taken=rec.read_payload_bytes(k) > 0)
+        await bench.drain(ctx)
+        assert not bench.ref.qps[1].queue
+        assert bench.retired == len(recs), bench.retired
+        await bench.check_counters(ctx)
+        assert bench.ref.counters["read_responses"] == sum(r.read_packets() for r in recs)
     run(dut, factory, body)
 
 
