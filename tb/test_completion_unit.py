@@ -677,14 +677,17 @@ def test_wire_psn():
     run(dut, factory, body)
 
 
-def test_rnr():
-    """RNR NAKs, ``timer_tick`` 16 cycles (1 VL, 2 QPs): the rewind comes after the RNR
-    table's ticks (codes 1, 2: 3 and 5 ticks; window ``timer_window``); ``rnr_retry`` 2:
-    the third RNR NAK completes the head with RNR_RETRY_EXC_ERR, ``qp_error``, the rest
-    flushed (QP 0); ``rnr_retry`` 7 never gives up (QP 1, nine RNR NAKs), and an RNR NAK
-    further on is progress: its count restarts."""
-    qp_states = [QpState.RTS, QpState.RTS]
-    dut, factory = reliability_bench(2, qp_states, timer_tick=TICK)
+@pytest.mark.parametrize("num_qps", [2, 1])
+def test_rnr(num_qps):
+    """RNR NAKs, ``timer_tick`` 16 cycles (1 VL, 2 QPs or 1): the rewind comes after the RNR
+    table's ticks (codes 1, 2: 3 and 5 ticks; window ``timer_window``), each NAK ten ticks
+    after the timer was armed; ``rnr_retry`` 2: the third RNR NAK completes the head with
+    RNR_RETRY_EXC_ERR, ``qp_error``, the rest flushed (QP 0); ``rnr_retry`` 7 never gives
+    up (QP 1, nine RNR NAKs), and an RNR NAK further on is progress: its count restarts.
+    With one QP the idle engine scans it in the cycle after the NAK's X, whose new stamp
+    reaches that scan's elapsed ticks through the bypass."""
+    qp_states = [QpState.RTS] * num_qps
+    dut, factory = reliability_bench(num_qps, qp_states, timer_tick=TICK)
 
     async def body(ctx, bench):
         ref = bench.ref
@@ -693,16 +696,21 @@ def test_rnr():
         await offer(ctx, bench, *recs)
         send(bench, 0, Opcode.ACKNOWLEDGE, 10)
         for k, code in enumerate((1, 2)):
+            await cycles(ctx, bench, 10 * TICK)
             sent = bench.t
             send(bench, 0, Opcode.ACKNOWLEDGE, 11, 0x20 | code)
             await until(ctx, bench, lambda: len(rewinds_of(bench, 0)) == k + 1)
-            lo, hi = timer_window(2, RNR_TIMER_TICKS[code])
+            lo, hi = timer_window(num_qps, RNR_TIMER_TICKS[code])
             waited = bench.rewind_log[-1][0] - sent
             assert lo <= waited <= hi, (code, waited, lo, hi)
         assert rewinds_of(bench, 0) == [(1, 11), (1, 11)]
         send(bench, 0, Opcode.ACKNOWLEDGE, 11, 0x21)
         await bench.drain(ctx)
         assert bench.qp_errors == [0] and ref.counters["retries_exhausted"] == 1
+        if num_qps == 1:
+            await bench.check_counters(ctx)
+            assert ref.counters["retransmits_rnr"] == 2, ref.counters
+            return
 
         recs = [make_rec(1, WRITE, 50 + k, index=k, rnr_retry=7) for k in range(3)]
         await offer(ctx, bench, *recs)
