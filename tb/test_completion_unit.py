@@ -55,7 +55,8 @@ other tests strobe each record's last PSN as it is taken): answers past the high
 sent are dropped, a sequence NAK for a packet of a record still being sent rewinds,
 resends below the highest PSN sent leave it; packets sent restart the timer.
 
-READs whose byte count is a whole number of MTUs (their last response a full MTU), beside
+A QP whose state reads RESET with SENT records outstanding drops responses until it is RTS
+again. READs whose byte count is a whole number of MTUs (their last response a full MTU), beside
 shorter last responses and a READ of 0 bytes: all taken, all complete.
 
 Throughput (AXI always ready, records offered every cycle, one QP or four in turn): records
@@ -733,6 +734,29 @@ def test_rnr(num_qps):
         await bench.check_counters(ctx)
         assert ref.counters["retransmits_rnr"] == 2 + 9 + 2 and bench.qp_errors == [0], ref.counters
 
+    run(dut, factory, body)
+
+
+def test_reset_state():
+    """A QP whose ``qp_state`` reads RESET takes no response, even with SENT records
+    outstanding (the ACK is dropped and counted); back in RTS it takes them again."""
+    qp_states = [QpState.RTS, QpState.RTS]
+    dut, factory = reliability_bench(2, qp_states)
+
+    async def body(ctx, bench):
+        bench.drive_qp_states(ctx)
+        await offer(ctx, bench, *(make_rec(0, WRITE, 10 + k, index=k) for k in range(2)))
+        qp_states[0] = QpState.RESET
+        bench.drive_qp_states(ctx)
+        send(bench, 0, Opcode.ACKNOWLEDGE, 11, taken=False)
+        await cycles(ctx, bench, 20)
+        assert bench.retired == 0, bench.retired
+        qp_states[0] = QpState.RTS
+        bench.drive_qp_states(ctx)
+        send(bench, 0, Opcode.ACKNOWLEDGE, 11)
+        await bench.drain(ctx)
+        await bench.check_counters(ctx)
+        assert bench.retired == 2 and bench.ref.counters["rx_dropped_unexpected"] == 1
     run(dut, factory, body)
 
 
