@@ -84,6 +84,12 @@ def _lowest(m, bits, name):
     return index
 
 
+def _sum_is_zero(a, b):
+    """``a + b == 0`` modulo 2^len(a), without a carry chain: the sum is 0 exactly when
+    every bit's carry in is ``a | b`` of the bit below (a LUT per bit, then an AND)."""
+    return (a ^ b) == Cat(Const(0, 1), (a | b)[:len(a) - 1])
+
+
 def _round_robin(m, requests, last, name):
     """The first requester after ``last``, wrapping around; and whether there is one."""
     n = len(requests)
@@ -184,6 +190,7 @@ class _ReadLayout(data.StructLayout):
         super().__init__({
             "first_psn": PSN_BITS, "last_psn": PSN_BITS, "byte_count": 32, "laddr": 64,
             "mtu": 3, "atomic": 1,
+            "last_bytes": range(4096 + 1),  # the payload of its last response
         })
 
 
@@ -254,7 +261,7 @@ class CompletionUnit(wiring.Component):
     t - 1. Strobes for a QP number beyond ``num_qps`` are ignored.
 
     Processor, per event for QP q at PSN p. Dropped (``rx_dropped_unexpected``) when q is
-    in RESET, has had no SENT record since its reset, has a fatal NAK pending or is
+    in RESET (``qp_state`` as the event's S stage reads the rows), has had no SENT record since its reset, has a fatal NAK pending or is
     flushing (after a fatal NAK or ``qp_flush``), or when p is not in ``(ack_psn,
     sent_psn]`` or is after ``wire_psn`` (or q has sent nothing): ``sent_psn`` is the
     last PSN of q's newest SENT record, ``ack_psn`` the newest acknowledged PSN (the first
@@ -279,8 +286,10 @@ class CompletionUnit(wiring.Component):
       an atomic), p is ``ack_psn + 1`` inside R or R's first PSN (then it also
       acknowledges everything before R, as IBA lets a response do), the opcode is the
       one its position in R needs (ONLY, FIRST, MIDDLE, LAST), and its payload is as
-      long as that position's (the path MTU; ``R.byte_count`` minus the bytes before it
-      for the last; the AtomicAckETH for an atomic). Taken: ``ack_psn = p``, LAST/ONLY
+      long as that position's (the path MTU; for the last, the rest of ``R.byte_count``:
+      ``byte_count mod MTU``, or a whole MTU when that is 0 and the count is not, which is
+      ``byte_count`` minus the bytes before it as the executor numbers a READ's PSNs, one
+      per MTU; the AtomicAckETH for an atomic). Taken: ``ack_psn = p``, LAST/ONLY
       ``read_psn = p`` and R leaves the queue, atomic ``atomic_psn = p``, and a
       ``verdict`` writes its payload at ``R.laddr + (p - R.first_psn) * mtu``. Not taken
       with ``ack_psn + 1 < p`` (a response went missing): unless ``gap_seen``, a rewind
@@ -291,8 +300,8 @@ class CompletionUnit(wiring.Component):
     sequence number ``rx_seq`` gives beside its beats) gets exactly one decision: a
     ``discard`` strobe three cycles after its end beat (D's decision, registered) when it
     does not become an event (bad ICRC,
-    end-bad, malformed, event queue full), else a ``verdict`` (write or not) a cycle
-    after its event's X. An event that moves ``ack_psn`` forward is progress: the retry
+    end-bad, malformed, event queue full), else a ``verdict`` (write or not) three cycles
+    after its event's X (V1 and V2 form the address: docs/nic.md, "Completions"). An event that moves ``ack_psn`` forward is progress: the retry
     counters restart, ``gap_seen`` clears and the timer stops.
 
     Retransmission (go-back-N, docs/nic-reliability.md). The QP's head record H is
@@ -347,11 +356,14 @@ class CompletionUnit(wiring.Component):
     ``num_cqs``, gets one 64-byte CQE (AXI4 INCR burst of one beat, awid 0) at
     ``base + 64 * (pi mod 2^log_size)`` (entry 0 when collapsed, where ``log_size``
     counts as 0) with owner bit ``(pi >> log_size) & 1``, ``pi`` the CQ's producer
-    index. Writes are pipelined (B is not awaited); ``bready`` is always high and a
+    index. The writer is a pipeline of three stages, one CQE per cycle: P (the job, its
+    CQ's context and producer index read in the cycle before), A (the CQE, its entry
+    and the CQ's base registered) and O (AW and W, the address summed from A's
+    registers). Writes are pipelined (B is not awaited); ``bready`` is always high and a
     BRESP other than OKAY counts in ``cqe_write_errors``. The CQE of a READ or atomic
     completed OK waits until ``landed`` (the ResponseWriter's oldest stored packet not yet
-    written) has passed the QP's last taken response, so that the data is in memory
-    before its CQE. ``retire`` goes out in the
+    written; registered here, so a cycle late) has passed the QP's last taken response,
+    so that the data is in memory before its CQE. ``retire`` goes out in the
     cycle the record's AW and W have both been accepted (at once without a CQE), in
     completion order, which is WQE order per QP. ``cqes_written``/``error_cqes`` count
     a cycle later.
@@ -506,18 +518,34 @@ class CompletionUnit(wiring.Component):
         reset_q = Signal(range(max(num_qps, 2)))
         flush_valid = Signal()
         flush_q = Signal(range(max(num_qps, 2)))
+        # Their one-hot masks are registered beside them, so the flags' updates decode none.
+        reset_mask = Signal(num_qps)
+        flush_mask = Signal(num_qps)
+        reset_in_range = self.qp_reset.valid & (self.qp_reset.qpn < num_qps)
+        flush_in_range = self.qp_flush.valid & (self.qp_flush.qpn < num_qps)
         m.d.sync += [
-            reset_valid.eq(self.qp_reset.valid & (self.qp_reset.qpn < num_qps)),
+            reset_valid.eq(reset_in_range),
             reset_q.eq(self.qp_reset.qpn),
-            flush_valid.eq(self.qp_flush.valid & (self.qp_flush.qpn < num_qps)),
+            reset_mask.eq(onehot(self.qp_reset.qpn[:qp_bits], reset_in_range)),
+            flush_valid.eq(flush_in_range),
             flush_q.eq(self.qp_flush.qpn),
+            flush_mask.eq(onehot(self.qp_flush.qpn[:qp_bits], flush_in_range)),
         ]
 
         # --- Timer: ``now`` counts ticks of ``timer_tick`` cycles ---
+        # ``now_next`` is ``now`` of the next cycle, a register too, so that S can work out
+        # the ticks an operation will see elapsed in X.
         now = Signal(TIMER_BITS)
+        now_next = Signal(TIMER_BITS, init=int(self.timer_tick == 1))
         prescaler = Signal(range(self.timer_tick))
+        ticks = Const(1) if self.timer_tick == 1 else prescaler == self.timer_tick - 1
+        ticks_next = Const(1) if self.timer_tick == 1 else prescaler == self.timer_tick - 2
+        m.d.sync += [
+            now.eq(now_next),
+            now_next.eq(lookahead_sum(m, now_next, ticks_next, name="now_next")[:TIMER_BITS]),
+        ]
         with m.If(prescaler == self.timer_tick - 1):
-            m.d.sync += [prescaler.eq(0), now.eq(now + 1)]
+            m.d.sync += prescaler.eq(0)
         with m.Else():
             m.d.sync += prescaler.eq(prescaler + 1)
 
@@ -698,6 +726,7 @@ class CompletionUnit(wiring.Component):
         # record taken in a cycle is seen by every engine operation issued in it or after.
         r2_valid = Signal()
         r2_q = Signal(range(max(num_qps, 2)))
+        r2_qmask = Signal(num_qps)      # bit r2_q
         r2_record = Signal(CompletionRecordLayout())
         r2_fills = Signal()
         rec = self.completion.payload
@@ -714,6 +743,7 @@ class CompletionUnit(wiring.Component):
         m.d.sync += [
             r2_valid.eq(self.completion.valid & rec_in_range & ~rec_blocked),
             r2_q.eq(rq),
+            r2_qmask.eq(onehot(rq, 1)),
             r2_record.eq(rec),
         ]
 
@@ -742,10 +772,9 @@ class CompletionUnit(wiring.Component):
         s_ev, s_cmp, s_scan = Signal(), Signal(), Signal()
         s_q = Signal(range(max(num_qps, 2)))
         s_event = Signal(_RxEventLayout())
-        s_in_reset = Signal()
-        s_in_err = Signal()
         x_ev, x_cmp, x_scan = Signal(), Signal(), Signal()
         x_q = Signal(range(max(num_qps, 2)))
+        x_qmask = Signal(num_qps)       # bit x_q
         x_event = Signal(_RxEventLayout())
         x_state = Signal(state_layout)
         x_tail = Signal(tail_layout)
@@ -757,21 +786,28 @@ class CompletionUnit(wiring.Component):
         x_sets_flushing = Signal()
         x_on_wire = Signal()            # the event's PSN is not beyond the QP's wire PSN
         x_sent_since = Signal()         # a packet of its QP went out since its last scan
+        x_psn_less_one = Signal(PSN_BITS)   # the event's PSN - 1, for the NAKs' ack_psn
+        x_elapsed = Signal(TIMER_BITS)  # ticks from the row's stamp to now
+        x_stamps = Signal()             # X writes ``now`` into the row's stamp
         x_writes = (x_ev | x_cmp | x_scan) & ~x_killed
+        complete = Signal()             # X completes its QP's head
 
-        # R2: the tail row as read, else as reset; the head as X leaves it.
+        # R2: the tail row as read, else as reset; the head as X leaves it. The queue's
+        # count is found against the head as read and against X's head, both registers,
+        # and chosen by X's completion last.
         r_tail = Signal(tail_layout)
-        r_head = Signal(count_bits)
         r_new = Signal(tail_layout)
         with m.If(~tail_fresh.bit_select(r2_q, 1)):
             m.d.comb += r_tail.eq(tail_read.data)
-        with m.If(x_writes & (x_q == r2_q)):
-            m.d.comb += r_head.eq(x_new.head)
-        with m.Elif(~fresh.bit_select(r2_q, 1)):
-            m.d.comb += r_head.eq(head_read.data.head)
-        r_count = (r_tail.tail - r_head)[:count_bits]
+        r_count_read = (r_tail.tail - Mux(fresh.bit_select(r2_q, 1), 0,
+                                          head_read.data.head))[:count_bits]
+        r_count_x = (r_tail.tail - x_state.head)[:count_bits]     # before X's completion
+        r_on_x = x_writes & (x_q == r2_q)
+        def r_count_is(n):
+            return Mux(r_on_x, Mux(complete, r_count_x == n + 1, r_count_x == n),
+                       r_count_read == n)
         m.d.comb += [
-            r2_fills.eq(r_count == QUEUE_DEPTH - 1),
+            r2_fills.eq(r_count_is(QUEUE_DEPTH - 1)),
             r_new.eq(r_tail),
             r_new.tail.eq(r_tail.tail + 1),
             tail_write.addr.eq(r2_q),
@@ -786,6 +822,7 @@ class CompletionUnit(wiring.Component):
             with m.If(~r_tail.started):
                 m.d.comb += r_new.base_psn.eq(r2_record.first_psn - 1)
         r2_atomic = _is_atomic(r2_record.opcode)
+        r2_rest = r2_record.byte_count[:12] & ((Const(128, 13) << r2_record.mtu) - 1)[:12]
         r2_reads = (r2_valid & (r2_record.status == CompletionStatus.SENT)
                     & ((r2_record.opcode == MlxOpcode.RDMA_READ.value) | r2_atomic))
         m.d.comb += [
@@ -796,13 +833,18 @@ class CompletionUnit(wiring.Component):
             read_write.data.laddr.eq(r2_record.laddr),
             read_write.data.mtu.eq(r2_record.mtu),
             read_write.data.atomic.eq(r2_atomic),
+            # A READ's PSNs span its byte count at the MTU (the executor's rule), so its
+            # last response carries the rest: byte_count modulo the MTU, or a whole MTU.
+            read_write.data.last_bytes.eq(Mux(r2_rest != 0, r2_rest,
+                                              Mux(r2_record.byte_count == 0, 0,
+                                                  Const(128, 13) << r2_record.mtu))),
             read_write.en.eq(r2_reads),
         ]
         with m.If(r2_reads):
             m.d.comb += r_new.rtail.eq(r_tail.rtail + 1)
         # A record that becomes its QP's head marks the QP (the engine drops the mark if
         # the head cannot complete yet: an event marks it again).
-        r_marks = r2_valid & (r_count == 0)
+        r_marks = r2_valid & r_count_is(0)
 
         # The engine stays on a QP (``cur_q``), issuing a completion for it every cycle
         # while the one in S leaves a record behind and the one in X completed and left
@@ -829,12 +871,11 @@ class CompletionUnit(wiring.Component):
         scan_q = Signal(range(max(num_qps, 2)))
         since_scan = Signal(range(SCAN_INTERVAL + 1))
         scan_due = since_scan == SCAN_INTERVAL
-        s_count = Signal(count_bits)
-        complete = Signal()
+        s_short = Signal()              # S's QP has fewer than 2 records
         drained = Signal()
         on_cur = cur_active & (cur_q == x_q)
         cur_done = x_cmp & on_cur & (~complete | drained)
-        cur_go = cur_active & ~cur_done & ~(s_cmp & (s_q == cur_q) & (s_count < 2))
+        cur_go = cur_active & ~cur_done & ~(s_cmp & (s_q == cur_q) & s_short)
         jobs_room = jobs.level + s_cmp + x_cmp < JOB_DEPTH - 1
         cmp_request = jobs_room & (cur_go | any_marked)
         issue_scan = ~any_event & (scan_due | ~cmp_request)
@@ -856,8 +897,6 @@ class CompletionUnit(wiring.Component):
         m.d.sync += [
             s_ev.eq(any_event), s_cmp.eq(issue_cmp), s_scan.eq(issue_scan),
             s_q.eq(i_q), s_event.eq(event),
-            s_in_reset.eq(in_reset.bit_select(i_q, 1)),
-            s_in_err.eq(in_err.bit_select(i_q, 1)),
         ]
 
         # S: the row as X leaves it, else as reset, else as read; the tail row as R2
@@ -889,22 +928,43 @@ class CompletionUnit(wiring.Component):
         m.d.comb += [
             rec_read.addr.eq(Cat(s_state.head[:slot_bits], s_q)),
             read_read.addr.eq(Cat(s_state.rhead[:slot_bits], s_q)),
-            s_count.eq(s_tail.tail - s_state.head),
         ]
+        # Fewer than 2 records, and the ticks elapsed since the stamp as X will see them:
+        # found against the row as read and against X's row, both registers, and chosen by
+        # X's outcome last (its completion; whether it stamps the row, with ``now``).
+        s_count_read = (s_tail.tail - Mux(fresh.bit_select(s_q, 1), 0,
+                                          state_read.data.head))[:count_bits]
+        s_count_x = (s_tail.tail - x_state.head)[:count_bits]     # before X's completion
+        m.d.comb += s_short.eq(Mux(x_same, Mux(x_killed, s_tail.tail < 2,
+                                               Mux(complete, s_count_x < 3, s_count_x < 2)),
+                                   s_count_read < 2))
+        elapsed_read = lookahead_sum(m, now_next, ~state_read.data.stamp, 1,
+                                     name="elapsed_read")[:TIMER_BITS]
+        elapsed_x = lookahead_sum(m, now_next, ~x_state.stamp, 1, name="elapsed_x")[:TIMER_BITS]
+        s_elapsed = Signal(TIMER_BITS)
+        with m.If(x_same & ~x_killed):
+            m.d.comb += s_elapsed.eq(Mux(x_stamps, ticks, elapsed_x))
+        with m.Elif(x_same | fresh.bit_select(s_q, 1)):
+            m.d.comb += s_elapsed.eq(now_next)
+        with m.Else():
+            m.d.comb += s_elapsed.eq(elapsed_read)
         # The event's PSN has been on the wire: decided here, so X's acceptance only
         # adds a register.
         s_on_wire = ~wire_fresh.bit_select(s_q, 1) & _psn_le(s_event.psn, engine_wire_read.data)
         m.d.sync += [
             x_ev.eq(s_ev), x_cmp.eq(s_cmp), x_scan.eq(s_scan),
-            x_q.eq(s_q), x_event.eq(s_event),
+            x_q.eq(s_q), x_qmask.eq(onehot(s_q, 1)), x_event.eq(s_event),
+            x_psn_less_one.eq(s_event.psn - 1),
+            x_elapsed.eq(s_elapsed),
             x_state.eq(s_state), x_tail.eq(s_tail),
             x_flushing.eq(flushing.bit_select(s_q, 1)
                           | (x_same & ~x_killed & x_sets_flushing)),
             # ``reset_valid`` is now a reset in its issue cycle. One in its S cycle reaches
             # the flags along with its writes, and wins.
             x_killed.eq(reset_valid & (reset_q == s_q)),
-            x_in_reset.eq(s_in_reset),
-            x_in_err.eq(s_in_err),
+            # The QP's state as the operation reads its rows (S), not where it is picked.
+            x_in_reset.eq(in_reset.bit_select(s_q, 1)),
+            x_in_err.eq(in_err.bit_select(s_q, 1)),
             x_on_wire.eq(s_on_wire),
             x_sent_since.eq(sent_since_scan.bit_select(s_q, 1)),
         ]
@@ -972,14 +1032,12 @@ class CompletionUnit(wiring.Component):
         at_last = p == rd.last_psn
         want_opcode = Mux(at_first & at_last, READ_ONLY,
                           Mux(at_first, READ_FIRST, Mux(at_last, READ_LAST, READ_MIDDLE)))
-        data_offset = Signal(PSN_BITS + 12)
-        m.d.comb += data_offset.eq((index << 7) << rd.mtu)
-        want_bytes = Signal(PSN_BITS + 13)
-        m.d.comb += want_bytes.eq(Mux(at_last, rd.byte_count - data_offset,
-                                      Const(128, 13) << rd.mtu))
-        next_psn = (st.ack_psn + 1)[:PSN_BITS]
-        in_position = ((p == next_psn) & _psn_le(rd.first_psn, p) & _psn_le(p, rd.last_psn)
-                       | at_first & _psn_lt(next_psn, p))
+        want_bytes = Mux(at_last, rd.last_bytes, Const(128, 13) << rd.mtu)
+        # An accepted event is after ``ack_psn``, so it is after the next PSN unless it is
+        # the next one (``p - ack_psn - 1 == 0``, found without a carry chain).
+        p_is_next = _sum_is_zero(p, ~st.ack_psn)
+        in_position = ((p_is_next & _psn_le(rd.first_psn, p) & _psn_le(p, rd.last_psn))
+                       | (at_first & ~p_is_next))
         take_read = Signal()
         take_atomic = Signal()
         m.d.comb += [
@@ -991,12 +1049,12 @@ class CompletionUnit(wiring.Component):
         taken = take_read | take_atomic
         # A response past the next PSN that is not R's first: the ones before it went
         # missing. An ACK covering R: R's responses went missing.
-        missing = (ev_read | ev_atomic) & ~taken & _psn_lt(next_psn, p)
+        missing = (ev_read | ev_atomic) & ~taken & ~p_is_next
         response_gap = missing | (ev_ack & rd_valid & _psn_le(rd.first_psn, p))
         # Neither taken nor telling of a loss: a response that does not fit.
         misfit = (ev_read | ev_atomic) & ~taken & ~missing
 
-        # The event's acknowledged PSN, apart from the row (progress compares it).
+        # The event's acknowledged PSN, apart from the row.
         event_ack = Signal(PSN_BITS)
         m.d.comb += event_ack.eq(st.ack_psn)
         with m.If(ev_ack):
@@ -1011,11 +1069,12 @@ class CompletionUnit(wiring.Component):
             m.d.comb += x_new.atomic_psn.eq(p)
         # A fatal NAK past R: R's responses went missing and will not come again (the
         # responder's QP is in error), so the error lands on R.
+        nak_at_r = rd_valid & _psn_lt(rd.first_psn, p)
         nak_at = Signal(PSN_BITS)
-        m.d.comb += nak_at.eq(Mux(rd_valid & _psn_lt(rd.first_psn, p), rd.first_psn, p))
+        m.d.comb += nak_at.eq(Mux(nak_at_r, rd.first_psn, p))
         with m.If(ev_fatal):
             m.d.comb += [
-                event_ack.eq(nak_at - 1),
+                event_ack.eq(Mux(nak_at_r, rd.first_psn - 1, x_psn_less_one)),
                 x_new.nak_pending.eq(1),
                 x_new.nak_psn.eq(nak_at),
                 x_marks.eq(1),
@@ -1025,34 +1084,53 @@ class CompletionUnit(wiring.Component):
                     with m.Case(nak_code):
                         m.d.comb += x_new.nak_syndrome.eq(nak_syn)
         with m.If(ev_seq_nak | ev_rnr):
-            m.d.comb += [event_ack.eq(p - 1), x_marks.eq(1)]
+            m.d.comb += [event_ack.eq(x_psn_less_one), x_marks.eq(1)]
         # After a rewind, NAKs and gaps caused by packets sent before it are stale.
         with m.If((ev_seq_nak | response_gap) & ~st.gap_seen):
             m.d.comb += [x_new.rewind_pending.eq(1), x_marks.eq(1)]
         m.d.comb += x_new.ack_psn.eq(event_ack)
-        progress = x_ev & _psn_lt(st.ack_psn, event_ack)
+        # Progress: ``ack_psn`` moves forward. An accepted event is after it, so an ACK or
+        # a taken response is progress, ``p - 1`` is unless p is the next PSN, and R's
+        # ``first_psn - 1`` is compared apart, beside the choice.
+        progress = (ev_ack | taken | ((ev_seq_nak | ev_rnr) & ~p_is_next)
+                    | (ev_fatal & Mux(nak_at_r, _psn_lt(st.ack_psn, (rd.first_psn - 1)[:PSN_BITS]),
+                                      ~p_is_next)))
         with m.If(progress):
             m.d.comb += [x_new.retries_used.eq(0), x_new.rnr_used.eq(0),
                          x_new.gap_seen.eq(0), x_new.armed.eq(0)]
         with m.If(ev_rnr):
             m.d.comb += [x_new.rnr_pending.eq(1), x_new.rnr_code.eq(ev_code),
-                         x_new.armed.eq(1), x_new.stamp.eq(now)]
+                         x_new.armed.eq(1), x_new.stamp.eq(now), x_stamps.eq(1)]
 
-        # Every stored response gets one verdict (a reset in its issue cycle included).
+        # Every stored response gets one verdict (a reset in its issue cycle included), two
+        # cycles after X: V1 shifts the response's index in R by the MTU, V2 adds ``laddr``.
+        v1 = Signal(ResponseVerdictLayout())
+        v1_valid = Signal()
+        v1_index = Signal(PSN_BITS)
+        v1_mtu = Signal(3)
+        v1_laddr = Signal(64)
+        v2 = Signal(ResponseVerdictLayout())
+        v2_valid = Signal()
+        v2_offset = Signal(PSN_BITS + 12)
+        v2_laddr = Signal(64)
         stored_event = x_ev & x_event.opcode.matches(*STORED_OPCODES)
         m.d.sync += [
-            self.verdict.valid.eq(stored_event),
-            self.verdict.payload.seq.eq(x_event.seq),
-            self.verdict.payload.write.eq(taken & ~x_killed & (x_event.payload_bytes != 0)),
-            self.verdict.payload.addr.eq(rd.laddr + data_offset),
+            v1_valid.eq(stored_event),
+            v1.seq.eq(x_event.seq),
+            v1.write.eq(taken & ~x_killed & (x_event.payload_bytes != 0)),
             # A 4-byte atomic's original value lands big-endian, as NVSHMEM reads it: the
             # ResponseWriter keeps those 4 wire bytes where the stored copy's ICRC was.
-            self.verdict.payload.bytes.eq(Mux(rd.atomic & rd.byte_count[2], 4,
-                                              x_event.payload_bytes)),
-            self.verdict.payload.offset.eq(Mux(x_event.opcode == READ_MIDDLE, LRH_BTH_BYTES,
-                                               Mux(rd.atomic & rd.byte_count[2],
-                                                   ORIG_WORD4_BYTE,
-                                                   LRH_BTH_BYTES + AETH_BYTES))),
+            v1.bytes.eq(Mux(rd.atomic & rd.byte_count[2], 4, x_event.payload_bytes)),
+            v1.offset.eq(Mux(x_event.opcode == READ_MIDDLE, LRH_BTH_BYTES,
+                             Mux(rd.atomic & rd.byte_count[2], ORIG_WORD4_BYTE,
+                                 LRH_BTH_BYTES + AETH_BYTES))),
+            v1_index.eq(index), v1_mtu.eq(rd.mtu), v1_laddr.eq(rd.laddr),
+            v2_valid.eq(v1_valid), v2.eq(v1),
+            v2_offset.eq((v1_index << 7) << v1_mtu), v2_laddr.eq(v1_laddr),
+            self.verdict.valid.eq(v2_valid),
+            self.verdict.payload.eq(v2),
+            self.verdict.payload.addr.eq(
+                lookahead_sum(m, v2_laddr, v2_offset, name="verdict_addr")[:64]),
         ]
 
         # X, completion of the head.
@@ -1095,18 +1173,17 @@ class CompletionUnit(wiring.Component):
         # and the timer covers packets sent); it fires after 2**ack_timeout ticks without
         # progress or a packet sent; an RNR NAK's wait runs on the same stamp.
         stuck = head_valid & ~can & ~x_in_reset & x_tail.started
-        elapsed = Signal(TIMER_BITS)
-        m.d.comb += elapsed.eq(now - st.stamp)
-        exponent = Mux(head_rec.ack_timeout > MAX_TIMEOUT_EXPONENT, MAX_TIMEOUT_EXPONENT,
-                       head_rec.ack_timeout)
-        timed_out = (st.armed & ~x_sent_since & (head_rec.ack_timeout != 0)
-                     & (elapsed >= (Const(1, TIMER_BITS) << exponent)))
+        elapsed = x_elapsed
+        # ``elapsed >= 2**min(ack_timeout, 19)``: a bit set at or above the exponent.
+        waited = Cat(*(elapsed[i] & (head_rec.ack_timeout <= i)
+                       for i in range(MAX_TIMEOUT_EXPONENT)), elapsed[MAX_TIMEOUT_EXPONENT:]).any()
+        timed_out = st.armed & ~x_sent_since & (head_rec.ack_timeout != 0) & waited
         rnr_ticks = Array(Const(t, TIMER_BITS) for t in RNR_TIMER_TICKS)[st.rnr_code]
         do_rnr = x_scan & stuck & st.rnr_pending & (elapsed >= rnr_ticks)
         do_nak = (x_cmp | x_scan) & stuck & ~st.rnr_pending & st.rewind_pending
         do_timeout = x_scan & stuck & ~st.rnr_pending & ~st.rewind_pending & timed_out
         with m.If(x_scan & stuck & (~st.armed | x_sent_since) & ~st.rnr_pending):
-            m.d.comb += [x_new.armed.eq(1), x_new.stamp.eq(now)]
+            m.d.comb += [x_new.armed.eq(1), x_new.stamp.eq(now), x_stamps.eq(1)]
         with m.If(x_scan & ~head_valid):
             m.d.comb += x_new.armed.eq(0)
         with m.If(x_scan & head_valid & can):
@@ -1159,11 +1236,10 @@ class CompletionUnit(wiring.Component):
             m.d.sync += [cur_active.eq(1), cur_q.eq(pick)]
 
         # --- Per-QP flags; a qp_reset wins over everything else in its cycle ---
-        reset_mask = onehot(reset_q, reset_valid)
-        x_mask = onehot(x_q, x_writes)
-        # The host moved the QP to ERR: nothing it waits for will be retransmitted.
-        flush_mask = onehot(flush_q, flush_valid)
-        r2_mask = onehot(r2_q, r2_valid)
+        x_mask = Mux(x_writes, x_qmask, 0)
+        # The host moved the QP to ERR (``flush_mask``): nothing it waits for will be
+        # retransmitted.
+        r2_mask = Mux(r2_valid, r2_qmask, 0)
         m.d.sync += [
             marked.eq(((marked & ~onehot(pick, issue_cmp & ~cur_go))
                        | Mux(x_marks, x_mask, 0) | Mux(r_marks, r2_mask, 0)
@@ -1180,8 +1256,9 @@ class CompletionUnit(wiring.Component):
                                 | onehot(sent_q, sent_valid)) & ~reset_mask),
         ]
 
-        # --- CQE writer: P (CQ context read) -> O (AXI AW/W); its jobs from the engine
-        # and the responder in turn ---
+        # --- CQE writer: P (CQ context and producer index read) -> A (the CQE and its
+        # entry registered) -> O (AXI AW/W, the address summed from A's registers); its jobs
+        # from the engine and the responder in turn ---
         axi = self.axi
         m.submodules.receives = receives = fifo.SyncFIFOBuffered(
             width=ReceiveCompletionLayout().size, depth=RECEIVE_DEPTH)
@@ -1225,10 +1302,12 @@ class CompletionUnit(wiring.Component):
             from_responder.syndrome.eq(Mux(recv_error, recv_head.syndrome, 0)),
         ]
         # A READ's or atomic's CQE waits until the ResponseWriter has written the data of
-        # its last response (``landed`` has passed that response's sequence number).
-        landed_gap = Signal(RESPONSE_SEQ_BITS)
-        m.d.comb += landed_gap.eq(self.landed - job_head.data_seq - 1)
-        job_ready = jobs.r_rdy & ~(job_head.wait_data & landed_gap[-1])
+        # its last response (``landed``, registered here, has passed that response's
+        # sequence number): the sign of ``landed - data_seq - 1``.
+        landed = Signal(RESPONSE_SEQ_BITS)
+        m.d.sync += landed.eq(self.landed)
+        landed_gap = lookahead_sum(m, landed, ~job_head.data_seq, name="landed_gap")
+        job_ready = jobs.r_rdy & ~(job_head.wait_data & landed_gap[RESPONSE_SEQ_BITS - 1])
         # Round robin: after an engine job, a waiting receive completion goes first.
         responder_turn = Signal()
         take_receive = receives.r_rdy & (~job_ready | responder_turn)
@@ -1237,6 +1316,11 @@ class CompletionUnit(wiring.Component):
 
         p_valid = Signal()
         p_job = Signal(_CqeLayout())
+        a_valid = Signal()
+        a_job = Signal(_CqeLayout())
+        a_base = Signal(64)
+        a_entry = Signal(16)
+        a_cqe = Signal(8 * WIDTH)
         o_valid = Signal()
         o_job = Signal(_CqeLayout())
         aw_pending = Signal()
@@ -1255,7 +1339,8 @@ class CompletionUnit(wiring.Component):
         w_fire = w_pending & axi.wready
         o_done = o_valid & (~aw_pending | axi.awready) & (~w_pending | axi.wready)
         o_free = ~o_valid | o_done
-        p_move = p_valid & o_free
+        a_move = a_valid & o_free
+        p_move = p_valid & (~a_valid | a_move)
         load_p = (job_ready | receives.r_rdy) & (~p_valid | p_move)
         m.d.comb += [
             jobs.r_en.eq(load_p & ~take_receive),
@@ -1275,16 +1360,16 @@ class CompletionUnit(wiring.Component):
         m.d.comb += pi_read.addr.eq(self.cq_config.addr)
         cq = self.cq_config.data
         # A CQ is fresh after a reset or a host write to its context (``cq_reset``): its
-        # producer index reads as 0 until the next CQE is written.
+        # producer index reads as 0 until the next CQE is written. P looks its job's CQ up
+        # in the flags, which a CQE written in the cycle before has already cleared.
         cq_fresh = Signal(self.num_cqs, init=(1 << self.num_cqs) - 1)
-        pi_fresh = Signal()
-        written = pi_write.en & (pi_write.addr == self.cq_config.addr)
-        m.d.sync += pi_fresh.eq(cq_fresh.bit_select(self.cq_config.addr, 1) & ~written)
+        pi_fresh = cq_fresh.bit_select(p_job.cqn, 1)
         cq_written = Mux(pi_write.en, 1 << pi_write.addr, 0)
         cq_cleared = Mux(self.cq_reset.valid & (self.cq_reset.qpn < self.num_cqs),
                          1 << self.cq_reset.qpn[:max(self.num_cqs - 1, 1).bit_length()], 0)
         m.d.sync += cq_fresh.eq((cq_fresh & ~cq_written) | cq_cleared)
         pi = Mux(pi_fresh, 0, pi_read.data)
+        pi_next = lookahead_sum(m, pi_read.data, 1, name="pi_next")[:16]
         log_size = Mux(cq.collapsed, 0, cq.log_size)
         entry = pi & ((Const(1, 17) << log_size) - 1)
         owner = (pi >> log_size)[0]
@@ -1298,26 +1383,30 @@ class CompletionUnit(wiring.Component):
         cqe_bytes[56:60] = big_endian(Cat(p_job.qpn, Const(0, 16), p_job.wqe_opcode), 4)
         cqe_bytes[60:62] = big_endian(p_job.wqe_counter, 2)
         cqe_bytes[63] = Cat(owner, Const(0, 3), p_job.cqe_opcode)
-        cqe = Signal(8 * WIDTH)
-        m.d.comb += cqe.eq(Cat(*cqe_bytes))
+        with m.If(p_move):
+            m.d.sync += [a_valid.eq(1), a_job.eq(p_job), a_base.eq(cq.base), a_entry.eq(entry),
+                         a_cqe.eq(Cat(*cqe_bytes))]
+        with m.Elif(a_move):
+            m.d.sync += a_valid.eq(0)
+        m.d.comb += [
+            pi_write.addr.eq(p_job.cqn),
+            pi_write.data.eq(Mux(pi_fresh, 1, pi_next)),
+            pi_write.en.eq(p_move & p_job.write_cqe),
+        ]
 
+        cqe_address = lookahead_sum(m, a_base, Cat(Const(0, 6), a_entry), name="cqe_address")
         with m.If(aw_fire):
             m.d.sync += aw_pending.eq(0)
         with m.If(w_fire):
             m.d.sync += w_pending.eq(0)
         with m.If(o_done):
             m.d.sync += o_valid.eq(0)
-        with m.If(p_move):
+        with m.If(a_move):
             m.d.sync += [
-                o_valid.eq(1), o_job.eq(p_job),
-                aw_pending.eq(p_job.write_cqe), w_pending.eq(p_job.write_cqe),
-                awaddr.eq(cq.base + (entry << 6)), wdata.eq(cqe),
+                o_valid.eq(1), o_job.eq(a_job),
+                aw_pending.eq(a_job.write_cqe), w_pending.eq(a_job.write_cqe),
+                awaddr.eq(cqe_address), wdata.eq(a_cqe),
             ]
-        m.d.comb += [
-            pi_write.addr.eq(p_job.cqn),
-            pi_write.data.eq(pi + 1),
-            pi_write.en.eq(p_move & p_job.write_cqe),
-        ]
 
         m.d.comb += [
             self.retire.valid.eq(o_done & o_job.requester),
