@@ -1298,3 +1298,11 @@ def test_gather_lists(seed):
         assert len(result.packets) == max(1, -(-len(message) // 256))
     five = m.build_wqe(m.Opcode.SEND, 0, 0, gather=[(8, LKEY, LOCAL_BASE)] * 5)
     assert m.parse_wqe(five.data).syndrome == m.Syndrome.LOCAL_QP_OP_ERR
+    # Segments each under 2^31 whose sum is over it (checked before any key), and exactly it.
+    req, local = world(mtu=1)
+    over = [((1 << 30) - 8, LKEY ^ 0x100, LOCAL_BASE), (1 << 30, LKEY, LOCAL_BASE), (9, LKEY, LOCAL_BASE)]
+    result = run(req, local, 0, 0, op=m.Opcode.SEND, gather=over)
+    assert (result.status, result.syndrome) == (n.CompletionStatus.ERROR, m.Syndrome.LOCAL_LENGTH_ERR)
+    req, local = world(mtu=1)
+    result = run(req, local, 0, 0, op=m.Opcode.SEND, gather=over[:2] + [(8, LKEY, LOCAL_BASE)])
+    assert (result.status, result.syndrome) == (n.CompletionStatus.ERROR, m.Syndrome.LOCAL_PROT_ERR)
