@@ -367,7 +367,9 @@ class WqeExecutor(wiring.Component):
                 f0.inconsistent.eq(~(w_is_write | w_is_send | w_is_read | w_is_atomic | w_is_local)
                                    | (w.inline & (w.has_data | w_is_read | w_is_atomic | w_is_local))
                                    | ((w_is_atomic | w_is_dump) & ~w.has_data)
-                                   | (w_is_local & ~w_is_dump & w.has_data)),
+                                   | (w_is_local & ~w_is_dump & w.has_data)
+                                   # gather lists are parsed, not yet executed
+                                   | (w.segments > 1)),
                 f0.bad_length.eq((w.inline & (w.byte_count > MAX_INLINE_BYTES))
                                  | (w_is_atomic & (w.byte_count != Mux(w_size4, 4, 8)))
                                  | (w_length > MAX_MESSAGE_BYTES)),
