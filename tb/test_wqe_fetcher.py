@@ -683,13 +683,21 @@ def test_format_errors():
     rng = random.Random(10)
     cases = bad_wqes(rng)
     good = [good_wqe(rng, kind) for kind in ["write", "send", "read", "atomic", "empty", "masked"]]
-    wqes = [wqe for _, wqe in cases] + good
+    # Gather lists whose ds stops before an inline-marked segment (past the WQE: not read),
+    # of 2 (the mark at byte 48 of block 0) and 4 (at byte 16 of block 1), both SENDs.
+    s = OPS["SEND"]
+    past_ds = [wqe_bytes(rng, ctrl_seg(rng, s, 3), data_seg(rng), data_seg(rng),
+                         inline_seg(rng, 8)),
+               wqe_bytes(rng, ctrl_seg(rng, s, 5), *[data_seg(rng) for _ in range(4)],
+                         inline_seg(rng, 8))]
+    wqes = [wqe for _, wqe in cases] + good + past_ds
     assert sum(len(wqe) for wqe in wqes) <= 64 * 128
     ring = one_ring(rng, wqes, log=7)
     requests = [(0, index, len(wqe) // 64, 0) for index, wqe in zip(ring.starts, wqes)]
     bench = run_bench(WqeFetcher(num_qps=1), {0: ring}, requests, rng=rng)
     seen = [(d["format_error"], d["syndrome"]) for d in bench.desc_log]
-    assert seen == [(1, syndrome) for syndrome, _ in cases] + [(0, 0)] * 6
+    assert seen == [(1, syndrome) for syndrome, _ in cases] + [(0, 0)] * 8
+    assert [d["segments"] for d in bench.desc_log[-2:]] == [2, 4]
 
 
 def test_read_errors():

@@ -195,6 +195,13 @@ class WqeExecutor(wiring.Component):
     came after the last) and ``sent`` for each packet one cycle after its descriptor
     left (stage 0 added a cycle on 2026-12-06: t + 3 and t + 4 before).
 
+    A gather list (``segments`` 2 to 4) stays in stage 0 for ``segments`` + 1 cycles: one
+    memory key on the read port per cycle, each segment's check registered in parts and
+    folded a cycle later (a zero-length segment's not used); its length is the sum of its
+    byte counts. The first failing segment's check gives LOCAL_PROT_ERR (after the format,
+    length and VL checks); a list that passes every check fails with LOCAL_QP_OP_ERR: lists
+    are checked, not executed yet (docs/nic.md, "Limits").
+
     Inline data longer than the descriptor's 64 bytes (up to 256) is read back from the
     send queue as the packet's DMA payload: from ``sq_base + 64 * (wqe_index mod
     2**log_sq_size) + 36`` (20 for a SEND), without a key check, in two bursts when the
@@ -343,6 +350,7 @@ class WqeExecutor(wiring.Component):
             "valid": 1, "uses_key": 1, "key_refused": 1, "room_ok": 1, "above_base": 1,
             "wraps": 1}))                   # the previous segment's check, in parts
         list_key_bad = Signal()             # a segment before ``pending`` failed its check
+        list_vl_ok = Signal()               # its VL and MTU checks held (registered in the walk)
         checked = Signal(data.StructLayout({"lkey": 32, "laddr": 64}))    # whose key is checked
         m.d.comb += [
             to_r1.eq(r0_valid & ~walking & (~r1_valid | r1_advance)),
@@ -380,6 +388,18 @@ class WqeExecutor(wiring.Component):
         sum_second = Signal(33)
         total = Signal(34)
         m.d.sync += total.eq(lookahead_sum(m, sum_first, sum_second, name="list_total"))
+        # Every sum outside the ``m.If``s below (a condition would gate its wires).
+        sums_first = lookahead_sum(m, w.byte_count, w.more_segments[0].byte_count,
+                                   name="list_sum_first")
+        sums_second = lookahead_sum(m, w.more_segments[1].byte_count,
+                                    w.more_segments[2].byte_count, name="list_sum_second")
+        queue_ends = [lookahead_sum(m, segment.laddr, segment.byte_count, name=f"list_end{i}")
+                      for i, segment in enumerate(w.more_segments)]
+        taken_length_facts = _length_facts(
+            m, f0, w.byte_count, w_has_length,
+            (w.inline & (w.byte_count > MAX_INLINE_BYTES))
+            | (w_is_atomic & (w.byte_count != Mux(w_size4, 4, 8))), name="length")
+        list_length_facts = _length_facts(m, f0, total, C(1, 1), C(0, 1), name="list_length")
         w_wqe_end = lookahead_sum(m, w.wqe_index, w.wqe_blocks, name="wqe_end")[:16]
         # Inline data past what the descriptor carries is read back from the send queue:
         # it follows the inline segment's byte count, at byte 36 (WRITE) or 20 (SEND).
@@ -405,32 +425,26 @@ class WqeExecutor(wiring.Component):
                 f0.ring_inline.eq(w.inline & (w.byte_count > DESCRIPTOR_INLINE_BYTES)),
                 f0.inline_offset.eq(w_inline_offset),
                 f0.inline_last_block.eq(w_inline_end[6:9]),
-                sum_first.eq(lookahead_sum(m, w.byte_count, w.more_segments[0].byte_count,
-                                           name="list_sum_first")),
-                sum_second.eq(lookahead_sum(m, w.more_segments[1].byte_count,
-                                            w.more_segments[2].byte_count, name="list_sum_second")),
+                sum_first.eq(sums_first), sum_second.eq(sums_second),
                 walking.eq(w_is_list), lookups_left.eq(w.segments),
                 checked.lkey.eq(w.lkey), checked.laddr.eq(w.laddr),
                 pending.valid.eq(0), list_key_bad.eq(0),
             ]
-            m.d.sync += _length_facts(
-                m, f0, w.byte_count, w_has_length,
-                (w.inline & (w.byte_count > MAX_INLINE_BYTES))
-                | (w_is_atomic & (w.byte_count != Mux(w_size4, 4, 8))), name="length")
-            for i, entry in enumerate(queue):
-                segment = w.more_segments[i]
+            m.d.sync += taken_length_facts
+            for i, (entry, segment) in enumerate(zip(queue, w.more_segments)):
                 m.d.sync += [
                     entry.lkey.eq(segment.lkey), entry.laddr.eq(segment.laddr),
-                    entry.end.eq(lookahead_sum(m, segment.laddr, segment.byte_count,
-                                               name=f"list_end{i}")),
+                    entry.end.eq(queue_ends[i]),
                     entry.uses_key.eq((w.segments > i + 1) & (segment.byte_count != 0)),
                 ]
         with m.Elif(to_r1):
             m.d.sync += r0_valid.eq(0)
-        with m.Elif(r0_valid & f0.is_list):
-            # A gather list's length from its sum (ready from its second cycle here on; it
-            # leaves after its last segment's check is folded, its fourth cycle at least).
-            m.d.sync += _length_facts(m, f0, total, 1, 0, name="list_length")
+        with m.If(r0_valid & walking):
+            # A gather list's length facts from its sum: the sum is right from the list's
+            # second cycle in stage 0, these facts from its third, and it leaves a cycle
+            # after its walk, in its fourth at the earliest. Only while it walks, when no WQE
+            # is taken and none leaves: a choice by registers.
+            m.d.sync += list_length_facts
         read_from = Mux(self.wqe.ready, self.wqe.payload, r0)
         read_from = WqeDescriptorLayout()(read_from)
         # The memory key of the segment checked in the next cycle: the incoming WQE's
@@ -458,7 +472,7 @@ class WqeExecutor(wiring.Component):
             m.d.comb += early_syndrome.eq(Syndrome.LOCAL_QP_OP_ERR)
         with m.Elif(f0.bad_length):
             m.d.comb += early_syndrome.eq(Syndrome.LOCAL_LENGTH_ERR)
-        with m.Elif(~no_vl & list_bad_now):
+        with m.Elif(list_vl_ok & list_bad_now):
             m.d.comb += early_syndrome.eq(Syndrome.LOCAL_PROT_ERR)
         with m.Else():
             # a path MTU or VL this port lacks; a gather list whose keys all hold (lists are
@@ -499,8 +513,7 @@ class WqeExecutor(wiring.Component):
                 f0.end.eq(queue[0].end), f0.uses_key.eq(queue[0].uses_key),
             ]
             m.d.sync += [entry.eq(after) for entry, after in zip(queue, queue[1:] + [0])]
-        with m.If(r0_valid & ~self.wqe.ready):
-            m.d.sync += list_key_bad.eq(list_bad_now)
+            m.d.sync += [list_key_bad.eq(list_bad_now), list_vl_ok.eq(~no_vl)]
         # The message's packets less one and whether it fits one packet, at the QP's MTU.
         packets_less_one0 = Signal(PSN_BITS)
         fits0 = Signal()
