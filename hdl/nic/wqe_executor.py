@@ -449,7 +449,8 @@ class WqeExecutor(wiring.Component):
         read_from = WqeDescriptorLayout()(read_from)
         # The memory key of the segment checked in the next cycle: the incoming WQE's
         # first, a walking list's next, or the one held.
-        key_of = Mux(self.wqe.ready, self.wqe.payload.lkey, Mux(walking, queue[0].lkey, checked.lkey))
+        key_of = Mux(self.wqe.ready, self.wqe.payload.lkey,
+                     Mux(walking, queue[0].lkey, checked.lkey))
         m.d.comb += [
             self.qp_config.addr.eq(read_from.qpn),
             self.mkey.addr.eq((key_of >> 8) % self.num_mkeys),

@@ -414,7 +414,8 @@ class WqeFetcher(wiring.Component):
                     if position < WQEBB_BYTES:
                         marked_first.append((ds > base + s) & block0[8 * position + 7])
                     else:
-                        m.d.comb += facts.check_second[(position - WQEBB_BYTES) // 16].eq(ds > base + s)
+                        second = (position - WQEBB_BYTES) // 16
+                        m.d.comb += facts.check_second[second].eq(ds > base + s)
                 m.d.comb += [ok.eq(~Cat(*marked_first).any()), has_data.eq(1), data_at.eq(at),
                              facts.segments.eq(ds - base)]
 
