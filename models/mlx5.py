@@ -21,6 +21,7 @@ from typing import NamedTuple
 WQEBB_BYTES = 64             # a send WQE basic block (MLX5_SEND_WQE_BB)
 DS_BYTES = 16                # ds counts 16-byte units (octowords)
 MAX_WQE_BLOCKS = 16          # ds is 6 bits: at most ceil(63 / 4) blocks
+MAX_GATHER_SEGMENTS = 4      # data segments of a WRITE or SEND (docs/nic.md, Limits: a plan)
 MAX_INLINE_BYTES = 256        # NVSHMEM's largest: a warp-combined put of 8-byte T (docs/nic-formats.md)
 CQE_BYTES = 64
 MAX_MESSAGE_BYTES = 1 << 31
@@ -169,7 +170,7 @@ def build_wqe(opcode: int, wqe_index: int, qpn: int, *, fm_ce_se: int = CTRL_CQ_
               lkey: int = 0, laddr: int = 0, byte_count: int | None = None,
               inline: bytes | None = None,
               swap_add: int = 0, compare: int = 0, swap_mask: int = 0, compare_mask: int = 0,
-              ds: int | None = None) -> Wqe:
+              gather: list | None = None, ds: int | None = None) -> Wqe:
     """A well-formed RC WQE as NVSHMEM/libmlx5 lay it out, padded to basic blocks.
 
     WRITE/SEND: a data segment when ``byte_count`` is given (0 allowed), inline data when
@@ -181,6 +182,7 @@ def build_wqe(opcode: int, wqe_index: int, qpn: int, *, fm_ce_se: int = CTRL_CQ_
     control segment alone (ds 1), or with ``byte_count`` given a 16-byte unit of zeros
     after it (ds 2: ``ibgda_write_nop_wqe``'s form, which leaves that unit unwritten).
     DUMP: a data segment (``byte_count`` defaults to 1, as NVSHMEM posts it).
+    ``gather``: WRITE/SEND with these data segments, ``(byte_count, lkey, laddr)`` each.
     ``ds``: write this ds instead of the segments' (a malformed WQE, cut or padded to the
     blocks that ds makes).
     """
@@ -206,6 +208,8 @@ def build_wqe(opcode: int, wqe_index: int, qpn: int, *, fm_ce_se: int = CTRL_CQ_
         segs += bytes(DS_BYTES) if byte_count is not None else b""
     elif inline is not None:
         segs += inline_segment(inline)
+    elif gather is not None:
+        segs += b"".join(data_segment(*segment) for segment in gather)
     elif byte_count is not None:
         segs += data_segment(byte_count, lkey, laddr)
     if ds is None:
@@ -240,6 +244,9 @@ class ParsedWqe:
     byte_count: int = 0
     inline: bool = False
     inline_data: bytes = b""
+    # a gather list: every data segment, (byte_count, lkey, laddr); the fields above hold
+    # the first's lkey and laddr and the sum of the byte counts
+    gather: tuple = ()
     format_error: bool = False
     syndrome: int = 0
     ctrl_wqe_index: int = 0    # the idx the host wrote (the NIC does not use it)
@@ -347,8 +354,17 @@ def parse_wqe(wqe: bytes) -> ParsedWqe:
                 return error(Syndrome.LOCAL_QP_OP_ERR)
             return ParsedWqe(**base, **fields, inline=True, byte_count=n,
                              inline_data=wqe[offset + 4:offset + 4 + n])
-        if ds != header_ds + 1:
+        count = ds - header_ds
+        if count > MAX_GATHER_SEGMENTS:
             return error(Syndrome.LOCAL_QP_OP_ERR)
+        if count > 1:
+            segments = tuple((_field(wqe, at, 4), _field(wqe, at + 4, 4), _field(wqe, at + 8, 8))
+                             for at in range(offset, offset + DS_BYTES * count, DS_BYTES))
+            if any(byte_count & INLINE_SEG for byte_count, _, _ in segments):
+                return error(Syndrome.LOCAL_QP_OP_ERR)
+            return ParsedWqe(**base, **fields, has_data=True,
+                             byte_count=sum(byte_count for byte_count, _, _ in segments),
+                             lkey=segments[0][1], laddr=segments[0][2], gather=segments)
     elif ds != header_ds + 1:
         return error(Syndrome.LOCAL_QP_OP_ERR)
 

@@ -252,7 +252,8 @@ FORMAT_ERRORS = [
     ("DUMP, inline", _raw(m.Opcode.DUMP, 2, m.inline_segment(bytes(1))),
      m.Syndrome.LOCAL_QP_OP_ERR),
     ("DUMP, opmod 1", _raw(m.Opcode.DUMP, 2, DATA8, opmod=1), m.Syndrome.LOCAL_QP_OP_ERR),
-    ("write, two data segments", _raw(m.Opcode.RDMA_WRITE, 4, RA, DATA8, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("write, five data segments", _raw(m.Opcode.RDMA_WRITE, 7, RA, *[DATA8] * 5),
+     m.Syndrome.LOCAL_QP_OP_ERR),
     ("write, ds 1", _raw(m.Opcode.RDMA_WRITE, 1), m.Syndrome.LOCAL_QP_OP_ERR),
     # ds 1 with bytes beyond it that look like an over-long inline segment: the WQE ends
     # before its remote-address segment, so they are never read (as the fetcher does).
@@ -270,7 +271,8 @@ FORMAT_ERRORS = [
      m.Syndrome.LOCAL_QP_OP_ERR),
     ("send, inline 100 bad ds", _raw(m.Opcode.SEND, 2, m.inline_segment(bytes(100))),
      m.Syndrome.LOCAL_QP_OP_ERR),
-    ("send, two data segments", _raw(m.Opcode.SEND_IMM, 3, DATA8, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
+    ("send, gather list with an inline-marked segment",
+     _raw(m.Opcode.SEND_IMM, 4, DATA8, m.inline_segment(bytes(8)), DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
     ("read, no data segment", _raw(m.Opcode.RDMA_READ, 2, RA), m.Syndrome.LOCAL_QP_OP_ERR),
     ("read, inline", _raw(m.Opcode.RDMA_READ, 3, RA, m.inline_segment(bytes(8))), m.Syndrome.LOCAL_QP_OP_ERR),
     ("read, ds 4", _raw(m.Opcode.RDMA_READ, 4, RA, DATA8, DATA8), m.Syndrome.LOCAL_QP_OP_ERR),
@@ -1258,3 +1260,49 @@ def test_masked_atomics_decode_in_tshark(tmp_path):
         for t, packet in enumerate(packets):
             capture.data(packet + vcrc_bytes(packet), t)
     assert tshark_data_mismatches(tmp_path / "masked.pcapng", packets) == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gather_lists(seed):
+    """WRITE and SEND with 1..4 data segments of random lengths (zero included): the
+    message is their concatenation, cut at the MTU across segment boundaries; a bad key
+    or range in any segment with bytes is LOCAL_PROT_ERR (a zero-length segment is not
+    looked up); five segments are LOCAL_QP_OP_ERR."""
+    rng = random.Random(seed)
+    for trial in range(40):
+        req, local = world(mtu=1)
+        op = rng.choice([m.Opcode.RDMA_WRITE, m.Opcode.SEND, m.Opcode.SEND_IMM,
+                         m.Opcode.RDMA_WRITE_IMM])
+        count = rng.randint(1, 4)
+        gather = []
+        for _ in range(count):
+            size = rng.choice([0, rng.randint(1, 300), rng.randint(300, 900)])
+            laddr = LOCAL_BASE + rng.randrange(MEM - size)
+            gather.append((size, LKEY, laddr))
+        bad = rng.randrange(count + 2)        # a segment to spoil, or none
+        if bad < count and gather[bad][0]:
+            size, _, laddr = gather[bad]
+            gather[bad] = rng.choice([(size, LKEY ^ 0x100, laddr), (size, LKEY, LOCAL_BASE - 8),
+                                      (size, LKEY, LOCAL_BASE + MEM - size + 1)])
+        else:
+            bad = None
+        result = run(req, local, 0, trial, op=op, gather=gather, raddr=REMOTE_BASE, rkey=9)
+        if bad is not None:
+            assert result.status == n.CompletionStatus.ERROR
+            assert result.syndrome == m.Syndrome.LOCAL_PROT_ERR and not result.packets
+            continue
+        message = b"".join(bytes(local[a - LOCAL_BASE:a - LOCAL_BASE + s]) for s, _, a in gather)
+        assert result.status == n.CompletionStatus.SENT and result.byte_count == len(message)
+        payloads = b"".join(parse_packet(p).payload for p in result.packets)
+        assert payloads == message
+        assert len(result.packets) == max(1, -(-len(message) // 256))
+    five = m.build_wqe(m.Opcode.SEND, 0, 0, gather=[(8, LKEY, LOCAL_BASE)] * 5)
+    assert m.parse_wqe(five.data).syndrome == m.Syndrome.LOCAL_QP_OP_ERR
+    # Segments each under 2^31 whose sum is over it (checked before any key), and exactly it.
+    req, local = world(mtu=1)
+    over = [((1 << 30) - 8, LKEY ^ 0x100, LOCAL_BASE), (1 << 30, LKEY, LOCAL_BASE), (9, LKEY, LOCAL_BASE)]
+    result = run(req, local, 0, 0, op=m.Opcode.SEND, gather=over)
+    assert (result.status, result.syndrome) == (n.CompletionStatus.ERROR, m.Syndrome.LOCAL_LENGTH_ERR)
+    req, local = world(mtu=1)
+    result = run(req, local, 0, 0, op=m.Opcode.SEND, gather=over[:2] + [(8, LKEY, LOCAL_BASE)])
+    assert (result.status, result.syndrome) == (n.CompletionStatus.ERROR, m.Syndrome.LOCAL_PROT_ERR)

@@ -235,8 +235,33 @@ BAD_NVSHMEM_POSTS = {
 }
 
 
+# Gather lists (several data segments, docs/nic.md "Limits") that must fail: five segments,
+# an inline-marked one among them, a bad key in segment 2 or 4, a range past its key in
+# segment 3 (a zero-length segment before it, not looked up), byte counts summing past 2^31.
+# (tb_key below is the QP's data key; key (9 << 8) | 1 has no entry.)
+_KEY = (1 << 8) | 0x5A
+BAD_GATHER_LISTS = {
+    "gather_five": (dict(opcode=Op.SEND, gather=[(8, _KEY, DATA_REGION)] * 5),
+                    mlx5.Syndrome.LOCAL_QP_OP_ERR),
+    "gather_inline_marked": (dict(opcode=Op.RDMA_WRITE_IMM, gather=[
+        (8, _KEY, DATA_REGION), (8, _KEY, DATA_REGION), (mlx5.INLINE_SEG | 8, _KEY, DATA_REGION)]),
+        mlx5.Syndrome.LOCAL_QP_OP_ERR),
+    "gather_key_2": (dict(opcode=Op.RDMA_WRITE, gather=[
+        (64, _KEY, DATA_REGION), (64, (9 << 8) | 1, DATA_REGION)]), mlx5.Syndrome.LOCAL_PROT_ERR),
+    "gather_key_4": (dict(opcode=Op.SEND_IMM, gather=[
+        (64, _KEY, DATA_REGION), (0, 0, 0), (100, _KEY, DATA_REGION + 999),
+        (1, _KEY ^ 1, DATA_REGION)]), mlx5.Syndrome.LOCAL_PROT_ERR),
+    "gather_range_3": (dict(opcode=Op.RDMA_WRITE, gather=[
+        (64, _KEY, DATA_REGION), (0, (9 << 8) | 1, 0), (100, _KEY, DATA_REGION + DATA_BYTES - 99),
+        (8, _KEY, DATA_REGION)]), mlx5.Syndrome.LOCAL_PROT_ERR),
+    "gather_over_2g": (dict(opcode=Op.SEND, gather=[
+        (1 << 30, _KEY, DATA_REGION), (1 << 30, _KEY, DATA_REGION), (1, _KEY, DATA_REGION)]),
+        mlx5.Syndrome.LOCAL_LENGTH_ERR),
+}
+
+
 @cocotb.test()
-@cocotb.parametrize(table=["BAD_WQES", "BAD_NVSHMEM_POSTS"])
+@cocotb.parametrize(table=["BAD_WQES", "BAD_NVSHMEM_POSTS", "BAD_GATHER_LISTS"])
 async def bad_wqes(dut, table):
     """Each bad WQE of ``table`` on its own QP, between good ones, while QP 0 streams good
     traffic: the bad one completes with its syndrome, its QP goes to ERR and flushes every
@@ -246,7 +271,7 @@ async def bad_wqes(dut, table):
     rng = random.Random(11)
     tb = NicTB(dut, seed=11, memory_latency=100)
     await tb.reset()
-    key = tb_key = (1 << 8) | 0x5A
+    key = tb_key = _KEY
     extra = [Mkey(key=key, base=DATA_REGION, length=DATA_BYTES, access=0xF, pd=PD, valid=1),
              Mkey(key=(2 << 8) | 0x5A, base=DATA_REGION, length=DATA_BYTES, access=0xF,
                   pd=PD + 1, valid=1),
@@ -458,7 +483,7 @@ async def qp_states(dut):
 # Items of one build, run on one worker (tb/build_groups.py).
 @pytest.mark.parametrize("tests, count", [
     ("random_operations", 3),
-    ("zero_load_latency|doorbell_storm|bad_wqes|nvshmem_nop_and_dump|remote_naks|qp_states", 7),
+    ("zero_load_latency|doorbell_storm|bad_wqes|nvshmem_nop_and_dump|remote_naks|qp_states", 8),
 ], ids=["random", "directed"])
 def test_nic(tests, count):
     runner.run(module="tb.test_nic", toplevel="nic_top", factory=nic_top, params=NIC,

@@ -107,6 +107,24 @@ def unpack(layout, word):
     return {name: (word >> field.offset) & ((1 << field.width) - 1) for name, field in layout}
 
 
+def gather(*segments):
+    """Descriptor fields of a data segment or gather list: ``(byte_count, lkey, laddr)`` each."""
+    (byte_count, lkey, laddr), more = segments[0], segments[1:]
+    return dict(has_data=1, segments=len(segments), byte_count=byte_count, lkey=lkey, laddr=laddr,
+                more_segments=sum((c | k << 32 | a << 64) << 128 * i
+                                  for i, (c, k, a) in enumerate(more)))
+
+
+def gather_segments(d):
+    """A descriptor's data segments, ``(byte_count, lkey, laddr)`` each."""
+    if not d["has_data"]:
+        return []
+    more = d.get("more_segments", 0)
+    return [(d["byte_count"], d["lkey"], d["laddr"])] + [
+        ((more >> 128 * i) & 0xFFFFFFFF, (more >> (128 * i + 32)) & 0xFFFFFFFF,
+         (more >> (128 * i + 64)) & ((1 << 64) - 1)) for i in range(d.get("segments", 1) - 1)]
+
+
 # --- Reference --------------------------------------------------------------------------------
 
 class Packet:
@@ -169,23 +187,32 @@ class Reference:
                 or ((atomic or op == OP["DUMP"]) and not d["has_data"])
                 or (op == OP["NOP"] and d["has_data"])):
             return ERROR, Syndrome.LOCAL_QP_OP_ERR.value
+        segments = gather_segments(d)
+        if len(segments) > 1:
+            length = sum(byte_count for byte_count, _, _ in segments)
         if ((d["inline"] and d["byte_count"] > 256) or (atomic and d["byte_count"] != atomic_bytes(d))
                 or length > 1 << 31):
             return ERROR, Syndrome.LOCAL_LENGTH_ERR.value
         vl = self.sl_to_vl[qp["sl"]]
         if vl == 15 or vl >= self.num_vls or not 1 <= qp["mtu"] <= 5:
             return ERROR, Syndrome.LOCAL_QP_OP_ERR.value
-        if d["has_data"] and not d["inline"] and d["byte_count"]:
-            # A DUMP's key covers its data segment's bytes, though it moves none.
-            mk = self.mkeys[(d["lkey"] >> 8) % self.num_mkeys]
-            end = d["laddr"] + d["byte_count"]
-            if not (mk["valid"] and mk["key"] == d["lkey"] and mk["pd"] == qp["pd"]):
+        # Every data segment with bytes, a gather list's in order (a DUMP's key covers its
+        # data segment's bytes, though it moves none).
+        for byte_count, lkey, laddr in segments if not d["inline"] else ():
+            if not byte_count:
+                continue
+            mk = self.mkeys[(lkey >> 8) % self.num_mkeys]
+            end = laddr + byte_count
+            if not (mk["valid"] and mk["key"] == lkey and mk["pd"] == qp["pd"]):
                 return ERROR, Syndrome.LOCAL_PROT_ERR.value
-            if not (d["laddr"] >= mk["base"] and end <= mk["base"] + mk["length"]
+            if not (laddr >= mk["base"] and end <= mk["base"] + mk["length"]
                     and end <= 1 << 64):
                 return ERROR, Syndrome.LOCAL_PROT_ERR.value
             if (read or atomic) and not mk["access"] & LOCAL_WRITE:
                 return ERROR, Syndrome.LOCAL_PROT_ERR.value
+        if len(segments) > 1:
+            # checked, not yet executed (docs/nic.md, Limits)
+            return ERROR, Syndrome.LOCAL_QP_OP_ERR.value
         return SENT, 0
 
     def execute(self, d):
@@ -610,7 +637,8 @@ def random_wqe(rng, ref, qpn, index, *, p_bad=0.08):
         w.update(has_data=1, byte_count=length, lkey=k.get("key", 0), laddr=laddr % (1 << 64))
     if rng.random() < p_bad:
         bad = rng.choice(["format", "long", "key_missing", "key_variant", "key_pd",
-                          "range_low", "range_high", "inconsistent", "inline_long", "atomic_len"])
+                          "range_low", "range_high", "inconsistent", "inline_long", "atomic_len",
+                          "gather", "gather"])
         if bad == "format":
             w.update(format_error=1, syndrome=rng.choice([0x01, 0x02]))
         elif bad == "long":
@@ -638,6 +666,16 @@ def random_wqe(rng, ref, qpn, index, *, p_bad=0.08):
             w.update(inline=1, has_data=0, byte_count=rng.randint(257, 300))
         elif bad == "atomic_len" and atomic:
             w["byte_count"] = rng.choice([0, 4, 16])
+        elif bad == "gather" and kind == "data" and not (atomic or op in (OP["RDMA_READ"], OP["DUMP"])):
+            # a gather list (checked, not yet executed): 1 to 3 more segments in keys of
+            # the QP's PD, some empty, some with a key variant
+            more = []
+            for _ in range(rng.randint(1, 3)):
+                k = ref.mkeys[rng.choice(fitting)] if fitting else ref.mkeys[0]
+                more.append((rng.choice([0, rng.randint(1, 300)]),
+                             k.get("key", 0) ^ (rng.random() < 0.3) << 3,
+                             (k.get("base", 0) + rng.randint(0, 4096)) % (1 << 64)))
+            w.update(gather((w["byte_count"], w["lkey"], w["laddr"]), *more))
     return w
 
 
@@ -766,6 +804,36 @@ CHECK_ROWS = [
      ERROR, PROT_ERR),
     ("DUMP past the key's end", {}, RTS, dict(opcode=OP["DUMP"], laddr=0x20000 - 99),
      ERROR, PROT_ERR),
+    # gather lists: every segment with bytes checked in order; a zero-length one is not
+    # looked up; the sum of the byte counts against 2^31 first (lists are checked, not yet
+    # executed: LOCAL_QP_OP_ERR when every check holds)
+    ("gather list of 2", {}, RTS, gather((100, 0x101, 0x10010), (50, 0x202, 0x20000)),
+     ERROR, OP_ERR),
+    ("gather list of 4, one empty with a missing key", {}, RTS,
+     gather((100, 0x101, 0x10010), (0, 0x505, 0), (7, 0x202, 0x20F00), (1, 0x101, 0x1FFFF)),
+     ERROR, OP_ERR),
+    ("gather, key missing in segment 2", {}, RTS,
+     gather((100, 0x101, 0x10010), (8, 0x505, 0x50000), (8, 0x101, 0x10000)), ERROR, PROT_ERR),
+    ("gather, key variant in segment 4", {}, RTS,
+     gather((100, 0x101, 0x10010), (8, 0x101, 0x10000), (8, 0x101, 0x10000), (8, 0x1FF, 0x10000)),
+     ERROR, PROT_ERR),
+    ("gather, key of another PD in segment 4", {}, RTS,
+     gather((1, 0x101, 0x10010), (0, 0x101, 0), (8, 0x101, 0x10000), (8, 0x303, 0x30000)),
+     ERROR, PROT_ERR),
+    ("gather, past the key's end in segment 3", {}, RTS,
+     gather((100, 0x101, 0x10010), (8, 0x202, 0x20000), (100, 0x202, 0x20000 - 99),
+            (8, 0x101, 0x10000)), ERROR, PROT_ERR),
+    ("gather, below the key's base in segment 2", {}, RTS,
+     gather((100, 0x101, 0x10010), (8, 0x202, 0x1FFFF)), ERROR, PROT_ERR),
+    ("gather, wraps past 2^64 in segment 3", {}, RTS,
+     gather((100, 0x101, 0x10010), (8, 0x202, 0x20000), (32, 0x404, (1 << 64) - 16)),
+     ERROR, PROT_ERR),
+    ("gather, sum over 2^31 (keys bad too)", {}, RTS,
+     gather((1 << 30, 0x505, 0), ((1 << 30) - 1, 0x505, 0), (2, 0x101, 0x10000)), ERROR, LEN_ERR),
+    ("gather, sum 2^31 exactly: the keys' turn (segment 1 past its key)", {}, RTS,
+     gather((1 << 30, 0x101, 0x10000), (0, 0x101, 0), (1 << 30, 0x505, 0x50000)), ERROR, PROT_ERR),
+    ("gather, SL maps to VL 15 before the keys", dict(sl=13), RTS,
+     gather((100, 0x101, 0x10010), (8, 0x505, 0x50000)), ERROR, OP_ERR),
     ("QP in ERR", {}, ERR, {}, FLUSH, FLUSH_ERR),
     ("QP in RESET", {}, RESET, {}, FLUSH, FLUSH_ERR),
 ]

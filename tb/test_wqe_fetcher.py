@@ -144,8 +144,10 @@ def good_wqe(rng, kind=None):
         n = rng.choice([0, 1, 12, 13, 28, 29, 44, 45, 60, 61, 64, rng.randrange(65),
                         65, 128, 252, 256, rng.randrange(65, 257)])
         return wqe_bytes(rng, ctrl_seg(rng, op, inline_ds(base, n)), *head, inline_seg(rng, n))
-    count = rng.choice([0, 1, 8, 4096, rng.randrange(1 << 31)])
-    return wqe_bytes(rng, ctrl_seg(rng, op, base + 1), *head, data_seg(rng, byte_count=count))
+    # one data segment, or a gather list of up to four (some of them empty)
+    segments = [data_seg(rng, byte_count=rng.choice([0, 1, 8, 4096, rng.randrange(1 << 31)]))
+                for _ in range(rng.choice([1, 1, 2, 3, 4]))]
+    return wqe_bytes(rng, ctrl_seg(rng, op, base + len(segments)), *head, *segments)
 
 
 def bad_wqes(rng):
@@ -155,10 +157,18 @@ def bad_wqes(rng):
     mcs, mfa = OPS["ATOMIC_MASKED_CS"], OPS["ATOMIC_MASKED_FA"]
     r = raddr_seg
     cases = [
-        # WRITE: ds 3 with two segments' worth, data segment with ds 4, ds too small
-        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, w, 4), r(rng), data_seg(rng), data_seg(rng))),
+        # WRITE: five data segments, ds too small
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, w, 7), r(rng), *[data_seg(rng) for _ in range(5)])),
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, wi, 1), r(rng))),
-        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, w, 5), r(rng), data_seg(rng))),
+        # gather lists with an inline-marked segment: 2nd of 2 (first block), 3rd of 4 and
+        # 4th of 4 (second block, bytes 0 and 16), the 4th of a SEND (second block)
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, w, 4), r(rng), data_seg(rng), inline_seg(rng, 12))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, wi, 6), r(rng), data_seg(rng), data_seg(rng),
+                          inline_seg(rng, 12), data_seg(rng))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, w, 6), r(rng), data_seg(rng), data_seg(rng),
+                          data_seg(rng), inline_seg(rng, 12))),
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, si, 5), data_seg(rng), data_seg(rng), data_seg(rng),
+                          inline_seg(rng, 8))),
         # WRITE inline: ds one too many / one too few for the length
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, w, inline_ds(2, 20) + 1), r(rng),
                           inline_seg(rng, 20))),
@@ -174,8 +184,8 @@ def bad_wqes(rng):
                           inline_seg(rng, 256))),
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, s, inline_ds(1, 128) - 1), inline_seg(rng, 128))),
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, s, inline_ds(1, 80) + 1), inline_seg(rng, 80))),
-        # SEND: two data segments, inline ds wrong, ds 0
-        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, s, 3), data_seg(rng), data_seg(rng))),
+        # SEND: five data segments, inline ds wrong, ds 0
+        (QP_OP, wqe_bytes(rng, ctrl_seg(rng, s, 6), *[data_seg(rng) for _ in range(5)])),
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, si, inline_ds(1, 44) + 1), inline_seg(rng, 44))),
         (QP_OP, wqe_bytes(rng, ctrl_seg(rng, s, 0))),
         # READ: inline instead of a data segment, ds 2 and 4
@@ -264,9 +274,13 @@ def ref_descriptor(blocks, bads, qpn, index):
     d.update(opcode=opcode, opmod=b[0], ds=ds, fm_ce_se=b[11], imm=be(b, 12, 4))
     seg = {}
 
-    def data_at(at):
-        seg.update(has_data=1, byte_count=be(b, at, 4), lkey=be(b, at + 4, 4),
+    def data_at(at, count=1):
+        seg.update(has_data=1, segments=count, byte_count=be(b, at, 4), lkey=be(b, at + 4, 4),
                    laddr=be(b, at + 8, 8))
+        # a gather list's later segments, 128 bits each: byte_count, lkey, laddr
+        seg.update(more_segments=sum(
+            (be(b, at + 16 * k, 4) | be(b, at + 16 * k + 4, 4) << 32 | be(b, at + 16 * k + 8, 8) << 64)
+            << 128 * (k - 1) for k in range(1, count)))
 
     def data_or_inline(at, base):
         if ds == base:
@@ -285,9 +299,10 @@ def ref_descriptor(blocks, bads, qpn, index):
             seg.update(inline=1, byte_count=n,
                        inline_data=int.from_bytes(b[at + 4:at + 4 + n], "little") if n <= 64 else 0)
             return None
-        if ds != base + 1:
+        count = ds - base           # data segments: one, or a gather list of up to four
+        if count > 4 or any(be(b, at + 16 * k, 4) & 0x80000000 for k in range(1, count)):
             return QP_OP
-        data_at(at)
+        data_at(at, count)
         return None
 
     raddr = dict(raddr=be(b, 16, 8), rkey=be(b, 24, 4))
@@ -668,13 +683,21 @@ def test_format_errors():
     rng = random.Random(10)
     cases = bad_wqes(rng)
     good = [good_wqe(rng, kind) for kind in ["write", "send", "read", "atomic", "empty", "masked"]]
-    wqes = [wqe for _, wqe in cases] + good
+    # Gather lists whose ds stops before an inline-marked segment (past the WQE: not read),
+    # of 2 (the mark at byte 48 of block 0) and 4 (at byte 16 of block 1), both SENDs.
+    s = OPS["SEND"]
+    past_ds = [wqe_bytes(rng, ctrl_seg(rng, s, 3), data_seg(rng), data_seg(rng),
+                         inline_seg(rng, 8)),
+               wqe_bytes(rng, ctrl_seg(rng, s, 5), *[data_seg(rng) for _ in range(4)],
+                         inline_seg(rng, 8))]
+    wqes = [wqe for _, wqe in cases] + good + past_ds
     assert sum(len(wqe) for wqe in wqes) <= 64 * 128
     ring = one_ring(rng, wqes, log=7)
     requests = [(0, index, len(wqe) // 64, 0) for index, wqe in zip(ring.starts, wqes)]
     bench = run_bench(WqeFetcher(num_qps=1), {0: ring}, requests, rng=rng)
     seen = [(d["format_error"], d["syndrome"]) for d in bench.desc_log]
-    assert seen == [(1, syndrome) for syndrome, _ in cases] + [(0, 0)] * 6
+    assert seen == [(1, syndrome) for syndrome, _ in cases] + [(0, 0)] * 8
+    assert [d["segments"] for d in bench.desc_log[-2:]] == [2, 4]
 
 
 def test_read_errors():

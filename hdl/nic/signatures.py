@@ -37,7 +37,7 @@ __all__ = [
     "QPN_BITS", "CQN_BITS", "PSN_BITS", "WQEBB_BYTES", "MAX_WQE_BLOCKS", "MAX_INLINE_BYTES",
     "DESCRIPTOR_INLINE_BYTES",
     "MAX_NIC_HEADER_BYTES", "EXT_AMO_OPMOD_4", "EXT_AMO_OPMOD_8", "MAX_OUTSTANDING_BLOCKS",
-    "MAX_MESSAGE_BYTES",
+    "MAX_MESSAGE_BYTES", "MAX_GATHER_SEGMENTS", "DataSegmentLayout",
     "FETCH_ID", "PAYLOAD_ID", "AXI_ID_BITS", "COUNTERS",
 ]
 
@@ -54,6 +54,7 @@ EXT_AMO_OPMOD_4, EXT_AMO_OPMOD_8 = 0x08, 0x09   # NVSHMEM's IBGDA_4/8_BYTE_EXT_A
 MAX_NIC_HEADER_BYTES = 64    # LRH + BTH + MaskedAtomicETH: the longest header the NIC sends or takes (no GRH)
 MAX_OUTSTANDING_BLOCKS = 64  # per-QP window of fetched, not yet completed WQE basic blocks
 MAX_MESSAGE_BYTES = 1 << 31  # IBA maximum message size
+MAX_GATHER_SEGMENTS = 4      # data segments of a WRITE or SEND (a gather list, docs/nic.md)
 
 AXI_ID_BITS = 3
 FETCH_ID = 0                 # AR/R of WQE fetches
@@ -356,11 +357,20 @@ class RetireLayout(data.StructLayout):
                           "next_psn": PSN_BITS})
 
 
+class DataSegmentLayout(data.StructLayout):
+    """An mlx5 data segment's fields, numeric values of its big-endian bytes."""
+    def __init__(self):
+        super().__init__({"byte_count": 32, "lkey": 32, "laddr": 64})
+
+
 class WqeDescriptorLayout(data.StructLayout):
     """One parsed WQE. Fields of segments the opcode does not have are zero.
     ``format_error`` with ``syndrome``: the WQE is malformed (unknown opcode, ``ds``
-    inconsistent with the opcode, more than one data segment, inline data too long);
-    it completes with an error CQE and moves its QP to the error state."""
+    inconsistent with the opcode, more than four data segments or an inline-marked one in
+    a gather list, inline data too long); it completes with an error CQE and moves its QP
+    to the error state. ``segments``: its data segments (0 without one, 1 to 4 for a
+    WRITE or SEND), the first in ``byte_count``/``lkey``/``laddr``, the others in
+    ``more_segments`` (zero past ``segments``)."""
     def __init__(self):
         super().__init__({
             "qpn": QPN_BITS,
@@ -382,6 +392,8 @@ class WqeDescriptorLayout(data.StructLayout):
             "lkey": 32,
             "laddr": 64,
             "byte_count": 32,                        # data segment or inline length
+            "segments": range(MAX_GATHER_SEGMENTS + 1),
+            "more_segments": data.ArrayLayout(DataSegmentLayout(), MAX_GATHER_SEGMENTS - 1),
             "inline": 1,
             "inline_data": 8 * DESCRIPTOR_INLINE_BYTES,   # byte 0 in bits 7..0
             "format_error": 1,

@@ -10,8 +10,8 @@ from hdl.ib.headers import (
 from hdl.nic.payload_reads import dma_payload, payload_bursts, payload_read_stage, payload_words
 from hdl.nic.wqe_fetcher import sq_block_address
 from hdl.nic.signatures import (
-    DESCRIPTOR_INLINE_BYTES, EPOCH_BITS, EXT_AMO_OPMOD_4, MAX_NIC_HEADER_BYTES, MAX_INLINE_BYTES,
-    MAX_MESSAGE_BYTES, PAYLOAD_ID, PSN_BITS,
+    DESCRIPTOR_INLINE_BYTES, EPOCH_BITS, EXT_AMO_OPMOD_4, MAX_GATHER_SEGMENTS, MAX_NIC_HEADER_BYTES,
+    MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, PAYLOAD_ID, PSN_BITS,
     Access, ArLayout, CompletionRecordLayout, CompletionStatus, ContextReadSignature,
     EventSignature, MkeyLayout, MlxOpcode, PacketDescriptorLayout, PacketSentLayout,
     PayloadSource, QpConfigLayout, QpState, RewindLayout, Syndrome, WqeDescriptorLayout,
@@ -68,13 +68,14 @@ class _WqeFactsLayout(data.StructLayout):
             "is_masked": 1, "size4": 1,
             "is_local": 1,                  # NOP / DUMP
             "with_imm": 1,
+            "is_list": 1,                   # a gather list (2 to 4 data segments)
             "length": 32,                   # 0 without a data or inline segment
-            "end": 65,                      # laddr + byte_count
+            "end": 65,                      # laddr + byte_count of the segment checked
             "packets_less_one_at": PSN_BITS,    # (length - 1) >> 8
             "empty": 1,                     # length 0
             "fits_mtu": 5,                  # bit k - 1: length <= the MTU of code k
             "qpn_bad": 1,
-            "uses_key": 1,
+            "uses_key": 1,                  # the segment checked has bytes
             "inconsistent": 1,
             "bad_length": 1,
             "wqe_end": 16,                  # wqe_index + wqe_blocks
@@ -132,6 +133,27 @@ class _ItemLayout(data.StructLayout):
         })
 
 
+class _KeyCheckLayout(data.StructLayout):
+    """A gather list's later data segment, queued in stage 0 for its key check."""
+    def __init__(self):
+        super().__init__({"lkey": 32, "laddr": 64, "end": 65, "uses_key": 1})
+
+
+def _length_facts(m, facts, length, has_length, other_bad, *, name):
+    """The statements that register the facts of a message of ``length`` bytes (0 unless
+    ``has_length``) into ``facts`` (a :class:`_WqeFactsLayout`), ``bad_length`` with
+    ``other_bad``: for a descriptor as it is taken, and for a gather list's sum."""
+    counted = Mux(has_length, length, 0)
+    length_less_one = lookahead_sum(m, length, C(-1, len(length)), name=f"{name}_less_one")
+    return [
+        facts.length.eq(counted),
+        facts.packets_less_one_at.eq(length_less_one[8:8 + PSN_BITS]),
+        facts.empty.eq(counted == 0),
+        facts.fits_mtu.eq(Cat(~has_length | (length <= (128 << k)) for k in range(1, 6))),
+        facts.bad_length.eq(other_bad | (counted > MAX_MESSAGE_BYTES)),
+    ]
+
+
 class WqeExecutor(wiring.Component):
     """Turns parsed WQEs into IB RC request packet descriptors, payload reads and
     completion records (docs/nic.md, "Execution").
@@ -172,6 +194,13 @@ class WqeExecutor(wiring.Component):
     descriptor left (the message's other packets follow it; before 2026-12-06 the record
     came after the last) and ``sent`` for each packet one cycle after its descriptor
     left (stage 0 added a cycle on 2026-12-06: t + 3 and t + 4 before).
+
+    A gather list (``segments`` 2 to 4) stays in stage 0 for ``segments`` + 1 cycles: one
+    memory key on the read port per cycle, each segment's check registered in parts and
+    folded a cycle later (a zero-length segment's not used); its length is the sum of its
+    byte counts. The first failing segment's check gives LOCAL_PROT_ERR (after the format,
+    length and VL checks); a list that passes every check fails with LOCAL_QP_OP_ERR: lists
+    are checked, not executed yet (docs/nic.md, "Limits").
 
     Inline data longer than the descriptor's 64 bytes (up to 256) is read back from the
     send queue as the packet's DMA payload: from ``sq_base + 64 * (wqe_index mod
@@ -313,9 +342,19 @@ class WqeExecutor(wiring.Component):
         c1 = Signal(_ContextFactsLayout())
         r1_advance = Signal()
         to_r1 = Signal()
+        # A gather list stays in stage 0 while its segments' keys are read, one a cycle
+        # (``walking``), and one cycle more while the last one's check is folded in.
+        walking = Signal()
+        lookups_left = Signal(range(MAX_GATHER_SEGMENTS + 1))
+        pending = Signal(data.StructLayout({
+            "valid": 1, "uses_key": 1, "key_refused": 1, "room_ok": 1, "above_base": 1,
+            "wraps": 1}))                   # the previous segment's check, in parts
+        list_key_bad = Signal()             # a segment before ``pending`` failed its check
+        list_vl_ok = Signal()               # its VL and MTU checks held (registered in the walk)
+        checked = Signal(data.StructLayout({"lkey": 32, "laddr": 64}))    # whose key is checked
         m.d.comb += [
-            to_r1.eq(r0_valid & (~r1_valid | r1_advance)),
-            self.wqe.ready.eq(~r0_valid | ~r1_valid | r1_advance),
+            to_r1.eq(r0_valid & ~walking & (~r1_valid | r1_advance)),
+            self.wqe.ready.eq(~r0_valid | (~walking & (~r1_valid | r1_advance))),
         ]
 
         # Facts of the WQE alone, registered as it is taken.
@@ -337,12 +376,30 @@ class WqeExecutor(wiring.Component):
         w_is_local = (w_opcode == MlxOpcode.NOP.value) | w_is_dump
         # A DUMP's data segment is checked (its key) but moves nothing: its length is 0.
         w_has_length = (w.has_data | w.inline) & ~w_is_local
-        w_length = Signal(32)
-        m.d.comb += w_length.eq(Mux(w_has_length, w.byte_count, 0))
         # The end only counts for a WQE that uses its key, whose length is its byte count.
         w_end = lookahead_sum(m, w.laddr, w.byte_count, name="end_sum")
-        # The message's packets less one at MTU code k: (length - 1) >> (k + 7).
-        w_length_less_one = lookahead_sum(m, w.byte_count, C(-1, 32), name="length_less_one")
+        w_is_list = w.segments > 1
+        # A gather list's later segments, each checked in a cycle of its own (below), and
+        # its length, the sum of its byte counts (the fetcher zeroes the segments past
+        # ``segments``), in two steps.
+        queue = [Signal(_KeyCheckLayout(), name=f"key_queue{i}")
+                 for i in range(MAX_GATHER_SEGMENTS - 1)]
+        sum_first = Signal(33)
+        sum_second = Signal(33)
+        total = Signal(34)
+        m.d.sync += total.eq(lookahead_sum(m, sum_first, sum_second, name="list_total"))
+        # Every sum outside the ``m.If``s below (a condition would gate its wires).
+        sums_first = lookahead_sum(m, w.byte_count, w.more_segments[0].byte_count,
+                                   name="list_sum_first")
+        sums_second = lookahead_sum(m, w.more_segments[1].byte_count,
+                                    w.more_segments[2].byte_count, name="list_sum_second")
+        queue_ends = [lookahead_sum(m, segment.laddr, segment.byte_count, name=f"list_end{i}")
+                      for i, segment in enumerate(w.more_segments)]
+        taken_length_facts = _length_facts(
+            m, f0, w.byte_count, w_has_length,
+            (w.inline & (w.byte_count > MAX_INLINE_BYTES))
+            | (w_is_atomic & (w.byte_count != Mux(w_size4, 4, 8))), name="length")
+        list_length_facts = _length_facts(m, f0, total, C(1, 1), C(0, 1), name="list_length")
         w_wqe_end = lookahead_sum(m, w.wqe_index, w.wqe_blocks, name="wqe_end")[:16]
         # Inline data past what the descriptor carries is read back from the send queue:
         # it follows the inline segment's byte count, at byte 36 (WRITE) or 20 (SEND).
@@ -356,36 +413,54 @@ class WqeExecutor(wiring.Component):
                 f0.is_fetch_add.eq(w_is_fetch_add), f0.is_atomic.eq(w_is_atomic),
                 f0.is_masked.eq(w_is_masked), f0.size4.eq(w_size4),
                 f0.is_local.eq(w_is_local), f0.with_imm.eq(w_with_imm),
-                f0.length.eq(w_length),
+                f0.is_list.eq(w_is_list),
                 f0.end.eq(w_end),
-                f0.packets_less_one_at.eq(w_length_less_one[8:8 + PSN_BITS]),
-                f0.empty.eq(w_length == 0),
-                f0.fits_mtu.eq(Cat(~w_has_length | (w.byte_count <= (128 << k))
-                                   for k in range(1, 6))),
                 f0.qpn_bad.eq(w.qpn >= num_qps),
                 f0.uses_key.eq(w.has_data & ~w.inline & (w.byte_count != 0)),
                 f0.inconsistent.eq(~(w_is_write | w_is_send | w_is_read | w_is_atomic | w_is_local)
                                    | (w.inline & (w.has_data | w_is_read | w_is_atomic | w_is_local))
                                    | ((w_is_atomic | w_is_dump) & ~w.has_data)
                                    | (w_is_local & ~w_is_dump & w.has_data)),
-                f0.bad_length.eq((w.inline & (w.byte_count > MAX_INLINE_BYTES))
-                                 | (w_is_atomic & (w.byte_count != Mux(w_size4, 4, 8)))
-                                 | (w_length > MAX_MESSAGE_BYTES)),
                 f0.wqe_end.eq(w_wqe_end),
                 f0.ring_inline.eq(w.inline & (w.byte_count > DESCRIPTOR_INLINE_BYTES)),
                 f0.inline_offset.eq(w_inline_offset),
                 f0.inline_last_block.eq(w_inline_end[6:9]),
+                sum_first.eq(sums_first), sum_second.eq(sums_second),
+                walking.eq(w_is_list), lookups_left.eq(w.segments),
+                checked.lkey.eq(w.lkey), checked.laddr.eq(w.laddr),
+                pending.valid.eq(0), list_key_bad.eq(0),
             ]
+            m.d.sync += taken_length_facts
+            for i, (entry, segment) in enumerate(zip(queue, w.more_segments)):
+                m.d.sync += [
+                    entry.lkey.eq(segment.lkey), entry.laddr.eq(segment.laddr),
+                    entry.end.eq(queue_ends[i]),
+                    entry.uses_key.eq((w.segments > i + 1) & (segment.byte_count != 0)),
+                ]
         with m.Elif(to_r1):
             m.d.sync += r0_valid.eq(0)
+        with m.If(r0_valid & walking):
+            # A gather list's length facts from its sum: the sum is right from the list's
+            # second cycle in stage 0, these facts from its third, and it leaves a cycle
+            # after its walk, in its fourth at the earliest. Only while it walks, when no WQE
+            # is taken and none leaves: a choice by registers.
+            m.d.sync += list_length_facts
         read_from = Mux(self.wqe.ready, self.wqe.payload, r0)
         read_from = WqeDescriptorLayout()(read_from)
+        # The memory key of the segment checked in the next cycle: the incoming WQE's
+        # first, a walking list's next, or the one held.
+        key_of = Mux(self.wqe.ready, self.wqe.payload.lkey,
+                     Mux(walking, queue[0].lkey, checked.lkey))
         m.d.comb += [
             self.qp_config.addr.eq(read_from.qpn),
-            self.mkey.addr.eq((read_from.lkey >> 8) % self.num_mkeys),
+            self.mkey.addr.eq((key_of >> 8) % self.num_mkeys),
         ]
         qp0 = self.qp_config.data
         mk = self.mkey.data
+        # A gather list's segments checked so far (the walk, below): one failed.
+        pending_bad = pending.valid & pending.uses_key & (
+            pending.key_refused | ~pending.room_ok | ~pending.above_base | pending.wraps)
+        list_bad_now = list_key_bad | pending_bad
 
         vl0 = Signal(4)
         m.d.comb += vl0.eq(Array(self.sl_to_vl)[qp0.sl])
@@ -398,12 +473,16 @@ class WqeExecutor(wiring.Component):
             m.d.comb += early_syndrome.eq(Syndrome.LOCAL_QP_OP_ERR)
         with m.Elif(f0.bad_length):
             m.d.comb += early_syndrome.eq(Syndrome.LOCAL_LENGTH_ERR)
+        with m.Elif(list_vl_ok & list_bad_now):
+            m.d.comb += early_syndrome.eq(Syndrome.LOCAL_PROT_ERR)
         with m.Else():
+            # a path MTU or VL this port lacks; a gather list whose keys all hold (lists are
+            # checked, not yet executed: docs/nic.md, Limits)
             m.d.comb += early_syndrome.eq(Syndrome.LOCAL_QP_OP_ERR)
         # The memory key rule, in parts that each end in a register: the key, its PD and
         # rights; the range, base <= laddr and end <= base + length, with end not past 2**64.
         local_write = (mk.access.as_value() & Access.LOCAL_WRITE.value) != 0
-        key_refused = ((mk.key != r0.lkey) | (mk.pd != qp0.pd) | ~mk.valid
+        key_refused = ((mk.key != checked.lkey) | (mk.pd != qp0.pd) | ~mk.valid
                        | ((f0.is_read | f0.is_atomic) & ~local_write))
         # end <= base + length as the sign of base + length - end: one carry-save layer
         # and one lookahead sum, not a sum and then a compare.
@@ -418,7 +497,24 @@ class WqeExecutor(wiring.Component):
                        | (addends[1] & addends[2])),
         ]
         room_sum = lookahead_sum(m, partial, Cat(C(0, 1), carries[:wide - 1]), 1, name="room_sum")
-        above_base = lookahead_sum(m, r0.laddr, ~mk.base, 1, name="above_base_sum")[64]
+        above_base = lookahead_sum(m, checked.laddr, ~mk.base, 1, name="above_base_sum")[64]
+        wraps0 = f0.end[64] & (f0.end[:64] != 0)       # ending at 2**64 is fine
+
+        # A gather list's walk: each cycle the segment's check goes into ``pending`` in
+        # parts, the next segment moves up (its key read in this cycle), and the one before
+        # is folded into ``list_key_bad`` (``list_bad_now``, above); a zero-length segment's
+        # check is not used.
+        with m.If(r0_valid & walking):
+            m.d.sync += [
+                pending.valid.eq(1), pending.uses_key.eq(f0.uses_key),
+                pending.key_refused.eq(key_refused), pending.room_ok.eq(~room_sum[wide - 1]),
+                pending.above_base.eq(above_base), pending.wraps.eq(wraps0),
+                lookups_left.eq(lookups_left - 1), walking.eq(lookups_left != 1),
+                checked.lkey.eq(queue[0].lkey), checked.laddr.eq(queue[0].laddr),
+                f0.end.eq(queue[0].end), f0.uses_key.eq(queue[0].uses_key),
+            ]
+            m.d.sync += [entry.eq(after) for entry, after in zip(queue, queue[1:] + [0])]
+            m.d.sync += [list_key_bad.eq(list_bad_now), list_vl_ok.eq(~no_vl)]
         # The message's packets less one and whether it fits one packet, at the QP's MTU.
         packets_less_one0 = Signal(PSN_BITS)
         fits0 = Signal()
@@ -501,12 +597,13 @@ class WqeExecutor(wiring.Component):
                 r1_valid.eq(1), r1.eq(r0), f1.eq(f0),
                 c1.qp.eq(qp0),
                 c1.vl.eq(vl0),
-                c1.early_error.eq(r0.format_error | f0.inconsistent | f0.bad_length | no_vl),
+                c1.early_error.eq(r0.format_error | f0.inconsistent | f0.bad_length | no_vl
+                                  | f0.is_list),
                 c1.early_syndrome.eq(early_syndrome),
                 c1.key_refused.eq(key_refused),
                 c1.room_ok.eq(~room_sum[wide - 1]),
                 c1.above_base.eq(above_base),
-                c1.wraps.eq(f0.end[64] & (f0.end[:64] != 0)),   # ending at 2**64 is fine
+                c1.wraps.eq(wraps0),
                 c1.packets_less_one.eq(packets_less_one0),
                 c1.fits.eq(fits0),
                 c1.first_psn.eq(Mux(commit_same & sent, after_psn,

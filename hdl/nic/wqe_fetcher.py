@@ -5,8 +5,8 @@ from amaranth.lib.wiring import In, Out
 from hdl.arith import count_registered, lookahead_sum
 
 from hdl.nic.signatures import (
-    DESCRIPTOR_INLINE_BYTES, EXT_AMO_OPMOD_4, EXT_AMO_OPMOD_8, FETCH_ID, MAX_INLINE_BYTES,
-    MAX_WQE_BLOCKS, QPN_BITS, WQEBB_BYTES, ArLayout,
+    DESCRIPTOR_INLINE_BYTES, EXT_AMO_OPMOD_4, EXT_AMO_OPMOD_8, FETCH_ID, MAX_GATHER_SEGMENTS,
+    MAX_INLINE_BYTES, MAX_WQE_BLOCKS, QPN_BITS, WQEBB_BYTES, ArLayout,
     ContextReadSignature, FetchDoneLayout, FetchRequestLayout, MlxOpcode, QpConfigLayout,
     RBeatLayout, Syndrome, WqeDescriptorLayout,
 )
@@ -55,6 +55,10 @@ class _WqeFactsLayout(data.StructLayout):
             "has_data": 1,
             "has_inline": 1,
             "data_at": 3,               # data segment at byte 16, 32, 48, 64 (1, 2, 3, 4)
+            "segments": range(MAX_GATHER_SEGMENTS + 1),     # data segments
+            # a gather list's later segments in the second block, at byte 0 and 16: their
+            # inline marks are checked as the parser takes that block
+            "check_second": 2,
             "inline_len": range(MAX_INLINE_BYTES + 1),
             # the bytes the descriptor carries: inline_len up to 64, else none (the
             # executor reads longer data back from the ring)
@@ -96,7 +100,10 @@ class WqeFetcher(wiring.Component):
     most significant byte first puts those bytes on the wire unchanged. ``wqe_index`` is
     the fetch position of the WQE's first block (mod 2^16), not the control segment's copy.
     ``inline_data`` holds ``byte_count`` bytes, the rest zero, for up to 64 bytes; for
-    65 to 256 it is zero (the executor reads the data back from the ring). A WQE with a format error
+    65 to 256 it is zero (the executor reads the data back from the ring). ``segments`` is
+    the WQE's data segments: 1 for one, 2 to 4 for a WRITE's or SEND's gather list (ds up to
+    6 or 5, so within its first two blocks), whose later segments are in ``more_segments``
+    (zero past ``segments``). A WQE with a format error
     carries only its control-segment fields (opcode, opmod, ds, fm_ce_se, imm), all
     segment fields zero; one whose first block was read with an error carries none (its
     contents are unknown) and is one block long.
@@ -385,7 +392,8 @@ class WqeFetcher(wiring.Component):
         m.d.comb += syndrome.eq(Syndrome.LOCAL_QP_OP_ERR)
 
         def data_or_inline(at, word, base):
-            # ``base``: ds of the WQE without its data (the empty form).
+            # ``base``: ds of the WQE without its data (the empty form); its data segments
+            # (a gather list: up to four) from byte 16 * at on.
             length = word[:31]
             segments = (length[:9] + 4 + 15) >> 4
             # The segment's first word is part of the WQE only when ds goes beyond the base.
@@ -398,8 +406,18 @@ class WqeFetcher(wiring.Component):
                     m.d.comb += [ok.eq(1), has_inline.eq(1), inline_len.eq(length),
                                  facts.carried_len.eq(Mux(length <= DESCRIPTOR_INLINE_BYTES,
                                                           length, 0))]
-            with m.Elif(ds == base + 1):
-                m.d.comb += [ok.eq(1), has_data.eq(1), data_at.eq(at)]
+            with m.Elif((ds > base) & (ds <= base + MAX_GATHER_SEGMENTS)):
+                # Segment s (0 first) is in the list when ds > base + s; none inline-marked.
+                marked_first = []
+                for s in range(1, MAX_GATHER_SEGMENTS):
+                    position = 16 * (at + s)
+                    if position < WQEBB_BYTES:
+                        marked_first.append((ds > base + s) & block0[8 * position + 7])
+                    else:
+                        second = (position - WQEBB_BYTES) // 16
+                        m.d.comb += facts.check_second[second].eq(ds > base + s)
+                m.d.comb += [ok.eq(~Cat(*marked_first).any()), has_data.eq(1), data_at.eq(at),
+                             facts.segments.eq(ds - base)]
 
         with m.Switch(opcode):
             with m.Case(MlxOpcode.RDMA_WRITE, MlxOpcode.RDMA_WRITE_IMM):
@@ -408,10 +426,11 @@ class WqeFetcher(wiring.Component):
             with m.Case(MlxOpcode.SEND, MlxOpcode.SEND_IMM):
                 data_or_inline(1, word16, 1)
             with m.Case(MlxOpcode.RDMA_READ):
-                m.d.comb += [has_raddr.eq(1), has_data.eq(1), data_at.eq(2),
+                m.d.comb += [has_raddr.eq(1), has_data.eq(1), data_at.eq(2), facts.segments.eq(1),
                              ok.eq((ds == 3) & ~word32[31])]
             with m.Case(MlxOpcode.ATOMIC_CS, MlxOpcode.ATOMIC_FA):
-                m.d.comb += [has_raddr.eq(1), has_atomic.eq(1), has_data.eq(1), data_at.eq(3)]
+                m.d.comb += [has_raddr.eq(1), has_atomic.eq(1), has_data.eq(1), data_at.eq(3),
+                             facts.segments.eq(1)]
                 with m.If((ds == 4) & (word48 != 8)):
                     m.d.comb += syndrome.eq(Syndrome.LOCAL_LENGTH_ERR)
                 m.d.comb += ok.eq((ds == 4) & (word48 == 8))
@@ -424,7 +443,8 @@ class WqeFetcher(wiring.Component):
                 shape = (size4 | (opmod == EXT_AMO_OPMOD_8)) & (ds == Mux(two, 5, 4))
                 word_ok = two | (word48 == Mux(size4, 4, 8))
                 m.d.comb += [has_raddr.eq(1), has_atomic.eq(1), has_data.eq(1),
-                             data_at.eq(Mux(two, 4, 3)), ok.eq(shape & word_ok)]
+                             data_at.eq(Mux(two, 4, 3)), facts.segments.eq(1),
+                             ok.eq(shape & word_ok)]
                 with m.If(shape):
                     m.d.comb += syndrome.eq(Syndrome.LOCAL_LENGTH_ERR)
             # NVSHMEM's two forms, ds 2 (ibgda_write_nop_wqe: the second unit unwritten)
@@ -432,7 +452,7 @@ class WqeFetcher(wiring.Component):
             with m.Case(MlxOpcode.NOP):
                 m.d.comb += ok.eq(((ds == 1) | (ds == 2)) & (opmod == 0))
             with m.Case(MlxOpcode.DUMP):
-                m.d.comb += [has_data.eq(1), data_at.eq(1),
+                m.d.comb += [has_data.eq(1), data_at.eq(1), facts.segments.eq(1),
                              ok.eq((ds == 2) & ~word16[31] & (opmod == 0))]
 
     @staticmethod
@@ -457,7 +477,10 @@ class WqeFetcher(wiring.Component):
                 m.d.comb += segment.eq(_segment(block1, 0))
         # An 8-byte masked CS's data segment is in its second block: its word checked here.
         word_bad = (data_at == 4) & (_be(block1, 0, 4) != 8)
-        m.d.comb += good.eq(ok & ~word_bad & ~bad0 & ~bad_later)
+        # A gather list's segments in the second block must not be inline-marked.
+        marked_second = ((facts.check_second[0] & block1[7])
+                         | (facts.check_second[1] & block1[8 * 16 + 7]))
+        m.d.comb += good.eq(ok & ~word_bad & ~marked_second & ~bad0 & ~bad_later)
         # Inline data runs on from the first block into the second.
         both = Cat(block0, block1)
         window = Mux(opcode[1], both[8 * 20:8 * (20 + DESCRIPTOR_INLINE_BYTES)],
@@ -495,10 +518,22 @@ class WqeFetcher(wiring.Component):
             with m.If(has_data):
                 m.d.comb += [
                     desc.has_data.eq(1),
+                    desc.segments.eq(facts.segments),
                     desc.byte_count.eq(_be(segment, 0, 4)),
                     desc.lkey.eq(_be(segment, 4, 4)),
                     desc.laddr.eq(_be(segment, 8, 8)),
                 ]
+                # A gather list's later segments follow the first (at byte 32 of a WRITE,
+                # 16 of a SEND), into the second block.
+                for s in range(1, MAX_GATHER_SEGMENTS):
+                    later = Mux(data_at == 2, _segment(both, 16 * (2 + s)),
+                                _segment(both, 16 * (1 + s)))
+                    with m.If(facts.segments > s):
+                        m.d.comb += [
+                            desc.more_segments[s - 1].byte_count.eq(_be(later, 0, 4)),
+                            desc.more_segments[s - 1].lkey.eq(_be(later, 4, 4)),
+                            desc.more_segments[s - 1].laddr.eq(_be(later, 8, 8)),
+                        ]
             with m.If(has_inline):
                 m.d.comb += [desc.inline.eq(1), desc.byte_count.eq(inline_len),
                              desc.inline_data.eq(inline_data)]

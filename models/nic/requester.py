@@ -197,12 +197,16 @@ class RequesterModel:
         vl = self.sl_to_vl[qp.sl]
         if vl == VL15 or vl >= self.num_vls or not 1 <= qp.mtu <= 5:
             return Syndrome.LOCAL_QP_OP_ERR
-        if wqe.has_data and length:
-            key = self._mkey(wqe.lkey)
-            if key is None or not key.valid or key.key != wqe.lkey or key.pd != qp.pd:
+        # Every data segment with bytes, a gather list's in order: key, PD, range, rights.
+        segments = wqe.gather or (((length, wqe.lkey, wqe.laddr),) if wqe.has_data else ())
+        for byte_count, lkey, laddr in segments:
+            if not byte_count:
+                continue
+            key = self._mkey(lkey)
+            if key is None or not key.valid or key.key != lkey or key.pd != qp.pd:
                 return Syndrome.LOCAL_PROT_ERR
-            end = wqe.laddr + length
-            if wqe.laddr < key.base or end > key.base + key.length or end > 1 << 64:
+            end = laddr + byte_count
+            if laddr < key.base or end > key.base + key.length or end > 1 << 64:
                 return Syndrome.LOCAL_PROT_ERR
             if ((wqe.opcode == MlxOpcode.RDMA_READ or wqe.opcode in ATOMIC_OPCODES)
                     and not Access(key.access) & Access.LOCAL_WRITE):
@@ -234,7 +238,7 @@ class RequesterModel:
                 if wqe.inline:
                     payload = wqe.inline_data[start:start + size]
                 elif size:
-                    payload = bytes(read_memory(wqe.laddr + start, size))
+                    payload = _gathered(wqe, start, size, read_memory)
                 else:
                     payload = b""
                 last = i == count - 1
@@ -276,3 +280,16 @@ class RequesterModel:
         result.first_psn = psn
         result.last_psn = psn_add(psn, consumed - 1)
         self.next_psn[qpn] = psn_add(psn, consumed)
+
+
+def _gathered(wqe, start, size, read_memory):
+    """Bytes ``start .. start + size - 1`` of the message: its data segment's, or the
+    concatenation of its gather list's segments."""
+    payload = b""
+    offset = 0
+    for byte_count, _, laddr in wqe.gather or ((wqe.byte_count, wqe.lkey, wqe.laddr),):
+        low, high = max(start, offset), min(start + size, offset + byte_count)
+        if low < high:
+            payload += bytes(read_memory(laddr + low - offset, high - low))
+        offset += byte_count
+    return payload
