@@ -155,12 +155,9 @@ class Switch(wiring.Component):
 
         # --- allocation and crossbar -----------------------------------------------------
         enabled = Cat(regs.port_enable)
-        in_free = Signal(P)
-        for i, buffer in enumerate(self.buffers):
-            m.d.comb += in_free[i].eq((~buffer.active | buffer.finishing) & enabled[i])
         hoq_drop = [Signal(name=f"hoq_drop{i}") for i in range(P)]
         if self.allocator == "islip":
-            matching, waiting = self._islip_allocation(m, regs, txs, enabled, in_free)
+            matching, waiting = self._islip_allocation(m, regs, txs, enabled)
         else:
             matching, waiting = self._pipelined_allocation(m, regs, txs, enabled, hoq_drop)
 
@@ -206,7 +203,9 @@ class Switch(wiring.Component):
                     expired[q].eq(buffer.heads[q].valid & (aged | down)),
                     hoq_select[i][q].eq(expired[q] & ~expired[:q].any() if q else expired[q]),
                 ]
-            m.d.comb += hoq_drop[i].eq(in_free[i] & ~matching[i] & expired.any())
+            # Only from an idle reader (not one finishing in this cycle): the drop, like every
+            # grant, feeds the reader's registers, and this keeps it to registers (depth).
+            m.d.comb += hoq_drop[i].eq(~buffer.active & enabled[i] & ~matching[i] & expired.any())
             with m.If(hoq_drop[i]):
                 m.d.comb += [buffer.grant_valid.eq(1), buffer.grant_discard.eq(1)]
             # The queue is read only with a grant: chosen without waiting for the drop decision.
@@ -256,12 +255,15 @@ class Switch(wiring.Component):
                     bump(f"drop_{reason}", when=rx.drop_event.reasons[k] & (rx.drop_event.vl == v))
         return m
 
-    def _islip_allocation(self, m, regs, txs, enabled, in_free):
+    def _islip_allocation(self, m, regs, txs, enabled):
         """Single-cycle allocation: credit test, output VL pick and iSLIP on the queue heads,
         the grant starting the packet in the same cycle; a combinational crossbar. Returns the
         inputs matched in this cycle and, per output, the VLs with a head waiting only for
         credit."""
         P, V = self.ports, self.num_vls
+        in_free = Signal(P)         # reader idle, or its last beat leaving in this cycle
+        for i, buffer in enumerate(self.buffers):
+            m.d.comb += in_free[i].eq((~buffer.active | buffer.finishing) & enabled[i])
         out_busy = Signal(P)        # held by a packet that is not finishing in this cycle
         for o in range(P):
             m.d.comb += out_busy[o].eq(Cat(

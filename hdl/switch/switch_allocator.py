@@ -193,9 +193,11 @@ class SwitchAllocator(wiring.Component):
         direct = Signal(P * P)          # the matches of inputs with one grant: may start now
         m.d.sync += matched.eq(match)
         matched_in = Signal(P)
-        m.d.comb += [
-            matched_in.eq(Cat(matched[i * P:(i + 1) * P].any() for i in range(P))),
-            matched_out.eq(Cat(Cat(matched[i * P + o] for i in range(P)).any() for o in range(P))),
+        # The ports matched in the cycle before, registered as such (not ORed from `matched`
+        # after the register): a level less in front of `match` and the start (depth).
+        m.d.sync += [
+            matched_in.eq(Cat(match[i * P:(i + 1) * P].any() for i in range(P))),
+            matched_out.eq(Cat(Cat(match[i * P + o] for i in range(P)).any() for o in range(P))),
         ]
         # A grant of cycle c was made before the matches of cycle c, so it may name a port
         # matched since (pending, or matched in c and started at once); such a pick is dropped
