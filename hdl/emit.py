@@ -120,6 +120,10 @@ register("tf_switch_4p_pipelined", lambda: _switch(ports=4, allocator="pipelined
          "Cut-through switch as tf_switch_4p, with the pipelined allocator (SwitchAllocator: "
          "credit test, output VL pick and iSLIP in three registered stages; hop 8 cycles)",
          index_labels=_SWITCH_LABELS)
+register("tf_switch_4p_pipelined_w16", lambda: _switch(ports=4, width=16, allocator="pipelined"),
+         "tf_switch_4p_pipelined at 16-byte beats: the same control, a quarter of the datapath "
+         "(its depth run takes minutes where the 64-byte top's takes a quarter of an hour)",
+         index_labels=_SWITCH_LABELS)
 register("tf_switch_8p", lambda: _switch(ports=8),
          "Cut-through switch, 8 ports, 64-byte beats, 2 data VLs, MTU 4096, VOQ input buffers "
          "of 132 blocks per VL, 1024-entry forwarding table, AXI4-Lite control "

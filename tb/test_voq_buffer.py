@@ -284,7 +284,7 @@ class Bench:
         self._set(ctx, dut.grant_valid, int(q is not None))
         self._set(ctx, dut.grant_discard, int(discard))
         if q is not None:
-            self._set(ctx, dut.grant_queue, q)
+            self._set(ctx, dut.grant_queues, 1 << q)
 
         # Writer.
         pkt, beat, verdict = action.pkt, action.beat, action.verdict
@@ -747,7 +747,7 @@ def test_discard_grant_of_a_packet_still_arriving():
                 ctx.set(dut.store.verdict_blocks, verdict)
             ctx.set(dut.grant_valid, int(grant is not None))
             if grant is not None:
-                ctx.set(dut.grant_queue, grant[0])
+                ctx.set(dut.grant_queues, 1 << grant[0])
                 ctx.set(dut.grant_discard, int(grant[1]))
             ctx.set(dut.out.ready, 1)
             assert not ctx.get(dut.out.valid), "a discarded packet was presented"

@@ -345,6 +345,9 @@ class LinkReceiver(wiring.Component):
             # The tail, should it come after all, has no start: dropped as malformed.
             m.d.sync += [in_packet.eq(0), storing.eq(0)]
 
+        # The beat's bytes, whatever is decided (they count only with write_valid): what a store
+        # derives from a start beat's header (a switch's descriptor) then starts at a register.
+        m.d.comb += write.data.eq(w.data)
         with m.If(terminate):
             # Truncated: the next packet (or flow-control packet) began first. Close the
             # stored part with an empty end beat; the beat that interrupted is dropped
@@ -384,7 +387,6 @@ class LinkReceiver(wiring.Component):
             with m.If(Mux(w.start, ~reject, storing)):
                 m.d.comb += [
                     write_vl.eq(vl_now),
-                    write.data.eq(w.data),
                     write.start.eq(w.start),
                     write.end.eq(f.data_end | w.end),
                     write.count.eq(f.count),

@@ -86,6 +86,8 @@ class LinkTransmitter(wiring.Component):
             "credit_update": In(FlowControlSignature()),
             # What our own receiver advertises per VL.
             "advertise_fccl": In(FCCL_BITS).array(num_vls),
+            # Some VL's data_in beat is taken in this cycle (valid and ready).
+            "taken": Out(1),
             "fc_sent": Out(FlowControlSignature()),
             "fctbs": Out(FCCL_BITS).array(num_vls),
             "credit_limit": Out(FCCL_BITS).array(num_vls),
@@ -470,6 +472,13 @@ class LinkTransmitter(wiring.Component):
         for v in range(num_vls):
             m.d.comb += self.data_in[v].ready.eq(
                 emit[v] | discard_now & (current == v) | junk_now & (junk_vl == v))
+        # The same handshakes as one bit, without the VL pick (a pick is made whenever a VL is
+        # eligible): a register fed by it, as a stage in front of data_in is, stays in budget.
+        m.d.comb += self.taken.eq(pick_now & (eligible.any() | junk) | carry_on.any()
+                                  | discard_now & inputs[current].valid)
+        self.formal_invariants.append(
+            self.taken == Cat(self.data_in[v].valid & self.data_in[v].ready
+                              for v in range(num_vls)).any())
 
         # --- credits: FCTBS, the peer's limit, the registered credit view ---
         update = self.credit_update

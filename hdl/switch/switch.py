@@ -155,12 +155,9 @@ class Switch(wiring.Component):
 
         # --- allocation and crossbar -----------------------------------------------------
         enabled = Cat(regs.port_enable)
-        in_free = Signal(P)
-        for i, buffer in enumerate(self.buffers):
-            m.d.comb += in_free[i].eq((~buffer.active | buffer.finishing) & enabled[i])
         hoq_drop = [Signal(name=f"hoq_drop{i}") for i in range(P)]
         if self.allocator == "islip":
-            matching, waiting = self._islip_allocation(m, regs, txs, enabled, in_free)
+            matching, waiting = self._islip_allocation(m, regs, txs, enabled)
         else:
             matching, waiting = self._pipelined_allocation(m, regs, txs, enabled, hoq_drop)
 
@@ -183,30 +180,37 @@ class Switch(wiring.Component):
                 m.d.sync += out_down[p].eq(0)
             with m.Elif(was_active[p]):
                 m.d.sync += out_down[p].eq(1)
-        hoq_head = [Signal(range(max(buffer.num_queues, 2)), name=f"hoq_queue{i}")
-                    for i, buffer in enumerate(self.buffers)]
+        # One-hot per input: its first expired head (`expired` reads registers only: whether
+        # a head's age has reached the lifetime is registered, a cycle late, and cleared as
+        # the head changes).
+        hoq_select = [Signal(buffer.num_queues, name=f"hoq_select{i}")
+                      for i, buffer in enumerate(self.buffers)]
         for i, buffer in enumerate(self.buffers):
             expired = Signal(buffer.num_queues, name=f"hoq_expired{i}")
             for q in range(buffer.num_queues):
                 age = Signal(16, name=f"hoq_age{i}_{q}")
-                dequeued = buffer.grant_valid & (buffer.grant_queue == q)
+                aged = Signal(name=f"hoq_aged{i}_{q}")
+                dequeued = buffer.grant_valid & buffer.grant_queues[q]
                 with m.If(~buffer.heads[q].valid | dequeued):
-                    m.d.sync += age.eq(0)
-                with m.Elif(tick & (age != 0xFFFF)):
-                    m.d.sync += age.eq(age + 1)
+                    m.d.sync += [age.eq(0), aged.eq(0)]
+                with m.Else():
+                    m.d.sync += aged.eq((lifetime != 0) & (age >= lifetime))
+                    with m.If(tick & (age != 0xFFFF)):
+                        m.d.sync += age.eq(age + 1)
                 down = (out_down[q // self.num_vls] if self.mode == "voq" else
                         Array(out_down)[buffer.heads[q].port])
-                m.d.comb += expired[q].eq(buffer.heads[q].valid & (
-                    (lifetime != 0) & (age >= lifetime) | down))
-            for q in reversed(range(buffer.num_queues)):
-                with m.If(expired[q]):
-                    m.d.comb += hoq_head[i].eq(q)
-            m.d.comb += hoq_drop[i].eq(in_free[i] & ~matching[i] & expired.any())
+                m.d.comb += [
+                    expired[q].eq(buffer.heads[q].valid & (aged | down)),
+                    hoq_select[i][q].eq(expired[q] & ~expired[:q].any() if q else expired[q]),
+                ]
+            # Only from an idle reader (not one finishing in this cycle): the drop, like every
+            # grant, feeds the reader's registers, and this keeps it to registers (depth).
+            m.d.comb += hoq_drop[i].eq(~buffer.active & enabled[i] & ~matching[i] & expired.any())
             with m.If(hoq_drop[i]):
                 m.d.comb += [buffer.grant_valid.eq(1), buffer.grant_discard.eq(1)]
             # The queue is read only with a grant: chosen without waiting for the drop decision.
             with m.If(~matching[i]):
-                m.d.comb += buffer.grant_queue.eq(hoq_head[i])
+                m.d.comb += buffer.grant_queues.eq(hoq_select[i])
         # --- counters --------------------------------------------------------------------
         for p in range(P):
             rx, tx, buffer = rxs[p], txs[p], self.buffers[p]
@@ -219,36 +223,47 @@ class Switch(wiring.Component):
                     with m.If(when):
                         m.d.sync += counter.eq(counter + amount)
 
-                started = store.write_valid & store.write.start & (store.write_vl == v)
-                bump("packets_in", when=started)
-                bump("bytes_in", lrh_wire_bytes(store.write.data) - 2, when=started)
+                # Registered events, counted a cycle later (a write is the receiver's decision).
+                received = Signal(name=f"received{p}_{v}")
+                received_bytes = Signal(16, name=f"received{p}_{v}_bytes")
+                m.d.sync += [
+                    received.eq(store.write_valid & store.write.start & (store.write_vl == v)),
+                    received_bytes.eq(lrh_wire_bytes(store.write.data) - 2),
+                ]
+                bump("packets_in", when=received)
+                bump("bytes_in", received_bytes, when=received)
                 # A packet handed to the transmitter counts a cycle later (the handshake is the
                 # transmitter's decision: its depth ends in these registers).
                 egress = self.link_ports[p].data_in[v]
                 sent = Signal(name=f"sent{p}_{v}")
                 sent_bytes = Signal(16, name=f"sent{p}_{v}_bytes")
-                m.d.sync += [sent.eq(egress.valid & egress.ready & egress.payload.start),
+                # (The crossbar offers one VL at a time: `taken` is this VL's handshake.)
+                m.d.sync += [sent.eq(tx.taken & egress.valid & egress.payload.start),
                              sent_bytes.eq(lrh_wire_bytes(egress.payload.data) - 2)]
                 bump("packets_out", when=sent)
                 bump("bytes_out", sent_bytes, when=sent)
                 bump("credit_stall_cycles", when=waiting[p][v])
                 # Discarded heads count at the output and VL they were waiting for.
-                bump("drop_hoq_lifetime", when=Cat(
-                    hoq_drop[i] & (Array(buffer.heads[q].port for q in range(buffer.num_queues))
-                                   [hoq_head[i]] == p)
-                    & (Array(buffer.heads[q].vl for q in range(buffer.num_queues))
-                       [hoq_head[i]] == v)
+                hoq_dropped = Signal(name=f"hoq_dropped{p}_{v}")
+                m.d.sync += hoq_dropped.eq(Cat(
+                    hoq_drop[i] & (hoq_select[i] & Cat(
+                        (buffer.heads[q].port == p) & (buffer.heads[q].vl == v)
+                        for q in range(buffer.num_queues))).any()
                     for i, buffer in enumerate(self.buffers)).any())
+                bump("drop_hoq_lifetime", when=hoq_dropped)
                 for k, reason in enumerate(ROUTED_DROP_REASONS):
                     bump(f"drop_{reason}", when=rx.drop_event.reasons[k] & (rx.drop_event.vl == v))
         return m
 
-    def _islip_allocation(self, m, regs, txs, enabled, in_free):
+    def _islip_allocation(self, m, regs, txs, enabled):
         """Single-cycle allocation: credit test, output VL pick and iSLIP on the queue heads,
         the grant starting the packet in the same cycle; a combinational crossbar. Returns the
         inputs matched in this cycle and, per output, the VLs with a head waiting only for
         credit."""
         P, V = self.ports, self.num_vls
+        in_free = Signal(P)         # reader idle, or its last beat leaving in this cycle
+        for i, buffer in enumerate(self.buffers):
+            m.d.comb += in_free[i].eq((~buffer.active | buffer.finishing) & enabled[i])
         out_busy = Signal(P)        # held by a packet that is not finishing in this cycle
         for o in range(P):
             m.d.comb += out_busy[o].eq(Cat(
@@ -354,9 +369,10 @@ class Switch(wiring.Component):
             row = allocator.grant[i * P:(i + 1) * P]
             for o in range(P):
                 with m.If(row[o]):
+                    queue = buffer.queue_of(o, vl_pick[o]) if self.mode == "voq" else vl_pick[o]
                     m.d.comb += [buffer.grant_valid.eq(1),
-                                 buffer.grant_queue.eq(buffer.queue_of(o, vl_pick[o])
-                                                       if self.mode == "voq" else vl_pick[o])]
+                                 buffer.grant_queues.eq(Cat(queue == q
+                                                            for q in range(buffer.num_queues)))]
                     m.d.sync += connected[o].eq(i)
         for o in range(P):
             column = Cat(allocator.grant[i * P + o] for i in range(P))
@@ -425,7 +441,8 @@ class Switch(wiring.Component):
                 xbar.i.valid.eq(holding[o] & selected.out.valid),
                 xbar.i.payload.beat.eq(selected.out.payload),
                 xbar.i.payload.vl.eq(selected.out_vl),
-                xbar.o.ready.eq(Array(port.data_in[v].ready for v in range(V))[xbar.o.payload.vl]),
+                # The transmitter's one-bit handshake, not its per-VL ready (depth).
+                xbar.o.ready.eq(port.transmitter.taken),
             ]
             for v in range(V):
                 m.d.comb += [port.data_in[v].valid.eq(xbar.o.valid & (xbar.o.payload.vl == v)),
@@ -450,19 +467,25 @@ class Switch(wiring.Component):
         starting = [Signal(P, name=f"starting_to{o}") for o in range(P)]   # inputs, per output
         for i, buffer in enumerate(self.buffers):
             row = alloc.pend[i * P:(i + 1) * P] | alloc.match[i * P:(i + 1) * P]
-            # The matched packet still heads its queue: its blocks, for the estimate.
+            # What it starts if it starts: the queue and its output follow the allocator's
+            # registers (`start_head`), not the match or the decision to start it (depth).
+            heads = alloc.start_head[i * P * V:(i + 1) * P * V]
+            toward = Signal(P, name=f"start_toward{i}")
+            select = Signal(buffer.num_queues, name=f"start_queue{i}")
+            m.d.comb += [
+                toward.eq(Cat(heads[o * V:(o + 1) * V].any() for o in range(P))),
+                select.eq(heads if self.mode == "voq" else
+                          Cat(Cat(heads[o * V + v] for o in range(P)).any() for v in range(V))),
+            ]
+            # The packet heads its queue: its blocks, for the estimate.
             pending_blocks = Signal(FCCL_BITS, name=f"pending_blocks{i}")
-            m.d.comb += pending_blocks.eq(or_all([
-                Mux(row[o], Array(alloc.head_blocks[i][o])[alloc.pend_vl[o]], 0)
-                for o in range(P)]))
+            m.d.comb += pending_blocks.eq(or_all([Mux(select[q], buffer.heads[q].blocks, 0)
+                                                  for q in range(buffer.num_queues)]))
             m.d.comb += alloc.start[i].eq(row.any() & (~buffer.active | buffer.finishing)
-                                          & ~(row & queueing).any())
-            m.d.comb += buffer.grant_valid.eq(alloc.start[i])
+                                          & ~(toward & queueing).any())
+            m.d.comb += [buffer.grant_valid.eq(alloc.start[i]), buffer.grant_queues.eq(select)]
             for o in range(P):
-                m.d.comb += starting[o][i].eq(alloc.start[i] & row[o])
-                # The queue follows the match alone, not the decision to start it (depth).
-                with m.If(row[o]):
-                    m.d.comb += buffer.grant_queue.eq(buffer.queue_of(o, alloc.pend_vl[o]))
+                m.d.comb += starting[o][i].eq(alloc.start[i] & toward[o])
             handed = buffer.out.valid & buffer.out.ready
             stored_bytes = lrh_pktlen(buffer.out.payload.data) * 4    # the VCRC is not stored
             with m.If(alloc.start[i]):
@@ -478,7 +501,8 @@ class Switch(wiring.Component):
                 m.d.sync += beats_left[i].eq(((stored_bytes + width - 1) >> beat_bytes_log2) - 1)
             with m.Elif(handed):
                 m.d.sync += beats_left[i].eq(beats_left[i] - 1)
-            m.d.comb += near_end[i].eq(beats_left[i] <= ALLOC_STAGES)
+            # A cycle ahead: the ports are offered from registers (below).
+            m.d.comb += near_end[i].eq(beats_left[i] <= ALLOC_STAGES + 1)
 
         for o in range(P):
             holder_done = holding[o] & Array(released)[holder[o]]
@@ -488,29 +512,36 @@ class Switch(wiring.Component):
                 m.d.sync += [holder[o].eq(queued[o]), holding[o].eq(promoted), queueing[o].eq(0)]
             with m.Elif(queued_done):
                 m.d.sync += queueing[o].eq(0)
-            # A start to o needs o's queue free (registered), so at most one waits.
+            # A start to o needs o's queue free (registered), so at most one waits; and at most
+            # one input starts to o in a cycle (its pending match or its match): an OR encodes it.
             with m.If(starting[o].any()):
                 first = Signal(range(P), name=f"starting_input{o}")
-                for i in reversed(range(P)):
-                    with m.If(starting[o][i]):
-                        m.d.comb += first.eq(i)
+                m.d.comb += first.eq(or_all([Mux(starting[o][i], i, 0) for i in range(P)]))
                 with m.If(holding[o] & ~holder_done | promoted):
                     m.d.sync += [queued[o].eq(first), queueing[o].eq(1)]
                 with m.Else():
                     m.d.sync += [holder[o].eq(first), holding[o].eq(1)]
 
+        # Ports are offered from registers (the allocator's stage G starts from them): what
+        # held in the cycle before, unless a start or a drop of the port changed it since (a
+        # port busy then stays busy, its beats left only fall: the offer is never early).
+        in_idle = Signal(P)
+        out_idle = Signal(P)
+        dropped = Signal(P)
+        started_to = Signal(P)
+        m.d.sync += [dropped.eq(Cat(hoq_drop)), started_to.eq(Cat(s.any() for s in starting))]
         for i, buffer in enumerate(self.buffers):
-            m.d.comb += alloc.in_ready[i].eq(enabled[i] & (~buffer.active | near_end[i]))
+            m.d.sync += in_idle[i].eq(~buffer.active | near_end[i])
+            m.d.comb += alloc.in_ready[i].eq(enabled[i] & in_idle[i] & ~started[i] & ~dropped[i])
         for o, port in enumerate(self.link_ports):
-            m.d.comb += alloc.out_ready[o].eq(enabled[o] & ~Cat(
-                buffer.sending & (buffer.out_port == o) & ~near_end[i]
-                for i, buffer in enumerate(self.buffers)).any())
+            m.d.sync += out_idle[o].eq(~Cat(buffer.sending & (buffer.out_port == o) & ~near_end[i]
+                                            for i, buffer in enumerate(self.buffers)).any())
+            m.d.comb += alloc.out_ready[o].eq(enabled[o] & out_idle[o] & ~started_to[o])
             # The transmitter took the start beat (its FCTBS counts the packet from the next
             # cycle), or the started packet turned out bad and is skipped unsent; registered,
             # so the transmitter's decision ends here (the hold lasts a cycle longer).
             m.d.sync += alloc.counted[o].eq(
-                Cat(port.data_in[v].valid & port.data_in[v].ready & port.data_in[v].payload.start
-                    for v in range(V)).any()
+                port.transmitter.taken & xbars[o].o.payload.beat.start
                 | Cat(started[i] & ~buffer.sending & (buffer.out_port == o)
                       for i, buffer in enumerate(self.buffers)).any())
         return alloc.in_flight, alloc.credit_wait

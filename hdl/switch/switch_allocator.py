@@ -20,9 +20,12 @@ class SwitchAllocator(wiring.Component):
 
     ``head_valid`` bit ``(i * ports + o) * num_vls + v``: input i has a packet of
     ``head_blocks[i][o][v]`` blocks heading its queue for output o, VL v. ``match`` bit
-    ``i * ports + o``: input i accepts output o in this cycle (stage A); ``pend`` (registered):
-    a match not started yet. Either way the packet goes on VL ``pend_vl[o]`` and starts in the
-    cycle the switch raises ``start[i]`` (a match may start in its own cycle). ``counted[o]``:
+    ``i * ports + o``: input i accepts output o in this cycle (stage A), the one grant it has
+    (from registers); ``pend`` (registered): a match not started yet, among them every match
+    chosen among several grants. Either way the packet goes on VL ``pend_vl[o]`` and starts
+    in the cycle the switch raises ``start[i]`` (a ``match`` may start in its own cycle);
+    ``start_head`` bit ``(i * ports + o) * num_vls + v`` names the head (o, v) that input i
+    starts then (from registers; meaningless for an input with no match). ``counted[o]``:
     the transmitter of o has counted the started packet's blocks in its FCTBS (or the packet
     was skipped).
     """
@@ -52,6 +55,7 @@ class SwitchAllocator(wiring.Component):
             "match": Out(ports * ports),
             "pend": Out(ports * ports),
             "pend_vl": Out(vl_index(num_vls)).array(ports),
+            "start_head": Out(ports * ports * num_vls),
             "in_flight": Out(ports),
             "credit_wait": Out(num_vls).array(ports),
         })
@@ -186,23 +190,35 @@ class SwitchAllocator(wiring.Component):
         accept_mask = [Signal(P, init=ones, name=f"accept_mask{i}") for i in range(P)]
         match = Signal(P * P)
         matched = Signal(P * P)         # the matches of the cycle before
+        direct = Signal(P * P)          # the matches of inputs with one grant: may start now
         m.d.sync += matched.eq(match)
         matched_in = Signal(P)
-        m.d.comb += [
-            matched_in.eq(Cat(matched[i * P:(i + 1) * P].any() for i in range(P))),
-            matched_out.eq(Cat(Cat(matched[i * P + o] for i in range(P)).any() for o in range(P))),
+        # The ports matched in the cycle before, registered as such (not ORed from `matched`
+        # after the register): a level less in front of `match` and the start (depth).
+        m.d.sync += [
+            matched_in.eq(Cat(match[i * P:(i + 1) * P].any() for i in range(P))),
+            matched_out.eq(Cat(Cat(match[i * P + o] for i in range(P)).any() for o in range(P))),
         ]
         # A grant of cycle c was made before the matches of cycle c, so it may name a port
         # matched since (pending, or matched in c and started at once); such a pick is dropped
         # after the arbiter rather than masked before it, which keeps these flags out of the
         # arbiter's path (depth).
+        # An input with one grant accepts it whatever its arbiter's pointer: that match is known
+        # from registers (`match`, which the switch may start at once); one chosen among several
+        # is pending from the next cycle (the arbiter and the start would not fit one cycle).
         for i in range(P):
             offers = Cat(grant[o][i] for o in range(P))
             pick = round_robin_pick(m, offers, accept_mask[i], P, name=f"accept{i}")
-            m.d.comb += match[i * P:(i + 1) * P].eq(
-                pick & ~(pend_out | matched_out) & (~(pend_in[i] | matched_in[i])).replicate(P))
+            free_in = (~(pend_in[i] | matched_in[i])).replicate(P)
+            sole = Signal(name=f"sole_offer{i}")
+            m.d.comb += [
+                sole.eq(Cat(offers == (1 << o) for o in range(P)).any()),
+                match[i * P:(i + 1) * P].eq(pick & ~(pend_out | matched_out) & free_in),
+                direct[i * P:(i + 1) * P].eq(offers & ~(pend_out | matched_out) & free_in
+                                             & sole.replicate(P)),
+            ]
         started = Cat(self.start[i].replicate(P) for i in range(P))
-        m.d.comb += self.match.eq(match)
+        m.d.comb += self.match.eq(direct)
         m.d.sync += pend.eq((pend | match) & ~started)
         match_stay = Signal(P)
         pend_vl = [Signal(vl_index(V), name=f"pend_vl{o}") for o in range(P)]
@@ -219,6 +235,14 @@ class SwitchAllocator(wiring.Component):
             for i in range(P):
                 m.d.sync += offered_blocks[i][o].eq(
                     Array(self.head_blocks[i][o])[grant_vl[o]] if V > 1 else self.head_blocks[i][o][0])
+        # The head an input starts if it starts now, from registers: its pending match's, else
+        # its grant's (where that is a `match`, its only grant).
+        for i in range(P):
+            for o in range(P):
+                for v in range(V):
+                    m.d.comb += self.start_head[k(i, o, v)].eq(Mux(
+                        pend_in[i], pend[i * P + o] & (pend_vl[o] == v),
+                        grant[o][i] & (grant_vl[o] == v)))
 
         # --- the cycle after a match: iSLIP pointers (first iteration: the only one), the
         # credit hold; the VL budget two cycles later. The matched ports take no part in

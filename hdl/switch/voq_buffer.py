@@ -3,9 +3,11 @@ from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
+from hdl.arith import or_all
 from hdl.link.signatures import (
     FCCL_BITS, BeatLayout, StoreSignature, blocks_of, check_width, lrh_wire_bytes, vl_index,
 )
+from hdl.switch.head_queue import HeadQueue
 
 __all__ = ["VoqBuffer", "HeadSignature", "QUEUE_MODES"]
 
@@ -42,8 +44,8 @@ class VoqBuffer(wiring.Component):
     ``arriving[q]`` shows the descriptor being queued in this cycle into queue q while it is
     empty, the cycle before it heads the queue (so the allocator can start on it at once).
 
-    Reading: ``grant_valid``/``grant_queue`` (from the allocator, only while the reader is
-    free or ``finishing``) start the head packet of that queue. Its beats stream on
+    Reading: ``grant_valid``/``grant_queues`` (one-hot; from the allocator, only while the
+    reader is free or ``finishing``) start the head packet of that queue. Its beats stream on
     ``out`` (to the crossbar, with ``out_port``/``out_vl``) at one per cycle, never ahead of
     the writer. The end beat waits for the packet's verdict and leaves marked ``end_bad``
     if the packet turned out bad after it started out. A packet already known bad when it
@@ -92,7 +94,7 @@ class VoqBuffer(wiring.Component):
             "heads": Out(HeadSignature(ports, num_vls)).array(self.num_queues),
             "arriving": Out(HeadSignature(ports, num_vls)).array(self.num_queues),
             "grant_valid": In(1),
-            "grant_queue": In(range(max(self.num_queues, 2))),
+            "grant_queues": In(self.num_queues),    # one-hot: the queue to start
             "grant_discard": In(1),     # ... to be dropped unsent (its lifetime ran out)
             "out": Out(stream.Signature(BeatLayout(width))),
             "out_port": Out(range(ports)),
@@ -125,7 +127,7 @@ class VoqBuffer(wiring.Component):
         m.submodules.free_cells = free_cells = fifo.SyncFIFO(width=self.cell_bits, depth=cells)
         queues = []
         for q in range(self.num_queues):
-            queue = fifo.SyncFIFO(width=descriptor.size, depth=cells)
+            queue = HeadQueue(width=descriptor.size, depth=cells)
             m.submodules[f"queue{q}"] = queue
             queues.append(queue)
             head = data.View(descriptor, queue.r_data)
@@ -234,7 +236,10 @@ class VoqBuffer(wiring.Component):
         # of packet s is out next cycle iff no start, no verdict now, and s is the open one.
         still_open = Signal()
         m.d.comb += still_open.eq(~starting & ~store.verdict_valid & wr_open)
-        granted = data.View(descriptor, Array(queue.r_data for queue in queues)[self.grant_queue])
+        # The grant is one-hot over the queues: its head is an AND-OR of registers (each queue's
+        # head is its read port's data), no index to decode (depth).
+        granted = data.View(descriptor, or_all([Mux(self.grant_queues[q], queue.r_data, 0)
+                                                for q, queue in enumerate(queues)]))
         # Whether queue q's head is the newest packet: the newest went to q and is alone there
         # (it cannot have left before an older one). From registers, not from the head read
         # out of the queue's memory and a sequence compare (depth).
@@ -246,7 +251,7 @@ class VoqBuffer(wiring.Component):
             m.d.comb += open_head[q].eq((newest_queue == q) & (queue.level == 1))
         with m.If(self.grant_valid):
             m.d.comb += verdict_rp.addr.eq(granted.seq)
-            m.d.sync += known.eq(~(still_open & open_head.bit_select(self.grant_queue, 1)))
+            m.d.sync += known.eq(~(still_open & (open_head & self.grant_queues).any()))
         with m.Else():
             m.d.comb += verdict_rp.addr.eq(rd_seq)
             m.d.sync += known.eq(~(still_open & (wr_seq == rd_seq)))
@@ -309,7 +314,7 @@ class VoqBuffer(wiring.Component):
             m.d.sync += self.active.eq(0)
         with m.If(self.grant_valid):
             for q, queue in enumerate(queues):
-                m.d.comb += queue.r_en.eq(self.grant_queue == q)
+                m.d.comb += queue.r_en.eq(self.grant_queues[q])
             # The head cell is read in the grant cycle itself (the port is idle: the reader
             # was free or its last beat is leaving), so a packet follows the previous one
             # out of the same output with no idle cycle between them.

@@ -41,7 +41,7 @@ class VoqBufferCellsHarness(Elaboratable):
 
         for port in (store.write_valid, store.write.start, store.write.end,
                      store.verdict_valid, store.verdict_bad, dut.route_port, dut.route_vl,
-                     dut.grant_valid, dut.grant_queue, dut.grant_discard, dut.out.ready):
+                     dut.grant_valid, dut.grant_queues, dut.grant_discard, dut.out.ready):
             free(port)
 
         # The beats' bytes and counts and the verdicts' credit blocks are 0: the buffer
@@ -73,12 +73,13 @@ class VoqBufferCellsHarness(Elaboratable):
             m.d.comb += Assume(Mux(write & beat.start, beat.end,
                                    ~judged & (~open_ | write & beat.end)))
             m.d.sync += judged.eq(1)
-        # The queue index names a queue.
-        m.d.comb += Assume(dut.grant_queue < dut.num_queues)
+        # The grant names one queue.
+        select = dut.grant_queues
+        m.d.comb += Assume((select & (select - 1)) == 0)
 
         # --- the switch: grants only of a non-empty queue while the reader is free or finishing.
         heads_valid = Cat(head.valid for head in dut.heads)
-        m.d.comb += Assume(~dut.grant_valid | (heads_valid.bit_select(dut.grant_queue, 1) &
+        m.d.comb += Assume(~dut.grant_valid | ((heads_valid & select).any() &
                                                (~dut.active | dut.finishing)))
 
         # --- the shadow: which cells are in use.
