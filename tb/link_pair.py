@@ -19,7 +19,7 @@ from amaranth.lib.wiring import In, Out
 
 from hdl.link.link_port import LinkPort
 from hdl.link.link_receiver import DROP_REASONS
-from hdl.link.signatures import BeatLayout, FCCL_BITS, LinkState, WireSignature
+from hdl.link.signatures import BeatLayout, LinkState, WireSignature
 
 __all__ = ["LinkPair", "SIDES", "STATUS_PORTS", "COUNTER_PORTS", "port_members", "expose_port",
            "delay_line"]

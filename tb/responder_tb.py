@@ -15,7 +15,7 @@ from collections import defaultdict, deque
 from cocotb.triggers import RisingEdge
 
 from models import mlx5
-from models.nic import CqContext, Mkey, QpContext, NicResponderModel, make_packet, mkey_index
+from models.nic import CqContext, QpContext, NicResponderModel, make_packet, mkey_index
 from tb.nic_tb import CQ_REGION, CQ_STRIDE, MEMORY_BYTES, NIC_LID, REMOTE_LID, NicTB
 
 __all__ = ["ResponderTB", "RESPONDER_COUNTERS", "REQUESTER_QPN", "RQ_REGION", "RQ_DBR_REGION"]

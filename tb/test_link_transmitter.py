@@ -10,7 +10,7 @@ from amaranth.hdl import Module, Signal
 from amaranth.sim import Simulator
 
 from hdl.link.link_transmitter import CREDIT_WINDOW, LinkTransmitter, credit_view
-from hdl.link.signatures import BLOCK_BYTES, FCCL_BITS, LinkState, blocks_of, max_wire_bytes
+from hdl.link.signatures import FCCL_BITS, LinkState, blocks_of, max_wire_bytes
 from tb.amaranth_sim import Driver, simulate
 
 MASK = (1 << FCCL_BITS) - 1

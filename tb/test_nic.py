@@ -438,7 +438,7 @@ async def qp_states(dut):
     rng = random.Random(17)
     tb = NicTB(dut, seed=17, memory_latency=400)
     await tb.reset()
-    qps = await tb.setup(qps=2)
+    await tb.setup(qps=2)
     fill_data(tb, rng)
     # Context words are read-only outside RESET.
     await tb.write(rmap.context_offset("qp", 0, "sq_base"), 0, expect_error=True)

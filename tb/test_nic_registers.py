@@ -613,7 +613,7 @@ def test_doorbell_decode():
     dut = NicRegisters(num_qps=4)
 
     async def body(bench):
-        rng, m = bench.rng, bench.model
+        rng = bench.rng
         # Lanes 0..7 = 0x00 0x12 0x34 0x0a | 0xab 0xcd 0xef 0x03: pi 0x1234, qpn 0xabcdef.
         word = int.from_bytes(bytes([0x00, 0x12, 0x34, 0x0A, 0xAB, 0xCD, 0xEF, 0x03]), "little")
         assert word == doorbell_word(0xABCDEF, 0x1234, 0x0A)

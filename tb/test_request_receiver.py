@@ -40,7 +40,7 @@ from amaranth.sim import Simulator
 from hdl.nic.request_receiver import DESCRIPTOR_DEPTH, RequestReceiver
 from hdl.nic.signatures import MAX_PACKET_BEATS
 from models.crc import icrc_bytes
-from models.ib import BTH, LRH, AtomicETH, ImmDt, RETH, extension_headers
+from models.ib import BTH, LRH, extension_headers
 from models.nic import make_packet
 from models.packet import build_packet
 from tb.beats import BeatCodec, packet_beats

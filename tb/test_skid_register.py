@@ -20,7 +20,7 @@ def test_order_and_registered_handshake(seed, p_valid, p_ready):
     cycles = 2000
 
     async def testbench(ctx):
-        value, taken_at, next_value = 0, {}, 0
+        taken_at, next_value = {}, 0
         for cycle in range(cycles + 20):
             # What the block shows before this cycle's inputs are set ...
             shown = (ctx.get(dut.i.ready), ctx.get(dut.o.valid), ctx.get(dut.o.payload))

@@ -416,7 +416,7 @@ async def forwarding_table_rejects_out_of_range(dut):
     """A LID beyond the table or a port the switch lacks: SLVERR, nothing written."""
     tb = TB(dut, seed=3)
     await tb.reset()
-    m, rng = tb.model, tb.rng
+    m = tb.model
     ft = offset_of(m, "ft_write")
     await tb.write(ft, ft_word(5, 1, 1), expect=rmap.OKAY)
     before = len(tb.strobes)
