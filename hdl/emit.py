@@ -314,6 +314,22 @@ def drop_dangling_attributes(text):
     return _DANGLING_ATTRIBUTE.sub("", text)
 
 
+def to_verilog(component, name, **kwargs):
+    """The Verilog text of ``component`` as module ``name``: the one conversion every tool of
+    the project uses (``make verilog``, the simulation builds, the synthesis runs)."""
+    from amaranth.back import verilog
+    return drop_dangling_attributes(verilog.convert(component, name=name, emit_src=False, **kwargs))
+
+
+def write_verilog(component, name, path):
+    """Write :func:`to_verilog`'s text to ``path`` unless it already holds it; the text."""
+    text = to_verilog(component, name)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write(path, text)
+    return text
+
+
 _PORT_DECL = re.compile(
     r"^\s*(input|output|inout)\s+(?:signed\s+)?(?:\[(\d+):(\d+)\]\s+)?\\?([^\s;]+)\s*;", re.M)
 
@@ -356,8 +372,6 @@ def _write(path, text):
 
 def emit_top(name, out_dir):
     """Elaborate, convert and write one top; returns ``[(path, bytes, seconds, changed)]``."""
-    from amaranth.back import verilog
-
     if name not in TOPS:
         raise EmitError(f"unknown top {name!r}; registered: {', '.join(TOPS)}")
     top = TOPS[name]
@@ -372,7 +386,7 @@ def emit_top(name, out_dir):
         raise
     ports = port_table(top, component)
     try:
-        text = drop_dangling_attributes(verilog.convert(component, name=top.name, emit_src=False))
+        text = to_verilog(component, top.name)
     except TypeError as exc:
         if "Only signals and IO ports may be added as ports" in str(exc):
             raise EmitError(f"{top.name}: a top-level port is not a signal ({exc}); a lib.stream "

@@ -461,7 +461,6 @@ def synthesize_blocks(name, *, out="build/fpga", verilog_dir="build/verilog/bloc
     ``only``: the names of the blocks to synthesize (default: all); ``port_timing``: keep
     each block's timing per port (for :func:`compose`).
     Writes ``<out>/<name>_blocks.md``; returns ``{block: result or error text}``."""
-    from amaranth.back import verilog
     from amaranth.hdl import Module
     verilog_dir = Path(verilog_dir)
     verilog_dir.mkdir(parents=True, exist_ok=True)
@@ -477,8 +476,7 @@ def synthesize_blocks(name, *, out="build/fpga", verilog_dir="build/verilog/bloc
         wrapper = Module()
         wrapper.submodules.block = component
         ports = [signal for signal, _ in _signal_ports(component)]
-        text = emit.drop_dangling_attributes(verilog.convert(wrapper, name=top, ports=ports,
-                                                             emit_src=False))
+        text = emit.to_verilog(wrapper, top, ports=ports)
         emit._write(verilog_dir / f"{top}.v", text)
         # Blocks built alike (a switch's ports) are one Verilog but for the name: one run.
         same = same_as.setdefault(text.replace(top, "\0"), block)
@@ -531,7 +529,6 @@ def compose(name, *, out="build/fpga", verilog_dir="build/verilog/blocks", jobs=
     summed from the two sides (docs/fpga.md, "Composed depth"). An upper bound: no logic
     is merged across a boundary. Returns a result like :func:`synthesize`'s, with
     ``depth["blocks_alone"]`` the blocks' own figures."""
-    from amaranth.back import verilog
     from amaranth.hdl import Instance
     results = synthesize_blocks(name, out=out, verilog_dir=verilog_dir, jobs=jobs,
                                 port_timing=True, log=log)
@@ -555,8 +552,7 @@ def compose(name, *, out="build/fpga", verilog_dir="build/verilog/blocks", jobs=
     glue = f"{name}__composed"
     work = Path(out) / glue
     work.mkdir(parents=True, exist_ok=True)
-    (work / f"{glue}.v").write_text(emit.drop_dangling_attributes(
-        verilog.convert(component, name=glue, emit_src=False)))
+    (work / f"{glue}.v").write_text(emit.to_verilog(component, glue))
     (work / "boxes.v").write_text("".join(stubs))
     started = time.monotonic()
     _yosys(COMPOSE_SCRIPT.format(name=glue), work, "depth")

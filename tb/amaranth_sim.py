@@ -75,13 +75,12 @@ def assert_lint_clean(dut, name, directory):
     """Verilator lints ``dut``'s Verilog (module ``name``, written into ``directory``)
     clean. The ports are listed by hand: members that are constants (an always-ready
     ``ready``) are not ports."""
-    from amaranth.back import verilog
-    from hdl.lint import lint_file
-    from tb.runner import setup_verilator_env
+    from hdl.emit import to_verilog
+    from hdl.lint import lint_file, setup_verilator_env
     setup_verilator_env()
     ports = [Value.cast(port) for _, _, port in dut.signature.flatten(dut)
              if not isinstance(port, Const)]
     path = directory / f"{name}.v"
-    path.write_text(verilog.convert(dut, name=name, ports=ports, emit_src=False))
+    path.write_text(to_verilog(dut, name, ports=ports))
     ok, _, output = lint_file(path)
     assert ok, output[:3000]

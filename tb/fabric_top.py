@@ -3,7 +3,7 @@ with its own memory port and registers, every leaf and spine switch with its reg
 each link a cable of its own wire delay (docs/fabric.md).
 
 Build time decides the structure. The NIC and the switch (one per switch size;
-:func:`module_specs`) are separately built modules (:mod:`tb.hier_build`): emitted once each
+:func:`module_specs`) are separately built modules (:mod:`hdl.fabric.separate_modules`): emitted once each
 as Verilog modules of their own, instantiated through :class:`hdl.fabric.blackbox.BlackBox`,
 built by Verilator as hierarchical blocks, so each is verilated and compiled once, as a
 library all its instances share; the NIC is the same module as the other test tops'.
@@ -44,6 +44,7 @@ from hdl.nic.nic_registers import AxiLite64Signature
 from hdl.nic.signatures import AXI_ID_BITS
 from hdl.switch.switch_registers import AxiLiteSignature
 from models.fabric import LeafSpine
+from hdl.fabric import separate_modules
 from tb import hier_build
 
 __all__ = ["FabricTop", "FABRIC_DEFAULTS", "fabric_of", "module_specs", "fabric_top",
@@ -112,14 +113,14 @@ class FabricTop(wiring.Component):
             raise ValueError(f"max_memory_latency must be 1 to 65535, not {p['max_memory_latency']!r}")
         specs = module_specs(p)
         if p["separate_modules"]:
-            self.hier_blocks = hier_build.SeparateModules()
+            self.hier_blocks = separate_modules.SeparateModules()
 
             def make(role):
                 kind, kwargs = specs[role]
                 return self.hier_blocks.black_box(kind, **kwargs)
         else:
             def make(role):
-                return hier_build.component(*specs[role])
+                return separate_modules.component(*specs[role])
         self.nics = [make("nic") for _ in range(fabric.nics)]
         self.switches = {name: make(f"switch_{ports}p") for name, ports in fabric.switches.items()}
         from tb.gateware.axi_read_delay import AxiReadDelay

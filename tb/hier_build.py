@@ -5,11 +5,11 @@ them, and two NICs flattened into one top are compiled twice (76 MB of C++ for t
 pair). Instead, a top instantiates its large components through
 :class:`hdl.fabric.blackbox.BlackBox`, as a Verilog module emitted on its own:
 
-- :class:`SeparateModules` makes the black boxes of one top and records what each one is
-  (kind and constructor arguments); the top keeps it as its ``hier_blocks`` attribute.
-- The module is named after the component's kind and *all* its constructor arguments,
-  defaults included (:func:`module_name`), so every top that asks for the same hardware
-  gets the same module name and the same Verilog text.
+- :class:`hdl.fabric.separate_modules.SeparateModules` makes the black boxes of one top and
+  records what each one is (kind and constructor arguments); the top keeps it as its
+  ``hier_blocks`` attribute. The module is named after the component's kind and *all* its
+  constructor arguments, defaults included (``module_name``), so every top that asks for
+  the same hardware gets the same module name and the same Verilog text.
 - :func:`emit_modules` writes each module once into ``build/tb/modules/``, in a file named
   by a digest of hdl/ and the arguments: a module is emitted again only when the RTL or
   its arguments change, and the tops share the file.
@@ -25,115 +25,33 @@ FabricTop), so a cold ``make test`` compiles the NIC once.
 """
 import contextlib
 import fcntl
-import functools
-import hashlib
-import inspect
-import json
-import os
 import time
-import warnings
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
-from amaranth.hdl import UnusedElaboratable
+from hdl.emit import write_verilog
+from hdl.fabric.separate_modules import component, parameter_key
+from tb.sources import BUILD, source_digest
 
-from hdl.fabric.blackbox import BlackBox
-
-__all__ = ["TEST_NIC", "KINDS", "SeparateModules", "component", "module_name", "modules_of",
-           "emit_modules", "hier_config", "build_inputs", "build_lock"]
-
-# A black box's component is built for its signature only; its own sub-components would
-# each be reported as never used when the interpreter exits.
-warnings.filterwarnings("ignore", category=UnusedElaboratable)
+__all__ = ["TEST_NIC", "emit_modules", "hier_config", "build_inputs", "build_lock"]
 
 # The NIC of every test top: enough QPs for the 8-NIC fabric (one per peer) and the pair
 # tests (up to 16), small enough to keep the NIC's C++ about 28 MB.
 TEST_NIC = dict(num_qps=16, num_cqs=16, num_mkeys=16, num_vls=2, mtu=4096, addr_width=64)
 
-# kind -> (module, class) of the components a top may build separately.
-KINDS = {"nic": ("hdl.nic.nic", "Nic"), "switch": ("hdl.switch.switch", "Switch")}
-
-
-def _component_class(kind):
-    if kind not in KINDS:
-        raise ValueError(f"Unknown module kind {kind!r}: one of {', '.join(sorted(KINDS))}")
-    module, name = KINDS[kind]
-    return getattr(__import__(module, fromlist=[name]), name)
-
-
-def _canonical(kind, kwargs):
-    """``kwargs`` with every constructor default filled in: the same hardware, the same dict."""
-    parameters = inspect.signature(_component_class(kind)).parameters
-    unknown = set(kwargs) - set(parameters)
-    if unknown:
-        raise ValueError(f"{kind}: unknown parameters {', '.join(sorted(unknown))}")
-    full = {name: p.default for name, p in parameters.items() if p.default is not p.empty}
-    full.update(kwargs)
-    return full
-
-
-def _key(*parts):
-    return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-
-
-def module_name(kind, kwargs):
-    """The Verilog module name of component ``kind`` built with ``kwargs``: one name per
-    distinct hardware, whichever top asks for it."""
-    return f"tf_{kind}_{_key(kind, _canonical(kind, kwargs))[:10]}"
-
-
-def component(kind, kwargs):
-    """The real component."""
-    return _component_class(kind)(**kwargs)
-
-
-@functools.lru_cache(maxsize=None)
-def _signature(kind, kwargs_json):
-    built = component(kind, json.loads(kwargs_json))
-    built._MustUse__silence = True          # only its signature is used
-    return built.signature
-
-
-class SeparateModules:
-    """The separately built modules of one top: ``{module name: (kind, kwargs)}`` in
-    ``specs``, filled by :meth:`black_box`. A top keeps it as ``self.hier_blocks`` so that
-    :func:`tb.runner.run` finds its modules (:func:`modules_of`)."""
-
-    def __init__(self):
-        self.specs = {}
-
-    def black_box(self, kind, **kwargs):
-        """A :class:`BlackBox` standing for ``component(kind, kwargs)``, instantiating the
-        module :func:`module_name` names."""
-        kwargs = _canonical(kind, kwargs)
-        name = module_name(kind, kwargs)
-        self.specs[name] = (kind, kwargs)
-        return BlackBox(_signature(kind, json.dumps(kwargs, sort_keys=True)), name)
-
-
-def modules_of(top):
-    """``{module name: (kind, kwargs)}`` of the separately built modules ``top`` declares
-    (its ``hier_blocks``), empty for a top without."""
-    blocks = getattr(top, "hier_blocks", None)
-    return dict(blocks.specs) if blocks is not None else {}
-
 
 def _emit_one(name, kind, kwargs, path):
-    from tb.runner import emit_verilog
     t0 = time.monotonic()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    emit_verilog(component(kind, kwargs), name, tmp)
-    tmp.replace(path)
+    write_verilog(component(kind, kwargs), name, path)
     return time.monotonic() - t0
 
 
 def module_paths(specs, out_dir):
     """``{module name: path}``: each file is named by a digest of hdl/ and the module's
     kind and parameters."""
-    from tb.runner import source_digest
     digest = source_digest(("hdl",))
-    return {name: Path(out_dir) / f"{name}_{_key(digest, kind, kwargs)[:12]}.v"
+    return {name: Path(out_dir) / f"{name}_{parameter_key(digest, kind, kwargs)[:12]}.v"
             for name, (kind, kwargs) in specs.items()}
 
 
@@ -141,7 +59,6 @@ def emit_modules(specs, out_dir=None, jobs=2, log=print):
     """Emit the modules of ``specs`` (``{name: (kind, kwargs)}``) not yet in ``out_dir``
     (default ``build/tb/modules``) for this hdl/, ``jobs`` at a time. Returns their paths.
     Builds running at once (pytest-xdist) take turns: one emits, the others find the files."""
-    from tb.runner import BUILD
     out_dir = Path(out_dir or BUILD / "modules")
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = module_paths(specs, out_dir)
@@ -193,7 +110,6 @@ def build_lock(specs, flavour=""):
     module, so that the second top to build a module finds its objects in ccache instead of
     compiling them alongside the first. Builds of another ``flavour`` (with waveform
     tracing, say) compile other objects and take their own turns."""
-    from tb.runner import BUILD
     out_dir = BUILD / "modules"
     out_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:

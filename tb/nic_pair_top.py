@@ -33,7 +33,8 @@ from hdl.nic.signatures import AXI_ID_BITS
 from hdl.switch.switch_registers import AxiLiteSignature
 from tb.gateware.axi_read_delay import AxiReadDelay
 from tb.gateware.wire_fault import RATE_ONE, WireFault
-from tb.hier_build import TEST_NIC, SeparateModules
+from hdl.fabric.separate_modules import SeparateModules
+from tb.hier_build import TEST_NIC
 from tb.link_pair import delay_line
 from tb.nic_top import BUILD_ARGS, WIRE_FIELDS, attach_memory
 

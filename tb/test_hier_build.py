@@ -1,17 +1,19 @@
-"""tb/hier_build.py: module names, the modules a top declares, the Verilator inputs.
+"""hdl/fabric/separate_modules.py and tb/hier_build.py: module names, the modules a top
+declares, the Verilator inputs.
 Pure Python (no simulator): elaborates no component, only builds signatures."""
 import pytest
 
+from hdl.fabric import separate_modules
 from tb import hier_build
 
 
 def test_module_name_is_the_hardware_not_the_spelling():
     explicit = dict(hier_build.TEST_NIC, fetch_buffer_blocks=256, payload_buffer_beats=512)
-    assert hier_build.module_name("nic", hier_build.TEST_NIC) == \
-        hier_build.module_name("nic", explicit)
-    assert hier_build.module_name("nic", hier_build.TEST_NIC) != \
-        hier_build.module_name("nic", dict(hier_build.TEST_NIC, num_qps=8))
-    assert hier_build.module_name("nic", {}) != hier_build.module_name("switch", {})
+    assert separate_modules.module_name("nic", hier_build.TEST_NIC) == \
+        separate_modules.module_name("nic", explicit)
+    assert separate_modules.module_name("nic", hier_build.TEST_NIC) != \
+        separate_modules.module_name("nic", dict(hier_build.TEST_NIC, num_qps=8))
+    assert separate_modules.module_name("nic", {}) != separate_modules.module_name("switch", {})
 
 
 @pytest.mark.parametrize("kind, kwargs, message", [
@@ -20,7 +22,7 @@ def test_module_name_is_the_hardware_not_the_spelling():
 ])
 def test_bad_specs_are_refused(kind, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        hier_build.module_name(kind, kwargs)
+        separate_modules.module_name(kind, kwargs)
 
 
 def test_a_top_declares_each_module_once():
@@ -29,9 +31,9 @@ def test_a_top_declares_each_module_once():
     from hdl.nic.nic import Nic
     from tb.nic_pair_top import NicPairTop
     top = NicPairTop(**hier_build.TEST_NIC, through_switch=True)
-    nic = hier_build.module_name("nic", hier_build.TEST_NIC)
-    assert sorted(hier_build.modules_of(top)) == sorted(
-        [nic, hier_build.module_name("switch", dict(ports=2, lids=256))])
+    nic = separate_modules.module_name("nic", hier_build.TEST_NIC)
+    assert sorted(separate_modules.modules_of(top)) == sorted(
+        [nic, separate_modules.module_name("switch", dict(ports=2, lids=256))])
     assert {box.module for box in top.nics.values()} == {nic}
     ports = [(path, member.flow, member.shape)
              for path, member in Nic(**hier_build.TEST_NIC).signature.members.flatten()
@@ -39,7 +41,7 @@ def test_a_top_declares_each_module_once():
     assert [(path, member.flow, member.shape)
             for path, member in top.nics["a"].signature.members.flatten()
             if member.is_port] == ports
-    assert hier_build.modules_of(object()) == {}
+    assert separate_modules.modules_of(object()) == {}
 
 
 def test_hier_config_and_inputs(tmp_path):

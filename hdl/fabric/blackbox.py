@@ -4,10 +4,11 @@ A fabric of 8 NICs and 6 switches flattened into one Amaranth design is one huge
 module that Verilator compiles as a whole, instance by instance. :class:`BlackBox` keeps
 the interface of the real component (same signature, so ``wiring.connect`` and attribute
 access work unchanged) but elaborates to a single ``Instance`` of a module emitted once
-on its own (``amaranth.back.verilog.convert(component, name=module)``); built as a
+on its own (``hdl.emit.to_verilog(component, module)``); built as a
 Verilator hierarchical block, that module is compiled once whatever the number of
-instances, and its objects are shared by every top built with it (tb/hier_build.py
-makes the black boxes of the simulation tops and emits their modules; docs/verilog.md,
+instances, and its objects are shared by every top built with it
+(:mod:`hdl.fabric.separate_modules` makes the black boxes of the simulation tops,
+tb/hier_build.py emits and compiles their modules; docs/verilog.md,
 Simulation builds).
 
 The Verilog port names are Amaranth's for a top: the signature path joined by ``__``

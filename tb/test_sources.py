@@ -1,19 +1,19 @@
-"""tb/runner.py's record of what a build was made from. Pure Python (no simulator)."""
+"""tb/sources.py: the record of what a build was made from. Pure Python (no simulator)."""
 import os
 import time
 
-from tb import runner
+from tb import sources as build_sources
 
 
 def test_process_start_is_this_process():
-    started = runner.process_start()
+    started = build_sources.process_start()
     assert started <= time.time()
     # pytest imported this module after it started, and it has not run for a day.
-    assert started <= runner._IMPORTED and started > time.time() - 86400
+    assert started <= build_sources._IMPORTED and started > time.time() - 86400
 
 
 def sources(tmp_path, age):
-    for tree in runner.SOURCE_TREES:
+    for tree in build_sources.SOURCE_TREES:
         (tmp_path / tree).mkdir()
         source = tmp_path / tree / "block.py"
         source.write_text(f"# {tree}\n")
@@ -25,11 +25,11 @@ def sources(tmp_path, age):
 def test_a_build_is_stamped_with_its_sources(tmp_path):
     root = sources(tmp_path, age=-3600)
     stamp = tmp_path / ".source_digest"
-    digest = runner.source_digest(root=root)
-    runner.stamp_sources(stamp, digest, root=root)
+    digest = build_sources.source_digest(root=root)
+    build_sources.stamp_sources(stamp, digest, root=root)
     assert stamp.read_text() == digest
     (root / "hdl" / "block.py").write_text("# changed\n")
-    assert runner.source_digest(root=root) != digest
+    assert build_sources.source_digest(root=root) != digest
 
 
 def test_sources_written_after_the_process_started_leave_no_stamp(tmp_path):
@@ -37,9 +37,9 @@ def test_sources_written_after_the_process_started_leave_no_stamp(tmp_path):
     root = sources(tmp_path, age=-3600)
     stamp = tmp_path / ".source_digest"
     stamp.write_text("an older build's digest")
-    moment = runner.process_start() + 1
+    moment = build_sources.process_start() + 1
     os.utime(root / "models" / "block.py", (moment, moment))
-    assert runner.sources_changed_since(runner.process_start(), root=root) == \
+    assert build_sources.sources_changed_since(build_sources.process_start(), root=root) == \
         [root / "models" / "block.py"]
-    runner.stamp_sources(stamp, runner.source_digest(root=root), root=root)
+    build_sources.stamp_sources(stamp, build_sources.source_digest(root=root), root=root)
     assert not stamp.exists()
