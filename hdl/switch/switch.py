@@ -1,19 +1,19 @@
 from amaranth import *
 from amaranth.utils import exact_log2
-from amaranth.lib import data, wiring
+from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
 from hdl.arith import or_all
 from hdl.link.link_port import LinkPort
 from hdl.link.link_receiver import ROUTED_DROP_REASONS
 from hdl.link.signatures import (
-    BLOCK_BYTES, FCCL_BITS, BeatLayout, LinkState, WireSignature, blocks_of, check_mtu, check_width,
+    BLOCK_BYTES, FCCL_BITS, LinkState, WireSignature, blocks_of, check_mtu, check_width,
     lrh_pktlen, lrh_wire_bytes, max_wire_bytes, vl_index,
 )
+from hdl.switch.crossbar import Crossbar
 from hdl.switch.forwarding_table import ForwardingTable
 from hdl.switch.islip_allocator import IslipAllocator
 from hdl.switch.register_map import HOQ_TICK_CYCLES, check_config
-from hdl.switch.skid_register import SkidRegister
 from hdl.switch.switch_allocator import ALLOC_STAGES, SwitchAllocator
 from hdl.switch.switch_registers import AxiLiteSignature, SwitchRegisters
 from hdl.switch.voq_buffer import QUEUE_MODES, VoqBuffer
@@ -103,6 +103,11 @@ class Switch(wiring.Component):
             for _ in range(ports)
         ]
         self.registers = SwitchRegisters(ports, num_vls, lids=lids, addr_width=addr_width)
+        # The pipelined allocation's blocks (attributes: `python -m hdl.fpga --compose` times
+        # each alone).
+        if allocator == "pipelined":
+            self.switch_allocator = SwitchAllocator(ports, num_vls, max_blocks=self.max_blocks)
+            self.crossbar = Crossbar(ports=ports, num_vls=num_vls, width=width)
         super().__init__({
             "wire_in": In(WireSignature(width)).array(ports),
             "wire_out": Out(WireSignature(width)).array(ports),
@@ -398,7 +403,7 @@ class Switch(wiring.Component):
         output. Returns the inputs with a match under way (the head-of-queue lifetime leaves
         their heads alone) and, per output, the VLs with a head waiting only for credit."""
         P, V, width = self.ports, self.num_vls, self.width
-        alloc = m.submodules.allocator = SwitchAllocator(P, V, max_blocks=self.max_blocks)
+        alloc = m.submodules.allocator = self.switch_allocator
         for i, buffer in enumerate(self.buffers):
             for q in range(buffer.num_queues):
                 head, arriving = buffer.heads[q], buffer.arriving[q]
@@ -423,39 +428,26 @@ class Switch(wiring.Component):
                              alloc.fctbs[o][v].eq(tx.fctbs[v]),
                              alloc.vl_weight[o][v].eq(regs.vl_weight[o][v])]
 
-        # --- crossbar: output o takes the beats of the input holding it (`holder`) into its
-        # skid register, whose room is a register, so an input's handshake ends in registers.
-        # A packet started while o is held waits as o's queued one (`queued`) and holds it
-        # from the cycle after the holder's last beat is taken: back to back.
-        xbar_layout = data.StructLayout({"beat": BeatLayout(width), "vl": vl_index(V)})
-        holder = [Signal(range(P), name=f"holder{o}") for o in range(P)]
-        holding = Signal(P)
-        queued = [Signal(range(P), name=f"queued{o}") for o in range(P)]
-        queueing = Signal(P)
-        xbars = []
-        for o, port in enumerate(self.link_ports):
-            xbar = m.submodules[f"xbar{o}"] = SkidRegister(xbar_layout)
-            xbars.append(xbar)
-            selected = Array(self.buffers)[holder[o]]
-            m.d.comb += [
-                xbar.i.valid.eq(holding[o] & selected.out.valid),
-                xbar.i.payload.beat.eq(selected.out.payload),
-                xbar.i.payload.vl.eq(selected.out_vl),
-                # The transmitter's one-bit handshake, not its per-VL ready (depth).
-                xbar.o.ready.eq(port.transmitter.taken),
-            ]
-            for v in range(V):
-                m.d.comb += [port.data_in[v].valid.eq(xbar.o.valid & (xbar.o.payload.vl == v)),
-                             port.data_in[v].payload.eq(xbar.o.payload.beat)]
+        # --- crossbar (docs/switch.md, In the switch): each output's beats end in a skid
+        # register, popped by the transmitter's one-bit handshake, not its per-VL ready (depth).
+        xbar = m.submodules.crossbar = self.crossbar
         for i, buffer in enumerate(self.buffers):
-            m.d.comb += buffer.out.ready.eq(Cat(
-                holding[o] & (holder[o] == i) & (buffer.out_port == o) & xbars[o].i.ready
-                for o in range(P)).any())
+            m.d.comb += [xbar.inputs[i].valid.eq(buffer.out.valid),
+                         xbar.inputs[i].payload.beat.eq(buffer.out.payload),
+                         xbar.inputs[i].payload.vl.eq(buffer.out_vl),
+                         buffer.out.ready.eq(xbar.inputs[i].ready),
+                         xbar.input_port[i].eq(buffer.out_port)]
+        for o, port in enumerate(self.link_ports):
+            egress = xbar.outputs[o]
+            m.d.comb += egress.ready.eq(port.transmitter.taken)
+            for v in range(V):
+                m.d.comb += [port.data_in[v].valid.eq(egress.valid & (egress.payload.vl == v)),
+                             port.data_in[v].payload.eq(egress.payload.beat)]
+        queueing = xbar.queueing
 
         # An input's packet sends no more beats: its last one is taken, or it is skipped.
-        released = Signal(P)
         for i, buffer in enumerate(self.buffers):
-            m.d.comb += released[i].eq(buffer.finishing | buffer.active & ~buffer.sending)
+            m.d.comb += xbar.released[i].eq(buffer.finishing | buffer.active & ~buffer.sending)
 
         # Beats of the current packet not yet handed to the crossbar: estimated from its
         # credit blocks when it starts, exact from LRH.PktLen once its start beat leaves.
@@ -484,6 +476,7 @@ class Switch(wiring.Component):
             m.d.comb += alloc.start[i].eq(row.any() & (~buffer.active | buffer.finishing)
                                           & ~(toward & queueing).any())
             m.d.comb += [buffer.grant_valid.eq(alloc.start[i]), buffer.grant_queues.eq(select)]
+            m.d.comb += [xbar.start[i].eq(alloc.start[i]), xbar.start_toward[i].eq(toward)]
             for o in range(P):
                 m.d.comb += starting[o][i].eq(alloc.start[i] & toward[o])
             handed = buffer.out.valid & buffer.out.ready
@@ -504,24 +497,6 @@ class Switch(wiring.Component):
             # A cycle ahead: the ports are offered from registers (below).
             m.d.comb += near_end[i].eq(beats_left[i] <= ALLOC_STAGES + 1)
 
-        for o in range(P):
-            holder_done = holding[o] & Array(released)[holder[o]]
-            queued_done = queueing[o] & Array(released)[queued[o]]
-            promoted = queueing[o] & ~queued_done
-            with m.If(holder_done):
-                m.d.sync += [holder[o].eq(queued[o]), holding[o].eq(promoted), queueing[o].eq(0)]
-            with m.Elif(queued_done):
-                m.d.sync += queueing[o].eq(0)
-            # A start to o needs o's queue free (registered), so at most one waits; and at most
-            # one input starts to o in a cycle (its pending match or its match): an OR encodes it.
-            with m.If(starting[o].any()):
-                first = Signal(range(P), name=f"starting_input{o}")
-                m.d.comb += first.eq(or_all([Mux(starting[o][i], i, 0) for i in range(P)]))
-                with m.If(holding[o] & ~holder_done | promoted):
-                    m.d.sync += [queued[o].eq(first), queueing[o].eq(1)]
-                with m.Else():
-                    m.d.sync += [holder[o].eq(first), holding[o].eq(1)]
-
         # Ports are offered from registers (the allocator's stage G starts from them): what
         # held in the cycle before, unless a start or a drop of the port changed it since (a
         # port busy then stays busy, its beats left only fall: the offer is never early).
@@ -541,7 +516,7 @@ class Switch(wiring.Component):
             # cycle), or the started packet turned out bad and is skipped unsent; registered,
             # so the transmitter's decision ends here (the hold lasts a cycle longer).
             m.d.sync += alloc.counted[o].eq(
-                port.transmitter.taken & xbars[o].o.payload.beat.start
+                port.transmitter.taken & xbar.outputs[o].payload.beat.start
                 | Cat(started[i] & ~buffer.sending & (buffer.out_port == o)
                       for i, buffer in enumerate(self.buffers)).any())
         return alloc.in_flight, alloc.credit_wait

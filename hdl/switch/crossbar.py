@@ -1,0 +1,98 @@
+"""The pipelined switch's crossbar: each output takes the beats of the input that holds it into
+a SkidRegister, so an input's handshake ends in registers (docs/switch.md, In the switch)."""
+
+from amaranth import *
+from amaranth.lib import data, stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from hdl.arith import or_all
+from hdl.link.signatures import BeatLayout, check_width, vl_index
+from hdl.switch.skid_register import SkidRegister
+
+__all__ = ["Crossbar", "CrossbarBeat"]
+
+
+def CrossbarBeat(width, num_vls):
+    """A beat through the crossbar: the beat and the output VL it goes on."""
+    return data.StructLayout({"beat": BeatLayout(width), "vl": vl_index(num_vls)})
+
+
+class Crossbar(wiring.Component):
+    """``ports`` inputs to ``ports`` outputs, one packet per output at a time.
+
+    Input i offers the beats of its current packet on ``inputs[i]`` for output
+    ``input_port[i]``; ``released[i]``: that packet sends no more beats (its last one is
+    taken, or it is skipped unsent). ``start[i]`` with ``start_toward[i]`` (one-hot output):
+    input i starts a packet to that output in this cycle; at most one input starts to an
+    output in a cycle, and only while the output has no input ``queued`` (the switch's start
+    rule). A start to a free output makes the input its holder from the next cycle; a start
+    to an output still held makes it the output's queued input (``queueing[o]``, a register),
+    which holds the output from the cycle after the holder is released, so its first beat
+    follows the holder's last one with no idle cycle. A queued input released before it holds
+    (its packet skipped) leaves the queue.
+
+    ``outputs[o]`` is output o's :class:`SkidRegister`: its ``valid`` and ``payload`` are
+    registers, its ``ready`` pops it (the transmitter's ``taken``). ``inputs[i].ready`` is
+    registers only (the holder, the input's output, the skid register's room). A beat taken
+    on ``inputs`` in cycle c is on ``outputs`` from c + 1. Reset state: no holder, no queue.
+    """
+
+    def __init__(self, *, ports, num_vls, width):
+        if not isinstance(ports, int) or not 2 <= ports <= 16:
+            raise ValueError(f"Ports must be an integer from 2 to 16, not {ports!r}")
+        if not isinstance(num_vls, int) or not 1 <= num_vls <= 15:
+            raise ValueError(f"Data VLs must be an integer from 1 to 15, not {num_vls!r}")
+        check_width(width)
+        self.ports = ports
+        self.num_vls = num_vls
+        self.width = width
+        beat = CrossbarBeat(width, num_vls)
+        super().__init__({
+            "inputs": In(stream.Signature(beat)).array(ports),
+            "input_port": In(range(ports)).array(ports),
+            "released": In(ports),
+            "start": In(ports),
+            "start_toward": In(ports).array(ports),
+            "outputs": Out(stream.Signature(beat)).array(ports),
+            "queueing": Out(ports),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        P = self.ports
+        holder = [Signal(range(P), name=f"holder{o}") for o in range(P)]
+        holding = Signal(P)
+        queued = [Signal(range(P), name=f"queued{o}") for o in range(P)]
+        queueing = self.queueing
+        skids = []
+        for o in range(P):
+            skid = m.submodules[f"skid{o}"] = SkidRegister(CrossbarBeat(self.width, self.num_vls))
+            skids.append(skid)
+            selected = Array(self.inputs)[holder[o]]
+            m.d.comb += [skid.i.valid.eq(holding[o] & selected.valid),
+                         skid.i.payload.eq(selected.payload)]
+            wiring.connect(m, skid.o, wiring.flipped(self.outputs[o]))
+        for i in range(P):
+            m.d.comb += self.inputs[i].ready.eq(Cat(
+                holding[o] & (holder[o] == i) & (self.input_port[i] == o) & skids[o].i.ready
+                for o in range(P)).any())
+
+        released = Array(self.released)
+        for o in range(P):
+            starting = Cat(self.start[i] & self.start_toward[i][o] for i in range(P))
+            holder_done = holding[o] & released[holder[o]]
+            queued_done = queueing[o] & released[queued[o]]
+            promoted = queueing[o] & ~queued_done
+            with m.If(holder_done):
+                m.d.sync += [holder[o].eq(queued[o]), holding[o].eq(promoted), queueing[o].eq(0)]
+            with m.Elif(queued_done):
+                m.d.sync += queueing[o].eq(0)
+            # At most one input starts to o in a cycle: an OR encodes it.
+            with m.If(starting.any()):
+                first = Signal(range(P), name=f"starting_input{o}")
+                m.d.comb += first.eq(or_all([Mux(starting[i], i, 0) for i in range(P)]))
+                with m.If(holding[o] & ~holder_done | promoted):
+                    m.d.sync += [queued[o].eq(first), queueing[o].eq(1)]
+                with m.Else():
+                    m.d.sync += [holder[o].eq(first), holding[o].eq(1)]
+        return m
