@@ -22,10 +22,9 @@ class Crossbar(wiring.Component):
 
     Input i offers the beats of its current packet on ``inputs[i]`` for output
     ``input_port[i]``; ``released[i]``: that packet sends no more beats (its last one is
-    taken, or it is skipped unsent). ``start[i]`` with ``start_toward[i]`` (one-hot output):
-    input i starts a packet to that output in this cycle; at most one input starts to an
-    output in a cycle, and only while the output has no input ``queued`` (the switch's start
-    rule). A start to a free output makes the input its holder from the next cycle; a start
+    taken, or it is skipped unsent). ``starting[o]``: the inputs that start a packet to
+    output o in this cycle, at most one, and only while the output has no input queued (the
+    switch's start rule). A start to a free output makes the input its holder from the next cycle; a start
     to an output still held makes it the output's queued input (``queueing[o]``, a register),
     which holds the output from the cycle after the holder is released, so its first beat
     follows the holder's last one with no idle cycle. A queued input released before it holds
@@ -51,8 +50,7 @@ class Crossbar(wiring.Component):
             "inputs": In(stream.Signature(beat)).array(ports),
             "input_port": In(range(ports)).array(ports),
             "released": In(ports),
-            "start": In(ports),
-            "start_toward": In(ports).array(ports),
+            "starting": In(ports).array(ports),
             "outputs": Out(stream.Signature(beat)).array(ports),
             "queueing": Out(ports),
         })
@@ -79,7 +77,7 @@ class Crossbar(wiring.Component):
 
         released = Array(self.released)
         for o in range(P):
-            starting = Cat(self.start[i] & self.start_toward[i][o] for i in range(P))
+            starting = self.starting[o]
             holder_done = holding[o] & released[holder[o]]
             queued_done = queueing[o] & released[queued[o]]
             promoted = queueing[o] & ~queued_done
