@@ -27,10 +27,6 @@ def run(seed, cycles, p_valid, p_ready, p_start, p_skip):
         packet_id = 0
         last_end = [None] * PORTS       # per output: cycle its last end beat entered
         for cycle in range(cycles + 400):
-            # The input's output is a register of its buffer: it changes at the clock edge.
-            for i in range(PORTS):
-                if current[i] is not None:
-                    ctx.set(dut.input_port[i], current[i][0])
             # Registers only: shown before this cycle's inputs are set, unchanged after.
             shown = [ctx.get(dut.inputs[i].ready) for i in range(PORTS)] + [ctx.get(dut.queueing)]
             queueing = shown[-1]
@@ -122,7 +118,6 @@ def test_queued_packet_follows_with_no_idle_cycle():
             ready = [ctx.get(dut.inputs[i].ready) for i in range(2)]
             released, starting = 0, 0
             for i in range(2):
-                ctx.set(dut.input_port[i], 0)
                 ctx.set(dut.inputs[i].valid, left[i] > 0)
                 ctx.set(dut.inputs[i].payload.beat.end, left[i] == 1)
                 if left[i] and ready[i]:

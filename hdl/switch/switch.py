@@ -457,6 +457,5 @@ class Switch(wiring.Component):
                 xbar.inputs[i].payload.beat.eq(buffer.out.payload),
                 xbar.inputs[i].payload.vl.eq(buffer.out_vl),
                 buffer.out.ready.eq(xbar.inputs[i].ready),
-                xbar.input_port[i].eq(buffer.out_port),
             ]
         return alloc.in_flight, alloc.credit_wait
