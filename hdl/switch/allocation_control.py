@@ -9,7 +9,7 @@ from amaranth.utils import exact_log2
 from hdl.arith import or_all
 from hdl.link.signatures import BLOCK_BYTES, FCCL_BITS, check_width
 from hdl.switch.switch_allocator import ALLOC_STAGES
-from hdl.switch.voq_buffer import QUEUE_MODES, HeadSignature
+from hdl.switch.voq_buffer import QUEUE_MODES, HeadSignature, queue_count
 
 __all__ = ["AllocationControl"]
 
@@ -48,7 +48,7 @@ class AllocationControl(wiring.Component):
         self.num_vls = num_vls
         self.width = width
         self.mode = mode
-        self.num_queues = ports * num_vls if mode == "voq" else num_vls
+        self.num_queues = queue_count(ports, num_vls, mode)
         P, V, Q = ports, num_vls, self.num_queues
         super().__init__({
             "heads": In(HeadSignature(P, V)).array(P, Q),
