@@ -46,3 +46,22 @@ def test_voq_buffer_rejects(kwargs, words):
     config.update(kwargs)
     with pytest.raises(ValueError, match=words):
         VoqBuffer(**config)
+
+
+@pytest.mark.parametrize("block,kwargs,words", [
+    ("crossbar", dict(ports=1), "Ports"),
+    ("crossbar", dict(ports=17), "Ports"),
+    ("crossbar", dict(num_vls=0), "VLs"),
+    ("crossbar", dict(width=24), "Beat width"),
+    ("allocation_control", dict(ports=17), "Ports"),
+    ("allocation_control", dict(num_vls=5), "VLs"),
+    ("allocation_control", dict(width=4), "Beat width"),
+    ("allocation_control", dict(mode="oq"), "Queue mode"),
+])
+def test_pipelined_blocks_reject(block, kwargs, words):
+    from hdl.switch.allocation_control import AllocationControl
+    from hdl.switch.crossbar import Crossbar
+    config = dict(ports=4, num_vls=2, width=16)
+    config.update(kwargs)
+    with pytest.raises(ValueError, match=words):
+        {"crossbar": Crossbar, "allocation_control": AllocationControl}[block](**config)

@@ -1,20 +1,20 @@
 from amaranth import *
-from amaranth.utils import exact_log2
-from amaranth.lib import data, wiring
+from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
 from hdl.arith import or_all
 from hdl.link.link_port import LinkPort
 from hdl.link.link_receiver import ROUTED_DROP_REASONS
 from hdl.link.signatures import (
-    BLOCK_BYTES, FCCL_BITS, BeatLayout, LinkState, WireSignature, blocks_of, check_mtu, check_width,
+    FCCL_BITS, LinkState, WireSignature, blocks_of, check_mtu, check_width,
     lrh_pktlen, lrh_wire_bytes, max_wire_bytes, vl_index,
 )
+from hdl.switch.allocation_control import AllocationControl
+from hdl.switch.crossbar import Crossbar
 from hdl.switch.forwarding_table import ForwardingTable
 from hdl.switch.islip_allocator import IslipAllocator
 from hdl.switch.register_map import HOQ_TICK_CYCLES, check_config
-from hdl.switch.skid_register import SkidRegister
-from hdl.switch.switch_allocator import ALLOC_STAGES, SwitchAllocator
+from hdl.switch.switch_allocator import SwitchAllocator
 from hdl.switch.switch_registers import AxiLiteSignature, SwitchRegisters
 from hdl.switch.voq_buffer import QUEUE_MODES, VoqBuffer
 
@@ -103,6 +103,13 @@ class Switch(wiring.Component):
             for _ in range(ports)
         ]
         self.registers = SwitchRegisters(ports, num_vls, lids=lids, addr_width=addr_width)
+        # The pipelined allocation's blocks (attributes: `python -m hdl.fpga --compose` times
+        # each alone).
+        if allocator == "pipelined":
+            self.switch_allocator = SwitchAllocator(ports, num_vls, max_blocks=self.max_blocks)
+            self.allocation_control = AllocationControl(ports=ports, num_vls=num_vls,
+                                                        width=width, mode=mode)
+            self.crossbar = Crossbar(ports=ports, num_vls=num_vls, width=width)
         super().__init__({
             "wire_in": In(WireSignature(width)).array(ports),
             "wire_out": Out(WireSignature(width)).array(ports),
@@ -391,157 +398,64 @@ class Switch(wiring.Component):
         return allocator.grant_valid, waiting
 
     def _pipelined_allocation(self, m, regs, txs, enabled, hoq_drop):
-        """Allocation by :class:`SwitchAllocator` (three registered stages, docs/switch.md):
-        ports are offered while their current packet has at most :data:`ALLOC_STAGES` beats
-        left; a match starts in its own cycle or waits as pending until its input is free and
-        its output has no input queued. The crossbar ends in a :class:`SkidRegister` per
-        output. Returns the inputs with a match under way (the head-of-queue lifetime leaves
-        their heads alone) and, per output, the VLs with a head waiting only for credit."""
-        P, V, width = self.ports, self.num_vls, self.width
-        alloc = m.submodules.allocator = SwitchAllocator(P, V, max_blocks=self.max_blocks)
-        for i, buffer in enumerate(self.buffers):
-            for q in range(buffer.num_queues):
-                head, arriving = buffer.heads[q], buffer.arriving[q]
-                # A descriptor entering an empty queue has its credit test (stage E) in its
-                # enqueue cycle, one cycle before it heads the queue: the hop stays at 8.
-                present = Signal(name=f"present{i}_{q}")
-                blocks = Signal(FCCL_BITS, name=f"present_blocks{i}_{q}")
-                m.d.comb += [present.eq(head.valid | arriving.valid),
-                             blocks.eq(Mux(head.valid, head.blocks, arriving.blocks))]
-                if self.mode == "voq":
-                    o, v = divmod(q, V)
-                    pairs = [(o, v, present)]
-                else:
-                    port = Mux(head.valid, head.port, arriving.port)
-                    pairs = [(o, q, present & (port == o)) for o in range(P)]
-                for o, v, valid in pairs:
-                    m.d.comb += [alloc.head_valid[(i * P + o) * V + v].eq(valid),
-                                 alloc.head_blocks[i][o][v].eq(blocks)]
-        for o, tx in enumerate(txs):
+        """Allocation by :class:`SwitchAllocator` (three registered stages), its glue to the
+        buffers in :class:`AllocationControl` and a :class:`Crossbar` whose outputs are skid
+        registers (docs/switch.md, In the switch). Returns the inputs with a match under way
+        (the head-of-queue lifetime leaves their heads alone) and, per output, the VLs with a
+        head waiting only for credit."""
+        P, V = self.ports, self.num_vls
+        alloc = m.submodules.allocator = self.switch_allocator
+        control = m.submodules.allocation_control = self.allocation_control
+        xbar = m.submodules.crossbar = self.crossbar
+        m.d.comb += [
+            alloc.head_valid.eq(control.head_valid),
+            alloc.in_ready.eq(control.in_ready),
+            alloc.out_ready.eq(control.out_ready),
+            alloc.start.eq(control.start),
+            alloc.counted.eq(control.counted),
+            control.pend.eq(alloc.pend),
+            control.match.eq(alloc.match),
+            control.start_head.eq(alloc.start_head),
+            control.queueing.eq(xbar.queueing),
+            control.hoq_drop.eq(Cat(hoq_drop)),
+            control.enabled.eq(enabled),
+            xbar.released.eq(control.released),
+        ]
+        for o, (port, tx) in enumerate(zip(self.link_ports, txs)):
+            # The crossbar's skid register pops on the transmitter's one-bit handshake, not on
+            # its per-VL ready (depth).
+            egress = xbar.outputs[o]
+            m.d.comb += [egress.ready.eq(tx.taken),
+                         control.taken[o].eq(tx.taken),
+                         control.egress_start[o].eq(egress.payload.beat.start),
+                         xbar.starting[o].eq(control.starting[o])]
             for v in range(V):
-                m.d.comb += [alloc.credit_limit[o][v].eq(tx.credit_limit[v]),
+                m.d.comb += [port.data_in[v].valid.eq(egress.valid & (egress.payload.vl == v)),
+                             port.data_in[v].payload.eq(egress.payload.beat),
+                             alloc.credit_limit[o][v].eq(tx.credit_limit[v]),
                              alloc.fctbs[o][v].eq(tx.fctbs[v]),
                              alloc.vl_weight[o][v].eq(regs.vl_weight[o][v])]
-
-        # --- crossbar: output o takes the beats of the input holding it (`holder`) into its
-        # skid register, whose room is a register, so an input's handshake ends in registers.
-        # A packet started while o is held waits as o's queued one (`queued`) and holds it
-        # from the cycle after the holder's last beat is taken: back to back.
-        xbar_layout = data.StructLayout({"beat": BeatLayout(width), "vl": vl_index(V)})
-        holder = [Signal(range(P), name=f"holder{o}") for o in range(P)]
-        holding = Signal(P)
-        queued = [Signal(range(P), name=f"queued{o}") for o in range(P)]
-        queueing = Signal(P)
-        xbars = []
-        for o, port in enumerate(self.link_ports):
-            xbar = m.submodules[f"xbar{o}"] = SkidRegister(xbar_layout)
-            xbars.append(xbar)
-            selected = Array(self.buffers)[holder[o]]
-            m.d.comb += [
-                xbar.i.valid.eq(holding[o] & selected.out.valid),
-                xbar.i.payload.beat.eq(selected.out.payload),
-                xbar.i.payload.vl.eq(selected.out_vl),
-                # The transmitter's one-bit handshake, not its per-VL ready (depth).
-                xbar.o.ready.eq(port.transmitter.taken),
-            ]
-            for v in range(V):
-                m.d.comb += [port.data_in[v].valid.eq(xbar.o.valid & (xbar.o.payload.vl == v)),
-                             port.data_in[v].payload.eq(xbar.o.payload.beat)]
         for i, buffer in enumerate(self.buffers):
-            m.d.comb += buffer.out.ready.eq(Cat(
-                holding[o] & (holder[o] == i) & (buffer.out_port == o) & xbars[o].i.ready
-                for o in range(P)).any())
-
-        # An input's packet sends no more beats: its last one is taken, or it is skipped.
-        released = Signal(P)
-        for i, buffer in enumerate(self.buffers):
-            m.d.comb += released[i].eq(buffer.finishing | buffer.active & ~buffer.sending)
-
-        # Beats of the current packet not yet handed to the crossbar: estimated from its
-        # credit blocks when it starts, exact from LRH.PktLen once its start beat leaves.
-        beat_bytes_log2 = exact_log2(width)
-        beats_left = [Signal(16, name=f"beats_left{i}") for i in range(P)]
-        near_end = Signal(P)
-        started = Signal(P)     # the input started a match in the previous cycle
-        m.d.sync += started.eq(alloc.start)
-        starting = [Signal(P, name=f"starting_to{o}") for o in range(P)]   # inputs, per output
-        for i, buffer in enumerate(self.buffers):
-            row = alloc.pend[i * P:(i + 1) * P] | alloc.match[i * P:(i + 1) * P]
-            # What it starts if it starts: the queue and its output follow the allocator's
-            # registers (`start_head`), not the match or the decision to start it (depth).
-            heads = alloc.start_head[i * P * V:(i + 1) * P * V]
-            toward = Signal(P, name=f"start_toward{i}")
-            select = Signal(buffer.num_queues, name=f"start_queue{i}")
-            m.d.comb += [
-                toward.eq(Cat(heads[o * V:(o + 1) * V].any() for o in range(P))),
-                select.eq(heads if self.mode == "voq" else
-                          Cat(Cat(heads[o * V + v] for o in range(P)).any() for v in range(V))),
-            ]
-            # The packet heads its queue: its blocks, for the estimate.
-            pending_blocks = Signal(FCCL_BITS, name=f"pending_blocks{i}")
-            m.d.comb += pending_blocks.eq(or_all([Mux(select[q], buffer.heads[q].blocks, 0)
-                                                  for q in range(buffer.num_queues)]))
-            m.d.comb += alloc.start[i].eq(row.any() & (~buffer.active | buffer.finishing)
-                                          & ~(toward & queueing).any())
-            m.d.comb += [buffer.grant_valid.eq(alloc.start[i]), buffer.grant_queues.eq(select)]
+            for q in range(buffer.num_queues):
+                wiring.connect(m, buffer.heads[q], control.heads[i][q])
+                wiring.connect(m, buffer.arriving[q], control.arriving[i][q])
             for o in range(P):
-                m.d.comb += starting[o][i].eq(alloc.start[i] & toward[o])
-            handed = buffer.out.valid & buffer.out.ready
-            stored_bytes = lrh_pktlen(buffer.out.payload.data) * 4    # the VCRC is not stored
-            with m.If(alloc.start[i]):
-                m.d.sync += beats_left[i].eq(
-                    pending_blocks << (exact_log2(BLOCK_BYTES) - beat_bytes_log2)
-                    if width <= BLOCK_BYTES else
-                    (pending_blocks + width // BLOCK_BYTES - 1)
-                    >> (beat_bytes_log2 - exact_log2(BLOCK_BYTES)))
-            with m.Elif(hoq_drop[i]):
-                # Skipped unsent: the input is offered again once it is idle.
-                m.d.sync += beats_left[i].eq(0xFFFF)
-            with m.Elif(handed & buffer.out.payload.start):
-                m.d.sync += beats_left[i].eq(((stored_bytes + width - 1) >> beat_bytes_log2) - 1)
-            with m.Elif(handed):
-                m.d.sync += beats_left[i].eq(beats_left[i] - 1)
-            # A cycle ahead: the ports are offered from registers (below).
-            m.d.comb += near_end[i].eq(beats_left[i] <= ALLOC_STAGES + 1)
-
-        for o in range(P):
-            holder_done = holding[o] & Array(released)[holder[o]]
-            queued_done = queueing[o] & Array(released)[queued[o]]
-            promoted = queueing[o] & ~queued_done
-            with m.If(holder_done):
-                m.d.sync += [holder[o].eq(queued[o]), holding[o].eq(promoted), queueing[o].eq(0)]
-            with m.Elif(queued_done):
-                m.d.sync += queueing[o].eq(0)
-            # A start to o needs o's queue free (registered), so at most one waits; and at most
-            # one input starts to o in a cycle (its pending match or its match): an OR encodes it.
-            with m.If(starting[o].any()):
-                first = Signal(range(P), name=f"starting_input{o}")
-                m.d.comb += first.eq(or_all([Mux(starting[o][i], i, 0) for i in range(P)]))
-                with m.If(holding[o] & ~holder_done | promoted):
-                    m.d.sync += [queued[o].eq(first), queueing[o].eq(1)]
-                with m.Else():
-                    m.d.sync += [holder[o].eq(first), holding[o].eq(1)]
-
-        # Ports are offered from registers (the allocator's stage G starts from them): what
-        # held in the cycle before, unless a start or a drop of the port changed it since (a
-        # port busy then stays busy, its beats left only fall: the offer is never early).
-        in_idle = Signal(P)
-        out_idle = Signal(P)
-        dropped = Signal(P)
-        started_to = Signal(P)
-        m.d.sync += [dropped.eq(Cat(hoq_drop)), started_to.eq(Cat(s.any() for s in starting))]
-        for i, buffer in enumerate(self.buffers):
-            m.d.sync += in_idle[i].eq(~buffer.active | near_end[i])
-            m.d.comb += alloc.in_ready[i].eq(enabled[i] & in_idle[i] & ~started[i] & ~dropped[i])
-        for o, port in enumerate(self.link_ports):
-            m.d.sync += out_idle[o].eq(~Cat(buffer.sending & (buffer.out_port == o) & ~near_end[i]
-                                            for i, buffer in enumerate(self.buffers)).any())
-            m.d.comb += alloc.out_ready[o].eq(enabled[o] & out_idle[o] & ~started_to[o])
-            # The transmitter took the start beat (its FCTBS counts the packet from the next
-            # cycle), or the started packet turned out bad and is skipped unsent; registered,
-            # so the transmitter's decision ends here (the hold lasts a cycle longer).
-            m.d.sync += alloc.counted[o].eq(
-                port.transmitter.taken & xbars[o].o.payload.beat.start
-                | Cat(started[i] & ~buffer.sending & (buffer.out_port == o)
-                      for i, buffer in enumerate(self.buffers)).any())
+                for v in range(V):
+                    m.d.comb += alloc.head_blocks[i][o][v].eq(control.head_blocks[i][o][v])
+            m.d.comb += [
+                control.active[i].eq(buffer.active),
+                control.sending[i].eq(buffer.sending),
+                control.finishing[i].eq(buffer.finishing),
+                control.out_port[i].eq(buffer.out_port),
+                control.beat_valid[i].eq(buffer.out.valid),
+                control.beat_ready[i].eq(buffer.out.ready),
+                control.beat_start[i].eq(buffer.out.payload.start),
+                control.beat_pktlen[i].eq(lrh_pktlen(buffer.out.payload.data)),
+                buffer.grant_valid.eq(control.start[i]),
+                buffer.grant_queues.eq(control.start_queues[i]),
+                xbar.inputs[i].valid.eq(buffer.out.valid),
+                xbar.inputs[i].payload.beat.eq(buffer.out.payload),
+                xbar.inputs[i].payload.vl.eq(buffer.out_vl),
+                buffer.out.ready.eq(xbar.inputs[i].ready),
+            ]
         return alloc.in_flight, alloc.credit_wait

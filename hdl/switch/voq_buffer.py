@@ -9,9 +9,14 @@ from hdl.link.signatures import (
 )
 from hdl.switch.head_queue import HeadQueue
 
-__all__ = ["VoqBuffer", "HeadSignature", "QUEUE_MODES"]
+__all__ = ["VoqBuffer", "HeadSignature", "QUEUE_MODES", "queue_count"]
 
 QUEUE_MODES = ("voq", "fifo")
+
+
+def queue_count(ports, num_vls, mode):
+    """Queues of one input: one per (output, VL) in VOQ mode, one per VL in FIFO mode."""
+    return ports * num_vls if mode == "voq" else num_vls
 
 
 class HeadSignature(wiring.Signature):
@@ -86,7 +91,7 @@ class VoqBuffer(wiring.Component):
         # Packets alive at once never exceed the cells, so a sequence number one bit wider
         # than a cell index never wraps onto a packet still being read.
         self.seq_bits = self.cell_bits + 1
-        self.num_queues = ports * num_vls if mode == "voq" else num_vls
+        self.num_queues = queue_count(ports, num_vls, mode)
         super().__init__({
             "store": In(StoreSignature(width, num_vls, range(share + 1))),
             "route_port": In(range(ports)),
