@@ -19,13 +19,11 @@ def run(seed, cycles, p_valid, p_ready, p_start, p_skip):
     rng = random.Random(seed)
     expected = [deque() for _ in range(PORTS)]      # per output: packets started to it, in order
     delivered = [[] for _ in range(PORTS)]
-    gaps = []                                       # idle cycles of an output between packets
 
     async def testbench(ctx):
         current = [None] * PORTS        # per input: [output, beats left to offer, packet, index]
         skipping = [False] * PORTS
         packet_id = 0
-        last_end = [None] * PORTS       # per output: cycle its last end beat entered
         for cycle in range(cycles + 400):
             # Registers only: shown before this cycle's inputs are set, unchanged after.
             shown = [ctx.get(dut.inputs[i].ready) for i in range(PORTS)] + [ctx.get(dut.queueing)]
