@@ -506,11 +506,18 @@ class CompletionUnit(wiring.Component):
         wire_fresh = Signal(num_qps, init=(1 << num_qps) - 1)    # nothing sent since reset
         # A packet went out since the QP's last timer scan: the scan restarts its timer.
         sent_since_scan = Signal(num_qps)
-        full = Signal(num_qps)          # QUEUE_DEPTH records in the QP's queue
+        # QUEUE_DEPTH - 1 records or more in the QP's queue: R2 may hold one more, so R1
+        # takes a record only while its QP's flag is clear (``completion.ready`` reads a
+        # register, not R2's fill test).
+        nearly_full = Signal(num_qps)
+        # ``qp_state`` registered, so that S selects its QP's bit from registers: an
+        # operation sees the state of its issue cycle.
         in_reset = Signal(num_qps)
-        m.d.comb += in_reset.eq(Cat(self.qp_state[q] == QpState.RESET for q in range(num_qps)))
         in_err = Signal(num_qps)
-        m.d.comb += in_err.eq(Cat(self.qp_state[q] == QpState.ERR for q in range(num_qps)))
+        m.d.sync += [
+            in_reset.eq(Cat(self.qp_state[q] == QpState.RESET for q in range(num_qps))),
+            in_err.eq(Cat(self.qp_state[q] == QpState.ERR for q in range(num_qps))),
+        ]
 
         # The strobes act on the flags a cycle late, after the operations issued in their
         # cycle (which a strobe follows, as it wins over everything else in its cycle).
@@ -728,13 +735,11 @@ class CompletionUnit(wiring.Component):
         r2_q = Signal(range(max(num_qps, 2)))
         r2_qmask = Signal(num_qps)      # bit r2_q
         r2_record = Signal(CompletionRecordLayout())
-        r2_fills = Signal()
+        r2_nearly_full = Signal()       # R2's QP holds QUEUE_DEPTH - 1 records or more after it
         rec = self.completion.payload
         rq = rec.qpn[:qp_bits]
         rec_in_range = rec.qpn < num_qps
-        rec_blocked = (full.bit_select(rq, 1)
-                       | (r2_valid & r2_fills & (r2_q == rq)
-                          & ~(reset_valid & (reset_q == r2_q))))
+        rec_blocked = nearly_full.bit_select(rq, 1)
         m.d.comb += [
             self.completion.ready.eq(~rec_in_range | ~rec_blocked),
             tail_read.addr.eq(rq),
@@ -807,7 +812,7 @@ class CompletionUnit(wiring.Component):
             return Mux(r_on_x, Mux(complete, r_count_x == n + 1, r_count_x == n),
                        r_count_read == n)
         m.d.comb += [
-            r2_fills.eq(r_count_is(QUEUE_DEPTH - 1)),
+            r2_nearly_full.eq(r_count_is(QUEUE_DEPTH - 2) | r_count_is(QUEUE_DEPTH - 1)),
             r_new.eq(r_tail),
             r_new.tail.eq(r_tail.tail + 1),
             tail_write.addr.eq(r2_q),
@@ -1134,9 +1139,11 @@ class CompletionUnit(wiring.Component):
         ]
 
         # X, completion of the head.
+        x_not_full = Signal()
         m.d.comb += [
             complete.eq(x_cmp & head_valid & can),
             drained.eq((st.head + 1)[:count_bits] == x_tail.tail),
+            x_not_full.eq((x_tail.tail - st.head)[:count_bits] != QUEUE_DEPTH),
         ]
 
         job = _JobLayout()(jobs.w_data)
@@ -1245,9 +1252,10 @@ class CompletionUnit(wiring.Component):
                        | Mux(x_marks, x_mask, 0) | Mux(r_marks, r2_mask, 0)
                        | flush_mask) & ~reset_mask),
             flushing.eq((flushing | Mux(x_sets_flushing, x_mask, 0) | flush_mask) & ~reset_mask),
-            # R2's count already has X's completion of this cycle.
-            full.eq(((full & ~Mux(complete, x_mask, 0)) | Mux(r2_fills, r2_mask, 0))
-                    & ~reset_mask),
+            # R2's count already has X's completion of this cycle; on another QP, X's
+            # completion leaves fewer than QUEUE_DEPTH - 1 unless the queue was full.
+            nearly_full.eq(((nearly_full & ~Mux(complete & x_not_full, x_mask, 0) & ~r2_mask)
+                            | Mux(r2_nearly_full, r2_mask, 0)) & ~reset_mask),
             fresh.eq((fresh & ~x_mask) | reset_mask),
             tail_fresh.eq((tail_fresh & ~r2_mask) | reset_mask),
             wire_fresh.eq((wire_fresh & ~onehot(w2_q, w2_valid)) | reset_mask),
