@@ -243,11 +243,11 @@ class CompletionUnit(wiring.Component):
     Records do not use the engine: the record path owns a second row per QP (queue tail,
     ``sent_psn``, whether a SENT record came and the first one's ``first_psn - 1``, which
     the engine takes as its PSNs until it writes its row). A record is taken when its
-    queue is not full, reads that row and the head in the cycle it is taken and writes
-    itself at the tail and the row back in the next; engine operations issued in the
-    cycle it is taken or later see it. ``qp_flush`` and ``qp_reset`` apply to operations
-    and records issued after the strobe's cycle; one issued in it or before acts before
-    the strobe (a reset discards what it wrote). So records are taken at one per cycle
+    queue has room (below: a flag per QP), reads that row and the head in the cycle it is
+    taken and writes itself at the tail and the row back in the next; engine operations
+    issued in the cycle it is taken or later see it. ``qp_flush`` and ``qp_reset`` apply
+    to operations and records issued after the strobe's cycle; one issued in it or before
+    acts before the strobe (a reset discards what it wrote). So records are taken at one per cycle
     while the engine completes heads at one per cycle (completions of one QP back to
     back too), sharing its cycles only with events.
 
@@ -261,7 +261,7 @@ class CompletionUnit(wiring.Component):
     t - 1. Strobes for a QP number beyond ``num_qps`` are ignored.
 
     Processor, per event for QP q at PSN p. Dropped (``rx_dropped_unexpected``) when q is
-    in RESET (``qp_state`` as the event's S stage reads the rows), has had no SENT record since its reset, has a fatal NAK pending or is
+    in RESET (``qp_state`` as it was in the event's issue cycle), has had no SENT record since its reset, has a fatal NAK pending or is
     flushing (after a fatal NAK or ``qp_flush``), or when p is not in ``(ack_psn,
     sent_psn]`` or is after ``wire_psn`` (or q has sent nothing): ``sent_psn`` is the
     last PSN of q's newest SENT record, ``ack_psn`` the newest acknowledged PSN (the first
@@ -328,8 +328,9 @@ class CompletionUnit(wiring.Component):
     RNR wait and the timer clear.
 
     Records from ``completion`` are kept per QP in order in one memory (``QUEUE_DEPTH``
-    per QP; a record for a full queue waits on ``ready``; one for a QP number beyond
-    ``num_qps`` is taken and ignored). A QP with a new record or a changed state is
+    per QP; a record waits on ``ready`` while its QP's queue holds ``QUEUE_DEPTH - 1`` or
+    more, a registered flag per QP: the record in R2 may not be in it yet, so the queue
+    still fills; one for a QP number beyond ``num_qps`` is taken and ignored). A QP with a new record or a changed state is
     marked (a new record only when it is its queue's head); the engine takes
     marked QPs round robin and completes head records, one per cycle, while the head can
     complete: when flushing, with WR_FLUSH_ERR; ERROR with
