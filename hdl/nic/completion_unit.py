@@ -1253,9 +1253,10 @@ class CompletionUnit(wiring.Component):
                        | Mux(x_marks, x_mask, 0) | Mux(r_marks, r2_mask, 0)
                        | flush_mask) & ~reset_mask),
             flushing.eq((flushing | Mux(x_sets_flushing, x_mask, 0) | flush_mask) & ~reset_mask),
-            # R2's count already has X's completion of this cycle; on another QP, X's
-            # completion leaves fewer than QUEUE_DEPTH - 1 unless the queue was full.
-            nearly_full.eq(((nearly_full & ~Mux(complete & x_not_full, x_mask, 0) & ~r2_mask)
+            # R2's count has X's completion of this cycle; X's completion leaves fewer than
+            # QUEUE_DEPTH - 1 unless the queue was full (X's tail has no record R2 writes
+            # now, so it is not full when R2 is on its QP: R2's count decides).
+            nearly_full.eq(((nearly_full & ~Mux(complete & x_not_full, x_mask, 0))
                             | Mux(r2_nearly_full, r2_mask, 0)) & ~reset_mask),
             fresh.eq((fresh & ~x_mask) | reset_mask),
             tail_fresh.eq((tail_fresh & ~r2_mask) | reset_mask),
