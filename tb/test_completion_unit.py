@@ -336,6 +336,42 @@ def test_engine_hazards():
     run(dut, factory, body)
 
 
+def test_queue_slack():
+    """``completion.ready`` reads a per-QP flag (QUEUE_DEPTH - 1 records or more), as one
+    more record may be in R2 (1 VL, 4 QPs, records offered every cycle): the queue fills to
+    64; a completion that leaves 63 keeps the next record waiting; a second one (62) lets
+    two in, the second as R2 writes the first, and the next waits again at 64."""
+    rng = random.Random(13)
+    dut = CompletionUnit(num_qps=4, num_cqs=2, num_vls=1, addr_width=40)
+    cqs = [(0x10000, 3, 0), (0x20000, 0, 1)]
+
+    def factory():
+        return Bench(dut, rng, qp_states=[QpState.RTS] * 4, cqs=cqs, p_rec=1.0, p_beat=1.0,
+                     p_aw=1.0, p_w=1.0)
+
+    async def body(ctx, bench):
+        ref = bench.ref
+        bench.drive_qp_states(ctx)
+        base = 300
+        recs = [make_rec(0, WRITE, base + k, index=k) for k in range(68)]
+        bench.to_offer.extend(recs)
+        await cycles(ctx, bench, 150)
+        assert len(ref.qps[0].queue) == 64 and bench.offer is recs[64], len(ref.qps[0].queue)
+        for acked, queued, waiting in ((0, 63, 64), (1, 64, 66)):
+            send(bench, 0, Opcode.ACKNOWLEDGE, base + acked)
+            await cycles(ctx, bench, 30)
+            assert len(ref.qps[0].queue) == queued and bench.offer is recs[waiting], (
+                acked, len(ref.qps[0].queue))
+        send(bench, 0, Opcode.ACKNOWLEDGE, base + 65)
+        await offer(ctx, bench)
+        send(bench, 0, Opcode.ACKNOWLEDGE, base + 67)
+        await bench.drain(ctx)
+        assert not ref.qps[0].queue
+        await bench.check_counters(ctx)
+
+    run(dut, factory, body)
+
+
 def measure_rates(unit, qps, records, ack_every):
     """Records for ``qps`` in turn, offered every cycle, AXI always ready; each QP's records
     acknowledged by a coalesced ACK every ``ack_every`` of them taken, or (``None``) the

@@ -243,11 +243,11 @@ class CompletionUnit(wiring.Component):
     Records do not use the engine: the record path owns a second row per QP (queue tail,
     ``sent_psn``, whether a SENT record came and the first one's ``first_psn - 1``, which
     the engine takes as its PSNs until it writes its row). A record is taken when its
-    queue is not full, reads that row and the head in the cycle it is taken and writes
-    itself at the tail and the row back in the next; engine operations issued in the
-    cycle it is taken or later see it. ``qp_flush`` and ``qp_reset`` apply to operations
-    and records issued after the strobe's cycle; one issued in it or before acts before
-    the strobe (a reset discards what it wrote). So records are taken at one per cycle
+    queue has room (below: a flag per QP), reads that row and the head in the cycle it is
+    taken and writes itself at the tail and the row back in the next; engine operations
+    issued in the cycle it is taken or later see it. ``qp_flush`` and ``qp_reset`` apply
+    to operations and records issued after the strobe's cycle; one issued in it or before
+    acts before the strobe (a reset discards what it wrote). So records are taken at one per cycle
     while the engine completes heads at one per cycle (completions of one QP back to
     back too), sharing its cycles only with events.
 
@@ -261,7 +261,7 @@ class CompletionUnit(wiring.Component):
     t - 1. Strobes for a QP number beyond ``num_qps`` are ignored.
 
     Processor, per event for QP q at PSN p. Dropped (``rx_dropped_unexpected``) when q is
-    in RESET (``qp_state`` as the event's S stage reads the rows), has had no SENT record since its reset, has a fatal NAK pending or is
+    in RESET (``qp_state`` as it was in the event's issue cycle), has had no SENT record since its reset, has a fatal NAK pending or is
     flushing (after a fatal NAK or ``qp_flush``), or when p is not in ``(ack_psn,
     sent_psn]`` or is after ``wire_psn`` (or q has sent nothing): ``sent_psn`` is the
     last PSN of q's newest SENT record, ``ack_psn`` the newest acknowledged PSN (the first
@@ -328,8 +328,9 @@ class CompletionUnit(wiring.Component):
     RNR wait and the timer clear.
 
     Records from ``completion`` are kept per QP in order in one memory (``QUEUE_DEPTH``
-    per QP; a record for a full queue waits on ``ready``; one for a QP number beyond
-    ``num_qps`` is taken and ignored). A QP with a new record or a changed state is
+    per QP; a record waits on ``ready`` while its QP's queue holds ``QUEUE_DEPTH - 1`` or
+    more, a registered flag per QP: the record in R2 may not be in it yet, so the queue
+    still fills; one for a QP number beyond ``num_qps`` is taken and ignored). A QP with a new record or a changed state is
     marked (a new record only when it is its queue's head); the engine takes
     marked QPs round robin and completes head records, one per cycle, while the head can
     complete: when flushing, with WR_FLUSH_ERR; ERROR with
@@ -506,11 +507,18 @@ class CompletionUnit(wiring.Component):
         wire_fresh = Signal(num_qps, init=(1 << num_qps) - 1)    # nothing sent since reset
         # A packet went out since the QP's last timer scan: the scan restarts its timer.
         sent_since_scan = Signal(num_qps)
-        full = Signal(num_qps)          # QUEUE_DEPTH records in the QP's queue
+        # QUEUE_DEPTH - 1 records or more in the QP's queue: R2 may hold one more, so R1
+        # takes a record only while its QP's flag is clear (``completion.ready`` reads a
+        # register, not R2's fill test).
+        nearly_full = Signal(num_qps)
+        # ``qp_state`` registered, so that S selects its QP's bit from registers: an
+        # operation sees the state of its issue cycle.
         in_reset = Signal(num_qps)
-        m.d.comb += in_reset.eq(Cat(self.qp_state[q] == QpState.RESET for q in range(num_qps)))
         in_err = Signal(num_qps)
-        m.d.comb += in_err.eq(Cat(self.qp_state[q] == QpState.ERR for q in range(num_qps)))
+        m.d.sync += [
+            in_reset.eq(Cat(self.qp_state[q] == QpState.RESET for q in range(num_qps))),
+            in_err.eq(Cat(self.qp_state[q] == QpState.ERR for q in range(num_qps))),
+        ]
 
         # The strobes act on the flags a cycle late, after the operations issued in their
         # cycle (which a strobe follows, as it wins over everything else in its cycle).
@@ -728,13 +736,11 @@ class CompletionUnit(wiring.Component):
         r2_q = Signal(range(max(num_qps, 2)))
         r2_qmask = Signal(num_qps)      # bit r2_q
         r2_record = Signal(CompletionRecordLayout())
-        r2_fills = Signal()
+        r2_nearly_full = Signal()       # R2's QP holds QUEUE_DEPTH - 1 records or more after it
         rec = self.completion.payload
         rq = rec.qpn[:qp_bits]
         rec_in_range = rec.qpn < num_qps
-        rec_blocked = (full.bit_select(rq, 1)
-                       | (r2_valid & r2_fills & (r2_q == rq)
-                          & ~(reset_valid & (reset_q == r2_q))))
+        rec_blocked = nearly_full.bit_select(rq, 1)
         m.d.comb += [
             self.completion.ready.eq(~rec_in_range | ~rec_blocked),
             tail_read.addr.eq(rq),
@@ -807,7 +813,7 @@ class CompletionUnit(wiring.Component):
             return Mux(r_on_x, Mux(complete, r_count_x == n + 1, r_count_x == n),
                        r_count_read == n)
         m.d.comb += [
-            r2_fills.eq(r_count_is(QUEUE_DEPTH - 1)),
+            r2_nearly_full.eq(r_count_is(QUEUE_DEPTH - 2) | r_count_is(QUEUE_DEPTH - 1)),
             r_new.eq(r_tail),
             r_new.tail.eq(r_tail.tail + 1),
             tail_write.addr.eq(r2_q),
@@ -1134,9 +1140,11 @@ class CompletionUnit(wiring.Component):
         ]
 
         # X, completion of the head.
+        x_not_full = Signal()
         m.d.comb += [
             complete.eq(x_cmp & head_valid & can),
             drained.eq((st.head + 1)[:count_bits] == x_tail.tail),
+            x_not_full.eq((x_tail.tail - st.head)[:count_bits] != QUEUE_DEPTH),
         ]
 
         job = _JobLayout()(jobs.w_data)
@@ -1245,9 +1253,11 @@ class CompletionUnit(wiring.Component):
                        | Mux(x_marks, x_mask, 0) | Mux(r_marks, r2_mask, 0)
                        | flush_mask) & ~reset_mask),
             flushing.eq((flushing | Mux(x_sets_flushing, x_mask, 0) | flush_mask) & ~reset_mask),
-            # R2's count already has X's completion of this cycle.
-            full.eq(((full & ~Mux(complete, x_mask, 0)) | Mux(r2_fills, r2_mask, 0))
-                    & ~reset_mask),
+            # R2's count has X's completion of this cycle; X's completion leaves fewer than
+            # QUEUE_DEPTH - 1 unless the queue was full (X's tail has no record R2 writes
+            # now, so it is not full when R2 is on its QP: R2's count decides).
+            nearly_full.eq(((nearly_full & ~Mux(complete & x_not_full, x_mask, 0))
+                            | Mux(r2_nearly_full, r2_mask, 0)) & ~reset_mask),
             fresh.eq((fresh & ~x_mask) | reset_mask),
             tail_fresh.eq((tail_fresh & ~r2_mask) | reset_mask),
             wire_fresh.eq((wire_fresh & ~onehot(w2_q, w2_valid)) | reset_mask),
