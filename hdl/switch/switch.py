@@ -13,7 +13,7 @@ from hdl.link.signatures import (
 from hdl.switch.forwarding_table import ForwardingTable
 from hdl.switch.islip_allocator import IslipAllocator
 from hdl.switch.register_map import HOQ_TICK_CYCLES, check_config
-from hdl.switch.skid_register import SkidRegister
+from hdl.prim.skid_register import SkidRegister
 from hdl.switch.switch_allocator import ALLOC_STAGES, SwitchAllocator
 from hdl.switch.switch_registers import AxiLiteSignature, SwitchRegisters
 from hdl.switch.voq_buffer import QUEUE_MODES, VoqBuffer
