@@ -82,11 +82,10 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from models.packet import CREDIT_BLOCK_BYTES, VCRC_SIZE, blocks
+from models.packet import CREDIT_BLOCK_BYTES, SEND_ONLY_OVERHEAD, blocks, stored_beats, wire_beats
 
 __all__ = [
-    "FCCL_MOD", "FC_BATCH_INTERVAL", "SEND_ONLY_OVERHEAD", "MIN_WIRE_BYTES",
-    "wire_beats", "stored_beats", "send_only_wire_bytes",
+    "FCCL_MOD", "FC_BATCH_INTERVAL", "MIN_WIRE_BYTES",
     "Channel", "CreditSender", "CreditReceiver", "FlowControlScheduler", "VlArbiter",
     "LinkStateMachine", "INIT_REPEATS", "ARMED_FC_INTERVAL",
     "Packet", "PacketBufferModel", "Transmitter", "Receiver", "LinkModel", "LinkStats",
@@ -99,24 +98,8 @@ CREDIT_WINDOW = 2048         # IBA: send if (FCCL - (FCTBS + blocks)) mod 4096 <
 FC_BATCH_INTERVAL = 4        # link_transmitter.FC_BATCH_INTERVAL
 ARMED_FC_INTERVAL = 16       # link_transmitter.ARMED_FC_INTERVAL
 INIT_REPEATS = 8             # link_port.INIT_REPEATS
-SEND_ONLY_OVERHEAD = 8 + 12 + 4 + VCRC_SIZE    # LRH + BTH + ICRC + VCRC around a payload
 MIN_WIRE_BYTES = SEND_ONLY_OVERHEAD            # smallest IBA transport packet on a wire
 FC_ITEM = "fc"
-
-
-def wire_beats(nbytes: int, width: int) -> int:
-    """Beats a packet of ``nbytes`` wire bytes (LRH .. VCRC) takes on the wire."""
-    return -(-nbytes // width)
-
-
-def stored_beats(nbytes: int, width: int) -> int:
-    """Beats it takes in a receive buffer (LRH .. ICRC, the VCRC stripped)."""
-    return -(-(nbytes - VCRC_SIZE) // width)
-
-
-def send_only_wire_bytes(payload: int) -> int:
-    """Wire bytes of a SEND_ONLY packet (LRH, BTH, payload padded to 4, ICRC, VCRC)."""
-    return SEND_ONLY_OVERHEAD + payload + (-payload % 4)
 
 
 # ----------------------------------------------------------------------------- channel

@@ -18,9 +18,27 @@ VCRC_SIZE = 2
 MAX_PKTLEN_WORDS = (1 << 11) - 1
 
 
+SEND_ONLY_OVERHEAD = 8 + 12 + ICRC_SIZE + VCRC_SIZE   # LRH + BTH + ICRC + VCRC around a payload
+
+
 def blocks(nbytes: int) -> int:
     """Credit blocks (64 B) that `nbytes` occupy, rounded up."""
     return -(-nbytes // CREDIT_BLOCK_BYTES)
+
+
+def wire_beats(nbytes: int, width: int) -> int:
+    """Beats a packet of `nbytes` wire bytes (LRH .. VCRC) takes on a `width`-byte wire."""
+    return -(-nbytes // width)
+
+
+def stored_beats(nbytes: int, width: int) -> int:
+    """Beats it takes in a receive buffer (LRH .. ICRC, the VCRC stripped)."""
+    return -(-(nbytes - VCRC_SIZE) // width)
+
+
+def send_only_wire_bytes(payload: int) -> int:
+    """Wire bytes of a SEND_ONLY packet (LRH, BTH, payload padded to 4, ICRC, VCRC)."""
+    return SEND_ONLY_OVERHEAD + payload + (-payload % 4)
 
 
 def _pad_count(payload_len: int) -> int:

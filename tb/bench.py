@@ -94,7 +94,8 @@ def buffer_table(sweep):
 
 def model_buffer_table(config):
     """The same question answered by models/link.py, at block resolution instead of a few builds."""
-    from models.link import credit_loop_cycles, min_buffer_for_full_rate, send_only_wire_bytes
+    from models.link import credit_loop_cycles, min_buffer_for_full_rate
+    from models.packet import send_only_wire_bytes
     packet = send_only_wire_bytes(4096)
     model = {k: LINK[k] for k in ("num_vls", "fc_period", "fc_min_interval", "fc_batch_blocks",
                                   "cut_through")}
@@ -189,10 +190,10 @@ def switch_model(load, *, mode="voq", buffer_blocks=132, downstream_blocks=132, 
 
 
 def switch_model_records(rtl):
-    """models/switch.py on the configurations the RTL was measured with."""
+    """models/switch/ on the configurations the RTL was measured with."""
     by_name = {r["name"]: r for r in rtl}
     records = []
-    base = {"source": "models/switch.py", "traffic": "uniform over the other ports",
+    base = {"source": "models/switch/", "traffic": "uniform over the other ports",
             "sls": [0, 1], "cycles": 160000, "warmup": 80000}
     for name, kwargs in (("uniform", {}), (f"uniform.buffer{SWITCH_LARGE_BUFFER}",
                                            {"buffer_blocks": SWITCH_LARGE_BUFFER}),

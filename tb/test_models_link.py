@@ -7,10 +7,9 @@ import pytest
 from models.link import (
     ARMED_FC_INTERVAL, FCCL_MOD, INIT_REPEATS, Channel, CreditReceiver, CreditSender,
     FlowControlScheduler, LinkModel, LinkStateMachine, VlArbiter,
-    credit_loop_cycles, estimate_min_buffer, min_buffer_for_full_rate, send_only_wire_bytes,
-    stored_beats, wire_beats,
+    credit_loop_cycles, estimate_min_buffer, min_buffer_for_full_rate,
 )
-from models.packet import blocks
+from models.packet import blocks, send_only_wire_bytes, stored_beats, wire_beats
 
 MTU_PACKET = send_only_wire_bytes(4096)     # 4122: LRH + BTH + 4096 + ICRC + VCRC
 

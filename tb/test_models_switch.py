@@ -1,4 +1,4 @@
-"""Tests of the pure-Python switch model (models/switch.py); no simulator.
+"""Tests of the pure-Python switch model (models/switch/); no simulator.
 
 Small cycle counts and fixed seeds: the whole file runs in well under a minute on one core.
 """
@@ -12,12 +12,13 @@ import pytest
 from models.crc import icrc
 from models.ib import BTH, LRH, Opcode
 from models.link import VlArbiter
-from models.packet import build_packet, parse_packet, random_packet, wire_packet
+from models.packet import (blocks, build_packet, parse_packet, random_packet,
+                           send_only_wire_bytes, wire_beats, wire_packet)
 from models.switch import (
     FlowScoreboard, ForwardingTable, IslipAllocator, Network, Router, SlToVl, SwitchPacket,
-    Traffic, blocks, check_lossless, forward, jain_index, main, make_traffic, run_switch,
-    send_only_wire_bytes, wire_beats,
+    Traffic, check_lossless, forward, jain_index, make_traffic, run_switch,
 )
+from models.switch.__main__ import main
 
 PAYLOAD = 2020          # 2046 wire bytes: 32 beats of 64 B, 32 credit blocks
 # Back-to-back packets leave a port with no idle cycle between them, so a port carries

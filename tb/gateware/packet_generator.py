@@ -79,7 +79,7 @@ rate : In(16)
     with probability ``rate / 65536`` (another xorshift LFSR draws it); arrivals
     queue in ``backlog`` and a packet starts only while ``backlog`` is non-zero.
     For a load ``L`` (fraction of the wire) with packets of ``B`` beats on the wire:
-    ``rate = 65536 * L / B``, as models/switch.py's ``Traffic`` generates them.
+    ``rate = 65536 * L / B``, as models/switch/traffic.py's ``Traffic`` generates them.
 seed : In(32)
     Loaded into both LFSRs of ``dlid_count`` and ``rate`` on ``clear`` when non-zero,
     so that generators side by side draw independent sequences.
