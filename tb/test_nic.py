@@ -60,7 +60,11 @@ async def post_all(tb, work):
     await tb.gpu.flush()
 
 
-LONG_INLINE_NIC_CYCLES = 34     # measured 2026-12-06, every trial (7 more than 8 bytes: 27)
+# 2026-12-07: +1 for the AR register (the WQE fetch's; the payload read's too for the long
+# one), +1 for the register between the assembler and the VL multiplexer (docs/nic.md,
+# Block boundaries): 27 and 34 before.
+NIC_CYCLES = 29
+LONG_INLINE_NIC_CYCLES = 37     # measured 2026-12-06 as 34, every trial (7 more than 8 bytes)
 
 
 @cocotb.test()
@@ -78,7 +82,7 @@ async def zero_load_latency(dut):
         nic_cycles.append(t["nic"])
         dut._log.info(f"trial {trial}: doorbell -> wire {t['total']} cycles = NIC {t['nic']} "
                       f"(doorbell -> AR {t['to_ar']}) + memory {t['memory']}")
-    assert max(nic_cycles) <= 27, f"NIC cycles {nic_cycles} (budget 27)"
+    assert max(nic_cycles) <= NIC_CYCLES, f"NIC cycles {nic_cycles} (budget {NIC_CYCLES})"
     # A warp-combined put of 8-byte T (256 inline bytes, 5 blocks): its bytes are read back
     # from the ring, a second memory wait (docs/nic.md "Inline data from the ring").
     long_cycles = []

@@ -1,4 +1,4 @@
-"""SkidRegister (hdl/switch/skid_register.py) in Amaranth's simulator: random valid on its input
+"""SkidRegister (hdl/prim/skid_register.py) in Amaranth's simulator: random valid on its input
 and random ready on its output; a scoreboard checks every beat comes out once, in order, from
 the cycle after it was taken at the earliest, and that ``i.ready`` and ``o`` depend on registers
 only (they do not change when the same cycle's ``i.valid``, ``i.payload`` or ``o.ready`` do)."""
@@ -13,7 +13,7 @@ from tb.amaranth_sim import simulate
 @pytest.mark.parametrize("seed,p_valid,p_ready", [(1, 0.9, 0.9), (2, 0.5, 0.3), (3, 1.0, 0.6),
                                                   (4, 0.3, 1.0)])
 def test_order_and_registered_handshake(seed, p_valid, p_ready):
-    from hdl.switch.skid_register import SkidRegister
+    from hdl.prim.skid_register import SkidRegister
     dut = SkidRegister(8)
     rng = random.Random(seed)
     sent, got = deque(), []
@@ -51,7 +51,7 @@ def test_order_and_registered_handshake(seed, p_valid, p_ready):
 
 def test_full_rate():
     """Valid and ready every cycle: one beat per cycle, each the cycle after it went in."""
-    from hdl.switch.skid_register import SkidRegister
+    from hdl.prim.skid_register import SkidRegister
     dut = SkidRegister(8)
 
     async def testbench(ctx):

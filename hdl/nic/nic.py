@@ -6,6 +6,7 @@ from amaranth.lib.wiring import In, Out
 from hdl.link.link_port import LinkPort
 from hdl.link.link_receiver import DROP_REASONS
 from hdl.link.signatures import LinkState, WireSignature
+from hdl.prim.skid_register import SkidRegister
 
 from .atomic_unit import AtomicUnit
 from .axi_read_arbiter import AxiReadArbiter
@@ -215,7 +216,7 @@ class Nic(wiring.Component):
             asm.packet.payload.eq(packets.r_data), asm.packet.valid.eq(packets.r_rdy),
             packets.r_en.eq(asm.packet.ready),
         ]
-        wiring.connect(m, exe.completion, comp.completion)
+        self._register(m, "completion_register", exe.completion, comp.completion)
         wiring.connect(m, exe.sent, comp.sent)
         wiring.connect(m, comp.retire, sched.retire)
         # Go-back-N: the completion unit rewinds a QP's fetch and execution.
@@ -254,7 +255,7 @@ class Nic(wiring.Component):
                    RESPONSE_ID: (resp.ar, resp_asm.payload), RECV_ID: (rq.ar, rq.r),
                    ATOMIC_ID: (atomics.ar, atomics.r)}
         for rid, (ar, r) in readers.items():
-            wiring.connect(m, ar, reads.requests[rid])
+            self._register(m, f"ar_register{rid}", ar, reads.requests[rid])
             wiring.connect(m, reads.responses[rid], r)
         for index, writer in enumerate((comp.axi, dma.axi, read_data.axi, atomics.axi)):
             wiring.connect(m, writer, writes.writers[index])
@@ -268,10 +269,10 @@ class Nic(wiring.Component):
         # responder; requester and responder packets share each VL.
         for v in range(self.num_vls):
             mux = m.submodules[f"mux{v}"] = self.muxes[v]
-            wiring.connect(m, asm.data_out[v], mux.inputs[0])
-            wiring.connect(m, resp_asm.data_out[v], mux.inputs[1])
+            self._register(m, f"tx_register{v}", asm.data_out[v], mux.inputs[0])
+            self._register(m, f"response_tx_register{v}", resp_asm.data_out[v], mux.inputs[1])
             wiring.connect(m, mux.output, port.data_in[v])
-            wiring.connect(m, port.data_out[v], recv.rx[v])
+            self._register(m, f"rx_register{v}", port.data_out[v], recv.rx[v])
             wiring.connect(m, recv.responses[v], read_data.rx[v])
             wiring.connect(m, read_data.out[v], comp.rx[v])
             m.d.comb += comp.rx_seq[v].eq(read_data.out_seq[v])
@@ -290,3 +291,12 @@ class Nic(wiring.Component):
                 m.d.comb += regs.counters[index].eq(getattr(blocks[block_name], name))
                 index += 1
         return m
+
+    @staticmethod
+    def _register(m, name, source, sink):
+        """``source`` to ``sink`` through a :class:`SkidRegister`: a cycle more, and neither
+        block's handshake reaches the other's logic in a cycle (docs/nic.md, Block
+        boundaries)."""
+        skid = m.submodules[name] = SkidRegister(source.payload.shape())
+        wiring.connect(m, source, skid.i)
+        wiring.connect(m, skid.o, sink)

@@ -3,6 +3,7 @@ from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from hdl.link.signatures import BeatLayout
+from hdl.prim.skid_register import SkidRegister
 
 __all__ = ["PacketMux"]
 
@@ -19,8 +20,9 @@ class PacketMux(wiring.Component):
     follow in the next cycle. An input whose packet is ready is thus passed over at most
     ``inputs - 1`` times.
 
-    The output is a register (one beat), refilled in the cycle it is taken: beats move
-    at one per cycle while ``output.ready`` is high, with one cycle of latency.
+    The output is a :class:`SkidRegister`: beats move at one per cycle while
+    ``output.ready`` is high, with one cycle of latency, and the inputs' ``ready`` comes
+    from its register, not from ``output.ready`` (docs/nic.md, Block boundaries).
 
     Packets are framed by ``end`` alone: beats pass unchanged (``start``, ``count`` and
     ``end_bad`` included), so a packet whose first beat lacks ``start`` still goes out
@@ -60,14 +62,14 @@ class PacketMux(wiring.Component):
                             with m.If(self.inputs[index].valid):
                                 m.d.comb += pick.eq(index)
 
-        take = ~self.output.valid | self.output.ready
-        valid = Array(port.valid for port in self.inputs)[pick]
+        m.submodules.register = register = SkidRegister(BeatLayout(WIDTH))
+        wiring.connect(m, register.o, wiring.flipped(self.output))
         beat = BeatLayout(WIDTH)(Array(port.payload.as_value() for port in self.inputs)[pick])
+        m.d.comb += [register.i.valid.eq(Array(port.valid for port in self.inputs)[pick]),
+                     register.i.payload.eq(beat)]
         for index, port in enumerate(self.inputs):
-            m.d.comb += port.ready.eq(take & (pick == index))
+            m.d.comb += port.ready.eq(register.i.ready & (pick == index))
 
-        with m.If(take):
-            m.d.sync += [self.output.valid.eq(valid), self.output.payload.eq(beat)]
-            with m.If(valid):
-                m.d.sync += [busy.eq(~beat.end), grant.eq(pick)]
+        with m.If(register.i.valid & register.i.ready):
+            m.d.sync += [busy.eq(~beat.end), grant.eq(pick)]
         return m

@@ -7,7 +7,7 @@ from amaranth.lib.wiring import In, Out
 
 from hdl.arith import or_all
 from hdl.link.signatures import BeatLayout, check_width, vl_index
-from hdl.switch.skid_register import SkidRegister
+from hdl.prim.skid_register import SkidRegister
 
 __all__ = ["Crossbar", "CrossbarBeat"]
 

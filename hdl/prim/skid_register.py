@@ -1,5 +1,6 @@
 """Two-entry stream register whose output and whose ``ready`` are both registers, so neither
-side's handshake reaches the other in a cycle (docs/switch.md, Crossbar register)."""
+side's handshake reaches the other in a cycle (docs/switch.md, Crossbar register; docs/nic.md,
+Block boundaries)."""
 
 from amaranth import *
 from amaranth.lib import stream, wiring
