@@ -10,11 +10,13 @@ from amaranth.sim import Simulator
 __all__ = ["simulate", "Driver", "assert_rejected", "assert_lint_clean"]
 
 
-def simulate(dut, testbench):
-    """Run ``testbench`` (an ``async def testbench(ctx)``) on ``dut`` with one clock until
-    it returns. The tests count cycles, never time: the period is arbitrary."""
+def simulate(dut, testbench, *, clock=True):
+    """Run ``testbench`` (an ``async def testbench(ctx)``) on ``dut`` with one clock (none for
+    a combinational ``dut``: ``clock=False``) until it returns. The tests count cycles, never
+    time: the period is arbitrary."""
     sim = Simulator(dut)
-    sim.add_clock(1e-8)
+    if clock:
+        sim.add_clock(1e-8)
     sim.add_testbench(testbench)
     sim.run()
 

@@ -6,7 +6,7 @@ from amaranth.lib.wiring import In, Out
 from ..arith import or_all
 from ..crc.aligned_crc import AlignedCRC, advance_and_seed, align
 from ..crc.algorithms import VCRC
-from ..switch.islip_allocator import next_mask, round_robin_pick
+from ..prim.round_robin import mask_at, next_mask, round_robin_pick
 from .signatures import (
     BeatLayout, FlowControlOp, FlowControlSignature, LinkState, WireSignature,
     BLOCK_BYTES, FCCL_BITS, VCRC_BYTES, blocks_of, check_mtu, check_width, lrh_pktlen,
@@ -300,7 +300,7 @@ class LinkTransmitter(wiring.Component):
             m.d.sync += [weight_less1[v].eq(self.vl_weight[v] - 1), weight_nz[v].eq(self.vl_weight[v] != 0)]
         grant = Signal(num_vls)
         m.d.comb += [
-            grant.eq(round_robin_pick(m, eligible, Cat(rr_mask, C(1, 1)), num_vls, name="rr")),
+            grant.eq(round_robin_pick(m, eligible, Cat(rr_mask, C(1, 1)), name="rr")),
         ]
         start = Signal(num_vls)                 # a packet starts on this VL
         carry_on = Signal(num_vls, attrs=KEEP)  # the current packet's next beat goes
@@ -443,7 +443,7 @@ class LinkTransmitter(wiring.Component):
                 left_less1.append(_choose(held, _difference(rr_budget_less1, less1, 1),
                                           _difference(weight_less1[v], less1, 1)))
                 one_hot = C(1 << v, num_vls)
-                masks.append(Mux(left_nz[v], _thermometer(one_hot, num_vls), next_mask(one_hot, num_vls)))
+                masks.append(Mux(left_nz[v], mask_at(one_hot), next_mask(one_hot)))
             m.d.sync += [
                 rr_budget_less1.eq(_one_hot_mux(start, left_less1)),
                 rr_budget_nz.eq(_one_hot_mux(start, left_nz)),
@@ -542,11 +542,6 @@ def _choose(select, a, b):
 def _one_hot_mux(select, values):
     """The value whose bit in ``select`` is set (at most one is); zero when none is."""
     return or_all(Mux(select[i], value, 0) for i, value in enumerate(values))
-
-
-def _thermometer(one_hot, n):
-    """Thermometer mask of the pointer k for the set bit k of ``one_hot``: bits k and up."""
-    return Cat(*(one_hot[:j + 1].any() for j in range(n)))
 
 
 def _less_than(a, b):

@@ -3,6 +3,7 @@ from amaranth.utils import exact_log2
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
+from ..prim.round_robin import mask_after, next_mask, one_hot_index, round_robin_pick
 from .signatures import AXI_ID_BITS, ArLayout, AxiReadSignature, RBeatLayout
 
 __all__ = ["AxiReadArbiter"]
@@ -53,27 +54,21 @@ class AxiReadArbiter(wiring.Component):
 
         # Round robin over requests: a registered AR slot, refilled from the reader
         # after the last one granted.
-        last = Signal(range(self.readers))
+        mask = Signal(self.readers, init=mask_after(0, self.readers))
+        requests = Cat(request.valid for request in self.requests)
         with m.If(~axi.arvalid | axi.arready):
             m.d.sync += axi.arvalid.eq(0)
-            granted = Signal(range(self.readers))
-            any_valid = Signal()
-            # The first valid reader after ``last`` wins: later assignments override, so
-            # walk the candidates from the farthest to the nearest.
-            for offset in reversed(range(1, self.readers + 1)):
-                for i, request in enumerate(self.requests):
-                    with m.If(request.valid & ((last + offset) % self.readers == i)):
-                        m.d.comb += [granted.eq(i), any_valid.eq(1)]
+            pick = round_robin_pick(m, requests, mask, name="ar")
             for i, request in enumerate(self.requests):
-                m.d.comb += request.ready.eq(any_valid & (granted == i))
-            with m.If(any_valid):
-                chosen = Array(request.payload for request in self.requests)[granted]
+                m.d.comb += request.ready.eq(pick[i])
+            with m.If(requests.any()):
+                chosen = Array(request.payload for request in self.requests)[one_hot_index(pick)]
                 m.d.sync += [
                     axi.arvalid.eq(1),
                     axi.arid.eq(chosen.id),
                     axi.araddr.eq(chosen.addr),
                     axi.arlen.eq(chosen.len),
-                    last.eq(granted),
+                    mask.eq(next_mask(pick)),
                 ]
         m.d.comb += [
             axi.arsize.eq(exact_log2(self.data_bytes)),

@@ -3,6 +3,7 @@ from amaranth.lib import fifo, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import bits_for
 
+from ..prim.round_robin import mask_after, next_mask, one_hot_index, round_robin_pick
 from .signatures import AXI_ID_BITS, AxiWriteSignature
 
 __all__ = ["AxiWriteArbiter"]
@@ -61,20 +62,16 @@ class AxiWriteArbiter(wiring.Component):
         m.submodules.order = order = fifo.SyncFIFO(width=index_bits, depth=ORDER_DEPTH)
 
         # AW: the first valid writer after the last one granted wins the free slot.
-        last = Signal(index_bits)
-        granted = Signal(index_bits)
-        any_valid = Signal()
+        mask = Signal(n, init=mask_after(0, n))
+        requests = Cat(writer.awvalid for writer in writers)
+        pick = round_robin_pick(m, requests, mask, name="aw")
+        granted = one_hot_index(pick)
         aw_free = (~axi.awvalid | axi.awready) & order.w_rdy
-        # Later assignments override: walk the candidates from the farthest to the nearest.
-        for offset in reversed(range(1, n + 1)):
-            for i, writer in enumerate(writers):
-                with m.If(writer.awvalid & ((last + offset) % n == i)):
-                    m.d.comb += [granted.eq(i), any_valid.eq(1)]
         for i, writer in enumerate(writers):
-            m.d.comb += writer.awready.eq(aw_free & any_valid & (granted == i))
+            m.d.comb += writer.awready.eq(aw_free & pick[i])
         with m.If(axi.awready):
             m.d.sync += axi.awvalid.eq(0)
-        with m.If(aw_free & any_valid):
+        with m.If(aw_free & requests.any()):
             chosen = Array(writers)[granted]
             m.d.sync += [
                 axi.awvalid.eq(1),
@@ -83,7 +80,7 @@ class AxiWriteArbiter(wiring.Component):
                 axi.awlen.eq(chosen.awlen),
                 axi.awsize.eq(chosen.awsize),
                 axi.awburst.eq(chosen.awburst),
-                last.eq(granted),
+                mask.eq(next_mask(pick)),
             ]
             m.d.comb += [order.w_en.eq(1), order.w_data.eq(granted)]
 

@@ -9,7 +9,7 @@ from hdl.nic.signatures import (
     COUNTERS, EPOCH_BITS, MAX_WQE_BLOCKS, DoorbellLayout, EventSignature, FetchDoneLayout,
     FetchRequestLayout, QpState, RetireLayout, RewindLayout,
 )
-from hdl.switch.islip_allocator import next_mask, round_robin_pick
+from hdl.prim.round_robin import next_mask, round_robin_pick
 
 __all__ = ["DoorbellScheduler"]
 
@@ -261,7 +261,7 @@ class DoorbellScheduler(wiring.Component):
         requests = named(m, Cat(p.eligible for p in plans) & ~touched & ~Mux(load, pick, 0),
                         "requests")
         picked = Signal()                   # pick != 0
-        m.d.sync += [pick.eq(round_robin_pick(m, requests, rr_mask, n, name="pick")),
+        m.d.sync += [pick.eq(round_robin_pick(m, requests, rr_mask, name="pick")),
                      picked.eq(requests.any())]
         grant = named(m, Mux(load, pick & ~touched & ~reset_hit, 0), "grant")
         pick_qpn = named(m, Cat(Cat(pick[q] for q in range(n) if q >> b & 1).any()
@@ -269,7 +269,7 @@ class DoorbellScheduler(wiring.Component):
         granting = named(m, load & picked & ~(pick & touched).any() &
                         ~same_qp(reset.valid, reset.qpn, pick_qpn), "granting")
         with m.If(granting):
-            m.d.sync += rr_mask.eq(next_mask(pick, n))
+            m.d.sync += rr_mask.eq(next_mask(pick))
         # AND-OR over the one-hot pick: a balanced OR tree.
         chosen = named(m, or_all(Mux(pick[q], plans[q].as_value(), 0) for q in range(n)),
                       "chosen", len(plans[0].as_value()))

@@ -3,6 +3,7 @@ from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from hdl.link.signatures import BeatLayout
+from hdl.prim.round_robin import mask_after, next_mask, one_hot_index, round_robin_pick
 from hdl.prim.skid_register import SkidRegister
 
 __all__ = ["PacketMux"]
@@ -47,29 +48,22 @@ class PacketMux(wiring.Component):
         m = Module()
         n = self.input_count
 
-        busy = Signal()                       # a packet is in progress on input ``grant``
-        grant = Signal(range(max(n, 2)))      # the input holding the grant, or granted last
-        pick = Signal.like(grant)
-        with m.If(busy):
-            m.d.comb += pick.eq(grant)
-        with m.Else():
-            with m.Switch(grant):
-                for last in range(n):
-                    with m.Case(last):
-                        # Later assignments win: the input right after ``last`` comes last.
-                        for step in range(n, 0, -1):
-                            index = (last + step) % n
-                            with m.If(self.inputs[index].valid):
-                                m.d.comb += pick.eq(index)
+        busy = Signal()                 # a packet is in progress on input ``holder``
+        holder = Signal(n)              # one-hot
+        mask = Signal(n, init=mask_after(0, n))
+        valids = Cat(port.valid for port in self.inputs)
+        pick = Signal(n)
+        m.d.comb += pick.eq(Mux(busy, holder, round_robin_pick(m, valids, mask, name="input")))
 
         m.submodules.register = register = SkidRegister(BeatLayout(WIDTH))
         wiring.connect(m, register.o, wiring.flipped(self.output))
-        beat = BeatLayout(WIDTH)(Array(port.payload.as_value() for port in self.inputs)[pick])
-        m.d.comb += [register.i.valid.eq(Array(port.valid for port in self.inputs)[pick]),
+        beat = BeatLayout(WIDTH)(
+            Array(port.payload.as_value() for port in self.inputs)[one_hot_index(pick)])
+        m.d.comb += [register.i.valid.eq((valids & pick).any()),
                      register.i.payload.eq(beat)]
         for index, port in enumerate(self.inputs):
-            m.d.comb += port.ready.eq(register.i.ready & (pick == index))
+            m.d.comb += port.ready.eq(register.i.ready & pick[index])
 
         with m.If(register.i.valid & register.i.ready):
-            m.d.sync += [busy.eq(~beat.end), grant.eq(pick)]
+            m.d.sync += [busy.eq(~beat.end), holder.eq(pick), mask.eq(next_mask(pick))]
         return m

@@ -6,6 +6,7 @@ from amaranth.utils import exact_log2
 from hdl.arith import lookahead_sum, named
 from hdl.ib.headers import AETH, BTH, LRH
 from hdl.link.signatures import BeatLayout, vl_index
+from hdl.prim.round_robin import mask_after, next_mask, one_hot_index, round_robin_pick
 
 from .dma_writer import DmaWriter, command_bursts
 from .signatures import (
@@ -244,7 +245,7 @@ class ResponseWriter(wiring.Component):
         # --- Ingress: pass-through, and one stored packet at a time ---------------------
         busy = Signal()                     # a stored packet's beats are being taken
         current = Signal(vl_index(num_vls))
-        last_grant = Signal(vl_index(num_vls))
+        rr_mask = Signal(num_vls, init=mask_after(0, num_vls))   # after the VL granted last
         beats_before = Signal(range(MAX_PACKET_BEATS + 1))   # saturates: not stored beyond
         # Whether the next beat taken is stored (~busy | beats_before < MAX_PACKET_BEATS).
         stores = Signal(init=1)
@@ -257,14 +258,8 @@ class ResponseWriter(wiring.Component):
         index = named(m, Mux(busy, beats_before, 0), "index")
         index_plus1 = named(m, Mux(busy, beats_before + 1, 1), "index_plus1")
         pending = Signal(num_vls)
-        rr_grant = Signal(vl_index(num_vls))
-        rr_granted = Signal()
-        with m.Switch(last_grant):
-            for last in range(num_vls):
-                with m.Case(last):
-                    for v in reversed([(last + 1 + k) % num_vls for k in range(num_vls)]):
-                        with m.If(pending[v]):
-                            m.d.comb += [rr_grant.eq(v), rr_granted.eq(1)]
+        rr_grant = one_hot_index(round_robin_pick(m, pending, rr_mask, name="vl"))
+        rr_granted = pending.any()
         grant = Mux(hold, held, rr_grant)
         go = ~busy & (hold | rr_granted) & room & slot_free
 
@@ -333,7 +328,8 @@ class ResponseWriter(wiring.Component):
                 stores.eq(beat.end | (stores & (index < MAX_PACKET_BEATS - 1))),
             ]
             with m.If(first):
-                m.d.sync += [current.eq(select), last_grant.eq(select),
+                m.d.sync += [current.eq(select),
+                             rr_mask.eq(next_mask(Cat(select == v for v in range(num_vls)))),
                              packet_start.eq(write_ptr)]
 
         # The ring's use: less what the DmaWriter releases (a register of it), plus the

@@ -2,31 +2,9 @@ from amaranth import *
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
-__all__ = ["IslipAllocator", "round_robin_pick", "next_mask"]
+from hdl.prim.round_robin import next_mask, round_robin_pick
 
-
-def round_robin_pick(m, requests, mask, n, *, name):
-    """One-hot pick of the first set bit of ``requests`` at or after the round-robin pointer.
-
-    The pointer is held as a thermometer ``mask`` (bits at or after it set: all ones for
-    pointer 0), so no comparator sits in the path: bit k wins when it is requested and
-    either it is at or after the pointer with no such request below it, or no request is
-    at or after the pointer and none is below it (the wrap-around). About three LUT levels
-    for 8 requests. Zero when nothing is requested.
-    """
-    high = Signal(n, name=f"{name}_high")
-    m.d.comb += high.eq(requests & mask)
-    pick = Signal(n, name=f"{name}_pick")
-    for k in range(n):
-        high_below = high[:k].any() if k else C(0, 1)
-        any_below = requests[:k].any() if k else C(0, 1)
-        m.d.comb += pick[k].eq(requests[k] & Mux(mask[k], ~high_below, ~high.any() & ~any_below))
-    return pick
-
-
-def next_mask(one_hot, n):
-    """Thermometer mask of the pointer ``(k + 1) mod n`` for the set bit ``k`` of ``one_hot``."""
-    return Cat(*(one_hot[n - 1] | (one_hot[:j].any() if j else C(0, 1)) for j in range(n)))
+__all__ = ["IslipAllocator"]
 
 
 class IslipAllocator(wiring.Component):
@@ -87,12 +65,12 @@ class IslipAllocator(wiring.Component):
             granted = []    # granted[o] = one-hot over inputs
             for o in range(n):
                 column = Cat(*(request(i, o) for i in range(n))) & in_free & out_free[o].replicate(n)
-                granted.append(round_robin_pick(m, column, grant_ptr[o], n, name=f"it{it}_grant{o}"))
+                granted.append(round_robin_pick(m, column, grant_ptr[o], name=f"it{it}_grant{o}"))
             # Accept: each unmatched input picks among the outputs that granted it.
             accepted = []
             for i in range(n):
                 offers = Cat(*(granted[o][i] for o in range(n)))
-                accepted.append(round_robin_pick(m, offers, accept_ptr[i], n, name=f"it{it}_accept{i}"))
+                accepted.append(round_robin_pick(m, offers, accept_ptr[i], name=f"it{it}_accept{i}"))
             matches.append(accepted)
             next_in_free = Signal(n, name=f"in_free_{it + 1}")
             next_out_free = Signal(n, name=f"out_free_{it + 1}")
@@ -118,9 +96,9 @@ class IslipAllocator(wiring.Component):
         with m.If(self.enable):
             for i in range(n):
                 with m.If(first[i].any()):
-                    m.d.sync += accept_ptr[i].eq(next_mask(first[i], n))
+                    m.d.sync += accept_ptr[i].eq(next_mask(first[i]))
             for o in range(n):
                 winner = Cat(*(first[i][o] for i in range(n)))
                 with m.If(winner.any()):
-                    m.d.sync += grant_ptr[o].eq(next_mask(winner, n))
+                    m.d.sync += grant_ptr[o].eq(next_mask(winner))
         return m

@@ -7,7 +7,7 @@ from amaranth.lib.wiring import In, Out
 
 from hdl.arith import or_all
 from hdl.link.signatures import FCCL_BITS, vl_index
-from hdl.switch.islip_allocator import next_mask, round_robin_pick
+from hdl.prim.round_robin import next_mask, round_robin_pick
 
 __all__ = ["SwitchAllocator", "ALLOC_STAGES"]
 
@@ -178,7 +178,7 @@ class SwitchAllocator(wiring.Component):
                     with m.If(vl_any.bit_select(candidate, 1)):
                         m.d.comb += pick.eq(candidate)
             per_vl = [round_robin_pick(
-                m, Cat(requests[k(i, o, v)] for i in range(P)), grant_mask[o], P,
+                m, Cat(requests[k(i, o, v)] for i in range(P)), grant_mask[o],
                 name=f"grant{o}_vl{v}") for v in range(V)]
             m.d.sync += [
                 grant[o].eq(Array(per_vl)[pick] if V > 1 else per_vl[0]),
@@ -208,7 +208,7 @@ class SwitchAllocator(wiring.Component):
         # is pending from the next cycle (the arbiter and the start would not fit one cycle).
         for i in range(P):
             offers = Cat(grant[o][i] for o in range(P))
-            pick = round_robin_pick(m, offers, accept_mask[i], P, name=f"accept{i}")
+            pick = round_robin_pick(m, offers, accept_mask[i], name=f"accept{i}")
             free_in = (~(pend_in[i] | matched_in[i])).replicate(P)
             sole = Signal(name=f"sole_offer{i}")
             m.d.comb += [
@@ -250,7 +250,7 @@ class SwitchAllocator(wiring.Component):
         for i in range(P):
             row = matched[i * P:(i + 1) * P]
             with m.If(row.any()):
-                m.d.sync += accept_mask[i].eq(next_mask(row, P))
+                m.d.sync += accept_mask[i].eq(next_mask(row))
         update = Signal(P)
         update_base = [Signal(8, name=f"vl_budget_base{o}") for o in range(P)]
         settle = Signal(P)
@@ -267,7 +267,7 @@ class SwitchAllocator(wiring.Component):
                 m.d.sync += hold_valid[o].eq(0)
             with m.If(column.any()):
                 m.d.sync += [
-                    grant_mask[o].eq(next_mask(column, P)),
+                    grant_mask[o].eq(next_mask(column)),
                     hold_valid[o].eq(1),
                     hold_vl[o].eq(pend_vl[o]),
                     hold_blocks[o].eq(blocks),

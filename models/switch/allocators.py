@@ -5,16 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from models.arbiters import round_robin_pick
+
 __all__ = ["ALLOCATORS", "IslipAllocator"]
-
-
-def _rr_pick(mask: int, pointer: int, n: int) -> int:
-    """First set bit of ``mask`` in the order pointer, pointer + 1, ... (mod n)."""
-    high = mask >> pointer
-    if high:
-        return pointer + (high & -high).bit_length() - 1
-    low = mask & ((1 << pointer) - 1)
-    return (low & -low).bit_length() - 1
 
 
 class IslipAllocator:
@@ -74,12 +67,12 @@ class IslipAllocator:
                     continue
                 requesters = column[o] & ~matched_in
                 if requesters:
-                    i = _rr_pick(requesters, grant_ptr[o], n_in)
+                    i = round_robin_pick(requesters, grant_ptr[o], n_in)
                     grants[i] = grants.get(i, 0) | (1 << o)
             if not grants:
                 break
             for i, granted in grants.items():
-                o = _rr_pick(granted, accept_ptr[i], n_out)
+                o = round_robin_pick(granted, accept_ptr[i], n_out)
                 match[i] = o
                 matched_in |= 1 << i
                 matched_out |= 1 << o
