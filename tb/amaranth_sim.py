@@ -10,14 +10,17 @@ from amaranth.sim import Simulator
 __all__ = ["simulate", "Driver", "assert_rejected", "assert_lint_clean"]
 
 
-def simulate(dut, testbench, *, clock=True):
+def simulate(dut, testbench, *, clock=True, background=()):
     """Run ``testbench`` (an ``async def testbench(ctx)``) on ``dut`` with one clock (none for
-    a combinational ``dut``: ``clock=False``) until it returns. The tests count cycles, never
-    time: the period is arbitrary."""
+    a combinational ``dut``: ``clock=False``) until it returns, with the ``background``
+    testbenches (bus models) beside it. The tests count cycles, never time: the period is
+    arbitrary."""
     sim = Simulator(dut)
     if clock:
         sim.add_clock(1e-8)
     sim.add_testbench(testbench)
+    for process in background:
+        sim.add_testbench(process, background=True)
     sim.run()
 
 

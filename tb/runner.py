@@ -53,10 +53,11 @@ def public_top_config(toplevel):
 
 def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
         expect_tests=None, extra_env=None, build_args=(), waves=None, log_to_file=True,
-        hierarchical=True, public=False):
+        hierarchical=True, public=False, label=None):
     """Elaborate ``factory(**params)``, build it with Verilator, run ``module``'s cocotb tests.
 
-    Returns the run's directory (its log, results and whatever the tests wrote there).
+    Returns the run's directory (its log, results and whatever the tests wrote there), named
+    by ``label`` (default: the testcase, or the filter's letters).
 
     ``expect_tests`` guards against a filter that silently matches nothing:
     the run fails unless exactly that many tests ran (all of them when None).
@@ -124,7 +125,8 @@ def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
     # and outputs: modules sharing a build may run at once (pytest-xdist).
     run_tag = hashlib.sha1(json.dumps([module, testcase, test_filter, env],
                                       sort_keys=True).encode()).hexdigest()[:8]
-    label = testcase or (test_filter and "".join(c for c in test_filter if c.isalnum() or c == "_"))
+    label = label or testcase or (test_filter and "".join(c for c in test_filter
+                                                          if c.isalnum() or c == "_"))
     test_dir = build_dir / f"run_{module.rsplit('.', 1)[-1]}_{label or 'all'}_{run_tag}"
     test_dir.mkdir(exist_ok=True)
     results = runner.test(

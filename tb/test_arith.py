@@ -14,16 +14,10 @@ import random
 
 import pytest
 from amaranth.hdl import Module, Signal
-from amaranth.sim import Simulator
 
 from hdl.arith import lookahead_sum, or_all, sum3
 from hdl.nic.payload_reads import payload_bursts, payload_words
-
-
-def run_comb(m, testbench):
-    sim = Simulator(m)
-    sim.add_testbench(testbench)
-    sim.run()
+from tb.amaranth_sim import simulate
 
 
 def check_sums(width_a, width_b, cases, carry):
@@ -41,7 +35,7 @@ def check_sums(width_a, width_b, cases, carry):
             want = x + y + (z if carry is None else carry)
             assert ctx.get(total) == want, (width_a, width_b, x, y, z, ctx.get(total))
 
-    run_comb(m, testbench)
+    simulate(m, testbench, clock=False)
 
 
 @pytest.mark.parametrize("carry", [None, 0, 1])
@@ -65,7 +59,7 @@ def test_sum3_exhaustive(plus_one):
             ctx.set(c, z)
             assert ctx.get(total) == (x + y + z + plus_one) % 16, (x, y, z, ctx.get(total))
 
-    run_comb(m, testbench)
+    simulate(m, testbench, clock=False)
 
 
 def test_sum3_negative_constant():
@@ -82,7 +76,7 @@ def test_sum3_negative_constant():
             ctx.set(fp, y)
             assert ctx.get(total) == (x - y - 17) % (1 << 16), (x, y)
 
-    run_comb(m, testbench)
+    simulate(m, testbench, clock=False)
 
 
 @pytest.mark.parametrize("width", [7, 11, 13, 32, 52, 64])
@@ -134,7 +128,7 @@ def test_or_all(count):
                 want |= word
             assert ctx.get(result) == want, words
 
-    run_comb(m, testbench)
+    simulate(m, testbench, clock=False)
 
 
 def test_or_all_refuses_nothing():
@@ -171,7 +165,7 @@ def test_payload_bursts():
             words = (a % 64 + n + 63) >> 6
             assert (ctx.get(beats), ctx.get(beats_less1)) == (words % 128, (words - 1) % 128)
 
-    run_comb(m, testbench)
+    simulate(m, testbench, clock=False)
 
 
 def test_lookahead_half_stops_carries():
@@ -196,4 +190,4 @@ def test_lookahead_half_stops_carries():
                     low = bit + 1
             assert ctx.get(total) % 64 == want, (x, y, s)
 
-    run_comb(m, testbench)
+    simulate(m, testbench, clock=False)

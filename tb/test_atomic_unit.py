@@ -27,21 +27,14 @@ from collections import deque
 
 import pytest
 from amaranth.hdl import UnusedElaboratable
-from amaranth.sim import Simulator
 
 from hdl.nic.atomic_unit import AtomicUnit
 from hdl.nic.signatures import ATOMIC_ID, AtomicRequestLayout
 from models.nic import masked_fetch_add
+from tb.amaranth_sim import simulate
 
 M64 = (1 << 64) - 1
 REQUEST = AtomicRequestLayout()
-
-
-def simulate(dut, body):
-    sim = Simulator(dut)
-    sim.add_clock(1e-8)
-    sim.add_testbench(body)
-    sim.run()
 
 
 class Memory:

@@ -12,19 +12,14 @@ accepted (when the RAM is ready and nothing queues ahead of it), in order, and a
 import random
 
 import pytest
-from amaranth.sim import Simulator
 
 from hdl.nic.axi_read_arbiter import AxiReadArbiter
 from tb.gateware.axi_read_delay import MIN_LATENCY, AxiReadDelay
+from tb.amaranth_sim import simulate
 
 
 def run(dut, testbench, *processes):
-    sim = Simulator(dut)
-    sim.add_clock(1e-6)
-    sim.add_testbench(testbench)
-    for process in processes:
-        sim.add_testbench(process, background=True)
-    sim.run()
+    simulate(dut, testbench, background=processes)
 
 
 @pytest.mark.parametrize("seed,readers", [(1, 2), (2, 2), (3, 5), (4, 8)])
@@ -64,7 +59,6 @@ def test_arbiter_random(seed, readers):
                 ctx.set(dut.axi.rvalid, 0)
             for i in range(readers):
                 ctx.set(dut.responses[i].ready, rng.random() < 0.8)
-            await ctx.delay(1e-8)
             took = [ctx.get(dut.requests[i].ready) and bool(pending[i]) for i in range(readers)]
             assert sum(took) <= 1
             for i in range(readers):
@@ -122,7 +116,6 @@ def test_read_delay(latency):
             ctx.set(dut.up_araddr, sent * 64)
             ready = rng.random() < 0.9
             ctx.set(dut.down_arready, ready)
-            await ctx.delay(1e-8)
             if offer and ctx.get(dut.up_arready):
                 accepted.append((sent * 64, cycle))
                 sent += 1

@@ -10,10 +10,10 @@ checked where the receiver uses it.
 import random
 
 import pytest
-from amaranth.sim import Simulator
 
 from hdl.link.beat_facts import MIN_WIRE_BYTES, BeatFacts
 from hdl.link.signatures import blocks_of, max_wire_bytes
+from tb.amaranth_sim import simulate
 
 MTU = 4096
 NUM_VLS = 2
@@ -133,8 +133,5 @@ def test_beat_facts_match_byte_arithmetic(width):
                                            getattr(got, name), value))
             await ctx.tick()
 
-    sim = Simulator(dut)
-    sim.add_clock(1e-6)
-    sim.add_testbench(testbench)
-    sim.run()
+    simulate(dut, testbench)
     assert not mismatches, mismatches[:10]

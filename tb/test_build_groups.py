@@ -7,7 +7,7 @@ from tb.build_groups import BuildGroupScheduling, build_group
 
 @pytest.mark.parametrize("nodeid, group", [
     ("tb/test_nic.py::test_nic[random]", "nic_top"),
-    ("tb/test_nic.py::test_nic_capture_decodes_in_tshark", "nic_top"),
+    ("tb/test_nic.py::test_nic_random_capture_decodes_in_tshark", "nic_top"),
     ("tb/test_nic_responder.py::test_nic_responder", "nic_top"),
     ("tb/test_nic_pair.py::test_nic_pair[loss]", "nic_pair_top"),
     ("tb/test_switch.py::test_switch[voq_w16-incast]", "switch_top[voq_w16]"),

@@ -44,11 +44,10 @@ checks. The reference checks ``skip`` every cycle.
 import random
 
 import pytest
-from amaranth.sim import Simulator
 
 from hdl.nic.doorbell_scheduler import DoorbellScheduler
 from hdl.nic.signatures import COUNTERS, EPOCH_BITS, QpState
-from tb.amaranth_sim import Driver
+from tb.amaranth_sim import Driver, simulate
 
 MASK = 0xFFFF
 EPOCH_MASK = (1 << EPOCH_BITS) - 1
@@ -438,16 +437,13 @@ class Bench:
         return accepted
 
 
-def simulate(num_qps, body):
+def run_bench(num_qps, body):
     dut = DoorbellScheduler(num_qps)
 
     async def testbench(ctx):
         await body(Bench(dut, ctx))
 
-    sim = Simulator(dut)
-    sim.add_clock(2.5e-9)
-    sim.add_testbench(testbench)
-    sim.run()
+    simulate(dut, testbench)
 
 
 # --- Random traffic ---------------------------------------------------------------------------
@@ -607,7 +603,7 @@ def test_random(num_qps, seed, cycles):
         assert traffic.rewinds > cycles // 300 and ref.stale_dones > 0
         assert ref.skips > 0
 
-    simulate(num_qps, body)
+    run_bench(num_qps, body)
 
 
 # 97 s in make test on 2026-12-06: under make test-full.
@@ -624,7 +620,7 @@ def test_random_heavy(seed):
         await traffic.run(2500)
         assert bench.ref.grants > 600
 
-    simulate(16, body)
+    run_bench(16, body)
 
 
 # --- Directed ---------------------------------------------------------------------------------
@@ -674,7 +670,7 @@ def test_window_limit():
         await run_for(bench, 2)                                 # counters count a cycle late
         assert bench.ref.counters["wqe_fetches"] == 6
 
-    simulate(2, body)
+    run_bench(2, body)
 
 
 def test_first_only_overrunning_the_window():
@@ -691,7 +687,7 @@ def test_first_only_overrunning_the_window():
         await bench.cycle(Inputs(fetch_done=(1, 1)))
         assert await run_for(bench, 5) == []
 
-    simulate(2, body)
+    run_bench(2, body)
 
 
 def test_waiting_after_nothing_consumed():
@@ -725,7 +721,7 @@ def test_waiting_after_nothing_consumed():
         await bench.cycle(Inputs(fetch_done=(0, 5)))
         assert await run_for(bench, 5) == []
 
-    simulate(1, body)
+    run_bench(1, body)
 
 
 def test_nothing_consumed_after_a_retire_it_did_not_see():
@@ -763,7 +759,7 @@ def test_nothing_consumed_after_a_retire_it_did_not_see():
         assert await next_request(bench) is not None
         assert not bench.ref.qps[0].waiting
 
-    simulate(1, body)
+    run_bench(1, body)
 
 
 # About 12,000 cycles to walk the ring to 0xFFF0 (112 s in make test on 2026-12-06): under
@@ -807,7 +803,7 @@ def test_wrap_around_doorbell_checks():
         c = bench.ref.counters
         assert (c["doorbells_backwards"], c["doorbells_too_far"], c["doorbells_accepted"]) == (3, 1, 6)
 
-    simulate(1, body)
+    run_bench(1, body)
 
 
 def test_err_and_reset_states():
@@ -831,7 +827,7 @@ def test_err_and_reset_states():
         await bench.cycle(Inputs(fetch_done=(2, 3), retire=(7, 1)))
         await run_for(bench, 2)
 
-    simulate(2, body)
+    run_bench(2, body)
 
 
 def test_everything_in_one_cycle():
@@ -866,7 +862,7 @@ def test_everything_in_one_cycle():
         assert bench.ref.out is None or bench.ref.out[0] != 0
         assert await run_for(bench, 8) == []
 
-    simulate(2, body)
+    run_bench(2, body)
 
 
 def test_rewind():
@@ -966,7 +962,7 @@ def test_rewind():
         assert (ref.qps[1].epoch, ref.qps[1].fp) == (0, 0)
         await run_for(bench, 3)
 
-    simulate(2, body)
+    run_bench(2, body)
 
 
 @pytest.mark.parametrize("num_qps", [0, 257, -1, 64.0, "64"])

@@ -1,4 +1,4 @@
-"""The independent link partner's bring-up (tb/test_link.py) on many more seeds
+"""The independent link partner's bring-up (tb/link_partner_scenario.py, in tb/test_link.py) on many more seeds
 (``make test-full``): random cadences, entry packets, start times and resets; nothing the
 partner sends is ever dropped."""
 import os
@@ -9,7 +9,7 @@ from cocotb.clock import Clock
 
 from tb import runner
 from tb.link_pair_tb import CLOCK_NS, PARAM_SETS, factory
-from tb.test_link import partner_scenario
+from tb.link_partner_scenario import partner_scenario
 
 SEEDS_PER_RUN = 40
 

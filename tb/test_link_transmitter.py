@@ -7,7 +7,6 @@ cycle's: a credit update counts from the second cycle after it)."""
 import random
 
 from amaranth.hdl import Module, Signal
-from amaranth.sim import Simulator
 
 from hdl.link.link_transmitter import CREDIT_WINDOW, LinkTransmitter, credit_view
 from hdl.link.signatures import FCCL_BITS, LinkState, blocks_of, max_wire_bytes
@@ -45,9 +44,7 @@ def test_credit_view_is_the_iba_rule():
                     assert fits == rule(count + room, count, blocks), \
                         f"FCTBS {count} room {room} blocks {blocks}: view says {fits}"
 
-    sim = Simulator(m)      # combinational: no clock
-    sim.add_testbench(testbench)
-    sim.run()
+    simulate(m, testbench, clock=False)
 
 
 def beats(rng, width, nbytes, pktlen):

@@ -484,9 +484,10 @@ async def qp_states(dut):
     await tb.set_qp_state(1, ERR, expect_error=True)
 
 
-# Items of one build, run on one worker (tb/build_groups.py).
+# Items of one build, run on one worker (tb/build_groups.py). The first random mix (seed 1)
+# runs in test_nic_random_capture_decodes_in_tshark, which also decodes its wire.
 @pytest.mark.parametrize("tests, count", [
-    ("random_operations", 3),
+    ("random_operations.*seed=[23]", 2),
     ("zero_load_latency|doorbell_storm|bad_wqes|nvshmem_nop_and_dump|remote_naks|qp_states", 8),
 ], ids=["random", "directed"])
 def test_nic(tests, count):
@@ -494,15 +495,16 @@ def test_nic(tests, count):
                test_filter=tests, expect_tests=count, build_args=BUILD_ARGS)
 
 
-def test_nic_capture_decodes_in_tshark():
-    """The NIC's wire during a random operation mix, captured as pcapng, read back by
-    tshark: every request packet decodes with the LRH/BTH fields it was sent with."""
+def test_nic_random_capture_decodes_in_tshark():
+    """The first random operation mix, its wire captured as pcapng and read back by tshark:
+    every request packet decodes with the LRH/BTH fields it was sent with. Without tshark
+    the mix still runs; only the decoding is skipped."""
     from models.pcap import tshark_data_mismatches
-    if not shutil.which("tshark"):
-        pytest.skip("tshark not installed: apt-get install tshark (CI installs it)")
     run_dir = runner.run(module="tb.test_nic", toplevel="nic_top", factory=nic_top, params=NIC,
                          test_filter="random_operations.*seed=1", expect_tests=1,
                          build_args=BUILD_ARGS)
     packets = [bytes.fromhex(h) for h in json.loads((run_dir / "nic_capture.json").read_text())]
     assert len(packets) > 300
+    if not shutil.which("tshark"):
+        pytest.skip("tshark not installed: apt-get install tshark (CI installs it); the mix ran")
     assert not tshark_data_mismatches(run_dir / "nic_capture.pcapng", packets)

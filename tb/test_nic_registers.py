@@ -28,12 +28,12 @@ from pathlib import Path
 
 import pytest
 from amaranth.hdl import UnusedElaboratable
-from amaranth.sim import Simulator
 
 from hdl.nic import register_map as rmap
 from hdl.nic.nic_registers import NUM_COUNTER_INPUTS, NicRegisters
 from hdl.nic.register_map import OKAY, SLVERR, field_value, place_fields
 from hdl.nic.signatures import CqConfigLayout, MkeyLayout, QpConfigLayout
+from tb.amaranth_sim import simulate
 
 REPO = Path(__file__).resolve().parent.parent
 RESET, RTS, ERR = 0, 3, 6
@@ -378,10 +378,7 @@ def run(dut, body, seed=1, pauses=True):
         bench.check_strobes()
         result["bench"] = bench
 
-    sim = Simulator(dut)
-    sim.add_clock(1e-8)
-    sim.add_testbench(testbench)
-    sim.run()
+    simulate(dut, testbench)
     return result["bench"]
 
 

@@ -38,14 +38,13 @@ import random
 from collections import deque
 
 import pytest
-from amaranth.sim import Simulator
 
 from hdl.nic.packet_assembler import PacketAssembler, expected_dma_beats
 from hdl.nic.signatures import PacketDescriptorLayout, PayloadSource
 from models.crc import icrc_bytes
 from models.ib import BTH, MASKED_ATOMICS, RETH, AtomicETH, ImmDt, MaskedAtomicETH, Opcode
 from models.packet import build_packet, parse_packet
-from tb.amaranth_sim import Driver
+from tb.amaranth_sim import Driver, simulate
 
 WIDTH = 64
 _garbage = random.Random(0)     # bytes of source beats outside the payload
@@ -320,10 +319,7 @@ def run(phases, *, num_vls=2, buffer_beats=512, seed=0, max_cycles=20_000):
         assert ctx.get(dut.bad_descriptors) == totals["bad"], phase.name
         return cycle
 
-    sim = Simulator(dut)
-    sim.add_clock(1e-8)
-    sim.add_testbench(bench)
-    sim.run()
+    simulate(dut, bench)
 
 
 def random_phase(rng, num_vls, count, **drive):

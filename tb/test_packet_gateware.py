@@ -537,12 +537,10 @@ def test_payload_reference():
 
 def _pysim_checker(packets, width=32, **kwargs):
     """Feed ``packets`` (bytes) back to back through a PacketChecker in Amaranth's simulator."""
-    from amaranth.sim import Simulator
+    from tb.amaranth_sim import simulate
 
     mode = kwargs.pop("psn_increasing", 0)
     dut = PacketChecker(width, sources=4, **kwargs)
-    sim = Simulator(dut)
-    sim.add_clock(1e-8)
     result = {}
 
     async def bench(ctx):
@@ -562,8 +560,7 @@ def _pysim_checker(packets, width=32, **kwargs):
         result.update({name: ctx.get(getattr(dut, name)) for name in
                        ("received_packets", "good_packets", *ERROR_COUNTERS)})
 
-    sim.add_testbench(bench)
-    sim.run()
+    simulate(dut, bench)
     assert result["received_packets"] == len(packets), result
     return result
 

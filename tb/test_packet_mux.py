@@ -17,9 +17,9 @@ from collections import deque
 
 import pytest
 from amaranth.hdl import UnusedElaboratable
-from amaranth.sim import Simulator
 
 from hdl.nic.packet_mux import PacketMux
+from tb.amaranth_sim import simulate
 
 WIDTH = 64
 
@@ -112,10 +112,7 @@ def run(*, inputs=2, packets=60, seed=0, gap=0.3, ready=0.7, max_beats=8, max_cy
             assert received[i] == sent[i], f"input {i}: packets differ or out of order"
         result["cycles"] = cycle - start_cycle
 
-    sim = Simulator(dut)
-    sim.add_clock(1e-8)
-    sim.add_testbench(bench)
-    sim.run()
+    simulate(dut, bench)
     return result
 
 

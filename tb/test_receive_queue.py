@@ -36,25 +36,17 @@ from collections import deque
 
 import pytest
 from amaranth.hdl import UnusedElaboratable
-from amaranth.sim import Simulator
 
 from hdl.nic.receive_queue import ReceiveQueue
 from hdl.nic.signatures import RECV_ID, MkeyLayout, QpConfigLayout, RecvResultLayout
 from models.mlx5 import data_segment, make_key
-from tb.amaranth_sim import Driver
+from tb.amaranth_sim import Driver, simulate
 
 OK, EMPTY, ERROR = 0, 1, 2
 QP_OP, PROT = 0x02, 0x04
 LOCAL_WRITE, REMOTE_WRITE, REMOTE_READ = 1, 2, 4
 M64 = 1 << 64
 RESULT_FIELDS = [(name, f.offset, f.width) for name, f in RecvResultLayout()]
-
-
-def simulate(dut, body):
-    sim = Simulator(dut)
-    sim.add_clock(1e-8)
-    sim.add_testbench(body)
-    sim.run()
 
 
 class Probed(ReceiveQueue):

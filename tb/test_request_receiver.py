@@ -35,7 +35,6 @@ from collections import deque
 
 import pytest
 from amaranth import Value
-from amaranth.sim import Simulator
 
 from hdl.nic.request_receiver import DESCRIPTOR_DEPTH, RequestReceiver
 from hdl.nic.signatures import MAX_PACKET_BEATS
@@ -44,6 +43,7 @@ from models.ib import BTH, LRH, extension_headers
 from models.nic import make_packet
 from models.packet import build_packet
 from tb.beats import BeatCodec, packet_beats
+from tb.amaranth_sim import simulate
 
 WIDTH = 64
 CODEC = BeatCodec(WIDTH)
@@ -297,15 +297,12 @@ class Bench:
 
 
 def run(dut, body):
-    sim = Simulator(dut)
-    sim.add_clock(1e-8)
 
     async def testbench(ctx):
         ctx.set(dut.lid, LID)
         await body(ctx)
 
-    sim.add_testbench(testbench)
-    sim.run()
+    simulate(dut, testbench)
 
 
 # --- Tests -------------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 from amaranth.hdl import UnusedElaboratable
-from amaranth.sim import Simulator
 
 from hdl.nic.responder_engine import SAVED_ATOMICS, ResponderEngine
 from hdl.nic.signatures import (
@@ -43,7 +42,7 @@ from hdl.nic.signatures import (
     RequestDescriptorLayout,
 )
 from models.nic import masked_fetch_add
-from tb.amaranth_sim import Driver
+from tb.amaranth_sim import Driver, simulate
 
 M24 = 1 << 24
 RTS, RESET, ERR = QpState.RTS.value, QpState.RESET.value, QpState.ERR.value
@@ -622,16 +621,13 @@ class Bench:
 
 
 def run(dut, ref, body, seed=1, **kw):
-    sim = Simulator(dut)
-    sim.add_clock(1e-8)
     bench = Bench(dut, ref, random.Random(seed), **kw)
 
     async def testbench(ctx):
         await body(ctx, bench)
         await bench.check_counters(ctx)
 
-    sim.add_testbench(testbench)
-    sim.run()
+    simulate(dut, testbench)
     return bench
 
 

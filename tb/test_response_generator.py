@@ -30,14 +30,13 @@ import pytest
 from amaranth import Elaboratable, Module
 from amaranth.hdl import UnusedElaboratable
 from amaranth.lib import wiring
-from amaranth.sim import Simulator
 
 from hdl.nic.packet_assembler import PacketAssembler
 from hdl.nic.response_generator import ResponseGenerator
 from hdl.nic.signatures import RESPONSE_ID, ResponseCommandLayout
 from models.ib import AETH, AtomicAckETH, Opcode
 from models.nic import make_packet, psn_add, read_response_opcode
-from tb.amaranth_sim import Driver
+from tb.amaranth_sim import Driver, simulate
 
 CMD = ResponseCommandLayout()
 ACK, READ, ATOMIC = 0, 1, 2
@@ -267,10 +266,7 @@ def run(phases, *, num_vls=2, buffer_beats=512, seed=0, max_cycles=40_000):
         drive.apply(ctx)
         return cycle
 
-    sim = Simulator(top)
-    sim.add_clock(1e-8)
-    sim.add_testbench(bench)
-    sim.run()
+    simulate(top, bench)
 
 
 def busy_fraction(phase):

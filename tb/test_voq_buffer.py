@@ -40,10 +40,10 @@ import random
 from collections import deque
 
 import pytest
-from amaranth.sim import Simulator
 
 from hdl.link.signatures import blocks_of
 from hdl.switch.voq_buffer import VoqBuffer
+from tb.amaranth_sim import simulate
 
 WIDTH = 8
 NUM_VLS = 2
@@ -451,13 +451,6 @@ def random_writer(bench, rng, packets, *, max_beats=12, p_bad=0.15, p_trunc=0.08
                     yield IDLE
                 yield Action(pkt, verdict=verdict)
         assert wrote_end or truncated or overflowed
-
-
-def simulate(dut, testbench):
-    sim = Simulator(dut)
-    sim.add_clock(1e-8)
-    sim.add_testbench(testbench)
-    sim.run()
 
 
 # --- Random tests -----------------------------------------------------------------------------

@@ -24,10 +24,10 @@ import pytest
 from amaranth import *
 from amaranth.hdl import UnusedElaboratable
 from amaranth.lib import wiring
-from amaranth.sim import Simulator
 
 from hdl.link.link_port import LinkPort
 from hdl.link.signatures import LinkState
+from tb.amaranth_sim import simulate
 from tb.gateware.wire_fault import (BYTES, CORRUPT, DEFAULT_SEED, DROP, FIRST_BYTE, RATE_ONE,
                                     WireFault, xorshift32)
 
@@ -127,10 +127,7 @@ def run(width, cycles, seed):
             assert ctx.get(dut.faults) == model.faults
         log["faults"] = ctx.get(dut.faults)
 
-    sim = Simulator(dut)
-    sim.add_clock(1e-6)
-    sim.add_testbench(testbench)
-    sim.run()
+    simulate(dut, testbench)
     return log
 
 
@@ -292,10 +289,7 @@ def test_through_link_ports(mode):
                       fctbs=ctx.get(a.transmitter.fctbs[0]), abr=ctx.get(b.receiver.abr[0]),
                       used=ctx.get(b.receiver.used_blocks[0]), sent=sent_starts)
 
-    sim = Simulator(top)
-    sim.add_clock(1e-6)
-    sim.add_testbench(testbench)
-    sim.run()
+    simulate(top, testbench)
     r = result
     assert r["sent"] == len(packets)
     assert 5 < r["faults"] < len(packets) - 5

@@ -53,7 +53,6 @@ from collections import deque
 
 import pytest
 from amaranth.hdl import UnusedElaboratable
-from amaranth.sim import Simulator
 
 from hdl.nic.signatures import (
     MAX_NIC_HEADER_BYTES, ArLayout, CompletionRecordLayout, CompletionStatus, MkeyLayout, MlxOpcode,
@@ -67,7 +66,7 @@ from models.nic import Access as ModelAccess
 from models.nic import Mkey as ModelMkey
 from models.nic import QpContext, RequesterModel
 from models.packet import parse_packet
-from tb.amaranth_sim import Driver
+from tb.amaranth_sim import Driver, simulate
 
 NUM_QPS = 8
 NUM_MKEYS = 16
@@ -531,7 +530,7 @@ def check_wire(desc):
     assert len(parsed.payload) == desc["payload_bytes"]
 
 
-def simulate(dut, body, *, seed=0, **bench_args):
+def run_bench(dut, body, *, seed=0, **bench_args):
     rng = random.Random(seed)
     sl_to_vl = [rng.randrange(dut.num_vls) for _ in range(16)]
     sl_to_vl[13] = 15                       # an SL with no data VL
@@ -539,8 +538,6 @@ def simulate(dut, body, *, seed=0, **bench_args):
     ref = Reference(dut.num_qps, dut.num_mkeys, dut.num_vls, slid=rng.getrandbits(16),
                     sl_to_vl=sl_to_vl)
     bench = Bench(dut, rng, ref, **bench_args)
-    sim = Simulator(dut)
-    sim.add_clock(1e-9)
 
     async def testbench(ctx):
         ctx.set(dut.slid, ref.slid)
@@ -550,8 +547,7 @@ def simulate(dut, body, *, seed=0, **bench_args):
         await bench.drain(ctx)
         bench.check_counters(ctx)
 
-    sim.add_testbench(testbench)
-    sim.run()
+    simulate(dut, testbench)
     return bench
 
 
@@ -714,7 +710,7 @@ def random_body(batches, wqes_per_batch):
 def test_random(seed):
     dut = WqeExecutor(num_qps=NUM_QPS, num_mkeys=NUM_MKEYS, num_vls=NUM_VLS,
                       payload_buffer_beats=130)
-    bench = simulate(dut, random_body(6, 35), seed=seed)
+    bench = run_bench(dut, random_body(6, 35), seed=seed)
     assert bench.max_reserved > 65      # the reservation limit was reached and held
 
 
@@ -722,7 +718,7 @@ def test_random_other_shape():
     """QP and key counts that are not powers of two (the key index is a true modulo),
     one data VL, the default payload buffer."""
     dut = WqeExecutor(num_qps=3, num_mkeys=5, num_vls=1)
-    simulate(dut, random_body(4, 30), seed=4, p_free=0.9)
+    run_bench(dut, random_body(4, 30), seed=4, p_free=0.9)
 
 
 def make_wqe(qpn, kind, **fields):
@@ -866,7 +862,7 @@ def test_checks():
         dropped, = bench.submit([make_wqe(200, "SEND", **good)])   # no QP 200: dropped, counted
         assert dropped.record is None
 
-    simulate(dut, body, seed=5)
+    run_bench(dut, body, seed=5)
 
 
 def test_psn_wrap_and_reset():
@@ -904,7 +900,7 @@ def test_psn_wrap_and_reset():
         assert d.record["first_psn"] == 77
         await bench.drain(ctx)
 
-    simulate(dut, body, seed=6)
+    run_bench(dut, body, seed=6)
 
 
 def test_reservation_exact():
@@ -932,7 +928,7 @@ def test_reservation_exact():
         bench.p_free = 1.0
         await bench.drain(ctx)
 
-    simulate(dut, body, seed=7)
+    run_bench(dut, body, seed=7)
 
 
 def test_throughput():
@@ -980,7 +976,7 @@ def test_throughput():
         # A message's record comes a cycle after its first packet, not after its last.
         assert bench.record_cycles == [cycles[0] + 1], (bench.record_cycles, cycles[0])
 
-    simulate(dut, body, seed=8)
+    run_bench(dut, body, seed=8)
 
 
 # --- Go-back-N ----------------------------------------------------------------------------------
@@ -1323,10 +1319,7 @@ def test_rewind_random(seed, p_rewind, transit):
             await bench.run(ctx, rewinding_cycles=1500)
         bench.check_counters(ctx)
 
-    sim = Simulator(dut)
-    sim.add_clock(1e-9)
-    sim.add_testbench(testbench)
-    sim.run()
+    simulate(dut, testbench)
     assert bench.rewinds > 10 and bench.jumps > 10 and bench.skips > 2
     assert bench.counts["wqes_squashed"] > 5 and bench.counts["packets_resent"] > 20
     assert bench.tails > 0

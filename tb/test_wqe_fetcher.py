@@ -43,10 +43,10 @@ from collections import deque
 
 import pytest
 from amaranth.hdl import UnusedElaboratable
-from amaranth.sim import Simulator
 
 from hdl.nic.signatures import MlxOpcode, Syndrome, WqeDescriptorLayout
 from hdl.nic.wqe_fetcher import WqeFetcher
+from tb.amaranth_sim import simulate
 
 OPS = {op.name: op.value for op in MlxOpcode}
 QP_OP = Syndrome.LOCAL_QP_OP_ERR.value
@@ -585,13 +585,6 @@ class Bench:
         self.parsed += fetch[0] - fetch[1]
         fetch[2] = True
         self.done_log.append((t, qpn, consumed))
-
-
-def simulate(dut, body):
-    sim = Simulator(dut)
-    sim.add_clock(1e-8)
-    sim.add_testbench(body)
-    sim.run()
 
 
 def run_bench(dut, rings, requests, **kwargs):
