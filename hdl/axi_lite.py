@@ -1,4 +1,5 @@
-"""The AXI4-Lite slave handshake shared by the register blocks (switch and NIC).
+"""AXI4-Lite as the register blocks (switch and NIC) see it: the signature and the slave
+handshake they share.
 
 A register block takes one transaction at a time in an ``m.FSM``: in its idle state it
 calls :meth:`AxiLiteHandshake.accept`, which takes a read, or the write address and data
@@ -8,8 +9,30 @@ in either order; its own states decode the transaction; then it goes to
 alternate (``prefer_read`` remembers which went last), so neither side can starve.
 """
 from amaranth import Signal
+from amaranth.lib import wiring
+from amaranth.lib.wiring import In, Out
 
-__all__ = ["AxiLiteHandshake"]
+__all__ = ["AxiLiteSignature", "AxiLiteHandshake"]
+
+
+class AxiLiteSignature(wiring.Signature):
+    """AXI4-Lite with ``data_width``-bit data (32, or 64 for the NIC, so that a GPU's 8-byte
+    doorbell is one write), seen from the master (a slave has ``In(AxiLiteSignature(...))``).
+    No AWPROT/ARPROT: the slaves ignore protection."""
+
+    def __init__(self, addr_width, data_width=32):
+        if data_width not in (32, 64):
+            raise ValueError(f"AXI4-Lite data width must be 32 or 64, not {data_width!r}")
+        self.addr_width = addr_width
+        self.data_width = data_width
+        super().__init__({
+            "awaddr": Out(addr_width), "awvalid": Out(1), "awready": In(1),
+            "wdata": Out(data_width), "wstrb": Out(data_width // 8), "wvalid": Out(1),
+            "wready": In(1),
+            "bresp": In(2), "bvalid": In(1), "bready": Out(1),
+            "araddr": Out(addr_width), "arvalid": Out(1), "arready": In(1),
+            "rdata": In(data_width), "rresp": In(2), "rvalid": In(1), "rready": Out(1),
+        })
 
 
 class AxiLiteHandshake:

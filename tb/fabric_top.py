@@ -39,10 +39,9 @@ from amaranth import *
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
+from hdl.axi_lite import AxiLiteSignature
 from hdl.link.signatures import LinkState, WireSignature
-from hdl.nic.nic_registers import AxiLite64Signature
 from hdl.nic.signatures import AXI_ID_BITS
-from hdl.switch.switch_registers import AxiLiteSignature
 from models.fabric import LeafSpine
 from hdl.fabric import separate_modules
 from tb import hier_build
@@ -132,7 +131,7 @@ class FabricTop(wiring.Component):
                    "link_cut": In(len(fabric.links))}
         for n in range(fabric.nics):
             members.update({
-                f"nic{n}_axil": In(AxiLite64Signature(16)),
+                f"nic{n}_axil": In(AxiLiteSignature(16, data_width=64)),
                 f"nic{n}_axi": Out(axi),
                 f"nic{n}_link_state": Out(LinkState),
                 f"nic{n}_ar_fire": Out(1),

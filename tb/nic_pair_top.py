@@ -25,12 +25,11 @@ from amaranth import *
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
+from hdl.axi_lite import AxiLiteSignature
 from hdl.link.link_receiver import DROP_REASONS
 from hdl.link.signatures import LinkState, WireSignature
 from hdl.nic.nic import NIC_WIDTH
-from hdl.nic.nic_registers import AxiLite64Signature
 from hdl.nic.signatures import AXI_ID_BITS
-from hdl.switch.switch_registers import AxiLiteSignature
 from tb.gateware.axi_read_delay import AxiReadDelay
 from tb.gateware.wire_fault import RATE_ONE, WireFault
 from hdl.fabric.separate_modules import SeparateModules
@@ -68,7 +67,7 @@ class NicPairTop(wiring.Component):
             members["switch_axil"] = In(AxiLiteSignature(16))
         for side in NIC_SIDES:
             members.update({
-                f"{side}_axil": In(AxiLite64Signature(16)),
+                f"{side}_axil": In(AxiLiteSignature(16, data_width=64)),
                 f"{side}_axi": Out(self.nics[side].signature.members["axi"].signature),
                 f"{side}_link_state": Out(LinkState),
                 f"{side}_ar_fire": Out(1),

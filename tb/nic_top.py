@@ -21,10 +21,10 @@ from amaranth import *
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
+from hdl.axi_lite import AxiLiteSignature
 from hdl.link.link_port import LinkPort
 from hdl.link.signatures import LinkState, WireSignature
 from hdl.nic.nic import NIC_WIDTH
-from hdl.nic.nic_registers import AxiLite64Signature
 from hdl.nic.signatures import AXI_ID_BITS
 from tb.gateware.axi_read_delay import AR_MEMBERS, AxiReadDelay
 from hdl.fabric.separate_modules import SeparateModules
@@ -73,7 +73,7 @@ class NicTop(wiring.Component):
         self.read_delay = AxiReadDelay(addr_width=addr_width, depth=outstanding_reads,
                                        max_latency=max_memory_latency)
         members = {
-            "axil": In(AxiLite64Signature(16)),
+            "axil": In(AxiLiteSignature(16, data_width=64)),
             "axi": Out(self.nic.signature.members["axi"].signature),
             "memory_latency": In(range(max_memory_latency + 1)),
             "nic_link_state": Out(LinkState),

@@ -46,9 +46,9 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
+from hdl.axi_lite import AxiLiteSignature
 from hdl.link.link_port import LinkPort
 from hdl.link.signatures import LinkState, WireSignature
-from hdl.switch.switch_registers import AxiLiteSignature
 from tb.gateware.packet_checker import ERROR_COUNTERS, PacketChecker
 from tb.gateware.packet_generator import PAYLOAD_BITS, PacketGenerator, core_domain, registered
 

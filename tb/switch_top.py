@@ -26,9 +26,9 @@ from amaranth import *
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
+from hdl.axi_lite import AxiLiteSignature
 from hdl.link.link_port import LinkPort
 from hdl.link.signatures import LinkState, WireSignature
-from hdl.switch.switch_registers import AxiLiteSignature
 from tb.link_pair import delay_line, expose_port, port_members
 
 __all__ = ["SwitchTop"]

@@ -676,6 +676,13 @@ def test_forwarding_table_parameters_validated(kwargs):
         ForwardingTable(**kwargs)
 
 
+@pytest.mark.parametrize("data_width", [16, 48, 128, "32"])
+def test_axi_lite_data_width_validated(data_width):
+    from hdl.axi_lite import AxiLiteSignature
+    with pytest.raises(ValueError, match="data width must be 32 or 64"):
+        AxiLiteSignature(16, data_width=data_width)
+
+
 @contextlib.contextmanager
 def quiet_unused():
     """A component whose constructor raised still exists and would warn, when collected,

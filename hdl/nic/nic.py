@@ -3,6 +3,7 @@ from amaranth.lib import wiring
 from amaranth.lib.fifo import SyncFIFOBuffered
 from amaranth.lib.wiring import In, Out
 
+from hdl.axi_lite import AxiLiteSignature
 from hdl.link.link_port import LinkPort
 from hdl.link.link_receiver import DROP_REASONS
 from hdl.link.signatures import LinkState, WireSignature
@@ -14,7 +15,7 @@ from .axi_write_arbiter import AxiWriteArbiter
 from .completion_unit import TIMER_TICK_CYCLES, CompletionUnit
 from .dma_writer import DmaWriter
 from .doorbell_scheduler import DoorbellScheduler
-from .nic_registers import AxiLite64Signature, NicRegisters
+from .nic_registers import NicRegisters
 from .packet_assembler import PacketAssembler
 from .packet_mux import PacketMux
 from .receive_queue import ReceiveQueue
@@ -72,7 +73,7 @@ class Nic(wiring.Component):
 
     Ports
     -----
-    axil : In(AxiLite64Signature(16))
+    axil : In(AxiLiteSignature(16, data_width=64))
         Registers and the UAR doorbell page (docs/nic-registers.md).
     axi : Out(AXI4)
         DMA master: WQE fetches (ARID 0), payload reads (ARID 1), READ response payload
@@ -132,7 +133,7 @@ class Nic(wiring.Component):
         axi = {**dict(AxiReadSignature(addr_width, NIC_WIDTH).members),
                **dict(AxiWriteSignature(addr_width, NIC_WIDTH).members)}
         super().__init__({
-            "axil": In(AxiLite64Signature(16)),
+            "axil": In(AxiLiteSignature(16, data_width=64)),
             "axi": Out(wiring.Signature(axi)),
             "wire_out": Out(WireSignature(NIC_WIDTH)),
             "wire_in": In(WireSignature(NIC_WIDTH)),

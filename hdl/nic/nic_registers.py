@@ -5,33 +5,17 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from hdl.arith import or_all
-from hdl.axi_lite import AxiLiteHandshake
+from hdl.axi_lite import AxiLiteHandshake, AxiLiteSignature
 from hdl.nic.register_map import (ADDRESS_BITS, LINK_FIELDS, MAX_ENTRIES, OKAY, OWN_COUNTERS,
                                   SLVERR, UAR_BASE, UAR_SIZE, register_map)
 from hdl.nic.signatures import (COUNTERS, MAX_OUTSTANDING_BLOCKS, ContextReadSignature,
                                 CqConfigLayout, DoorbellLayout, EventSignature, MkeyLayout,
                                 QpConfigLayout, QpState)
 
-__all__ = ["NicRegisters", "AxiLite64Signature"]
+__all__ = ["NicRegisters"]
 
 NUM_COUNTER_INPUTS = sum(len(counters) for counters in COUNTERS.values())
 MAX_READ_PORTS = 8
-
-
-class AxiLite64Signature(wiring.Signature):
-    """AXI4-Lite with 64-bit data, seen from the master (a slave has
-    ``In(AxiLite64Signature(...))``); the member names of
-    :class:`hdl.switch.switch_registers.AxiLiteSignature`. No AWPROT/ARPROT."""
-
-    def __init__(self, addr_width):
-        self.addr_width = addr_width
-        super().__init__({
-            "awaddr": Out(addr_width), "awvalid": Out(1), "awready": In(1),
-            "wdata": Out(64), "wstrb": Out(8), "wvalid": Out(1), "wready": In(1),
-            "bresp": In(2), "bvalid": In(1), "bready": Out(1),
-            "araddr": Out(addr_width), "arvalid": Out(1), "arready": In(1),
-            "rdata": In(64), "rresp": In(2), "rvalid": In(1), "rready": Out(1),
-        })
 
 
 def _region(table):
@@ -94,7 +78,7 @@ class NicRegisters(wiring.Component):
         self.num_vls = num_vls
         self.addr_width = addr_width
         super().__init__({
-            "axi": In(AxiLite64Signature(addr_width)),
+            "axi": In(AxiLiteSignature(addr_width, data_width=64)),
             "doorbell": Out(stream.Signature(DoorbellLayout(), always_ready=True)),
             "qp_read": In(ContextReadSignature(num_qps, QpConfigLayout())).array(qp_read_ports),
             "cq_read": In(ContextReadSignature(num_cqs, CqConfigLayout())).array(cq_read_ports),

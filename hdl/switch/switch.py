@@ -3,6 +3,7 @@ from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
 from hdl.arith import or_all
+from hdl.axi_lite import AxiLiteSignature
 from hdl.link.link_port import LinkPort
 from hdl.link.link_receiver import ROUTED_DROP_REASONS
 from hdl.link.signatures import (
@@ -15,7 +16,7 @@ from hdl.switch.forwarding_table import ForwardingTable
 from hdl.switch.islip_allocator import IslipAllocator
 from hdl.switch.register_map import HOQ_TICK_CYCLES, check_config
 from hdl.switch.switch_allocator import SwitchAllocator
-from hdl.switch.switch_registers import AxiLiteSignature, SwitchRegisters
+from hdl.switch.switch_registers import SwitchRegisters
 from hdl.switch.voq_buffer import QUEUE_MODES, VoqBuffer
 
 __all__ = ["Switch", "HOP_LATENCY_CYCLES", "ALLOCATORS"]

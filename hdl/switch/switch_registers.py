@@ -3,26 +3,12 @@ from amaranth.lib import wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
-from hdl.axi_lite import AxiLiteHandshake
+from hdl.axi_lite import AxiLiteHandshake, AxiLiteSignature
 from hdl.switch.forwarding_table import LID_BITS, entry_layout
 from hdl.switch.register_map import (COUNTER_NAMES, FT_FIELDS, OKAY, SLVERR, address_bits,
                                      register_map)
 
-__all__ = ["SwitchRegisters", "AxiLiteSignature", "CounterSignature"]
-
-
-class AxiLiteSignature(wiring.Signature):
-    """AXI4-Lite, 32-bit data, seen from the master (a slave has ``In(AxiLiteSignature(...))``).
-    No AWPROT/ARPROT: the slave ignores protection."""
-
-    def __init__(self, addr_width):
-        super().__init__({
-            "awaddr": Out(addr_width), "awvalid": Out(1), "awready": In(1),
-            "wdata": Out(32), "wstrb": Out(4), "wvalid": Out(1), "wready": In(1),
-            "bresp": In(2), "bvalid": In(1), "bready": Out(1),
-            "araddr": Out(addr_width), "arvalid": Out(1), "arready": In(1),
-            "rdata": In(32), "rresp": In(2), "rvalid": In(1), "rready": Out(1),
-        })
+__all__ = ["SwitchRegisters", "CounterSignature"]
 
 
 class CounterSignature(wiring.Signature):
