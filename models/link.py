@@ -82,6 +82,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+from models.arbiters import turn_pick
 from models.packet import CREDIT_BLOCK_BYTES, SEND_ONLY_OVERHEAD, blocks, stored_beats, wire_beats
 
 __all__ = [
@@ -384,14 +385,8 @@ class VlArbiter:
 
     def pick(self, eligible):
         """The VL to send from, or None. ``eligible[v]``: a head packet with credit."""
-        pointer, n = self.pointer, len(self.weights)
-        if eligible[pointer] and self.budget:
-            return pointer
-        for offset in range(1, n + 1):
-            candidate = (pointer + offset) % n
-            if eligible[candidate]:
-                return candidate
-        return None
+        requests = sum(1 << v for v, e in enumerate(eligible) if e)
+        return turn_pick(requests, self.pointer, bool(self.budget), len(self.weights))
 
     def commit(self, vl: int, nblocks: int) -> None:
         """The picked packet (``nblocks`` blocks) goes: update the turn."""

@@ -1,10 +1,12 @@
 """The round robin every block uses (hdl/prim/round_robin.py) in Amaranth's simulator, checked
 exhaustively against models.arbiters for up to 6 requests: every request vector from every
-pointer, the mask after each pick, the mask at it and the pick's index."""
+pointer, the mask after each pick, the mask at it and the pick's index; and the weighted round
+robin's pick from every turn, with and without budget left."""
 import pytest
 from amaranth import Elaboratable, Module, Signal
 
 from models.arbiters import round_robin_pick as model_pick
+from models.arbiters import turn_pick as model_turn_pick
 from tb.amaranth_sim import simulate
 
 
@@ -55,6 +57,40 @@ def test_every_request_vector_from_every_pointer(n):
 
     simulate(dut, testbench, clock=False)
     assert len(checked) == n * ((1 << n) - 1)
+
+
+class TurnHarness(Elaboratable):
+    def __init__(self, n):
+        self.requests = Signal(n)
+        self.turn = Signal(range(max(n, 2)))
+        self.keep = Signal()
+        self.pick = Signal(range(max(n, 2)))
+
+    def elaborate(self, platform):
+        from hdl.prim.round_robin import turn_pick
+        m = Module()
+        m.d.comb += self.pick.eq(turn_pick(m, self.requests, self.turn, self.keep, name="vl"))
+        return m
+
+
+@pytest.mark.parametrize("n", range(1, 6))
+def test_turn_pick_from_every_turn(n):
+    dut = TurnHarness(n)
+    checked = []
+
+    async def testbench(ctx):
+        for turn in range(n):
+            ctx.set(dut.turn, turn)
+            for keep in (0, 1):
+                ctx.set(dut.keep, keep)
+                for requests in range(1 << n):
+                    ctx.set(dut.requests, requests)
+                    want = model_turn_pick(requests, turn, bool(keep), n)
+                    assert ctx.get(dut.pick) == (0 if want is None else want), (turn, keep, requests)
+                    checked.append(want)
+
+    simulate(dut, testbench, clock=False)
+    assert len(checked) == n * 2 * (1 << n)
 
 
 @pytest.mark.parametrize("k,n", [(-1, 4), (4, 4), (0, 0)])

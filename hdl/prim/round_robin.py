@@ -2,7 +2,7 @@
 vector and a thermometer mask (no comparator in the path), and the mask's next value."""
 from amaranth import *
 
-__all__ = ["round_robin_pick", "next_mask", "mask_at", "mask_after", "one_hot_index"]
+__all__ = ["round_robin_pick", "turn_pick", "next_mask", "mask_at", "mask_after", "one_hot_index"]
 
 
 def round_robin_pick(m, requests, mask, *, name):
@@ -23,6 +23,18 @@ def round_robin_pick(m, requests, mask, *, name):
         any_below = requests[:k].any() if k else C(0, 1)
         m.d.comb += pick[k].eq(requests[k] & Mux(mask[k], ~high_below, ~high.any() & ~any_below))
     return pick
+
+
+def turn_pick(m, requests, turn, keep, *, name):
+    """The weighted round robin's pick, as an index: request ``turn`` (an index) again while
+    ``keep`` (its turn has budget left) and it is requested, else the first request after it,
+    ``turn`` itself last. 0 when nothing is requested."""
+    n = len(requests)
+    holder = Signal(n, name=f"{name}_turn")
+    m.d.comb += holder.eq(Cat(turn == k for k in range(n)))
+    mask = Signal(n, name=f"{name}_mask")
+    m.d.comb += mask.eq(Mux(keep, mask_at(holder), next_mask(holder)))
+    return one_hot_index(round_robin_pick(m, requests, mask, name=name))
 
 
 def next_mask(one_hot):

@@ -10,6 +10,7 @@ from hdl.link.signatures import (
     FCCL_BITS, LinkState, WireSignature, blocks_of, check_mtu, check_width,
     lrh_pktlen, lrh_wire_bytes, max_wire_bytes, vl_index,
 )
+from hdl.prim.round_robin import turn_pick
 from hdl.switch.allocation_control import AllocationControl
 from hdl.switch.crossbar import Crossbar
 from hdl.switch.forwarding_table import ForwardingTable
@@ -356,14 +357,11 @@ class Switch(wiring.Component):
         vl_stay = Signal(P)
         for o in range(P):
             m.d.comb += vl_any[o].eq(or_all([eligible[i][o] for i in range(P)]))
-            m.d.comb += vl_stay[o].eq(vl_any[o].bit_select(vl_pointer[o], 1) & (vl_budget[o] != 0))
-            with m.If(vl_stay[o]):
-                m.d.comb += vl_pick[o].eq(vl_pointer[o])
-            with m.Else():
-                for offset in reversed(range(1, V + 1)):
-                    candidate = (vl_pointer[o] + offset) % V if V > 1 else C(0, 1)
-                    with m.If(vl_any[o].bit_select(candidate, 1)):
-                        m.d.comb += vl_pick[o].eq(candidate)
+            m.d.comb += [
+                vl_stay[o].eq(vl_any[o].bit_select(vl_pointer[o], 1) & (vl_budget[o] != 0)),
+                vl_pick[o].eq(turn_pick(m, vl_any[o], vl_pointer[o], vl_budget[o] != 0,
+                                        name=f"vl{o}")),
+            ]
 
         m.submodules.allocator = allocator = IslipAllocator(P, self.islip_iterations)
         for i in range(P):

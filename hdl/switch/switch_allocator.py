@@ -7,7 +7,7 @@ from amaranth.lib.wiring import In, Out
 
 from hdl.arith import or_all
 from hdl.link.signatures import FCCL_BITS, vl_index
-from hdl.prim.round_robin import next_mask, round_robin_pick
+from hdl.prim.round_robin import next_mask, round_robin_pick, turn_pick
 
 __all__ = ["SwitchAllocator", "ALLOC_STAGES"]
 
@@ -168,15 +168,8 @@ class SwitchAllocator(wiring.Component):
                                       for v in range(V)))
             stay = Signal(name=f"vl_stay{o}")
             pick = Signal(vl_index(V), name=f"vl_pick{o}")
-            m.d.comb += stay.eq(vl_any.bit_select(vl_ptr[o], 1) & budget_nz[o])
-            with m.If(stay):
-                m.d.comb += pick.eq(vl_ptr[o])
-            with m.Else():
-                # The VL after the pointer first; the pointer's own VL last.
-                for offset in reversed(range(1, V + 1)):
-                    candidate = (vl_ptr[o] + offset) % V if V > 1 else C(0, 1)
-                    with m.If(vl_any.bit_select(candidate, 1)):
-                        m.d.comb += pick.eq(candidate)
+            m.d.comb += [stay.eq(vl_any.bit_select(vl_ptr[o], 1) & budget_nz[o]),
+                         pick.eq(turn_pick(m, vl_any, vl_ptr[o], budget_nz[o], name=f"vl{o}"))]
             per_vl = [round_robin_pick(
                 m, Cat(requests[k(i, o, v)] for i in range(P)), grant_mask[o],
                 name=f"grant{o}_vl{v}") for v in range(V)]
