@@ -386,7 +386,9 @@ class CompletionUnit(wiring.Component):
 
     Limits and assumptions: a SENT record reaches the unit before any response to it can
     (the executor emits it with the message's first packet descriptor, a round trip ahead
-    of the response), else that response is dropped as a future PSN. AETH.MSN, P_Key,
+    of the response), else that response is dropped as a future PSN: records held behind
+    one the unit refuses (its QP's queue nearly full) can come late (docs/nic.md,
+    Completions). AETH.MSN, P_Key,
     LIDs and SL of a response are not checked; responses with a GRH are dropped.
     A READ response or atomic acknowledge that implicitly acknowledges earlier requests
     (their ACK was lost) is not taken: the go-back-N retry recovers it. ``qp_reset`` is
