@@ -28,7 +28,7 @@ PROOFS = {
     # LinkReceiver and its peer: bounded (docs/formal.md says why); its buffer fills and
     # drains in 11 cycles.
     "link_receiver_credit_w64": (functools.partial(LinkReceiverCreditHarness, width=64,
-                                                   mtu=256), 8, {**BOUNDED, "cover_depth": 12}),
+                                                   mtu=256), 8, {"cover_depth": 12}),
     # The switch's egress credit check: SwitchAllocator, 2 and 3 ports, 2 VLs, packets of up
     # to 3 blocks.
     "switch_allocator_credit_2p": (functools.partial(SwitchAllocatorCreditHarness, ports=2,
