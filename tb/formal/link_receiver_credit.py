@@ -267,10 +267,12 @@ class LinkReceiverCreditHarness(Elaboratable):
                     m.d.comb += Assert(fc_fctbs(w) == (fctbs[v] - r_charged)[:FCCL_BITS])
             with m.If(ours & ~w_start):
                 m.d.comb += Assert(facts["packet_blocks"] == open_charge)
-                # Its data end is stored once the position is past it, and nothing after.
-                m.d.comb += Assert(~past | state["end_stored"] |
+                # Its data end (in the last beat, or filling the one before when the last
+                # holds only the VCRC: aligned) is stored once the position is past it.
+                data_ended = past | (facts["aligned"] & (ahead == 0))
+                m.d.comb += Assert(~data_ended | state["end_stored"] |
                                    (w_data & (beat_facts.facts.data_end | w.end)))
-                m.d.comb += Assert(~state["end_stored"] | past | (facts["aligned"] & (ahead == 0)))
+                m.d.comb += Assert(~state["end_stored"] | data_ended)
                 with m.If(past):
                     m.d.comb += Assert(stored <= facts["packet_blocks"])
                 with m.Else():
