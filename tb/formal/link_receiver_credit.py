@@ -24,8 +24,13 @@ from tb.formal.credit import CREDIT_WINDOW, fits
 
 
 class LinkReceiverCreditHarness(Elaboratable):
-    def __init__(self, *, width=8, num_vls=2, mtu=256, buffer_blocks=None, stall_timeout=2,
+    def __init__(self, *, width=64, num_vls=2, mtu=256, buffer_blocks=None, stall_timeout=2,
                  receiver=LinkReceiver):
+        if width != BLOCK_BYTES:
+            # The invariants on BeatFacts' position registers are written for beats of one
+            # block each.
+            raise ValueError(f"The receiver's credit proof is stated for 64-byte beats, "
+                             f"not {width!r}")
         if buffer_blocks is None:
             buffer_blocks = blocks_of(max_wire_bytes(mtu))     # the smallest buffer allowed
         self.dut = receiver(width=width, num_vls=num_vls, mtu=mtu, buffer_blocks=buffer_blocks,
@@ -124,34 +129,33 @@ class LinkReceiverCreditHarness(Elaboratable):
         self.pipeline_invariants(m, dut, elaborated, fctbs, stored_beats, platform)
 
         m.d.comb += [Assert(invariant) for invariant in dut.formal_invariants]
-        if True:
-            m.d.comb += Assert(~dut.overflow)
-            for v in vls:
-                used, abr, fccl = dut.used_blocks[v], dut.abr[v], dut.fccl[v]
-                free_blocks = buffer_blocks - used
-                m.d.comb += Assert(used <= buffer_blocks)
-                # ABR never ahead of the peer's FCTBS; what the peer sent beyond it fits in
-                # the free space: stored + in flight (or lost, until a flow-control packet)
-                # never exceed the buffer.
-                m.d.comb += Assert((fctbs[v] - abr)[:FCCL_BITS] <= free_blocks)
-                with m.If(~cleared_before[0]):
-                    # The advertised limit never exceeds the free space, and the peer's
-                    # (older) limit never exceeds the advertised one.
-                    m.d.comb += [
-                        Assert((fccl - fctbs[v])[:FCCL_BITS] <= free_blocks),
-                        Assert((fccl - limit[v])[:FCCL_BITS] <= CREDIT_WINDOW),
-                        # Induction: the limit lies between FCTBS and the FCCL.
-                        Assert((limit[v] - fctbs[v])[:FCCL_BITS] <=
-                               (fccl - fctbs[v])[:FCCL_BITS]),
-                    ]
-                # Induction: the FCCL register is last cycle's ABR + free blocks.
-                fccl_next = Signal(FCCL_BITS, init=buffer_blocks, name=f"fccl_next{v}")
-                m.d.sync += fccl_next.eq(abr + buffer_blocks - used)
-                m.d.comb += Assert(fccl == fccl_next)
-                # Reachable: the buffer full of stored packets, then drained with every
-                # credit back.
-                m.d.comb += Cover(was_full[v] & (used == 0) & (abr == fctbs[v]) &
-                                  ((fccl - fctbs[v])[:FCCL_BITS] == buffer_blocks))
+        m.d.comb += Assert(~dut.overflow)
+        for v in vls:
+            used, abr, fccl = dut.used_blocks[v], dut.abr[v], dut.fccl[v]
+            free_blocks = buffer_blocks - used
+            m.d.comb += Assert(used <= buffer_blocks)
+            # ABR never ahead of the peer's FCTBS; what the peer sent beyond it fits in
+            # the free space: stored + in flight (or lost, until a flow-control packet)
+            # never exceed the buffer.
+            m.d.comb += Assert((fctbs[v] - abr)[:FCCL_BITS] <= free_blocks)
+            with m.If(~cleared_before[0]):
+                # The advertised limit never exceeds the free space, and the peer's
+                # (older) limit never exceeds the advertised one.
+                m.d.comb += [
+                    Assert((fccl - fctbs[v])[:FCCL_BITS] <= free_blocks),
+                    Assert((fccl - limit[v])[:FCCL_BITS] <= CREDIT_WINDOW),
+                    # Induction: the limit lies between FCTBS and the FCCL.
+                    Assert((limit[v] - fctbs[v])[:FCCL_BITS] <=
+                           (fccl - fctbs[v])[:FCCL_BITS]),
+                ]
+            # Induction: the FCCL register is last cycle's ABR + free blocks.
+            fccl_next = Signal(FCCL_BITS, init=buffer_blocks, name=f"fccl_next{v}")
+            m.d.sync += fccl_next.eq(abr + buffer_blocks - used)
+            m.d.comb += Assert(fccl == fccl_next)
+            # Reachable: the buffer full of stored packets, then drained with every
+            # credit back.
+            m.d.comb += Cover(was_full[v] & (used == 0) & (abr == fctbs[v]) &
+                              ((fccl - fctbs[v])[:FCCL_BITS] == buffer_blocks))
         return m
 
     @staticmethod
@@ -242,6 +246,7 @@ class LinkReceiverCreditHarness(Elaboratable):
         ]
         with m.If(~past):
             m.d.comb += [
+                Assert(facts["done"] >= 1), Assert(facts["tail"][:2] == 2),
                 Assert(facts["done_next"] == facts["done"] + 1),
                 Assert(ahead + facts["done"] + 1 == facts["packet_blocks"]),
             ]
