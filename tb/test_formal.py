@@ -86,6 +86,12 @@ PLANTED = {
     "cut_short_one_block_short": ("link_receiver_credit_w64", RECEIVER, "receiver", "LinkReceiver",
         "return Mux(terminate, base + f.close_blocks, base + f.blocks)",
         "return Mux(terminate, base + f.close_blocks - 1, base + f.blocks)"),
+    # An overlong packet's data end is not remembered as stored: its end beat closes it a
+    # second time.
+    "overlong_packet_ends_twice": ("link_receiver_credit_w64", RECEIVER, "receiver",
+        "LinkReceiver",
+        "m.d.sync += [stored_any.eq(1), end_stored.eq(f.data_end | w.end)]",
+        "m.d.sync += [stored_any.eq(1), end_stored.eq(w.end)]"),
     # A head one block larger than the registered bound passes stage E's credit test.
     "allocator_credit_one_block_short": ("switch_allocator_credit_2p", ALLOCATOR, "allocator",
         "SwitchAllocator",

@@ -9,7 +9,9 @@ receiver's ``fccl`` in any cycle or keep (flow-control packets lost, late or rep
 start beat must fit ``(limit - (FCTBS + blocks)) mod 4096 <= 2048`` and a link beat carries
 the peer's FCTBS of its VL. ``clear`` resets the peer's counts and limit with ABR, as a
 link's re-initialisation does, and stays up while the receiver still holds a packet from
-before it.
+before it. For k-induction the harness also states what ties the buffers' contents (read
+through ``FifoContents``), the peer's counts and ``BeatFacts``' position registers to each
+other (64-byte beats only).
 """
 from amaranth import Cat, Elaboratable, Module, Mux, Signal, Value
 from amaranth.lib import data
