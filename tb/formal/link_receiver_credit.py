@@ -21,8 +21,8 @@ from amaranth.hdl import Assert, Assume, Cover
 from hdl.link.link_receiver import LinkReceiver
 from hdl.link.signatures import BLOCK_BYTES, FCCL_BITS, LinkState, blocks_of, lrh_pktlen, max_wire_bytes
 from tb.formal import sby
-from tb.formal.fifo_contents import FifoContents, elaborate_now
 from tb.formal.credit import CREDIT_WINDOW, fits
+from tb.formal.fifo_contents import FifoContents, elaborate_now
 
 
 class LinkReceiverCreditHarness(Elaboratable):
@@ -258,11 +258,10 @@ class LinkReceiverCreditHarness(Elaboratable):
                 m.d.sync += open_charge.eq(charge(w))
             stored = stored_beats[v]
             ours = state["storing"] & (state["current_vl"] == v)
+            r_charged = Mux(r_start & (r.data[4:8] == v), charge(r), 0)
             in_flight = Signal(FCCL_BITS + 2, name=f"in_flight{v}")
             m.d.comb += in_flight.eq(Mux(ours, open_charge, 0) +
-                                     Mux(w_start & (w.data[4:8] == v), charge(w), 0) +
-                                     Mux(r_start & (r.data[4:8] == v), charge(r), 0))
-            r_charged = Mux(r_start & (r.data[4:8] == v), charge(r), 0)
+                                     Mux(w_start & (w.data[4:8] == v), charge(w), 0) + r_charged)
             # While clear is up, FCTBS and ABR restart at 0: what is still in the receiver
             # from before it fits in the free space.
             m.d.comb += Assert(in_flight + dut.used_blocks[v] <= dut.buffer_blocks)
