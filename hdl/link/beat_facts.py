@@ -123,6 +123,15 @@ class BeatFacts(wiring.Component):
         done_next = Signal(FCCL_BITS)
         phase = Signal(range(per_block)) if per_block > 1 else C(0)
 
+        # What a formal proof relates to the packet in progress (docs/formal.md).
+        self.formal_state = {
+            "valid": valid, "link": link, "start": start, "end": end, "count": count,
+            "lrh": lrh, "nbytes": nbytes, "ahead": ahead, "ahead_many": ahead_many,
+            "ahead_one": ahead_one, "ahead_zero": ahead_zero, "past": past, "tail": tail,
+            "aligned": aligned, "packet_blocks": packet_blocks, "done": done,
+            "done_next": done_next,
+        }
+
         # The same for a start beat, from its LRH: it is beat 0 of its packet.
         length = lrh_wire_bytes(lrh)
         start_ahead = length[shift:]

@@ -262,6 +262,13 @@ class LinkReceiver(wiring.Component):
             m.d.sync += closing.eq(1)
         with m.Elif(~in_packet | w_valid & w.start):
             m.d.sync += closing.eq(0)
+        # What a formal proof ties to the buffers' contents and the peer's counts
+        # (docs/formal.md): the packet being stored, whether any of its beats and its end
+        # beat are in, and the beats in the input (r) and check (w) registers.
+        self.formal_state = {"storing": storing, "stored_any": stored_any,
+                             "end_stored": end_stored, "current_vl": current_vl,
+                             "r_valid": r_valid, "r": r, "r_link": r_link,
+                             "w_valid": w_valid, "w": w, "w_link": w_link}
         m.d.comb += [
             close_now.eq(closing & in_packet & ~w_valid),
             terminate.eq(w_valid & storing & (w.start | w_link) | close_now & storing),

@@ -67,6 +67,8 @@ class PacketBuffer(wiring.Component):
         verdict = data.View(self._verdict, verdicts.r_data)
         forwarding = Signal()   # the head packet has started out
         skipping = Signal()
+        # A formal proof ties skipping to the verdict it follows (docs/formal.md).
+        self.formal_skipping = skipping
 
         release = Signal()
         m.d.comb += [
