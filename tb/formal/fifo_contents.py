@@ -7,7 +7,7 @@ here, before Amaranth does it, with Amaranth's own formal assertions on its poin
 (platform ``"formal"``), and its memory gets one combinational read port per word: the
 harness reads every entry without changing the FIFO's logic.
 """
-from amaranth import Array, Module, Mux, Signal
+from amaranth import Array, Mux, Signal
 
 __all__ = ["elaborate_now", "FifoContents"]
 
