@@ -10,7 +10,11 @@ records go to the file named by ``BENCH_RECORDS``. All figures are simulated cyc
 * ``nic.msg_rate_wqe_per_cycle``: 8-byte inline RDMA WRITEs posted to every QP by one warp
   per QP, 256 per QP (four times the QP's window), doorbell every 32 WQEs (NVSHMEM's
   batching), one ACK per message: request packets on the wire per cycle, from the first to
-  the last. ``.coalesced_acks``: the responder acknowledges every 16 packets.
+  the last. ``.coalesced_acks``: the responder acknowledges every 16 packets. Beside each:
+  ``.sustained``, the middle half of the packets (the n/4-th to the 3n/4-th) over the
+  cycles between them; ``.to_last_cqe``, the WQEs over the cycles from the first packet to
+  the last CQE written; and ``nic.cqe_drain_cycles`` (``.coalesced_acks``), the cycles from
+  the last response's first beat at the NIC's wire pins to the last CQE written.
 * ``nic.write_bandwidth.64KiB``: 64 KiB RDMA WRITEs (payload read by DMA) from several QPs at
   path MTU 4096: payload bytes on the wire / (cycles x 64 B), first beat to last.
 """
@@ -21,6 +25,7 @@ import cocotb
 
 from models import mlx5
 from tb import runner
+from tb.beats import WireMonitor
 from tb.nic_tb import CLOCK_NS, DATA_REGION, MEMORY_BYTES, NicTB
 from tb.runner import bench_record as record
 
@@ -72,6 +77,8 @@ async def message_rate(dut, coalesce_acks):
                           fm_ce_se=mlx5.CTRL_CQ_UPDATE if n % 16 == 15 else 0)
             items.append((q, 1, tb.builder(q, **fields), n))
         work.append(items)
+    # The responses (every data packet the NIC receives here) as they reach its pins.
+    responses = tb.loop.add(WireMonitor(dut, "nic_wire_in_monitor", 64))
     first = len(tb.wire.data_packets)
     for task in tb.gpu.start_warps(work):
         await task
@@ -79,14 +86,27 @@ async def message_rate(dut, coalesce_acks):
     await tb.drain(limit=400_000)
     await tb.check_clean()
     packets = tb.wire.data_packets[first:]
-    span = packets[-1][2] - packets[0][2] + 1
+    starts = [start for _, _, start in packets]
+    span = starts[-1] - starts[0] + 1
     rate = len(packets) / span
-    name = "nic.msg_rate_wqe_per_cycle" + (".coalesced_acks" if coalesce_acks else "")
+    n = len(packets)
+    middle = starts[3 * n // 4] - starts[n // 4]
+    last_cqe = tb.cqe_cycles[-1]
+    last_response = responses.data_packets[-1][2]
+    suffix = ".coalesced_acks" if coalesce_acks else ""
+    name = "nic.msg_rate_wqe_per_cycle" + suffix
+    common = dict(operation="RDMA_WRITE inline 8 B", wqes=n, ring_every=32, signaled_every=16,
+                  acks="one ACK per 16 packets" if coalesce_acks else "one ACK per message")
     record(name, round(rate, 3), "WQE per cycle",
-           config(tb, operation="RDMA_WRITE inline 8 B", wqes=len(packets), ring_every=32,
-                  signaled_every=16, span_cycles=span,
-                  acks="one ACK per 16 packets" if coalesce_acks else "one ACK per message",
+           config(tb, **common, span_cycles=span,
                   messages_per_second=round(rate * 1000 / CLOCK_NS * 1e6)))
+    record(name + ".sustained", round((3 * n // 4 - n // 4) / middle, 3), "WQE per cycle",
+           config(tb, **common, packets=f"{n // 4} to {3 * n // 4}", span_cycles=middle))
+    record(name + ".to_last_cqe", round(n / (last_cqe - starts[0] + 1), 3), "WQE per cycle",
+           config(tb, **common, span_cycles=last_cqe - starts[0] + 1))
+    record("nic.cqe_drain_cycles" + suffix, last_cqe - last_response, "cycles",
+           config(tb, **common, last_response_cycle=last_response, last_cqe_cycle=last_cqe,
+                  last_request_cycle=starts[-1]))
 
 
 @cocotb.test()

@@ -135,6 +135,7 @@ class NicTB(NicHost):
         self.nak_results = {}                         # qpn -> the NAKed WQE's result
         self.expected_cqes = defaultdict(deque)       # qpn -> (wqe_index, checker)
         self.completed = defaultdict(list)            # qpn -> CQEs seen
+        self.cqe_cycles = []                          # the cycle each CQE was written
         self.cq_pi = defaultdict(int)                 # cqn -> CQEs written so far
         # READ data and atomic results to land: address -> (byte, WQE result), and the
         # bytes still to land per WQE (by QP and ring index, unique while it is outstanding:
@@ -341,6 +342,7 @@ class NicTB(NicHost):
         if cqe != want:
             self.errors.append(f"QP {qpn}: CQE {cqe}, expected {want}")
         self.completed[qpn].append(cqe)
+        self.cqe_cycles.append(self.loop.cycle)
         if self.gpu is not None and qpn in self.gpu.qps:
             self.gpu.completed(qpn, cqe.wqe_counter, result.wqe_blocks)
 
