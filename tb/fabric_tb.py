@@ -21,6 +21,7 @@ from cocotb.triggers import RisingEdge
 
 from hdl.link.signatures import LinkState
 from hdl.nic import register_map as rmap
+from hdl.nic.signatures import MAX_OUTSTANDING_BLOCKS
 from hdl.switch import register_map as switch_map
 from models import mlx5
 from models.nic import CqContext, Mkey, QpContext, RequesterModel, NicResponderModel, mkey_index
@@ -259,7 +260,7 @@ class FabricTB(RcTB):
                 await nic.host.program_cq(cq)
             for q, peer in nic.peers.items():
                 qp = QpContext(qpn=q, sq_base=SQ_REGION + q * SQ_STRIDE, log_sq_size=log_sq_size,
-                               mtu=mtu, sl=0, max_outstanding=64, dest_qpn=nic.index,
+                               mtu=mtu, sl=0, max_outstanding=MAX_OUTSTANDING_BLOCKS, dest_qpn=nic.index,
                                dlid=peer.lid, pd=PD, pkey=0xFFFF, sq_psn=psns[(nic.index, q)],
                                cqn=q, access=ALL_RIGHTS, rq_psn=psns[(q, nic.index)],
                                min_rnr_timer=1, ack_timeout=ack_timeout,

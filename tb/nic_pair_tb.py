@@ -37,6 +37,7 @@ from cocotb.triggers import ClockCycles, RisingEdge
 from hdl.link.link_receiver import DROP_REASONS
 from hdl.link.signatures import LinkState
 from hdl.nic import register_map as rmap
+from hdl.nic.signatures import MAX_OUTSTANDING_BLOCKS
 from models import mlx5
 from models.crc import vcrc_bytes
 from models.nic import (CompletionModel, CqContext, Mkey, QpContext, RequesterModel,
@@ -341,7 +342,7 @@ class NicPairTB(RcTB):
 
     async def setup(self, qps=8, log_sq_size=8, log_rq_size=8, mtu=None, ring_every=1,
                     shared_recv_cq=True, ack_timeout=5, retry_cnt=7, rnr_retry=7,
-                    min_rnr_timer=1, max_outstanding=64):
+                    min_rnr_timer=1, max_outstanding=MAX_OUTSTANDING_BLOCKS):
         """Connect QP q of A with QP q of B for q < ``qps`` (path MTU ``mtu``, random per
         pair if None), one send CQ per QP, receive completions on the same CQ
         (``shared_recv_cq``) or a CQ of their own; a memory key over each whole memory

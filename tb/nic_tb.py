@@ -33,7 +33,7 @@ from cocotb.triggers import RisingEdge
 
 from hdl.link.signatures import LinkState
 from hdl.nic import register_map as rmap
-from hdl.nic.signatures import DESCRIPTOR_INLINE_BYTES, PAYLOAD_ID
+from hdl.nic.signatures import DESCRIPTOR_INLINE_BYTES, MAX_OUTSTANDING_BLOCKS, PAYLOAD_ID
 from models import mlx5
 from models.ib import Opcode
 from models.nic import (CompletionStatus, CqContext, Mkey, QpContext, RequesterModel,
@@ -126,6 +126,7 @@ class NicTB(NicHost):
         # ACK_FLUSH_CYCLES (as a real responder's coalescing timer would).
         self.responder = ResponderPeer(lid=REMOTE_LID, memory_bytes=MEMORY_BYTES,
                                         ack_every=ack_every, coalesce_ackreq=coalesce_acks)
+        self.hold_acks = False      # coalesced ACKs wait for flush_acks, not for a quiet wire
         self.gpu = None
         # qpn -> (packet bytes, required) to come, in order; packets behind a NAK are not
         # required (the NIC may or may not have sent them before the QP went to ERR).
@@ -169,7 +170,7 @@ class NicTB(NicHost):
 
     # --- a standard setup ---------------------------------------------------------------
 
-    async def setup(self, qps=8, cqs=None, log_sq_size=8, mtu=None, max_outstanding=64,
+    async def setup(self, qps=8, cqs=None, log_sq_size=8, mtu=None, max_outstanding=MAX_OUTSTANDING_BLOCKS,
                     collapsed=False, ring_every=1, mkeys=None):
         """Program ``qps`` QPs (one CQ each unless ``cqs``; path MTU ``mtu``, random per QP
         if None), a memory key over the data region (``mkeys`` replaces it), a GPU model
@@ -392,6 +393,11 @@ class NicTB(NicHost):
         """A response packet (from the NIC's responder) reached the remote end."""
         self.errors.append(f"cycle {self.loop.cycle}: unexpected response {packet.hex()}")
 
+    def flush_acks(self):
+        """Send the coalesced ACKs the responder holds."""
+        for response in self.responder.flush():
+            self.sources[0].send(response)
+
     # --- end of test ----------------------------------------------------------------------
 
     def outstanding(self):
@@ -487,9 +493,8 @@ class _Responder:
         tb = self.tb
         arrived = sum(len(sink.packets) for sink in tb.sinks.values()) - sum(self.taken)
         self.quiet = 0 if arrived else self.quiet + 1
-        if self.quiet == ACK_FLUSH_CYCLES and tb.responder.coalesce_ackreq:
-            for response in tb.responder.flush():
-                tb.sources[0].send(response)
+        if self.quiet == ACK_FLUSH_CYCLES and tb.responder.coalesce_ackreq and not tb.hold_acks:
+            tb.flush_acks()
         for v, sink in tb.sinks.items():
             while self.taken[v] < len(sink.packets):
                 packet, end_bad, _, _ = sink.packets[self.taken[v]]

@@ -14,6 +14,7 @@ from collections import defaultdict, deque
 
 from cocotb.triggers import RisingEdge
 
+from hdl.nic.signatures import MAX_OUTSTANDING_BLOCKS
 from models import mlx5
 from models.nic import CqContext, QpContext, NicResponderModel, make_packet, mkey_index
 from tb.nic_tb import CQ_REGION, CQ_STRIDE, MEMORY_BYTES, NIC_LID, REMOTE_LID, NicTB
@@ -69,7 +70,7 @@ class ResponderTB(NicTB):
         for q in range(qps):
             psn = self.rng.randrange(1 << 24)
             qp = QpContext(qpn=q, sq_base=0x200000 + 0x10000 * q, log_sq_size=6, mtu=mtu,
-                           sl=q % 16, max_outstanding=64, dest_qpn=REQUESTER_QPN(q),
+                           sl=q % 16, max_outstanding=MAX_OUTSTANDING_BLOCKS, dest_qpn=REQUESTER_QPN(q),
                            dlid=REMOTE_LID, pd=0x1234, pkey=0xFFFF, sq_psn=0, cqn=q % cqs,
                            access=(access_of or {}).get(q, access), rq_psn=psn,
                            min_rnr_timer=3,

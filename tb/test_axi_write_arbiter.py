@@ -134,9 +134,10 @@ def run_arbiter(seed, *, ids=IDS, counts=(25, 25, 10), p_aw=(0.5, 0.3, 0.8), p_w
                 ctx.set(axi.bid, b_cur[0])
                 ctx.set(axi.bresp, b_cur[1])
 
-            # Round robin among writers offering AW while the slot can take one.
-            offering = [i for i in range(n) if writers[i].aw_on]
-            granted = [i for i in range(n) if ctx.get(dut.writers[i].awready)]
+            # Round robin among the registered AW requests while the slot can take one.
+            held = [register.o for register in dut.aw_registers]
+            offering = [i for i in range(n) if ctx.get(held[i].valid)]
+            granted = [i for i in range(n) if ctx.get(held[i].valid) and ctx.get(held[i].ready)]
             assert len(granted) <= 1 and all(i in offering for i in granted), t
             if granted:
                 for i in offering:

@@ -64,6 +64,7 @@ class Qp:
         self.max_out = 64
         self.recent = self.recent2 = self.db_event = False
         self.replay_end = 0
+        self.busy_out = False       # qp_busy: the cycle before's busy or grant (a register)
         self.clear()
 
     def clear(self):
@@ -305,6 +306,7 @@ class Reference:
         # Per-QP state, every next value from this cycle's.
         for q, qp in enumerate(qps):
             granting = grant == q
+            qp.busy_out = qp.busy or granting
             event = qp.db_event or retire_q == q
             rewound, skipped = rewind_q == q, skip is not None and skip[0] == q
             unseen = ((qp.unseen and not granting) or (granting and (qp.recent or qp.recent2))
@@ -395,7 +397,7 @@ class Bench:
             got = (ctx.get(p.qpn), ctx.get(p.wqe_index), ctx.get(p.psn))
             assert got == ref.skip, (t, "skip", got, ref.skip)
         busy = ctx.get(dut.qp_busy)
-        expected = sum(1 << q for q, qp in enumerate(ref.qps) if qp.busy)
+        expected = sum(1 << q for q, qp in enumerate(ref.qps) if qp.busy_out)
         assert busy == expected, (t, "qp_busy", hex(busy), hex(expected))
         for name in COUNTER_NAMES:
             assert ctx.get(getattr(dut, name)) == ref.counters[name], \

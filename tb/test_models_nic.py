@@ -907,10 +907,10 @@ def test_make_packet_matches_build_packet():
 
 
 def test_qp_context_checks():
-    assert n.qp_context_ok(n.QpConfig(sq_base=0x1000, log_sq_size=6, mtu=5, max_outstanding=64), 1)
+    assert n.qp_context_ok(n.QpConfig(sq_base=0x1000, log_sq_size=6, mtu=5, max_outstanding=63), 1)
     assert not n.qp_context_ok(n.QpConfig(mtu=0), 1)
     assert not n.qp_context_ok(n.QpConfig(mtu=6), 1)
-    assert not n.qp_context_ok(n.QpConfig(max_outstanding=65), 1)
+    assert not n.qp_context_ok(n.QpConfig(max_outstanding=64), 1)
     assert not n.qp_context_ok(n.QpConfig(max_outstanding=0), 1)
     assert not n.qp_context_ok(n.QpConfig(cqn=1), 1)
     assert not n.qp_context_ok(n.QpConfig(sq_base=0x800, log_sq_size=6), 1)

@@ -16,6 +16,7 @@ import pytest
 from hdl.nic import register_map as rmap
 from models import mlx5
 from tb import runner
+from hdl.nic.signatures import MAX_OUTSTANDING_BLOCKS, RECORD_QUEUE_DEPTH
 from tb.nic_tb import DATA_BYTES, DATA_REGION, MEMORY_BYTES, PD, NicTB, remote_qpn
 from tb.nic_top import BUILD_ARGS, NIC, nic_top
 from tb.wqe_mix import KINDS, wqe_fields
@@ -436,6 +437,50 @@ async def remote_naks(dut):
 
 
 @cocotb.test()
+async def full_window(dut):
+    """A QP's record queue filled to one less than its depth with every ACK held back (all
+    its packets on the wire, none answered), then one more WQE posted: a window is one less
+    than the completion unit's record queue (docs/nic.md "Completions"), so that WQE waits
+    for the window instead of bringing a record the queue refuses. Then the held ACK, one
+    cumulative ACK for the last PSN sent, is taken and completes everything, and the rest
+    goes on without an answer dropped or a packet sent again."""
+    rng = random.Random(17)
+    tb = NicTB(dut, seed=17, memory_latency=20, ack_every=1 << 20, coalesce_acks=True)
+    tb.hold_acks = True
+    await tb.reset()
+    qps = await tb.setup(qps=1, mtu=5, max_outstanding=MAX_OUTSTANDING_BLOCKS, ring_every=1 << 20)
+    fill_data(tb, rng)
+
+    def writes(count):
+        """``count`` 8-byte inline WRITEs of one basic block each."""
+        items = []
+        for n in range(count):
+            fields = dict(opcode=Op.RDMA_WRITE, inline=rng.randbytes(8),
+                          raddr=rng.randrange(0, MEMORY_BYTES - 8), rkey=1,
+                          fm_ce_se=mlx5.CTRL_CQ_UPDATE if n % 16 == 15 else 0)
+            items.append((qps[0], tb.blocks_of(**fields), tb.builder(qps[0], **fields), n))
+        return items
+
+    filled = RECORD_QUEUE_DEPTH - 1
+    await post_all(tb, [writes(filled)])
+    for _ in range(20000):
+        if len(tb.wire.data_packets) == filled:
+            break
+        await tb.cycles(1)
+    await tb.cycles(200)
+    assert len(tb.wire.data_packets) == filled
+    await post_all(tb, [writes(1)])
+    await tb.cycles(200)
+    tb.hold_acks = False
+    tb.flush_acks()
+    await post_all(tb, [writes(2 * filled)])
+    await tb.drain(limit=20000)
+    await tb.check_clean()
+    counters = await tb.counters()
+    assert counters["rx_dropped_unexpected"] == 0 and counters["packets_resent"] == 0, counters
+
+
+@cocotb.test()
 async def qp_states(dut):
     """Host-side QP state rules: context writes only in RESET, a busy QP cannot be reset,
     an errored and drained QP can be reset and run again from index 0 with a new PSN."""
@@ -488,7 +533,8 @@ async def qp_states(dut):
 # runs in test_nic_random_capture_decodes_in_tshark, which also decodes its wire.
 @pytest.mark.parametrize("tests, count", [
     ("random_operations.*seed=[23]", 2),
-    ("zero_load_latency|doorbell_storm|bad_wqes|nvshmem_nop_and_dump|remote_naks|qp_states", 8),
+    ("zero_load_latency|doorbell_storm|bad_wqes|nvshmem_nop_and_dump|remote_naks|full_window|qp_states",
+     9),
 ], ids=["random", "directed"])
 def test_nic(tests, count):
     runner.run(module="tb.test_nic", toplevel="nic_top", factory=nic_top, params=NIC,

@@ -24,6 +24,7 @@ import pytest
 from models import mlx5
 from hdl.link.signatures import LinkState
 from hdl.nic import register_map as rmap
+from hdl.nic.signatures import MAX_OUTSTANDING_BLOCKS
 from hdl.nic.responder_engine import SAVED_ATOMICS
 from tb import runner
 from tb.nic_pair_tb import CORRUPT, DROP, RATE_ONE, SOURCE_BYTES, SOURCE_REGION, NicPairTB
@@ -127,7 +128,7 @@ async def random_both_directions(dut, seed):
 NVSHMEM_ADDS = {"FETCH_ADD": None, "ADD": None, "SIGNAL_ADD": None, "INC": 1, "FETCH": 0}
 
 
-async def hammer(tb, rng, per_qp=40, max_outstanding=64, nvshmem_bytes=None):
+async def hammer(tb, rng, per_qp=40, max_outstanding=MAX_OUTSTANDING_BLOCKS, nvshmem_bytes=None):
     """Two QPs on each side fetch-and-add the same word of the peer's memory, each atomic's
     original value to a slot of its own. No update is lost or applied twice: the returned
     values chain, each QP's in its own order, from the word's start to its end (start plus

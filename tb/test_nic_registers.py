@@ -32,7 +32,7 @@ from amaranth.hdl import UnusedElaboratable
 from hdl.nic import register_map as rmap
 from hdl.nic.nic_registers import NUM_COUNTER_INPUTS, NicRegisters
 from hdl.nic.register_map import OKAY, SLVERR, field_value, place_fields
-from hdl.nic.signatures import CqConfigLayout, MkeyLayout, QpConfigLayout
+from hdl.nic.signatures import MAX_OUTSTANDING_BLOCKS, CqConfigLayout, MkeyLayout, QpConfigLayout
 from tb.amaranth_sim import simulate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -164,7 +164,7 @@ class Model:
     def context_ok(self, q):
         e = self.entries["qp"][q]
         align = min(4096, 64 << e["log_sq_size"])
-        return (1 <= e["mtu"] <= 5 and 1 <= e["max_outstanding"] <= 64
+        return (1 <= e["mtu"] <= 5 and 1 <= e["max_outstanding"] <= MAX_OUTSTANDING_BLOCKS
                 and e["cqn"] < self.dut.num_cqs and e["rcqn"] < self.dut.num_cqs
                 and e["sq_base"] % align == 0 and e["rq_base"] % 16 == 0 and e["rq_dbr"] % 4 == 0)
 
@@ -394,7 +394,7 @@ def mkey_addr(i, word):
     return rmap.MKEY_BASE + rmap.MKEY_STRIDE * i + 8 * word
 
 
-def qp_words(sq_base=0x10000, log_sq_size=6, mtu=5, sl=0, max_outstanding=64, dest_qpn=0x123,
+def qp_words(sq_base=0x10000, log_sq_size=6, mtu=5, sl=0, max_outstanding=MAX_OUTSTANDING_BLOCKS, dest_qpn=0x123,
              dlid=7, pd=1, pkey=0xFFFF, sq_psn=100, cqn=0, log_rq_size=4, rcqn=0,
              min_rnr_timer=12, access=0xE, rq_psn=200, rq_base=0x20000, rq_dbr=0x30000):
     return {1: place_fields(rmap.QP_WORDS[1].fields, sq_base=sq_base),
@@ -664,7 +664,7 @@ def test_qp_transitions():
         await state(RESET)
         # Each check on its own, from a good context.
         bad = [dict(mtu=0), dict(mtu=6), dict(mtu=7), dict(max_outstanding=0),
-               dict(max_outstanding=65), dict(max_outstanding=127), dict(cqn=4), dict(cqn=255),
+               dict(max_outstanding=64), dict(max_outstanding=65), dict(max_outstanding=127), dict(cqn=4), dict(cqn=255),
                dict(log_sq_size=0, sq_base=0x1020), dict(log_sq_size=3, sq_base=0x1100),
                dict(log_sq_size=6, sq_base=0x10800), dict(log_sq_size=15, sq_base=0x10800),
                dict(log_sq_size=9, sq_base=0x10000 | 1 << 5), dict(rcqn=4), dict(rcqn=200),
@@ -674,6 +674,7 @@ def test_qp_transitions():
             await bench.write(st, RTS, expect=SLVERR)
             await state(RESET)
         good = [dict(mtu=1, max_outstanding=1, cqn=3, log_sq_size=0, sq_base=0x40),
+                dict(max_outstanding=63),
                 dict(log_sq_size=3, sq_base=0x200), dict(log_sq_size=15, sq_base=0x1000),
                 dict(rcqn=3, rq_base=0x10, rq_dbr=0x4, log_rq_size=15, access=0)]
         for fields in good:

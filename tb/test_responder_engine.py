@@ -38,7 +38,7 @@ from amaranth.hdl import UnusedElaboratable
 
 from hdl.nic.responder_engine import SAVED_ATOMICS, ResponderEngine
 from hdl.nic.signatures import (
-    AtomicResultLayout, MkeyLayout, QpConfigLayout, QpState, RecvResultLayout,
+    MAX_OUTSTANDING_BLOCKS, AtomicResultLayout, MkeyLayout, QpConfigLayout, QpState, RecvResultLayout,
     RequestDescriptorLayout,
 )
 from models.nic import masked_fetch_add
@@ -134,7 +134,7 @@ class Desc:
 
 
 def qp_cfg(q, **kw):
-    cfg = dict(sq_base=0, log_sq_size=6, mtu=1, sl=q % 4, max_outstanding=64,
+    cfg = dict(sq_base=0, log_sq_size=6, mtu=1, sl=q % 4, max_outstanding=MAX_OUTSTANDING_BLOCKS,
                dest_qpn=0x100 + q, dlid=0x100, pd=1, pkey=0xFFFF, sq_psn=0, cqn=0,
                access=ALL_RIGHTS, rq_psn=(q * 1000) % M24, min_rnr_timer=q % 32,
                rq_base=0, log_rq_size=4, rq_dbr=0, rcqn=q % 7)

@@ -1,9 +1,10 @@
 from amaranth import *
-from amaranth.lib import fifo, wiring
+from amaranth.lib import data, fifo, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import bits_for
 
 from ..prim.round_robin import mask_after, next_mask, one_hot_index, round_robin_pick
+from ..prim.skid_register import SkidRegister
 from .signatures import AXI_ID_BITS, AxiWriteSignature
 
 __all__ = ["AxiWriteArbiter"]
@@ -15,8 +16,11 @@ class AxiWriteArbiter(wiring.Component):
     """Shares one AXI4 write master among the NIC's writers (CQE writes, the DMA writer,
     the atomic unit), each with its own AWID.
 
-    AW: one burst per cycle, round robin, into a registered AW slot; the writer's AW
-    fields, ``awid`` included, pass through unchanged. Each grant queues the writer's index,
+    AW: each writer's AW is taken into a :class:`SkidRegister` of its own (its ``awready``
+    a flip-flop), and the round robin grants one registered request per cycle into a
+    registered AW slot, so no writer's ``awvalid`` reaches another's ``awready`` (docs/nic.md,
+    Block boundaries); an AW is in the slot two cycles after its handshake at the earliest.
+    The writer's AW fields, ``awid`` included, pass through unchanged. Each grant queues the writer's index,
     and W beats pass only from the writer at the head of that queue, up to its ``wlast``:
     W follows AW order without interleaving, as AXI4 requires. A writer's W does not wait
     for the downstream AWREADY (its AW may still sit in the slot), so a slave that waits
@@ -52,6 +56,10 @@ class AxiWriteArbiter(wiring.Component):
             "writers": In(AxiWriteSignature(addr_width, data_bytes)).array(len(ids)),
             "axi": Out(AxiWriteSignature(addr_width, data_bytes)),
         })
+        aw_layout = data.StructLayout({"awid": AXI_ID_BITS, "awaddr": addr_width, "awlen": 8,
+                                       "awsize": 3, "awburst": 2})
+        # The writers' registered AW requests; their ``o`` is what the round robin sees.
+        self.aw_registers = [SkidRegister(aw_layout) for _ in ids]
 
     def elaborate(self, platform):
         m = Module()
@@ -61,18 +69,26 @@ class AxiWriteArbiter(wiring.Component):
         index_bits = bits_for(n - 1)
         m.submodules.order = order = fifo.SyncFIFO(width=index_bits, depth=ORDER_DEPTH)
 
-        # AW: the first valid writer after the last one granted wins the free slot.
+        # AW: each writer's request registered, then the first valid one after the last
+        # one granted wins the free slot.
+        held = []
+        for i, (writer, register) in enumerate(zip(writers, self.aw_registers)):
+            m.submodules[f"aw_register{i}"] = register
+            m.d.comb += [register.i.valid.eq(writer.awvalid), writer.awready.eq(register.i.ready)]
+            m.d.comb += [register.i.payload[name].eq(getattr(writer, name))
+                         for name in register.i.payload.shape().members]
+            held.append(register.o)
         mask = Signal(n, init=mask_after(0, n))
-        requests = Cat(writer.awvalid for writer in writers)
+        requests = Cat(request.valid for request in held)
         pick = round_robin_pick(m, requests, mask, name="aw")
         granted = one_hot_index(pick)
         aw_free = (~axi.awvalid | axi.awready) & order.w_rdy
-        for i, writer in enumerate(writers):
-            m.d.comb += writer.awready.eq(aw_free & pick[i])
+        for i, request in enumerate(held):
+            m.d.comb += request.ready.eq(aw_free & pick[i])
         with m.If(axi.awready):
             m.d.sync += axi.awvalid.eq(0)
         with m.If(aw_free & requests.any()):
-            chosen = Array(writers)[granted]
+            chosen = Array(request.payload for request in held)[granted]
             m.d.sync += [
                 axi.awvalid.eq(1),
                 axi.awid.eq(chosen.awid),

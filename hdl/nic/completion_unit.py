@@ -11,7 +11,7 @@ from hdl.ib.headers import AETH, BTH, LNH_IBA_LOCAL, LRH, from_wire
 from hdl.link.signatures import BeatLayout, vl_index
 from hdl.nic.response_writer import ORIG_WORD4_BYTE
 from hdl.nic.signatures import (
-    MAX_OUTSTANDING_BLOCKS, PSN_BITS, QPN_BITS, RESPONSE_SEQ_BITS, AxiWriteSignature,
+    PSN_BITS, RECORD_QUEUE_DEPTH, QPN_BITS, RESPONSE_SEQ_BITS, AxiWriteSignature,
     CompletionRecordLayout, CompletionStatus, ContextReadSignature, CqConfigLayout,
     EventSignature, MlxOpcode, PacketSentLayout, QpState, ReceiveCompletionLayout,
     RecvCqeOpcode, RetireLayout, ResponseVerdictLayout, RewindLayout, Syndrome,
@@ -20,7 +20,7 @@ from hdl.nic.signatures import (
 __all__ = ["CompletionUnit", "RX_EVENT_DEPTH", "RNR_TIMER_TICKS", "TIMER_TICK_CYCLES"]
 
 WIDTH = 64                  # bytes per beat and per AXI data beat: one CQE per beat
-QUEUE_DEPTH = MAX_OUTSTANDING_BLOCKS    # a record holds at least one block of the window
+QUEUE_DEPTH = RECORD_QUEUE_DEPTH
 RX_EVENT_DEPTH = 8          # decoded responses waiting per VL for the one-per-cycle processor
 JOB_DEPTH = 8               # completed records waiting for their CQE write
 RECEIVE_DEPTH = 4           # receive completions waiting for the CQE writer

@@ -339,7 +339,9 @@ class DoorbellScheduler(wiring.Component):
             granted.eq((granted | grant) & ~(rewind_hit | skip_hit | reset_hit)),
         ]
 
-        # Rung but unfetched WQEs do not count (a move to RESET drops them).
-        m.d.comb += self.qp_busy.eq(
-            Cat(fetch_pi[q] != done_ci[q] for q in range(n)) | in_flight)
+        # Rung but unfetched WQEs do not count (a move to RESET drops them). A register, so
+        # that the register file's idle test starts from one: this cycle's busy or grant,
+        # everything that can make a QP busy in the next cycle (docs/nic.md, Doorbells).
+        m.d.sync += self.qp_busy.eq(
+            Cat(fetch_pi[q] != done_ci[q] for q in range(n)) | in_flight | grant)
         return m

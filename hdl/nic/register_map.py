@@ -23,7 +23,7 @@ import argparse
 import sys
 from typing import NamedTuple
 
-from hdl.nic.signatures import COUNTERS
+from hdl.nic.signatures import COUNTERS, MAX_OUTSTANDING_BLOCKS
 
 __all__ = ["Field", "Register", "ContextWord", "ContextTable", "RegisterMap", "register_map",
            "render_markdown", "check_config", "counter_words", "field_value", "place_fields",
@@ -133,7 +133,7 @@ QP_WORDS = (
                                  Field("ack_timeout", 56, 5)),
                 "Send queue of 2**log_sq_size basic blocks; IBA path MTU code (1 = 256 B .. "
                 "5 = 4096 B); service level; WQE basic blocks fetched and not yet completed "
-                "(1..64); receive queue of 2**log_rq_size WQEs of 16 bytes; the CQ of receive "
+                f"(1..{MAX_OUTSTANDING_BLOCKS}); receive queue of 2**log_rq_size WQEs of 16 bytes; the CQ of receive "
                 "completions (< num_cqs); retransmissions allowed after a timeout or sequence "
                 "NAK, and after an RNR NAK (7: without limit); local ACK timeout 4.096 us * "
                 "2**ack_timeout (0: none)"),
@@ -397,7 +397,7 @@ def render_markdown(num_qps=64, num_cqs=16, num_mkeys=64, num_vls=2):
         "|---|---|---|",
         "| RESET | 0 (RESET) | stays RESET; `qp_reset` strobe (every block clears the QP's "
         "runtime state) |",
-        "| RESET | 3 (RTS) | RTS if the context is valid: `mtu` 1..5, `max_outstanding` 1..64, "
+        f"| RESET | 3 (RTS) | RTS if the context is valid: `mtu` 1..5, `max_outstanding` 1..{MAX_OUTSTANDING_BLOCKS}, "
         "`cqn` and `rcqn` < num_cqs, `sq_base` aligned to min(4096, 64 << `log_sq_size`), "
         "`rq_base` aligned to 16, `rq_dbr` aligned to 4; otherwise "
         "SLVERR, stays RESET |",

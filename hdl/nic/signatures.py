@@ -37,6 +37,7 @@ __all__ = [
     "QPN_BITS", "CQN_BITS", "PSN_BITS", "WQEBB_BYTES", "MAX_WQE_BLOCKS", "MAX_INLINE_BYTES",
     "DESCRIPTOR_INLINE_BYTES",
     "MAX_NIC_HEADER_BYTES", "EXT_AMO_OPMOD_4", "EXT_AMO_OPMOD_8", "MAX_OUTSTANDING_BLOCKS",
+    "RECORD_QUEUE_DEPTH",
     "MAX_MESSAGE_BYTES", "MAX_GATHER_SEGMENTS", "DataSegmentLayout",
     "FETCH_ID", "PAYLOAD_ID", "AXI_ID_BITS", "COUNTERS",
 ]
@@ -52,7 +53,11 @@ MAX_INLINE_BYTES = 256       # inline data a WQE may carry (larger: LOCAL_LENGTH
 DESCRIPTOR_INLINE_BYTES = 64
 EXT_AMO_OPMOD_4, EXT_AMO_OPMOD_8 = 0x08, 0x09   # NVSHMEM's IBGDA_4/8_BYTE_EXT_AMO_OPMOD >> 24
 MAX_NIC_HEADER_BYTES = 64    # LRH + BTH + MaskedAtomicETH: the longest header the NIC sends or takes (no GRH)
-MAX_OUTSTANDING_BLOCKS = 64  # per-QP window of fetched, not yet completed WQE basic blocks
+RECORD_QUEUE_DEPTH = 64      # completion records kept per QP (CompletionUnit)
+# Per-QP window of fetched, not yet retired WQE basic blocks. The record queue refuses a
+# record at QUEUE_DEPTH - 1 records (a registered flag), so a window one smaller than the
+# queue never brings a record it refuses (docs/nic.md, "Completions").
+MAX_OUTSTANDING_BLOCKS = RECORD_QUEUE_DEPTH - 1
 MAX_MESSAGE_BYTES = 1 << 31  # IBA maximum message size
 MAX_GATHER_SEGMENTS = 4      # data segments of a WRITE or SEND (a gather list, docs/nic.md)
 

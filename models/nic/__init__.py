@@ -19,7 +19,7 @@ same CRC-32 as models.crc.icrc, whose masks are applied here) so that the respon
 keeps up with thousands of packets per second.
 """
 
-from models.nic.common import (PSN_MOD, VL15, ICRC_SIZE, QpState, Access, CompletionStatus,
+from models.nic.common import (PSN_MOD, VL15, ICRC_SIZE, MAX_OUTSTANDING_BLOCKS, QpState, Access, CompletionStatus,
                                QpContext, CqContext, QpConfig, CqConfig, Mkey, mkey_index,
                                qp_context_ok, read_response_opcode, psn_add, psn_diff, psn_le,
                                psn_lt, make_packet, Packet, decode_packet, NakCode,
@@ -32,7 +32,7 @@ from models.nic.responder import (ResponderQp, ACK_SYNDROME, SAVED_ATOMICS, Recv
                                   NicResponderModel)
 
 __all__ = [
-    "PSN_MOD", "VL15", "ICRC_SIZE", "QpState", "Access", "CompletionStatus", "QpContext",
+    "PSN_MOD", "VL15", "ICRC_SIZE", "MAX_OUTSTANDING_BLOCKS", "QpState", "Access", "CompletionStatus", "QpContext",
     "CqContext", "QpConfig", "CqConfig", "Mkey", "mkey_index", "qp_context_ok",
     "read_response_opcode", "psn_add", "psn_diff", "psn_le", "psn_lt", "make_packet", "Packet",
     "decode_packet", "NakCode", "masked_fetch_add", "atomic_new_value", "WqeResult", "RequesterModel", "NAK_CODE_SYNDROME", "Completion",

@@ -11,6 +11,9 @@ from models.mlx5 import WQEBB_BYTES
 PSN_MOD = 1 << 24
 VL15 = 15
 ICRC_SIZE = 4
+# A QP's window of WQE basic blocks fetched and not yet completed: one less than the NIC's
+# completion record queue (docs/nic.md, "Completions").
+MAX_OUTSTANDING_BLOCKS = 63
 
 
 # --- contexts (mirrors of hdl/nic/signatures.py records) -----------------------------------
@@ -47,7 +50,7 @@ class QpContext:
     log_sq_size: int = 6
     mtu: int = 5
     sl: int = 0
-    max_outstanding: int = 64
+    max_outstanding: int = MAX_OUTSTANDING_BLOCKS
     dest_qpn: int = 0
     dlid: int = 0
     pd: int = 0
@@ -104,7 +107,7 @@ def mkey_index(key: int, num_mkeys: int) -> int:
 def qp_context_ok(qp: QpContext, num_cqs: int) -> bool:
     """Whether RESET -> RTS accepts this context (docs/nic.md, "Contexts and QP states")."""
     ring_bytes = WQEBB_BYTES << qp.log_sq_size
-    return (1 <= qp.mtu <= 5 and 1 <= qp.max_outstanding <= 64 and qp.cqn < num_cqs
+    return (1 <= qp.mtu <= 5 and 1 <= qp.max_outstanding <= MAX_OUTSTANDING_BLOCKS and qp.cqn < num_cqs
             and qp.sq_base % min(4096, ring_bytes) == 0)
 
 
