@@ -14,7 +14,7 @@ DOWNSTREAM_BLOCKS = 132
 
 
 def run(ports, num_vls, *, seed, cycles, load, returns_after, max_blocks=65,
-        downstream=DOWNSTREAM_BLOCKS, sizes=(1, 2, 3, 8, 32, 65)):
+        downstream=DOWNSTREAM_BLOCKS, sizes=(1, 2, 3, 8, 32, 65), skip_rate=0.05):
     from hdl.switch.switch_allocator import SwitchAllocator
     dut = SwitchAllocator(ports=ports, num_vls=num_vls, max_blocks=max_blocks)
     rng = random.Random(seed)
@@ -25,7 +25,8 @@ def run(ports, num_vls, *, seed, cycles, load, returns_after, max_blocks=65,
     returns = []                    # (cycle, (o, v), blocks): downstream frees them
     in_busy = [0] * P               # reader busy until (exclusive)
     out_busy = [0] * P
-    takes = []                      # (cycle, o, v, blocks): the transmitter counts the packet
+    takes = [deque() for _ in range(P)]     # per output, in start order: (from cycle, v, blocks,
+    #                                         skipped unsent): the transmitter counts the packet
     stats = {"matched": 0, "queued": 0}
 
     async def testbench(ctx):
@@ -44,13 +45,22 @@ def run(ports, num_vls, *, seed, cycles, load, returns_after, max_blocks=65,
             match = ctx.get(dut.match)
             assert not pend & match, f"cycle {cycle}: a match already pending"
             pend |= match           # a match may start in its own cycle
-            counted = 0
-            for when, o, v, blocks in [t for t in takes if t[0] == cycle]:
-                # The transmitter's own test: the packet must fit in what the allocator saw.
-                room = (limit[o, v] - (fctbs[o, v] + blocks)) & 0xFFF
-                assert room <= 2048, (f"cycle {cycle}: output {o} VL {v} sends {blocks} blocks "
-                                      f"with FCCL {limit[o, v]} FCTBS {fctbs[o, v]}")
-                counted |= 1 << o
+            counted = skipped = 0
+            for o in range(P):
+                # One start beat a cycle, in order; beside it a skip of the next packet.
+                if takes[o] and takes[o][0][0] <= cycle and not takes[o][0][3]:
+                    when, v, blocks, _ = takes[o].popleft()
+                    # The transmitter's own test: the packet must fit in what is left.
+                    room = (limit[o, v] - (fctbs[o, v] + blocks)) & 0xFFF
+                    assert room <= 2048, (f"cycle {cycle}: output {o} VL {v} sends {blocks} "
+                                          f"blocks with FCCL {limit[o, v]} FCTBS {fctbs[o, v]}")
+                    # FCTBS counts it in the cycle `counted` says so.
+                    fctbs[o, v] = (fctbs[o, v] + blocks) & 0xFFF
+                    returns.append((cycle + rng.randrange(*returns_after), (o, v), blocks))
+                    counted |= 1 << o
+                if takes[o] and takes[o][0][0] <= cycle and takes[o][0][3]:
+                    takes[o].popleft()
+                    skipped |= 1 << o
             start = 0
             starting = {}
             for i in range(P):
@@ -69,6 +79,7 @@ def run(ports, num_vls, *, seed, cycles, load, returns_after, max_blocks=65,
                 assert len(column) <= 1, f"cycle {cycle}: output {o} matched to {column}"
             ctx.set(dut.start, start)
             ctx.set(dut.counted, counted)
+            ctx.set(dut.skipped, skipped)
             valid = 0
             for (i, o, v), q in queues.items():
                 if q:
@@ -88,11 +99,9 @@ def run(ports, num_vls, *, seed, cycles, load, returns_after, max_blocks=65,
             for i, (o, v) in starting.items():
                 blocks = queues[i, o, v].popleft()
                 in_busy[i] = out_busy[o] = cycle + 1 + blocks
-                takes.append((cycle + 1 + rng.choice([0, 0, 1, 3]), o, v, blocks))
+                takes[o].append((cycle + 1 + rng.choice([0, 0, 1, 3]), v, blocks,
+                                 rng.random() < skip_rate))
                 stats["matched"] += 1
-            for when, o, v, blocks in [t for t in takes if t[0] == cycle]:
-                fctbs[o, v] = (fctbs[o, v] + blocks) & 0xFFF
-                returns.append((cycle + rng.randrange(*returns_after), (o, v), blocks))
         assert not any(queues.values()), "packets never matched"
         assert stats["matched"] == stats["queued"] > 0
 
