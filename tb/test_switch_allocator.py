@@ -131,3 +131,66 @@ def test_one_vl_heavy_load():
 def test_parameters_validated(kwargs):
     from hdl.switch.switch_allocator import SwitchAllocator
     assert_rejected(SwitchAllocator, kwargs)
+
+
+def stream_starts(sizes, *, inputs=3, short_blocks=4, short_matches=4, count_after=3):
+    """Inputs 1..``inputs`` each queue the packets of ``sizes`` (blocks) for output 0 on VL 0,
+    downstream credit ample; a packet starts as soon as its ports are free (64-byte beats: a
+    port is busy a cycle per block), the transmitter counts it ``count_after`` cycles after its
+    start (the switch: the crossbar's skid register, the transmitter's beat register, the
+    registered count). Returns the start cycles at output 0 and their blocks, in order."""
+    from hdl.switch.switch_allocator import SwitchAllocator
+    P = inputs + 1
+    dut = SwitchAllocator(ports=P, num_vls=1, max_blocks=65, short_blocks=short_blocks,
+                          short_matches=short_matches)
+    queues = [deque(sizes if i else ()) for i in range(P)]
+    in_busy = [0] * P
+    out_busy = 0
+    counts = deque()                # cycles at which the transmitter counts a started packet
+    starts = []
+
+    async def testbench(ctx):
+        nonlocal out_busy
+        fctbs = 0
+        for o in range(P):
+            ctx.set(dut.credit_limit[o][0], 2000)
+            ctx.set(dut.vl_weight[o][0], 255)
+        for cycle in range(40 * len(sizes) * inputs + 100):
+            pend = ctx.get(dut.pend) | ctx.get(dut.match)
+            counted = 0
+            if counts and counts[0][0] == cycle:
+                fctbs += counts.popleft()[1]
+                counted = 1
+            start = 0
+            for i in range(P):
+                if pend >> (i * P) & 1 and in_busy[i] <= cycle and out_busy <= cycle:
+                    start |= 1 << i
+                    blocks = queues[i].popleft()
+                    starts.append((cycle, blocks))
+                    in_busy[i] = out_busy = cycle + blocks
+                    counts.append((cycle + count_after, blocks))
+            ctx.set(dut.start, start)
+            ctx.set(dut.counted, counted)
+            ctx.set(dut.fctbs[0][0], fctbs)
+            valid = 0
+            for i in range(P):
+                if queues[i]:
+                    valid |= 1 << (i * P)
+                ctx.set(dut.head_blocks[i][0][0], queues[i][0] if queues[i] else 0)
+            ctx.set(dut.head_valid, valid)
+            # Offered ahead as the switch offers a port: 3 beats before it frees.
+            ctx.set(dut.in_ready, sum(1 << i for i in range(P) if in_busy[i] <= cycle + 3))
+            ctx.set(dut.out_ready, (1 << P) - 1 if out_busy <= cycle + 3 else ~1 & ((1 << P) - 1))
+            await ctx.tick()
+            if not any(queues) and not counts:
+                break
+        assert not any(queues), "packets never started"
+
+    simulate(dut, testbench)
+    return starts
+
+
+def spacing(starts):
+    """Cycles between one start and the next, start beat to start beat, less the first
+    packet's beats (0: back to back)."""
+    return [b[0] - a[0] - a[1] for a, b in zip(starts, starts[1:])]

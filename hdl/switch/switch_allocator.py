@@ -35,7 +35,7 @@ class SwitchAllocator(wiring.Component):
     K x S blocks; at most K others are then uncounted (docs/switch.md, Short packets).
     """
 
-    def __init__(self, ports=8, num_vls=2, max_blocks=65, short_blocks=4, short_matches=4):
+    def __init__(self, ports=8, num_vls=2, max_blocks=65, short_blocks=4, short_matches=6):
         if not isinstance(ports, int) or not 2 <= ports <= 16:
             raise ValueError(f"Ports must be an integer from 2 to 16, not {ports!r}")
         if not isinstance(num_vls, int) or not 1 <= num_vls <= 4:
@@ -163,7 +163,7 @@ class SwitchAllocator(wiring.Component):
                             "matched_out": matched_out, "matched_short": matched_short,
                             "uncounted": uncounted}
         m.d.comb += [
-            credit_busy.eq(pend_out | matched_out & ~matched_short | hold_valid | hold_after[0] | hold_after[1]),
+            credit_busy.eq(matched_out & ~matched_short | hold_valid | hold_after[0] | hold_after[1]),
             quiet.eq(~credit_busy & ~matched_out & none_uncounted),
             short_open.eq(~credit_busy & few_uncounted),
         ]
@@ -199,12 +199,15 @@ class SwitchAllocator(wiring.Component):
         # --- stage G: among heads whose ports are both available, each output picks a VL
         # (weighted round robin) and grants one input: any eligible head of a quiet output, a
         # short one on the reserve while short matches are uncounted.
-        # An input started in the cycle before: its head tested then may be the packet started
-        # (its output may be open to short packets again by now).
+        # Not an input offered a grant now (it is matched now, or its grant dropped) nor one
+        # started in the cycle before (its head tested then may be the packet started): their
+        # grants would be dropped, and an output open to short packets again would lose its turn.
+        grant = [Signal(P, name=f"grant{o}") for o in range(P)]
         in_ok = Signal(P)
         started_in = Signal(P)
         m.d.sync += started_in.eq(self.start)
-        m.d.comb += in_ok.eq(self.in_ready & ~pend_in & ~started_in)
+        m.d.comb += in_ok.eq(self.in_ready & ~pend_in & ~started_in
+                             & ~Cat(Cat(grant[o][i] for o in range(P)).any() for i in range(P)))
         requests = Signal(P * P * V)
         for i in range(P):
             for o in range(P):
@@ -218,7 +221,6 @@ class SwitchAllocator(wiring.Component):
         budget = [Signal(8, name=f"vl_budget{o}") for o in range(P)]
         budget_nz = Signal(P)
         grant_mask = [Signal(P, init=ones, name=f"grant_mask{o}") for o in range(P)]
-        grant = [Signal(P, name=f"grant{o}") for o in range(P)]
         grant_vl = [Signal(vl_index(V), name=f"grant_vl{o}") for o in range(P)]
         grant_stay = Signal(P)
         for o in range(P):
