@@ -147,6 +147,7 @@ class SwitchAllocator(wiring.Component):
                 ]
         matched_out = Signal(P)         # an output matched in the cycle before
         matched_short = Signal(P)       # ... on a grant of the short rule
+        matched_small = Signal(P)       # ... to a packet of at most S blocks
         # Per output, the short matches the credit view has not counted (from the second cycle
         # after the match to the second after the transmitter's count) and whether there are
         # none, or at most K - 2 (a request's match adds one and the two cycles before it at
@@ -161,7 +162,8 @@ class SwitchAllocator(wiring.Component):
         # stands for a matched long packet until it is counted, `uncounted` for the short ones.
         self.formal_hold = {"valid": hold_valid, "vl": hold_vl, "blocks": hold_blocks,
                             "matched_out": matched_out, "matched_short": matched_short,
-                            "uncounted": uncounted}
+                            "matched_small": matched_small, "uncounted": uncounted,
+                            "hold_after": hold_after}
         m.d.comb += [
             credit_busy.eq(matched_out & ~matched_short | hold_valid | hold_after[0] | hold_after[1]),
             quiet.eq(~credit_busy & ~matched_out & none_uncounted),
@@ -217,6 +219,7 @@ class SwitchAllocator(wiring.Component):
                         & in_ok[i] & self.out_ready[o])
         grant_short = Signal(P)         # the grant is on the short rule
         m.d.sync += grant_short.eq(~quiet)
+        self.formal_hold.update(grant=grant, grant_short=grant_short)
         vl_ptr = [Signal(vl_index(V), name=f"vl_ptr{o}") for o in range(P)]
         budget = [Signal(8, name=f"vl_budget{o}") for o in range(P)]
         budget_nz = Signal(P)
@@ -322,7 +325,7 @@ class SwitchAllocator(wiring.Component):
             column = Cat(matched[i * P + o] for i in range(P))
             blocks = Signal(self.blocks_bits, name=f"matched_blocks{o}")
             m.d.comb += blocks.eq(or_all([Mux(column[i], offered_blocks[i][o], 0) for i in range(P)]))
-            small = Signal(name=f"matched_small{o}")
+            small = matched_small[o]
             m.d.comb += small.eq((column & Cat(offered_small[i][o] for i in range(P))).any())
             # A match started in its own cycle may be counted in the cycle its hold is set: the
             # hold then lasts one cycle (its space is low by the packet for a cycle, never high).
@@ -350,9 +353,10 @@ class SwitchAllocator(wiring.Component):
             # test's ranges). A long packet is never uncounted beside short ones, so a count
             # while none are uncounted is its own.
             seen = [Signal(2, name=f"counts_seen{o}_{n}") for n in range(2)]
+            self.formal_hold.setdefault("seen", []).append(seen)
             m.d.sync += [seen[0].eq(self.counted[o] + self.skipped[o]), seen[1].eq(seen[0])]
             after = Signal(range(K + 1), name=f"uncounted_next{o}")
-            m.d.comb += after.eq(uncounted[o] + (column.any() & small)
+            m.d.comb += after.eq(uncounted[o] + small
                                  - Mux(none_uncounted[o], 0, seen[1]))
             m.d.sync += [uncounted[o].eq(after), none_uncounted[o].eq(after == 0),
                          few_uncounted[o].eq(after <= K - 2)]
