@@ -44,9 +44,10 @@ class SwitchAllocator(wiring.Component):
             raise ValueError(f"Largest packet must be 1 to 2047 blocks, not {max_blocks!r}")
         if not isinstance(short_blocks, int) or not 1 <= short_blocks <= max_blocks:
             raise ValueError(f"Short packets must be 1 to {max_blocks} blocks, not {short_blocks!r}")
-        # Two matches are uncounted beyond the count the request sees (docs/switch.md).
-        if not isinstance(short_matches, int) or not 2 <= short_matches <= 15:
-            raise ValueError(f"Uncounted short matches must be 2 to 15, not {short_matches!r}")
+        # Two matches are uncounted beyond the count a request sees, and a third is the quiet
+        # match that opens the output to short ones (docs/switch.md).
+        if not isinstance(short_matches, int) or not 3 <= short_matches <= 15:
+            raise ValueError(f"Uncounted short matches must be 3 to 15, not {short_matches!r}")
         if short_matches * short_blocks > 2047:
             raise ValueError(f"The short-packet reserve {short_matches} x {short_blocks} blocks "
                              f"exceeds 2047")
@@ -151,8 +152,8 @@ class SwitchAllocator(wiring.Component):
         # Per output, the short matches the credit view has not counted (from the second cycle
         # after the match to the second after the transmitter's count) and whether there are
         # none, or at most K - 2 (a request's match adds one and the two cycles before it at
-        # most two more: the K others of the short rule).
-        uncounted = [Signal(range(K + 1), name=f"uncounted{o}") for o in range(P)]
+        # most two more: the K others of the short rule; K + 1 with the match itself).
+        uncounted = [Signal(range(K + 2), name=f"uncounted{o}") for o in range(P)]
         none_uncounted = Signal(P, init=ones)
         few_uncounted = Signal(P, init=ones)
         credit_busy = Signal(P)         # no match at all: a long packet is uncounted
@@ -355,7 +356,7 @@ class SwitchAllocator(wiring.Component):
             seen = [Signal(2, name=f"counts_seen{o}_{n}") for n in range(2)]
             self.formal_hold.setdefault("seen", []).append(seen)
             m.d.sync += [seen[0].eq(self.counted[o] + self.skipped[o]), seen[1].eq(seen[0])]
-            after = Signal(range(K + 1), name=f"uncounted_next{o}")
+            after = Signal(range(K + 2), name=f"uncounted_next{o}")
             m.d.comb += after.eq(uncounted[o] + small
                                  - Mux(none_uncounted[o], 0, seen[1]))
             m.d.sync += [uncounted[o].eq(after), none_uncounted[o].eq(after == 0),

@@ -174,11 +174,9 @@ class SwitchAllocatorCreditHarness(Elaboratable):
                     Assert(fits(room, 0, blocks)),
                 ]
             # Reachable: a packet of more than one block starts on exactly its credit; a short
-            # packet starts while K others are uncounted (started, or counted too late for
-            # the view of its test).
+            # packet starts while another is started and uncounted.
             m.d.comb += Cover(starting.any() & (blocks > 1) & (room == blocks))
-            m.d.comb += Cover(starting.any() & (owed_n[o] + popped_short[o] + seen_short[o][0]
-                                                + seen_short[o][1] == K))
+            m.d.comb += Cover(starting.any() & (owed_n[o] != 0))
             # The owed queue: popped from the front, pushed at the back by a start.
             pops = Signal(range(3), name=f"owed_pops{o}")
             m.d.comb += pops.eq((take[o] | skip[o]) + (take[o] & skip_next[o]))
@@ -216,7 +214,9 @@ class SwitchAllocatorCreditHarness(Elaboratable):
             uncounted = (owed_short_n[o] + pend_short + popped_short[o] + seen_short[o][0]
                          + seen_short[o][1])
             fresh = hold["matched_out"][o] & hold["matched_small"][o]   # not in the count yet
-            m.d.comb += Assert(hold["uncounted"][o] + fresh == uncounted)
+            m.d.comb += [Assert(hold["uncounted"][o] + fresh == uncounted),
+                         Assert(uncounted <= K + 1),
+                         Assert(~hold["valid"][o] | long_out | popped_long[o])]
             with m.If(long_out):
                 m.d.comb += [Assert(recent), Assert(uncounted == 0),
                              Assert(owed_n[o] + pending.any() == 1)]
