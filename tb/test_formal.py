@@ -57,7 +57,7 @@ PROOFS = {
 }
 # What takes minutes runs in make formal and make test-full only (pytest mark "full").
 SLOW_PROOFS = {"link_receiver_credit_w64", "voq_buffer_cells_bmc9", "responder_mkey_range",
-               "responder_mkey_range_continuation"}
+               "responder_mkey_range_continuation", "switch_allocator_credit_3p"}
 # One cover per harness: voq_buffer_cells_bmc9's is voq_buffer_cells_bmc8's.
 COVERS = [name for name in PROOFS if name != "voq_buffer_cells_bmc9"]
 SLOW_COVERS = {"link_receiver_credit_w64"}
