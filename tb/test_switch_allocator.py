@@ -202,16 +202,10 @@ def spacing(starts):
 def model_starts(sizes, *, inputs=3):
     """The switch model's figure for :func:`stream_starts`: the pipelined allocator's timing
     (``alloc_cycles=3``, ``lookahead=3``) with its credit hold and short-packet rule; each
-    packet's start beat out, less the fixed delay, and blocks, in order."""
-    from models.switch.router import Router, SwitchPacket
+    packet's start beat out and beats (= blocks at 64-byte beats), in order."""
+    from models.switch import Router, stream_to_one_output
     router = Router(inputs + 1, 1, alloc_cycles=3, lookahead=3, credit_hold=True)
-    for n, (src, size) in enumerate((src, size) for src in range(1, inputs + 1) for size in sizes):
-        packet = SwitchPacket(n, src, 0, 1, 0, 0, 64 * size - 32, 64, 0)   # `size` blocks
-        assert packet.blocks == size and router.arrive(0, packet)
-    granted = []
-    for t in range(40 * len(sizes) * inputs):
-        granted += router.allocate(t)
-    return sorted((p.t_out, p.blocks) for p in granted)
+    return stream_to_one_output(router, range(1, inputs + 1), [64 * size - 32 for size in sizes])
 
 
 @pytest.mark.parametrize("size", [1, 2, 4, 5])

@@ -10,7 +10,7 @@ from .allocators import ALLOCATORS
 from .buffers import BUFFERS
 from .routing import ForwardingTable, SlToVl
 
-__all__ = ["DEFAULT_VL_WEIGHT", "MAX_DATA_VLS", "Router", "SwitchPacket"]
+__all__ = ["DEFAULT_VL_WEIGHT", "MAX_DATA_VLS", "Router", "SwitchPacket", "stream_to_one_output"]
 
 MAX_DATA_VLS = 15                        # VL15 is never a data VL
 DEFAULT_VL_WEIGHT = 16                   # 64-byte blocks per VL turn (portN_vlV_weight)
@@ -321,3 +321,22 @@ class Router:
 
     def empty(self) -> bool:
         return self.queued == 0
+
+
+def stream_to_one_output(router: Router, sources, payloads, *, out: int = 0) -> list:
+    """Every input of ``sources`` holds SEND_ONLY packets of ``payloads`` (bytes, in order)
+    for output ``out`` on VL 0 from cycle 0: the start beat out (``t_out``) and beats of
+    every packet, in the order they leave (the short-packet spacing, docs/models.md)."""
+    n = 0
+    for src in sources:
+        for payload in payloads:
+            packet = SwitchPacket(n, src, out, router.forwarding.lid_of(out), 0, 0, payload,
+                                  router.width, 0)
+            if not router.arrive(0, packet):
+                raise ValueError(f"packet {n} dropped: {packet.drop}")
+            n += 1
+    granted, t = [], 0
+    while not router.empty():
+        granted += router.allocate(t)
+        t += 1
+    return sorted((p.t_out, p.beats) for p in granted)
