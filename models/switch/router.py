@@ -60,7 +60,8 @@ class Router:
     allocator's stale credit view: an output's packet of more than ``short_blocks`` blocks is
     matched only with nothing uncounted, one of at most ``short_blocks`` with at most
     ``short_matches`` others uncounted, a packet counted ``count_cycles`` after its start;
-    the rule exactly as the RTL's, docs/models.md), ``cut_through``,
+    the rule exactly as the RTL's, docs/models.md; ``short_blocks=0``: every packet waits as
+    a long one, the allocator before the rule), ``cut_through``,
     ``forwarding`` (:class:`ForwardingTable`, default LID p + 1 -> port p),
     ``sl_to_vl`` (:class:`SlToVl`) and ``vl_weights``: the output VL arbitration weights
     in 64-byte blocks (8 bits, default 16), an int for every output and VL, a list per VL
@@ -91,8 +92,8 @@ class Router:
             raise ValueError("pipeline latencies must be >= 0")
         if not isinstance(lookahead, int) or not 0 <= lookahead <= 64:
             raise ValueError(f"lookahead must be 0 to 64 beats, not {lookahead!r}")
-        if not isinstance(short_blocks, int) or not 1 <= short_blocks <= 2047:
-            raise ValueError(f"short_blocks must be 1 to 2047, not {short_blocks!r}")
+        if not isinstance(short_blocks, int) or not 0 <= short_blocks <= 2047:
+            raise ValueError(f"short_blocks must be 0 to 2047, not {short_blocks!r}")
         if not isinstance(short_matches, int) or not 3 <= short_matches <= 15:
             raise ValueError(f"short_matches must be 3 to 15, not {short_matches!r}")
         if not isinstance(count_cycles, int) or count_cycles < 1:
@@ -325,8 +326,9 @@ class Router:
 
 def stream_to_one_output(router: Router, sources, payloads, *, out: int = 0) -> list:
     """Every input of ``sources`` holds SEND_ONLY packets of ``payloads`` (bytes, in order)
-    for output ``out`` on VL 0 from cycle 0: the start beat out (``t_out``) and beats of
-    every packet, in the order they leave (the short-packet spacing, docs/models.md)."""
+    for output ``out`` on VL 0 from cycle 0, and the next hop frees each packet's credit as
+    its last beat leaves: the start beat out (``t_out``) and beats of every packet, in the
+    order they leave (the short-packet spacing, docs/models.md)."""
     n = 0
     for src in sources:
         for payload in payloads:
@@ -337,6 +339,11 @@ def stream_to_one_output(router: Router, sources, payloads, *, out: int = 0) -> 
             n += 1
     granted, t = [], 0
     while not router.empty():
+        if t > 1000 * n:
+            raise RuntimeError(f"{n - len(granted)} packets never granted")
+        for p in granted:
+            if p.t_out + p.beats == t:
+                router.credit(t, out, 0, p.blocks)
         granted += router.allocate(t)
         t += 1
     return sorted((p.t_out, p.beats) for p in granted)
