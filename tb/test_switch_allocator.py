@@ -127,7 +127,10 @@ def test_one_vl_heavy_load():
 
 
 @pytest.mark.parametrize("kwargs", [dict(ports=1), dict(ports=17), dict(num_vls=0),
-                                    dict(num_vls=5), dict(max_blocks=0), dict(max_blocks=2048)])
+                                    dict(num_vls=5), dict(max_blocks=0), dict(max_blocks=2048),
+                                    dict(short_blocks=0), dict(short_blocks=66),
+                                    dict(short_matches=2), dict(short_matches=16),
+                                    dict(max_blocks=2047, short_blocks=200, short_matches=15)])
 def test_parameters_validated(kwargs):
     from hdl.switch.switch_allocator import SwitchAllocator
     assert_rejected(SwitchAllocator, kwargs)
