@@ -113,8 +113,8 @@ PLANTED = {
     # A count reaches the uncounted short matches a cycle before the credit view has it.
     "allocator_short_count_a_cycle_early": ("switch_allocator_credit_2p", ALLOCATOR, "allocator",
         "SwitchAllocator",
-        "- Mux(none_uncounted[o], 0, seen[1]))",
-        "- Mux(none_uncounted[o], 0, seen[0]))"),
+        "- Mux(none_uncounted[o], 0, seen[o][1]))",
+        "- Mux(none_uncounted[o], 0, seen[o][0]))"),
     # A packet skipped unsent (known bad, or dropped) does not give its cells back.
     "voq_discard_keeps_its_cells": ("voq_buffer_cells_bmc8", VOQ_BUFFER, "buffer", "VoqBuffer",
         "m.d.comb += [free_cells.w_data.eq(shown_cell), free_cells.w_en.eq(consume)]",

@@ -154,6 +154,8 @@ class SwitchAllocator(wiring.Component):
         # none, or at most K - 2 (a request's match adds one and the two cycles before it at
         # most two more: the K others of the short rule; K + 1 with the match itself).
         uncounted = [Signal(range(K + 2), name=f"uncounted{o}") for o in range(P)]
+        # Counts (`counted` + `skipped`) of the cycle before and the one before that.
+        seen = [[Signal(2, name=f"counts_seen{o}_{n}") for n in range(2)] for o in range(P)]
         none_uncounted = Signal(P, init=ones)
         few_uncounted = Signal(P, init=ones)
         credit_busy = Signal(P)         # no match at all: a long packet is uncounted
@@ -164,7 +166,7 @@ class SwitchAllocator(wiring.Component):
         self.formal_hold = {"valid": hold_valid, "vl": hold_vl, "blocks": hold_blocks,
                             "matched_out": matched_out, "matched_short": matched_short,
                             "matched_small": matched_small, "uncounted": uncounted,
-                            "hold_after": hold_after}
+                            "seen": seen, "hold_after": hold_after}
         m.d.comb += [
             credit_busy.eq(matched_out & ~matched_short | hold_valid | hold_after[0] | hold_after[1]),
             quiet.eq(~credit_busy & ~matched_out & none_uncounted),
@@ -353,12 +355,11 @@ class SwitchAllocator(wiring.Component):
             # Counts reach the credit view two cycles after `counted`/`skipped` (room, then the
             # test's ranges). A long packet is never uncounted beside short ones, so a count
             # while none are uncounted is its own.
-            seen = [Signal(2, name=f"counts_seen{o}_{n}") for n in range(2)]
-            self.formal_hold.setdefault("seen", []).append(seen)
-            m.d.sync += [seen[0].eq(self.counted[o] + self.skipped[o]), seen[1].eq(seen[0])]
+            m.d.sync += [seen[o][0].eq(self.counted[o] + self.skipped[o]),
+                         seen[o][1].eq(seen[o][0])]
             after = Signal(range(K + 2), name=f"uncounted_next{o}")
             m.d.comb += after.eq(uncounted[o] + small
-                                 - Mux(none_uncounted[o], 0, seen[1]))
+                                 - Mux(none_uncounted[o], 0, seen[o][1]))
             m.d.sync += [uncounted[o].eq(after), none_uncounted[o].eq(after == 0),
                          few_uncounted[o].eq(after <= K - 2)]
 
