@@ -32,11 +32,14 @@ PROOFS = {
     "link_receiver_credit_w64": (functools.partial(LinkReceiverCreditHarness, width=64,
                                                    mtu=256), 3, {"cover_depth": 12}),
     # The switch's egress credit check: SwitchAllocator, 2 and 3 ports, 2 VLs, packets of up
-    # to 3 blocks.
+    # to 3 blocks, short ones of 1 block with 3 uncounted beside (a reserve of 3 blocks) and
+    # of up to 2 blocks (6 blocks).
     "switch_allocator_credit_2p": (functools.partial(SwitchAllocatorCreditHarness, ports=2,
-                                                     num_vls=2, max_blocks=3), 6, {}),
+                                                     num_vls=2, max_blocks=3, short_blocks=1,
+                                                     short_matches=3), 6, {}),
     "switch_allocator_credit_3p": (functools.partial(SwitchAllocatorCreditHarness, ports=3,
-                                                     num_vls=2, max_blocks=3), 6, {}),
+                                                     num_vls=2, max_blocks=3, short_blocks=2,
+                                                     short_matches=3), 6, {}),
     # The VOQ buffer's cell accounting: 2 ports, 2 VLs, 2 cells per VL (8 cells), packets of
     # up to 4 beats; bounded, memories mapped to registers.
     "voq_buffer_cells_bmc8": (functools.partial(VoqBufferCellsHarness, ports=2, num_vls=2,
@@ -54,7 +57,7 @@ PROOFS = {
 }
 # What takes minutes runs in make formal and make test-full only (pytest mark "full").
 SLOW_PROOFS = {"link_receiver_credit_w64", "voq_buffer_cells_bmc9", "responder_mkey_range",
-               "responder_mkey_range_continuation"}
+               "responder_mkey_range_continuation", "switch_allocator_credit_3p"}
 # One cover per harness: voq_buffer_cells_bmc9's is voq_buffer_cells_bmc8's.
 COVERS = [name for name in PROOFS if name != "voq_buffer_cells_bmc9"]
 SLOW_COVERS = {"link_receiver_credit_w64"}
@@ -100,8 +103,18 @@ PLANTED = {
     # The output rejoins allocation one cycle before its credit view has seen the count.
     "allocator_hold_ends_a_cycle_early": ("switch_allocator_credit_2p", ALLOCATOR, "allocator",
         "SwitchAllocator",
-        "m.d.comb += credit_busy.eq(pend_out | matched_out | hold_valid | hold_after[0] | hold_after[1])",
-        "m.d.comb += credit_busy.eq(pend_out | matched_out | hold_valid | hold_after[0])"),
+        "credit_busy.eq(matched_out & ~matched_short | hold_valid | hold_after[0] | hold_after[1]),",
+        "credit_busy.eq(matched_out & ~matched_short | hold_valid | hold_after[0]),"),
+    # The short-packet reserve one short packet too small: K - 1 uncounted beside, not K.
+    "allocator_reserve_one_packet_short": ("switch_allocator_credit_3p", ALLOCATOR, "allocator",
+        "SwitchAllocator",
+        "m.d.comb += reserved.eq(room - K * S)",
+        "m.d.comb += reserved.eq(room - (K - 1) * S)"),
+    # A count reaches the uncounted short matches a cycle before the credit view has it.
+    "allocator_short_count_a_cycle_early": ("switch_allocator_credit_2p", ALLOCATOR, "allocator",
+        "SwitchAllocator",
+        "- Mux(none_uncounted[o], 0, seen[o][1]))",
+        "- Mux(none_uncounted[o], 0, seen[o][0]))"),
     # A packet skipped unsent (known bad, or dropped) does not give its cells back.
     "voq_discard_keeps_its_cells": ("voq_buffer_cells_bmc8", VOQ_BUFFER, "buffer", "VoqBuffer",
         "m.d.comb += [free_cells.w_data.eq(shown_cell), free_cells.w_en.eq(consume)]",

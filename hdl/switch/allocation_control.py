@@ -29,8 +29,9 @@ class AllocationControl(wiring.Component):
 
     To the allocator: ``head_valid``/``head_blocks`` (a queue's head, or the descriptor
     entering it while it is empty), ``start`` (input i starts its match in this cycle;
-    also the crossbar's), ``in_ready``/``out_ready`` (offers, from registers) and
-    ``counted`` (a register: the start beat was taken, or the started packet skipped).
+    also the crossbar's), ``in_ready``/``out_ready`` (offers, from registers),
+    ``counted`` and ``skipped`` (registers: a start beat was taken; a started packet was
+    skipped).
     To the buffers and the crossbar: ``start_queues[i]`` (one-hot: the queue a start
     reads), ``starting[o]`` (the input starting to output o, one-hot or none), ``released`` (input i's packet sends
     no more beats).
@@ -78,6 +79,7 @@ class AllocationControl(wiring.Component):
             "in_ready": Out(P),
             "out_ready": Out(P),
             "counted": Out(P),
+            "skipped": Out(P),
         })
 
     def elaborate(self, platform):
@@ -165,12 +167,14 @@ class AllocationControl(wiring.Component):
         for o in range(P):
             m.d.sync += out_idle[o].eq(~Cat(self.sending[i] & (self.out_port[i] == o) & ~near_end[i]
                                             for i in range(P)).any())
-            # The transmitter took the start beat (its FCTBS counts the packet from the next
-            # cycle), or the started packet turned out bad and is skipped unsent; registered,
-            # so the transmitter's decision ends here (the hold lasts a cycle longer).
-            m.d.sync += self.counted[o].eq(
-                self.taken[o] & self.egress_start[o]
-                | Cat(started[i] & ~self.sending[i] & (self.out_port[i] == o)
-                      for i in range(P)).any())
+            # The transmitter took a start beat (its FCTBS counts the packet from the next
+            # cycle); a started packet turned out bad and is skipped unsent (both may happen
+            # in one cycle, to two short packets). Registered, so the transmitter's decision
+            # ends here (the hold lasts a cycle longer).
+            m.d.sync += [
+                self.counted[o].eq(self.taken[o] & self.egress_start[o]),
+                self.skipped[o].eq(Cat(started[i] & ~self.sending[i] & (self.out_port[i] == o)
+                                       for i in range(P)).any()),
+            ]
         m.d.comb += self.out_ready.eq(self.enabled & out_idle & ~started_to)
         return m

@@ -412,6 +412,7 @@ class Switch(wiring.Component):
             alloc.out_ready.eq(control.out_ready),
             alloc.start.eq(control.start),
             alloc.counted.eq(control.counted),
+            alloc.skipped.eq(control.skipped),
             control.pend.eq(alloc.pend),
             control.match.eq(alloc.match),
             control.start_head.eq(alloc.start_head),

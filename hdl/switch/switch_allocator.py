@@ -1,5 +1,6 @@
 """Pipelined switch allocator: credit test, output VL pick and one iSLIP iteration, one
-registered stage each (docs/switch.md, Allocation)."""
+registered stage each; short packets to one output back to back on a reserve of credit
+(docs/switch.md, Pipelined allocator)."""
 
 from amaranth import *
 from amaranth.lib import wiring
@@ -26,20 +27,35 @@ class SwitchAllocator(wiring.Component):
     in the cycle the switch raises ``start[i]`` (a ``match`` may start in its own cycle);
     ``start_head`` bit ``(i * ports + o) * num_vls + v`` names the head (o, v) that input i
     starts then (from registers; meaningless for an input with no match). ``counted[o]``:
-    the transmitter of o has counted the started packet's blocks in its FCTBS (or the packet
-    was skipped).
+    the transmitter of o has counted a started packet's blocks in its FCTBS; ``skipped[o]``:
+    a started packet for o was skipped unsent (both may come in one cycle).
+
+    ``short_blocks`` (S) and ``short_matches`` (K): a packet of at most S blocks may be
+    matched while other matches to its output are uncounted, when it fits in the credit less
+    K x S blocks; at most K others are then uncounted (docs/switch.md, Short packets).
     """
 
-    def __init__(self, ports=8, num_vls=2, max_blocks=65):
+    def __init__(self, ports=8, num_vls=2, max_blocks=65, short_blocks=4, short_matches=6):
         if not isinstance(ports, int) or not 2 <= ports <= 16:
             raise ValueError(f"Ports must be an integer from 2 to 16, not {ports!r}")
         if not isinstance(num_vls, int) or not 1 <= num_vls <= 4:
             raise ValueError(f"Data VLs must be an integer from 1 to 4, not {num_vls!r}")
         if not isinstance(max_blocks, int) or not 1 <= max_blocks <= 2047:
             raise ValueError(f"Largest packet must be 1 to 2047 blocks, not {max_blocks!r}")
+        if not isinstance(short_blocks, int) or not 1 <= short_blocks <= max_blocks:
+            raise ValueError(f"Short packets must be 1 to {max_blocks} blocks, not {short_blocks!r}")
+        # Two matches are uncounted beyond the count a request sees, and a third is the quiet
+        # match that opens the output to short ones (docs/switch.md).
+        if not isinstance(short_matches, int) or not 3 <= short_matches <= 15:
+            raise ValueError(f"Uncounted short matches must be 3 to 15, not {short_matches!r}")
+        if short_matches * short_blocks > 2047:
+            raise ValueError(f"The short-packet reserve {short_matches} x {short_blocks} blocks "
+                             f"exceeds 2047")
         self.ports = ports
         self.num_vls = num_vls
         self.max_blocks = max_blocks
+        self.short_blocks = short_blocks
+        self.short_matches = short_matches
         # Bits of a packet's block count: the credit test compares only these.
         self.blocks_bits = max_blocks.bit_length()
         super().__init__({
@@ -52,6 +68,7 @@ class SwitchAllocator(wiring.Component):
             "out_ready": In(ports),
             "start": In(ports),
             "counted": In(ports),
+            "skipped": In(ports),
             "match": Out(ports * ports),
             "pend": Out(ports * ports),
             "pend_vl": Out(vl_index(num_vls)).array(ports),
@@ -91,10 +108,17 @@ class SwitchAllocator(wiring.Component):
         # not blocks <= s - 2049. The range and the one B-bit bound to compare against are
         # registered, leaving a single B-bit "<=" per head (one compare, not two, for depth).
         B = self.blocks_bits
+        S, K = self.short_blocks, self.short_matches
         fit_all = [Signal(V, name=f"fit_all{o}") for o in range(P)]
         fit_low = [Signal(V, name=f"fit_low{o}") for o in range(P)]
         fit_over = [Signal(V, name=f"fit_over{o}") for o in range(P)]
         bound = [[Signal(B, name=f"bound{o}_{v}") for v in range(V)] for o in range(P)]
+        # The short test's space: the room less the reserve K x S, counted as a plain number
+        # (the room at most 2047, as a peer's FCCL keeps it; a larger room fails the test).
+        # The hold is never set when it applies (below), so it has no `held`.
+        short_all = [Signal(V, name=f"short_all{o}") for o in range(P)]
+        short_low = [Signal(V, name=f"short_low{o}") for o in range(P)]
+        short_bound = [[Signal(B, name=f"short_bound{o}_{v}") for v in range(V)] for o in range(P)]
         for o in range(P):
             for v in range(V):
                 room = Signal(FCCL_BITS, name=f"room{o}_{v}")
@@ -114,16 +138,45 @@ class SwitchAllocator(wiring.Component):
                     fit_over[o][v].eq((space[B:] == 2048 >> B) & space[:B].any()),
                     bound[o][v].eq(Mux(low, space[:B], space_less1[:B])),
                 ]
-        credit_busy = Signal(P)
+                reserved = Signal(FCCL_BITS, name=f"reserved_space{o}_{v}")
+                m.d.comb += reserved.eq(room - K * S)
+                positive = ~room[-1] & ~reserved[-1]
+                m.d.sync += [
+                    short_all[o][v].eq(positive & reserved[B:].any()),
+                    short_low[o][v].eq(positive & ~reserved[B:].any()),
+                    short_bound[o][v].eq(reserved[:B]),
+                ]
         matched_out = Signal(P)         # an output matched in the cycle before
+        matched_short = Signal(P)       # ... on a grant of the short rule
+        matched_small = Signal(P)       # ... to a packet of at most S blocks
+        # Per output, the short matches the credit view has not counted (from the second cycle
+        # after the match to the second after the transmitter's count) and whether there are
+        # none, or at most K - 2 (a request's match adds one and the two cycles before it at
+        # most two more: the K others of the short rule; K + 1 with the match itself).
+        uncounted = [Signal(range(K + 2), name=f"uncounted{o}") for o in range(P)]
+        # Counts (`counted` + `skipped`) of the cycle before and the one before that.
+        seen = [[Signal(2, name=f"counts_seen{o}_{n}") for n in range(2)] for o in range(P)]
+        none_uncounted = Signal(P, init=ones)
+        few_uncounted = Signal(P, init=ones)
+        credit_busy = Signal(P)         # no match at all: a long packet is uncounted
+        quiet = Signal(P)               # nothing uncounted: any head that fits may be matched
+        short_open = Signal(P)          # short packets may be matched on the reserve
         # What a formal proof ties to the transmitters' counts (docs/formal.md): the hold
-        # stands for the matched packet until it is counted.
+        # stands for a matched long packet until it is counted, `uncounted` for the short ones.
         self.formal_hold = {"valid": hold_valid, "vl": hold_vl, "blocks": hold_blocks,
-                            "matched_out": matched_out}
-        m.d.comb += credit_busy.eq(pend_out | matched_out | hold_valid | hold_after[0] | hold_after[1])
+                            "matched_out": matched_out, "matched_short": matched_short,
+                            "matched_small": matched_small, "uncounted": uncounted,
+                            "seen": seen, "hold_after": hold_after}
+        m.d.comb += [
+            credit_busy.eq(matched_out & ~matched_short | hold_valid | hold_after[0] | hold_after[1]),
+            quiet.eq(~credit_busy & ~matched_out & none_uncounted),
+            short_open.eq(~credit_busy & few_uncounted),
+        ]
 
-        # --- stage E: heads with credit for the whole packet.
+        # --- stage E: heads with credit for the whole packet; short heads with it beside the
+        # reserve.
         eligible = Signal(P * P * V)
+        eligible_short = Signal(P * P * V)
         short = Signal(P * P * V)       # heads that wait for credit only
         for o in range(P):
             for v in range(V):
@@ -131,35 +184,49 @@ class SwitchAllocator(wiring.Component):
                     blocks = self.head_blocks[i][o][v]
                     fits = Signal(name=f"fits{i}_{o}_{v}")
                     within = Signal(name=f"within{i}_{o}_{v}")
+                    fits_short = Signal(name=f"fits_short{i}_{o}_{v}")
                     m.d.comb += [
                         within.eq(blocks[:B] <= bound[o][v]),
                         fits.eq(~blocks[B:].any() & (fit_all[o][v] | fit_low[o][v] & within
                                                      | fit_over[o][v] & ~within)),
+                        fits_short.eq(~blocks[B:].any() & (blocks[:B] <= S) & (
+                            short_all[o][v] | short_low[o][v] & (blocks[:B] <= short_bound[o][v]))),
                     ]
                     valid = self.head_valid[k(i, o, v)]
                     m.d.sync += [
                         eligible[k(i, o, v)].eq(valid & fits),
+                        eligible_short[k(i, o, v)].eq(valid & fits_short),
                         short[k(i, o, v)].eq(valid & ~fits),
                     ]
                 m.d.comb += self.credit_wait[o][v].eq(
                     Cat(short[k(i, o, v)] for i in range(P)).any())
 
         # --- stage G: among heads whose ports are both available, each output picks a VL
-        # (weighted round robin) and grants one input.
+        # (weighted round robin) and grants one input: any eligible head of a quiet output, a
+        # short one on the reserve while short matches are uncounted.
+        # Not an input offered a grant now (it is matched now, or its grant dropped) nor one
+        # started in the cycle before (its head tested then may be the packet started): their
+        # grants would be dropped, and an output open to short packets again would lose its turn.
+        grant = [Signal(P, name=f"grant{o}") for o in range(P)]
         in_ok = Signal(P)
-        out_ok = Signal(P)
-        m.d.comb += [in_ok.eq(self.in_ready & ~pend_in),
-                     out_ok.eq(self.out_ready & ~credit_busy)]
+        started_in = Signal(P)
+        m.d.sync += started_in.eq(self.start)
+        m.d.comb += in_ok.eq(self.in_ready & ~pend_in & ~started_in
+                             & ~Cat(Cat(grant[o][i] for o in range(P)).any() for i in range(P)))
         requests = Signal(P * P * V)
         for i in range(P):
             for o in range(P):
                 for v in range(V):
-                    m.d.comb += requests[k(i, o, v)].eq(eligible[k(i, o, v)] & in_ok[i] & out_ok[o])
+                    m.d.comb += requests[k(i, o, v)].eq(
+                        (eligible[k(i, o, v)] & quiet[o] | eligible_short[k(i, o, v)] & short_open[o])
+                        & in_ok[i] & self.out_ready[o])
+        grant_short = Signal(P)         # the grant is on the short rule
+        m.d.sync += grant_short.eq(~quiet)
+        self.formal_hold.update(grant=grant, grant_short=grant_short)
         vl_ptr = [Signal(vl_index(V), name=f"vl_ptr{o}") for o in range(P)]
         budget = [Signal(8, name=f"vl_budget{o}") for o in range(P)]
         budget_nz = Signal(P)
         grant_mask = [Signal(P, init=ones, name=f"grant_mask{o}") for o in range(P)]
-        grant = [Signal(P, name=f"grant{o}") for o in range(P)]
         grant_vl = [Signal(vl_index(V), name=f"grant_vl{o}") for o in range(P)]
         grant_stay = Signal(P)
         for o in range(P):
@@ -188,10 +255,16 @@ class SwitchAllocator(wiring.Component):
         matched_in = Signal(P)
         # The ports matched in the cycle before, registered as such (not ORed from `matched`
         # after the register): a level less in front of `match` and the start (depth).
+        matching_out = Cat(Cat(match[i * P + o] for i in range(P)).any() for o in range(P))
         m.d.sync += [
             matched_in.eq(Cat(match[i * P:(i + 1) * P].any() for i in range(P))),
-            matched_out.eq(Cat(Cat(match[i * P + o] for i in range(P)).any() for o in range(P))),
+            matched_out.eq(matching_out),
+            matched_short.eq(matching_out & grant_short),
         ]
+        # An output taken for this cycle's grants: pending, or matched in the cycle before
+        # unless both that match and the grant are on the short rule.
+        out_taken = Signal(P)
+        m.d.comb += out_taken.eq(pend_out | matched_out & ~(matched_short & grant_short))
         # A grant of cycle c was made before the matches of cycle c, so it may name a port
         # matched since (pending, or matched in c and started at once); such a pick is dropped
         # after the arbiter rather than masked before it, which keeps these flags out of the
@@ -206,8 +279,8 @@ class SwitchAllocator(wiring.Component):
             sole = Signal(name=f"sole_offer{i}")
             m.d.comb += [
                 sole.eq(Cat(offers == (1 << o) for o in range(P)).any()),
-                match[i * P:(i + 1) * P].eq(pick & ~(pend_out | matched_out) & free_in),
-                direct[i * P:(i + 1) * P].eq(offers & ~(pend_out | matched_out) & free_in
+                match[i * P:(i + 1) * P].eq(pick & ~out_taken & free_in),
+                direct[i * P:(i + 1) * P].eq(offers & ~out_taken & free_in
                                              & sole.replicate(P)),
             ]
         started = Cat(self.start[i].replicate(P) for i in range(P))
@@ -219,6 +292,7 @@ class SwitchAllocator(wiring.Component):
         # match: a match started in its own cycle no longer heads its queue then.
         offered_blocks = [[Signal(self.blocks_bits, name=f"offered_blocks{i}_{o}") for o in range(P)]
                           for i in range(P)]
+        offered_small = [Signal(P, name=f"offered_small{i}") for i in range(P)]   # at most S
         for o in range(P):
             # Loaded whenever the output has no pending match (not only on a match: shallower);
             # read only while it has one.
@@ -226,8 +300,9 @@ class SwitchAllocator(wiring.Component):
                 m.d.sync += [pend_vl[o].eq(grant_vl[o]), match_stay[o].eq(grant_stay[o])]
             m.d.comb += self.pend_vl[o].eq(Mux(pend_out[o], pend_vl[o], grant_vl[o]))
             for i in range(P):
-                m.d.sync += offered_blocks[i][o].eq(
-                    Array(self.head_blocks[i][o])[grant_vl[o]] if V > 1 else self.head_blocks[i][o][0])
+                offered = Array(self.head_blocks[i][o])[grant_vl[o]] if V > 1 else self.head_blocks[i][o][0]
+                m.d.sync += [offered_blocks[i][o].eq(offered),
+                             offered_small[i][o].eq(offered <= S)]
         # The head an input starts if it starts now, from registers: its pending match's, else
         # its grant's (where that is a `match`, its only grant).
         for i in range(P):
@@ -238,8 +313,9 @@ class SwitchAllocator(wiring.Component):
                         grant[o][i] & (grant_vl[o] == v)))
 
         # --- the cycle after a match: iSLIP pointers (first iteration: the only one), the
-        # credit hold; the VL budget two cycles later. The matched ports take no part in
-        # allocation meanwhile (pend, then the credit hold), so the delay changes no decision.
+        # credit hold of a long packet or the count of a short one; the VL budget two cycles
+        # later. The matched ports take no part in allocation meanwhile (pend, then the credit
+        # hold), so the delay changes no decision, but for short matches back to back.
         for i in range(P):
             row = matched[i * P:(i + 1) * P]
             with m.If(row.any()):
@@ -252,16 +328,18 @@ class SwitchAllocator(wiring.Component):
             column = Cat(matched[i * P + o] for i in range(P))
             blocks = Signal(self.blocks_bits, name=f"matched_blocks{o}")
             m.d.comb += blocks.eq(or_all([Mux(column[i], offered_blocks[i][o], 0) for i in range(P)]))
+            small = matched_small[o]
+            m.d.comb += small.eq((column & Cat(offered_small[i][o] for i in range(P))).any())
             # A match started in its own cycle may be counted in the cycle its hold is set: the
             # hold then lasts one cycle (its space is low by the packet for a cycle, never high).
             counted_early = Signal(name=f"counted_early{o}")
-            m.d.sync += counted_early.eq(self.counted[o] & column.any())
-            with m.If(self.counted[o] | counted_early):
+            m.d.sync += counted_early.eq((self.counted[o] | self.skipped[o]) & column.any())
+            with m.If(self.counted[o] | self.skipped[o] | counted_early):
                 m.d.sync += hold_valid[o].eq(0)
             with m.If(column.any()):
                 m.d.sync += [
                     grant_mask[o].eq(next_mask(column)),
-                    hold_valid[o].eq(1),
+                    hold_valid[o].eq(~small),
                     hold_vl[o].eq(pend_vl[o]),
                     hold_blocks[o].eq(blocks),
                     vl_ptr[o].eq(pend_vl[o]),
@@ -274,9 +352,19 @@ class SwitchAllocator(wiring.Component):
                 m.d.sync += left.eq(update_base[o] - hold_blocks[o])
             with m.If(settle[o]):
                 m.d.sync += [budget[o].eq(Mux(left < 0, 0, left)), budget_nz[o].eq(left > 0)]
+            # Counts reach the credit view two cycles after `counted`/`skipped` (room, then the
+            # test's ranges). A long packet is never uncounted beside short ones, so a count
+            # while none are uncounted is its own.
+            m.d.sync += [seen[o][0].eq(self.counted[o] + self.skipped[o]),
+                         seen[o][1].eq(seen[o][0])]
+            after = Signal(range(K + 2), name=f"uncounted_next{o}")
+            m.d.comb += after.eq(uncounted[o] + small
+                                 - Mux(none_uncounted[o], 0, seen[o][1]))
+            m.d.sync += [uncounted[o].eq(after), none_uncounted[o].eq(after == 0),
+                         few_uncounted[o].eq(after <= K - 2)]
 
         m.d.comb += self.in_flight.eq(
             pend_in
-            | Cat(eligible[k(i, 0, 0):k(i, P - 1, V - 1) + 1].any() for i in range(P))
+            | Cat((eligible | eligible_short)[k(i, 0, 0):k(i, P - 1, V - 1) + 1].any() for i in range(P))
             | Cat(Cat(grant[o][i] for o in range(P)).any() for i in range(P)))
         return m

@@ -10,7 +10,7 @@ from .allocators import ALLOCATORS
 from .buffers import BUFFERS
 from .routing import ForwardingTable, SlToVl
 
-__all__ = ["DEFAULT_VL_WEIGHT", "MAX_DATA_VLS", "Router", "SwitchPacket"]
+__all__ = ["DEFAULT_VL_WEIGHT", "MAX_DATA_VLS", "Router", "SwitchPacket", "stream_to_one_output"]
 
 MAX_DATA_VLS = 15                        # VL15 is never a data VL
 DEFAULT_VL_WEIGHT = 16                   # 64-byte blocks per VL turn (portN_vlV_weight)
@@ -56,7 +56,12 @@ class Router:
     an input may send at once: read ports of its buffer; 1 in the RTL, more only to ask
     what speed-up would buy), ``lookahead`` (a port may be matched while its current
     packet has at most that many beats left to hand over; the match waits for the port,
-    one such pending match per port; 0 in the RTL of today), ``cut_through``,
+    one such pending match per port; 0 in the RTL of today), ``credit_hold`` (the pipelined
+    allocator's stale credit view: an output's packet of more than ``short_blocks`` blocks is
+    matched only with nothing uncounted, one of at most ``short_blocks`` with at most
+    ``short_matches`` others uncounted, a packet counted ``count_cycles`` after its start;
+    the rule exactly as the RTL's, docs/models.md; ``short_blocks=0``: every packet waits as
+    a long one, the allocator before the rule), ``cut_through``,
     ``forwarding`` (:class:`ForwardingTable`, default LID p + 1 -> port p),
     ``sl_to_vl`` (:class:`SlToVl`) and ``vl_weights``: the output VL arbitration weights
     in 64-byte blocks (8 bits, default 16), an int for every output and VL, a list per VL
@@ -68,7 +73,9 @@ class Router:
                  allocator: str = "islip", iterations: int = 1, width: int = 64, buffer_blocks: int = 528,
                  downstream_blocks: int = 132, mtu: int = 4096, ingress_cycles: int = 3,
                  alloc_cycles: int = 1, egress_cycles: int = 2, turnaround_cycles: int = 0,
-                 input_speedup: int = 1, lookahead: int = 0, cut_through: bool = True,
+                 input_speedup: int = 1, lookahead: int = 0, credit_hold: bool = False,
+                 short_blocks: int = 4, short_matches: int = 6, count_cycles: int = 3,
+                 cut_through: bool = True,
                  forwarding: ForwardingTable | None = None,
                  sl_to_vl: SlToVl | None = None, vl_weights=DEFAULT_VL_WEIGHT):
         if not 2 <= ports <= 64:
@@ -85,6 +92,12 @@ class Router:
             raise ValueError("pipeline latencies must be >= 0")
         if not isinstance(lookahead, int) or not 0 <= lookahead <= 64:
             raise ValueError(f"lookahead must be 0 to 64 beats, not {lookahead!r}")
+        if not isinstance(short_blocks, int) or not 0 <= short_blocks <= 2047:
+            raise ValueError(f"short_blocks must be 0 to 2047, not {short_blocks!r}")
+        if not isinstance(short_matches, int) or not 3 <= short_matches <= 15:
+            raise ValueError(f"short_matches must be 3 to 15, not {short_matches!r}")
+        if not isinstance(count_cycles, int) or count_cycles < 1:
+            raise ValueError(f"count_cycles must be an integer >= 1, not {count_cycles!r}")
         if not isinstance(input_speedup, int) or not 1 <= input_speedup <= ports:
             raise ValueError(f"input_speedup must be 1 to ports ({ports}), not {input_speedup!r}")
         largest = blocks(send_only_wire_bytes(mtu))
@@ -103,6 +116,12 @@ class Router:
         # With speed-up s, input i is s virtual inputs i * s + k of iSLIP, one per read port.
         self.input_speedup = input_speedup
         self.lookahead = lookahead
+        self.credit_hold = credit_hold
+        self.short_blocks, self.short_matches, self.count_cycles = (
+            short_blocks, short_matches, count_cycles)
+        # Per output, the matches whose count the allocator's credit view has not seen:
+        # [match cycle, cycle from which the view has it, blocks, VL, on the quiet rule].
+        self.uncounted = [[] for _ in range(ports)]
         self.allocator = ALLOCATORS[allocator](ports * input_speedup, iterations, outputs=ports)
         self.buffers = [BUFFERS[mode](num_vls) for _ in range(ports)]
         # Output VL arbitration, the link transmitter's weighted round robin per output.
@@ -200,6 +219,7 @@ class Router:
         for o in range(ports):
             if out_avail[o] <= t:
                 out_free |= 1 << o
+        rule = [self._credit_rule(o, t) for o in range(ports)] if self.credit_hold else None
         # Eligible heads: cand[(i, o, v)] is the packet; vl_any[o] a VL bitmask.
         cand = {}
         vl_any = [0] * ports
@@ -221,6 +241,9 @@ class Router:
                 if down_credit[o][v] < head.blocks:
                     self.credit_blocked[o][v] += 1
                     continue                 # a credit return will wake us
+                if rule is not None and not self._may_match(o, v, head.blocks, rule[o]):
+                    next_wake = t + 1        # the view catches up cycle by cycle
+                    continue
                 cand[(i, o, v)] = head
                 vl_any[o] |= 1 << v
         if not cand:
@@ -251,6 +274,10 @@ class Router:
             self.queued -= 1
             down_credit[o][v] -= p.blocks
             self.vl_arbiters[o].commit(v, p.blocks)
+            if rule is not None:
+                start = max(t, self.in_slot_busy[i][k], out_busy[o])
+                self.uncounted[o].append([t, start + self.count_cycles + 4, p.blocks, v,
+                                          rule[o] == "quiet"])
             p.t_grant = t
             # Matched ahead, the packet starts when both of its ports have freed.
             start = max(t, self.in_slot_busy[i][k], out_busy[o])
@@ -264,5 +291,59 @@ class Router:
             granted.append(p)
         return granted
 
+    def _credit_rule(self, o: int, t: int):
+        """Which packets output ``o`` may be matched to in cycle ``t`` under the pipelined
+        allocator's credit view: "quiet" (any that fits), "short" (short ones on the
+        reserve), or None (docs/models.md, the RTL's timing: the view has a count from 4
+        cycles after it; the request is a cycle before the match)."""
+        seen = [u for u in self.uncounted[o] if u[1] > t]
+        self.uncounted[o] = seen
+        S, K = self.short_blocks, self.short_matches
+        at = {u[0]: u for u in seen}
+        if any(u[2] > S for u in seen) or t - 2 in at and at[t - 2][4]:
+            return None                      # a long packet, or a quiet match 2 cycles ago
+        counted_small = sum(1 for u in seen if u[0] <= t - 3)
+        if counted_small == 0 and t - 1 not in at and t - 2 not in at:
+            return "quiet"
+        if counted_small <= K - 2 and not (t - 1 in at and at[t - 1][4]):
+            return "short"
+        return None
+
+    def _may_match(self, o: int, v: int, nblocks: int, rule) -> bool:
+        """A head of ``nblocks`` for (o, v) under ``rule`` (:meth:`_credit_rule`); on the short
+        rule it fits the credit the view sees (the uncounted matches' blocks back) less the
+        reserve of K x S blocks."""
+        if rule == "quiet":
+            return True
+        if rule != "short" or nblocks > self.short_blocks:
+            return False
+        view = self.down_credit[o][v] + sum(u[2] for u in self.uncounted[o] if u[3] == v)
+        return nblocks <= view - self.short_matches * self.short_blocks
+
     def empty(self) -> bool:
         return self.queued == 0
+
+
+def stream_to_one_output(router: Router, sources, payloads, *, out: int = 0) -> list:
+    """Every input of ``sources`` holds SEND_ONLY packets of ``payloads`` (bytes, in order)
+    for output ``out`` on VL 0 from cycle 0, and the next hop frees each packet's credit as
+    its last beat leaves: the start beat out (``t_out``) and beats of every packet, in the
+    order they leave (the short-packet spacing, docs/models.md)."""
+    n = 0
+    for src in sources:
+        for payload in payloads:
+            packet = SwitchPacket(n, src, out, router.forwarding.lid_of(out), 0, 0, payload,
+                                  router.width, 0)
+            if not router.arrive(0, packet):
+                raise ValueError(f"packet {n} dropped: {packet.drop}")
+            n += 1
+    granted, t = [], 0
+    while not router.empty():
+        if t > 1000 * n:
+            raise RuntimeError(f"{n - len(granted)} packets never granted")
+        for p in granted:
+            if p.t_out + p.beats == t:
+                router.credit(t, out, 0, p.blocks)
+        granted += router.allocate(t)
+        t += 1
+    return sorted((p.t_out, p.beats) for p in granted)
