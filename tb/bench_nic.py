@@ -65,7 +65,7 @@ async def message_rate(dut, coalesce_acks):
     qps = await tb.setup(qps=qps_count, cqs=min(qps_count, 16), log_sq_size=8, mtu=5,
                          ring_every=32)
     rng = random.Random(9)
-    # Four times each QP's 64-block window, so the rate is the sustained one: completions
+    # Four times each QP's window (63 blocks), so the rate is the sustained one: completions
     # must keep up for the windows to reopen.
     per_qp = 256
     work = []
@@ -95,8 +95,11 @@ async def message_rate(dut, coalesce_acks):
     last_response = responses.data_packets[-1][2]
     suffix = ".coalesced_acks" if coalesce_acks else ""
     name = "nic.msg_rate_wqe_per_cycle" + suffix
+    counters = await tb.counters()
     common = dict(operation="RDMA_WRITE inline 8 B", wqes=n, ring_every=32, signaled_every=16,
-                  acks="one ACK per 16 packets" if coalesce_acks else "one ACK per message")
+                  acks="one ACK per 16 packets" if coalesce_acks else "one ACK per message",
+                  answers_dropped=counters["rx_dropped_unexpected"],
+                  packets_resent=counters["packets_resent"])
     record(name, round(rate, 3), "WQE per cycle",
            config(tb, **common, span_cycles=span,
                   messages_per_second=round(rate * 1000 / CLOCK_NS * 1e6)))
