@@ -14,9 +14,9 @@ import cocotb
 import pytest
 
 from hdl.nic import register_map as rmap
+from hdl.nic.signatures import MAX_OUTSTANDING_BLOCKS, RECORD_QUEUE_DEPTH
 from models import mlx5
 from tb import runner
-from hdl.nic.signatures import MAX_OUTSTANDING_BLOCKS, RECORD_QUEUE_DEPTH
 from tb.nic_tb import DATA_BYTES, DATA_REGION, MEMORY_BYTES, PD, NicTB, remote_qpn
 from tb.nic_top import BUILD_ARGS, NIC, nic_top
 from tb.wqe_mix import KINDS, wqe_fields

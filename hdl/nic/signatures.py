@@ -55,8 +55,8 @@ EXT_AMO_OPMOD_4, EXT_AMO_OPMOD_8 = 0x08, 0x09   # NVSHMEM's IBGDA_4/8_BYTE_EXT_A
 MAX_NIC_HEADER_BYTES = 64    # LRH + BTH + MaskedAtomicETH: the longest header the NIC sends or takes (no GRH)
 RECORD_QUEUE_DEPTH = 64      # completion records kept per QP (CompletionUnit)
 # Per-QP window of fetched, not yet retired WQE basic blocks. The record queue refuses a
-# record at QUEUE_DEPTH - 1 records (a registered flag), so a window one smaller than the
-# queue never brings a record it refuses (docs/nic.md, "Completions").
+# record at RECORD_QUEUE_DEPTH - 1 records (a registered flag), so a window one smaller
+# than the queue never brings a record it refuses (docs/nic.md, "Completions").
 MAX_OUTSTANDING_BLOCKS = RECORD_QUEUE_DEPTH - 1
 MAX_MESSAGE_BYTES = 1 << 31  # IBA maximum message size
 MAX_GATHER_SEGMENTS = 4      # data segments of a WRITE or SEND (a gather list, docs/nic.md)
