@@ -5,6 +5,8 @@ robin's pick from every turn, with and without budget left."""
 import pytest
 from amaranth import Elaboratable, Module, Signal
 
+from hdl.prim.round_robin import (mask_after, mask_at, next_mask, one_hot_index, round_robin_pick,
+                                  turn_pick)
 from models.arbiters import round_robin_pick as model_pick
 from models.arbiters import turn_pick as model_turn_pick
 from tb.amaranth_sim import simulate
@@ -21,7 +23,6 @@ class Harness(Elaboratable):
         self.index = Signal(max(1, (n - 1).bit_length()))
 
     def elaborate(self, platform):
-        from hdl.prim.round_robin import mask_at, next_mask, one_hot_index, round_robin_pick
         m = Module()
         pick = round_robin_pick(m, self.requests, self.mask, name="rr")
         m.d.comb += [self.pick.eq(pick), self.mask_after_pick.eq(next_mask(pick)),
@@ -35,7 +36,6 @@ def thermometer(pointer, n):
 
 @pytest.mark.parametrize("n", range(1, 7))
 def test_every_request_vector_from_every_pointer(n):
-    from hdl.prim.round_robin import mask_after
     dut = Harness(n)
     checked = []
 
@@ -67,7 +67,6 @@ class TurnHarness(Elaboratable):
         self.pick = Signal(range(max(n, 2)))
 
     def elaborate(self, platform):
-        from hdl.prim.round_robin import turn_pick
         m = Module()
         m.d.comb += self.pick.eq(turn_pick(m, self.requests, self.turn, self.keep, name="vl"))
         return m
@@ -95,7 +94,6 @@ def test_turn_pick_from_every_turn(n):
 
 @pytest.mark.parametrize("k,n", [(-1, 4), (4, 4), (0, 0)])
 def test_mask_after_rejects_a_request_out_of_range(k, n):
-    from hdl.prim.round_robin import mask_after
     with pytest.raises(ValueError, match="is not one of"):
         mask_after(k, n)
 
