@@ -274,13 +274,12 @@ class Router:
             self.queued -= 1
             down_credit[o][v] -= p.blocks
             self.vl_arbiters[o].commit(v, p.blocks)
-            if rule is not None:
-                start = max(t, self.in_slot_busy[i][k], out_busy[o])
-                self.uncounted[o].append([t, start + self.count_cycles + 4, p.blocks, v,
-                                          rule[o] == "quiet"])
             p.t_grant = t
             # Matched ahead, the packet starts when both of its ports have freed.
             start = max(t, self.in_slot_busy[i][k], out_busy[o])
+            if rule is not None:
+                self.uncounted[o].append([t, start + self.count_cycles + 4, p.blocks, v,
+                                          rule[o] == "quiet"])
             busy = start + p.beats + hold
             self.in_slot_busy[i][k] = out_busy[o] = busy
             self.in_slot_avail[i][k] = out_avail[o] = max(start + 1, busy - lookahead)
