@@ -20,7 +20,8 @@ import cocotb
 import pytest
 
 from hdl.link.signatures import LinkState
-from models.switch import jain_index
+from models.ib import Opcode
+from models.switch import Router, jain_index, stream_to_one_output
 from tb import runner
 from tb.beats import WireChannel
 from tb.switch_tb import CLOCK_NS, SwitchTB, bursty_backpressure, host_lid, packet_key
@@ -180,7 +181,6 @@ def model_gaps(tb, blocks, per_sender, senders):
     """The switch model's spacing of one stream (docs/models.md): every sender holds its
     packets from the start; cycles between one start beat out and the next less the first
     packet's beats, sorted (the pipelined allocator's credit hold and short-packet rule)."""
-    from models.switch import Router, stream_to_one_output
     pipelined = runner.tb_params().get("allocator", "islip") == "pipelined"
     router = Router(tb.ports, 1, width=tb.width, **(
         dict(alloc_cycles=3, lookahead=3, credit_hold=True) if pipelined else {}))
@@ -198,7 +198,6 @@ async def short_packets(dut):
     (check_clean)."""
     tb = SwitchTB(dut, seed=5)
     await tb.bring_up()
-    from models.ib import Opcode
     senders, per_sender, out = list(range(1, tb.ports)), 24, tb.egress[0]
     for blocks in SHORT_BLOCKS:
         mark = len(out.data_packets)
