@@ -273,7 +273,7 @@ class Nic(wiring.Component):
             self._register(m, f"tx_register{v}", asm.data_out[v], mux.inputs[0])
             self._register(m, f"response_tx_register{v}", resp_asm.data_out[v], mux.inputs[1])
             wiring.connect(m, mux.output, port.data_in[v])
-            self._register(m, f"rx_register{v}", port.data_out[v], recv.rx[v])
+            wiring.connect(m, port.data_out[v], recv.rx[v])
             wiring.connect(m, recv.responses[v], read_data.rx[v])
             wiring.connect(m, read_data.out[v], comp.rx[v])
             m.d.comb += comp.rx_seq[v].eq(read_data.out_seq[v])

@@ -4,13 +4,14 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
-from hdl.arith import lookahead_sum
+from hdl.arith import lookahead_sum, sum3
 from hdl.crc.algorithms import ICRC
 from hdl.crc.crc_check_stage import CRCCheckStage
 from hdl.crc.icrc_engine import variant_masks
 from hdl.ib.headers import (ATOMIC_ETH, BTH, ICRC_BYTES, IMMDT, LNH_IBA_LOCAL, LRH,
                             MASKED_ATOMIC_ETH, RETH, from_wire)
 from hdl.link.signatures import BeatLayout, vl_index
+from hdl.prim.skid_register import tagged_input
 from hdl.nic.signatures import (MAX_NIC_HEADER_BYTES, MAX_PACKET_BEATS, RX_BUFFER_BEAT_BITS,
                                 ContextReadSignature, RequestDescriptorLayout)
 
@@ -144,24 +145,30 @@ class RequestReceiver(wiring.Component):
         with m.If(self.release.valid):
             m.d.sync += tail.eq(tail + self.release.payload)
         # Stage D (decide) sits a cycle behind W. Its drop gives the dropped packet's
-        # beats back at once: W writes at ``d_start`` instead, and T's room and descriptor
-        # room are picked between the two outcomes, each worked out from registers.
+        # beats back at once: W writes at ``d_start`` instead.
         d_drop = Signal()
         d_keep = Signal()
+        d_decide = Signal()
         d_start = Signal(addr_bits + 1)
         writing = Signal()
         m.d.comb += writing.eq(w_valid & w_stores)
         write_at = Signal(addr_bits + 1)
         m.d.comb += write_at.eq(Mux(d_drop, d_start, write_ptr))
-        room_kept = Signal()
-        room_dropped = Signal()
-        m.d.comb += [
-            room_kept.eq(~(write_ptr - tail + writing)[addr_bits]),
-            room_dropped.eq(~(d_start - tail + writing)[addr_bits]),
-        ]
-        room = Mux(d_drop, room_dropped, room_kept)
+        # T's room is a flag worked out a cycle ahead from registers, for the worst case
+        # of that cycle: the ring's beats in use after W's write (``write_ptr - tail +
+        # writing``, a drop or a release only lowers it) plus a beat taken now, which W
+        # writes next cycle; room if that leaves a beat free.
+        room = Signal(init=1)
+        in_use_plus_one = sum3(m, write_ptr, ~tail, Cat(writing, C(1, 1)), addr_bits + 1,
+                               name="in_use_plus_one")
+        m.d.sync += room.eq(~in_use_plus_one[addr_bits])
 
-        # --- Steering per VL ---
+        # --- Steering per VL, from input registers that decode the opcode as a beat enters ---
+        def is_response(beat):
+            opcode = beat.data[8 * LRH.size_bytes:8 * LRH.size_bytes + 8]
+            return (opcode >= FIRST_RESPONSE) & (opcode <= LAST_RESPONSE)
+        inputs = [tagged_input(m, f"input{v}", self.rx[v], response=is_response)
+                  for v in range(num_vls)]
         request_pending = Signal(num_vls)
         grant = Signal(vl_index(num_vls))
         granted = Signal()
@@ -169,17 +176,16 @@ class RequestReceiver(wiring.Component):
         accept = Signal()
         m.d.comb += select.eq(Mux(busy, current, grant))
         for v in range(num_vls):
-            rx, out = self.rx[v], self.responses[v]
-            opcode = rx.payload.data[8 * LRH.size_bytes:8 * LRH.size_bytes + 8]
-            is_response = (opcode >= FIRST_RESPONSE) & (opcode <= LAST_RESPONSE)
+            rx, out = inputs[v], self.responses[v]
+            start = rx.payload.beat.start
             in_response = Signal(name=f"in_response{v}")
             ours = busy & (current == v)
-            route_response = in_response | (rx.payload.start & is_response & ~ours)
-            starts_request = rx.payload.start & ~in_response & ~ours & ~is_response
+            route_response = in_response | (start & rx.payload.response & ~ours)
+            starts_request = start & ~in_response & ~ours & ~rx.payload.response
             m.d.comb += [
                 request_pending[v].eq(rx.valid & starts_request),
                 out.valid.eq(rx.valid & route_response),
-                out.payload.eq(rx.payload),
+                out.payload.eq(rx.payload.beat),
             ]
             with m.If(route_response):
                 m.d.comb += rx.ready.eq(out.ready)
@@ -188,7 +194,7 @@ class RequestReceiver(wiring.Component):
             with m.Else():
                 m.d.comb += rx.ready.eq(1)
             with m.If(rx.valid & rx.ready & route_response):
-                m.d.sync += in_response.eq(~rx.payload.end)
+                m.d.sync += in_response.eq(~rx.payload.beat.end)
 
         # Round robin: the first VL after the last one granted that offers a request.
         with m.Switch(last_grant):
@@ -198,15 +204,19 @@ class RequestReceiver(wiring.Component):
                         with m.If(request_pending[v]):
                             m.d.comb += [grant.eq(v), granted.eq(1)]
 
-        beat = BeatLayout(WIDTH)(Array(Value.cast(self.rx[v].payload) for v in range(num_vls))[select])
-        valid = Array(self.rx[v].valid for v in range(num_vls))[select]
+        beat = BeatLayout(WIDTH)(Array(Value.cast(inputs[v].payload.beat)
+                                       for v in range(num_vls))[select])
+        valid = Array(inputs[v].valid for v in range(num_vls))[select]
         index = Mux(busy, beats_before, 0)
         stores = index < MAX_PACKET_BEATS
-        # A start beat reserves its descriptor: the queue's entries, the one D is adding
-        # now (not in the level yet) and the one W's end beat may add next.
+        # A start beat reserves its descriptor: the queue's entries, the one D may be
+        # adding (not in the level yet) and the one W's end beat may add. A flag worked
+        # out a cycle ahead for the worst case: the queue's entries now, D's and W's
+        # packets kept and an end beat taken now (reads only lower it).
         ending = w_valid & w_beat.end
-        descriptor_room = Mux(d_keep, descriptors.level + ending < DESCRIPTOR_DEPTH - 1,
-                              descriptors.level + ending < DESCRIPTOR_DEPTH)
+        descriptor_room = Signal(init=1)
+        m.d.sync += descriptor_room.eq(
+            descriptors.level + d_decide + ending < DESCRIPTOR_DEPTH - 1)
         m.d.comb += accept.eq(Mux(busy, ~stores | room, granted & room & descriptor_room))
         take = valid & accept
 
@@ -214,7 +224,7 @@ class RequestReceiver(wiring.Component):
         # worked out per VL before the select so that W masks with a register.
         lanes = Array(Signal(WIDTH, name=f"lanes{v}") for v in range(num_vls))
         for v in range(num_vls):
-            payload = self.rx[v].payload
+            payload = inputs[v].payload.beat
             m.d.comb += lanes[v].eq(Cat(~payload.end | (payload.count > lane) for lane in range(WIDTH)))
         w_lanes = Signal(WIDTH)
         with m.If(take):
@@ -344,7 +354,6 @@ class RequestReceiver(wiring.Component):
                         (pktlen_bytes[:exact_log2(WIDTH)] == 0) & (pktlen_beats == w_index + 1),
                         (pktlen_bytes[:exact_log2(WIDTH)] == count[:exact_log2(WIDTH)])
                         & (pktlen_beats == w_index))
-        d_decide = Signal()
         d_descriptor = Signal(RequestDescriptorLayout())
         d_length = Signal(range(MAX_PACKET_BEATS * WIDTH + 1))
         d_overhead = Signal.like(overhead)

@@ -7,6 +7,7 @@ from hdl.arith import lookahead_sum, named
 from hdl.ib.headers import AETH, BTH, LRH
 from hdl.link.signatures import BeatLayout, vl_index
 from hdl.prim.round_robin import mask_after, next_mask, one_hot_index, round_robin_pick
+from hdl.prim.skid_register import tagged_input
 
 from .dma_writer import DmaWriter, command_bursts
 from .signatures import (
@@ -268,14 +269,21 @@ class ResponseWriter(wiring.Component):
         # length if it is the end beat, and bytes 24..31 of the start beat (an ATOMIC
         # ACKNOWLEDGE's original value, reversed into host order).
         lengths, origs = [], []
+        # Input registers, which decode the opcode as a beat enters.
+        def opcode(beat):
+            return beat.data[8 * OPCODE_BYTE:8 * OPCODE_BYTE + 8]
+        def is_atomic_ack(beat):
+            return opcode(beat) == ATOMIC_ACKNOWLEDGE
+        def is_stored(beat):
+            return ((opcode(beat) >= READ_FIRST) & (opcode(beat) <= READ_ONLY)) | is_atomic_ack(beat)
+        inputs = [tagged_input(m, f"input{v}", self.rx[v], stored=is_stored, atomic=is_atomic_ack)
+                  for v in range(num_vls)]
         for v in range(num_vls):
-            rx, out = self.rx[v], self.out[v]
-            opcode = rx.payload.data[8 * OPCODE_BYTE:8 * OPCODE_BYTE + 8]
-            stored_kind = (((opcode >= READ_FIRST) & (opcode <= READ_ONLY))
-                           | (opcode == ATOMIC_ACKNOWLEDGE))
+            rx, out = inputs[v], self.out[v]
+            beat_in = rx.payload.beat
             passing = Signal(name=f"passing{v}")     # inside a packet that is not stored
             ours = busy & (current == v)
-            starts = rx.payload.start & ~ours & ~passing & stored_kind
+            starts = beat_in.start & ~ours & ~passing & rx.payload.stored
             allow = Signal(name=f"allow{v}")
             with m.If(ours):
                 m.d.comb += allow.eq(~stores | room)
@@ -286,26 +294,26 @@ class ResponseWriter(wiring.Component):
             m.d.comb += [
                 pending[v].eq(rx.valid & starts),
                 out.valid.eq(rx.valid & allow),
-                out.payload.eq(rx.payload),
+                out.payload.eq(beat_in),
                 rx.ready.eq(allow & out.ready),
                 taken[v].eq(rx.valid & rx.ready & (ours | starts)),
             ]
-            with m.If(rx.valid & rx.ready & ~ours & ~starts & (rx.payload.start | passing)):
-                m.d.sync += passing.eq(~rx.payload.end)
+            with m.If(rx.valid & rx.ready & ~ours & ~starts & (beat_in.start | passing)):
+                m.d.sync += passing.eq(~beat_in.end)
             # index * 64 + count, the count's top bit added to the index.
-            count = rx.payload.count
+            count = beat_in.count
             lengths.append(named(m, Mux(stores, Cat(count[:6], Mux(count[6], index_plus1, index)),
                                     MAX_STORED_BYTES), f"length{v}"))
             # bytes 24..35: the original value reversed into host order, then its low 4
             # bytes as on the wire
-            orig = rx.payload.data[8 * ORIG_BYTE:8 * (ORIG_WORD4_BYTE + 4)]
+            orig = beat_in.data[8 * ORIG_BYTE:8 * (ORIG_WORD4_BYTE + 4)]
             orig_host = Cat(*(orig[8 * i:8 * i + 8] for i in reversed(range(ORIG_BYTES))),
                             orig[8 * (ORIG_BYTES - 4):8 * ORIG_BYTES])
-            is_atomic = opcode == ATOMIC_ACKNOWLEDGE
-            origs.append(named(m, Mux(~busy & is_atomic, orig_host, orig), f"orig{v}"))
+            origs.append(named(m, Mux(~busy & rx.payload.atomic, orig_host, orig), f"orig{v}"))
 
         select = Mux(busy, current, grant)
-        beat = BeatLayout(WIDTH)(Array(Value.cast(self.rx[v].payload) for v in range(num_vls))[select])
+        beat = BeatLayout(WIDTH)(Array(Value.cast(inputs[v].payload.beat)
+                                       for v in range(num_vls))[select])
         take = taken.any()
         m.d.sync += hold.eq(go & pending.bit_select(grant, 1) & ~take)
         m.d.sync += held.eq(grant)

@@ -3,10 +3,10 @@ side's handshake reaches the other in a cycle (docs/switch.md, Crossbar register
 Block boundaries)."""
 
 from amaranth import *
-from amaranth.lib import stream, wiring
+from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-__all__ = ["SkidRegister"]
+__all__ = ["SkidRegister", "tagged_input"]
 
 
 class SkidRegister(wiring.Component):
@@ -37,3 +37,21 @@ class SkidRegister(wiring.Component):
         with m.Elif(taken):
             m.d.sync += [skid.eq(self.i.payload), skid_valid.eq(1)]
         return m
+
+
+def tagged_input(m, name, source, **tags):
+    """``source`` into ``m`` through a :class:`SkidRegister` named ``name``, with ``tags``
+    (name: a one-bit function of a payload) worked out as a beat enters and registered
+    beside it, so that logic behind the register decides from flip-flops. Returns the
+    register's ``o``: its payload's ``beat`` is ``source``'s payload, the tags beside it;
+    ``source.ready`` is the register's (a flip-flop)."""
+    layout = data.StructLayout({"beat": source.payload.shape(), **{tag: 1 for tag in tags}})
+    skid = m.submodules[name] = SkidRegister(layout)
+    m.d.comb += [
+        skid.i.valid.eq(source.valid),
+        skid.i.payload.beat.eq(source.payload),
+        source.ready.eq(skid.i.ready),
+    ]
+    for tag, of in tags.items():
+        m.d.comb += skid.i.payload[tag].eq(of(source.payload))
+    return skid.o
