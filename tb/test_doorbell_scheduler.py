@@ -8,7 +8,8 @@ scheduler's pipeline stage by stage (docs/nic.md, "Pipeline (400 MHz)": a doorbe
 for the same QP; plans from the facts of the previous cycle's indices (P1) and this
 cycle's flags (P2); a QP touched last cycle has no plan and is not picked; a pick
 registered and granted in the next cycle unless its QP was touched or is reset; round
-robin after the last grant; request registered one cycle after its grant; skips read
+robin after the last grant while the output's second entry is free; request offered from
+one cycle after its grant, through a two-entry skid register; skips read
 (S0), decided (S1) and applied (S2); counters two cycles after their event), so every
 cycle is checked exactly: ``fetch`` valid and payload, ``qp_busy``, ``qp_epoch``,
 ``skip``, all seven counters. Independently of that timing, every grant is checked
@@ -160,6 +161,7 @@ class Reference:
         self.s2 = None                  # (qpn, wqe_index, psn): a skip decided (S1) last cycle
         self.out = None                 # (qpn, wqe_index, blocks, first_only) offered on fetch
         self.out_epoch = None           # and its epoch
+        self.behind = None              # (request, epoch) in the output's second entry
         self.stale_dones = 0            # fetch_done of an old epoch seen
         self.skip = None                # (qpn, wqe_index, psn) on ``skip``
         self.skips = 0
@@ -187,7 +189,7 @@ class Reference:
         retire_q = ins.retire[0] if ins.retire is not None and ins.retire[0] < n else None
 
         # Grant (last cycle's pick) and the next pick.
-        load = self.out is None or ins.ready
+        load = self.behind is None
         grant = None
         if load and self.pick is not None and self.pick not in self.touched \
                 and self.pick != reset_q:
@@ -343,9 +345,12 @@ class Reference:
         self.skip = skip
         self.pick = pick
 
-        if load:
-            self.out = request if grant is not None else None
-            self.out_epoch = request_epoch if grant is not None else None
+        granted = (request, request_epoch) if grant is not None else None
+        if self.out is None or ins.ready:
+            self.out, self.out_epoch = self.behind or granted or (None, None)
+            self.behind = None
+        elif granted is not None:
+            self.behind = granted
         return accepted
 
 
@@ -542,7 +547,8 @@ class Traffic:
         if rng.random() < self.state_rate:
             q = rng.randrange(n)
             qp = ref.qps[q]
-            offered = ref.out is not None and ref.out[0] == q
+            offered = any(r is not None and r[0] == q
+                          for r in (ref.out, ref.behind and ref.behind[0]))
             if qp.state == QpState.RTS and rng.random() < 0.3:
                 bench.configure(q, state=QpState.ERR)
             elif qp.state in ACTIVE and not qp.busy and not offered:

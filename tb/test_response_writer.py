@@ -12,10 +12,10 @@ and discards for packets that are not waiting, which must be ignored); and an AX
 with a byte-array memory (random AWREADY/WREADY, B after random delays, now and then
 SLVERR).
 
-Checked: every beat leaves on ``out[v]`` exactly as it came on ``rx[v]``, in the same
-cycle (a handshake on one is a handshake on the other), and ``out`` keeps a shown beat
-until it moves; a beat of a packet that is not stored is never held while ``out`` is
-ready; stored packets never overlap; ``out_seq`` on every beat of a stored packet is its
+Checked: every beat leaves on ``out[v]`` exactly as it came on ``rx[v]``, in order, from
+the cycle after ``rx`` took it (the input register), and ``out`` keeps a shown beat until
+it moves; ``rx[v].ready`` is high unless the input register holds two beats; a beat of a
+packet that is not stored is never held while ``out`` is ready; stored packets never overlap; ``out_seq`` on every beat of a stored packet is its
 number in order; every AW carries READ_DATA_ID and is the next burst of the next write
 in seq order; the memory ends byte-identical to the reference (payload at the verdict's
 address, atomic values byte-reversed, overlapping writes in seq order); ``landed`` only

@@ -363,7 +363,8 @@ class CompletionUnit(wiring.Component):
     registers). Writes are pipelined (B is not awaited); ``bready`` is always high and a
     BRESP other than OKAY counts in ``cqe_write_errors``. The CQE of a READ or atomic
     completed OK waits until ``landed`` (the ResponseWriter's oldest stored packet not yet
-    written; registered here, so a cycle late) has passed the QP's last taken response,
+    written; registered here, and its compare with the head job registered too, so two
+    cycles late) has passed the QP's last taken response,
     so that the data is in memory before its CQE. ``retire`` goes out in the
     cycle the record's AW and W have both been accepted (at once without a CQE), in
     completion order, which is WQE order per QP. ``cqes_written``/``error_cqes`` count
@@ -1315,11 +1316,19 @@ class CompletionUnit(wiring.Component):
         ]
         # A READ's or atomic's CQE waits until the ResponseWriter has written the data of
         # its last response (``landed``, registered here, has passed that response's
-        # sequence number): the sign of ``landed - data_seq - 1``.
+        # sequence number): the sign of ``landed - data_seq - 1``, registered for the head
+        # job and good in the next cycle if the head stays (no read in between; ``landed``
+        # only moves on), so that the choice of the next job starts from flip-flops.
         landed = Signal(RESPONSE_SEQ_BITS)
         m.d.sync += landed.eq(self.landed)
         landed_gap = lookahead_sum(m, landed, ~job_head.data_seq, name="landed_gap")
-        job_ready = jobs.r_rdy & ~(job_head.wait_data & landed_gap[RESPONSE_SEQ_BITS - 1])
+        head_landed = Signal()          # the head of the cycle before had landed
+        head_read = Signal()            # ... and was read in that cycle
+        m.d.sync += [
+            head_landed.eq(jobs.r_rdy & ~landed_gap[RESPONSE_SEQ_BITS - 1]),
+            head_read.eq(jobs.r_en),
+        ]
+        job_ready = jobs.r_rdy & (~job_head.wait_data | (head_landed & ~head_read))
         # Round robin: after an engine job, a waiting receive completion goes first.
         responder_turn = Signal()
         take_receive = receives.r_rdy & (~job_ready | responder_turn)

@@ -10,6 +10,7 @@ from hdl.nic.signatures import (
     FetchRequestLayout, QpState, RetireLayout, RewindLayout,
 )
 from hdl.prim.round_robin import next_mask, round_robin_pick
+from hdl.prim.skid_register import SkidRegister
 
 __all__ = ["DoorbellScheduler"]
 
@@ -257,7 +258,11 @@ class DoorbellScheduler(wiring.Component):
         # --- pick (registered), then grant ----------------------------------------------
         pick = Signal(n)
         rr_mask = Signal(n, init=(1 << n) - 1)      # round robin: from after the last grant
-        load = named(m, ~self.fetch.valid | self.fetch.ready, "load")
+        # The request goes out through a two-entry skid register: a grant needs only its
+        # second entry free (a flip-flop), not the fetcher's ``ready`` of the same cycle.
+        m.submodules.output = output = SkidRegister(FetchRequestLayout())
+        wiring.connect(m, output.o, wiring.flipped(self.fetch))
+        load = output.i.ready
         requests = named(m, Cat(p.eligible for p in plans) & ~touched & ~Mux(load, pick, 0),
                         "requests")
         picked = Signal()                   # pick != 0
@@ -274,16 +279,14 @@ class DoorbellScheduler(wiring.Component):
         chosen = named(m, or_all(Mux(pick[q], plans[q].as_value(), 0) for q in range(n)),
                       "chosen", len(plans[0].as_value()))
         chosen = plan_layout(chosen)
-        m.d.sync += self.fetch.valid.eq(granting | (self.fetch.valid & ~self.fetch.ready))
-        with m.If(load):
-            m.d.sync += [
-                self.fetch.p.qpn.eq(pick_qpn),
-                self.fetch.p.wqe_index.eq(or_all(Mux(pick[q], fetch_pi[q], 0)
-                                                 for q in range(n))),
-                self.fetch.p.blocks.eq(chosen.blocks),
-                self.fetch.p.first_only.eq(chosen.first_only),
-                self.fetch.p.epoch.eq(or_all(Mux(pick[q], epoch[q], 0) for q in range(n))),
-            ]
+        m.d.comb += [
+            output.i.valid.eq(granting),
+            output.i.p.qpn.eq(pick_qpn),
+            output.i.p.wqe_index.eq(or_all(Mux(pick[q], fetch_pi[q], 0) for q in range(n))),
+            output.i.p.blocks.eq(chosen.blocks),
+            output.i.p.first_only.eq(chosen.first_only),
+            output.i.p.epoch.eq(or_all(Mux(pick[q], epoch[q], 0) for q in range(n))),
+        ]
         count_registered(m, self.wqe_fetches, self.fetch.valid & self.fetch.ready)
 
         # --- per-QP state -------------------------------------------------------------------

@@ -211,9 +211,14 @@ class Nic(wiring.Component):
         wiring.connect(m, fetch.wqe, exe.wqe)
         m.submodules.packet_queue = packets = SyncFIFOBuffered(
             width=PacketDescriptorLayout().size, depth=self.packet_queue_depth)
+        # The executor sees the queue's room as a flag registered a cycle ahead (room for
+        # one more after a write now), so its ``packet.ready`` is a flip-flop.
+        packet_room = Signal(init=1)
+        m.d.sync += packet_room.eq(packets.level < self.packet_queue_depth - 1)
         m.d.comb += [
-            packets.w_data.eq(exe.packet.payload), packets.w_en.eq(exe.packet.valid),
-            exe.packet.ready.eq(packets.w_rdy),
+            packets.w_data.eq(exe.packet.payload),
+            packets.w_en.eq(exe.packet.valid & packet_room),
+            exe.packet.ready.eq(packet_room),
             asm.packet.payload.eq(packets.r_data), asm.packet.valid.eq(packets.r_rdy),
             packets.r_en.eq(asm.packet.ready),
         ]

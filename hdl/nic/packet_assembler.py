@@ -34,8 +34,9 @@ class PacketAssembler(wiring.Component):
 
     Payload beats (AXI R, id 1) go into a FIFO of ``payload_buffer_beats`` beats (the
     room the executor reserves), then into a window of three beat registers: each output
-    beat is cut from two consecutive source beats. ``payload_freed`` strobes when a beat
-    leaves the FIFO for the window, at most one per cycle, so the executor's reservation
+    beat is cut from two consecutive source beats. ``payload_freed`` strobes in the cycle after a
+    beat leaves the FIFO for the window (a register, so that the executor's reservation
+    logic starts from a flip-flop), at most one per cycle, so the executor's reservation
     never exceeds the FIFO; the window's beats are extra room.
 
     A packet starts once every one of its ``dma_beats`` beats is buffered, then leaves at
@@ -211,9 +212,9 @@ class PacketAssembler(wiring.Component):
         m.d.comb += [
             refill.eq(buffer.r_rdy & by_pops(room)),
             buffer.r_en.eq(refill),
-            self.payload_freed.eq(refill),
         ]
         m.d.sync += [
+            self.payload_freed.eq(refill),
             buffered.eq(by_pops(lambda p: buffered + wrote - p)),
             window_count.eq(by_pops(lambda p: window_count - p + (buffer.r_rdy & room(p)))),
         ]

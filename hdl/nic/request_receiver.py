@@ -48,7 +48,12 @@ class RequestReceiver(wiring.Component):
     non-start beat on a VL outside any packet is discarded, and a VL's beats from a
     request's start to its end are that request's.
 
-    Three stages: T takes a beat (steering, arbitration, room); W, a cycle later, writes
+    Each VL's beats enter through an input register (:func:`tagged_input`): ``rx.ready``
+    is a flip-flop, and the opcode's class is decoded as a beat enters, so that T steers
+    from a register. T's room and descriptor room are flags registered a cycle ahead for
+    the worst case of that cycle (docs/nic-responder.md, "Input registers").
+
+    Three stages after it: T takes a beat (steering, arbitration, room); W, a cycle later, writes
     it into the ring and feeds it to the ICRC check (:class:`CRCCheckStage`, its lanes
     past the count masked by a thermometer registered in T). On the end beat W also
     reduces the header (every request header lies in the start beat, held from it; a
@@ -57,9 +62,9 @@ class RequestReceiver(wiring.Component):
     end beat, decides from those registers and the ICRC match: a kept packet's
     descriptor enters the queue (on ``request`` in the next cycle, two after the end beat
     was in W, as a buffered queue written in W would show it); a dropped one's beats are
-    given back in that same cycle: the write pointer, and the room and descriptor room
-    that T sees, are chosen between the two outcomes, so the next packet's first beat,
-    in W in that cycle, is written where the dropped one began. Ports behave as if the
+    given back in that same cycle: the write pointer is chosen between the two outcomes,
+    so the next packet's first beat, in W in that cycle, is written where the dropped one
+    began. Ports behave as if the
     decision were taken in W; only the counters move: each counts D's decision, a cycle
     after W's would have been counted.
 

@@ -59,22 +59,24 @@ class ResponseWriter(wiring.Component):
     It sits between ``RequestReceiver.responses[v]`` and ``CompletionUnit.rx[v]``.
 
     **Pass-through.** Every beat of every VL goes from ``rx[v]`` to ``out[v]`` unchanged
-    (flags too): ``out[v].valid = rx[v].valid & allow``, ``rx[v].ready = allow &
-    out[v].ready``, so a beat moves on both at once or on neither, and the block has no
-    latency. ``allow`` does not look at ``out[v].ready``, and once it has shown a beat it
-    stays high until the beat moves: the stream rules hold with any consumer (the
-    completion unit is always ready).
+    (flags too), in order, through an input register (:func:`tagged_input`, two entries):
+    ``rx[v].ready`` is a flip-flop, high unless the register holds two beats, and a beat
+    taken in cycle c is offered from c + 1 (the opcode's kind decoded as it entered).
+    From the register, ``out[v].valid = valid & allow`` and the register's head moves
+    when ``allow & out[v].ready``. ``allow`` does not look at ``out[v].ready``, and once it
+    has shown a beat it stays high until the beat moves: the stream rules hold with any
+    consumer (the completion unit is always ready).
 
     **Storing.** A packet whose start beat carries BTH opcode 0x0D..0x10 (READ response
     FIRST, MIDDLE, LAST, ONLY) or 0x12 (ATOMIC ACKNOWLEDGE), at byte 8 of the start beat,
     is also stored whole, LRH .. ICRC as on the wire, in a ring of ``buffer_beats`` 64-byte
     beats, one beat per cycle as it passes. Only one packet is stored at a time: VLs are
-    taken round robin at packet boundaries, and a stored kind's start beat waits (ready
-    low) while another VL's stored packet is passing, while the ring has no free beat, or
+    taken round robin at packet boundaries, and a stored kind's start beat waits (in
+    the input register, ``allow`` low) while another VL's stored packet is passing, while the ring has no free beat, or
     while ``slots`` stored packets have not landed; each further beat waits while the ring
     is full. Nothing is dropped for space, and waiting holds only the stored kinds: an
     ACKNOWLEDGE (0x11), any other opcode, the rest of such a packet, and a non-start beat
-    outside any packet pass at once (``allow`` = 1). The link's framing is trusted (a
+    outside any packet pass as soon as they head the input register (``allow`` = 1). The link's framing is trusted (a
     VL's beats from a start to an end are one packet). For an ATOMIC ACKNOWLEDGE the
     stored copy has bytes 24..31 of its start beat (the AtomicAckETH original value,
     big-endian on the wire) reversed, so that a verdict writing them puts the value in
