@@ -83,9 +83,9 @@ from tb.completion_unit_tb import (
     # Seeds that exercise everything the run checks it exercised (fatal NAKs, flushes,
     # resets, ...): these are rare events, and which seeds give them depends on the unit's
     # timing.
-    (3, 2, 220, True, 6, 3),
+    (7, 2, 220, True, 6, 3),
     (1, 1, 200, True, 6, 3),
-    (5, 2, 150, False, 6, 3),
+    (20, 2, 150, False, 6, 3),
     (13, 1, 250, True, 64, 16),     # the default size: 6-bit QP and 4-bit CQ indices
 ])
 def test_random(seed, num_vls, records, wire, num_qps, num_cqs):
