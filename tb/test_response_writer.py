@@ -15,8 +15,8 @@ SLVERR).
 Checked: every beat leaves on ``out[v]`` exactly as it came on ``rx[v]``, in order, from
 the cycle after ``rx`` took it (the input register), and ``out`` keeps a shown beat until
 it moves; ``rx[v].ready`` is high unless the input register holds two beats; a beat of a
-packet that is not stored is never held while ``out`` is ready; stored packets never overlap; ``out_seq`` on every beat of a stored packet is its
-number in order; every AW carries READ_DATA_ID and is the next burst of the next write
+packet that is not stored is never held while ``out`` is ready; stored packets never
+overlap; ``out_seq`` on every beat of a stored packet is its number in order; every AW carries READ_DATA_ID and is the next burst of the next write
 in seq order; the memory ends byte-identical to the reference (payload at the verdict's
 address, atomic values byte-reversed, overlapping writes in seq order); ``landed`` only
 moves forward, never past a packet whose verdict has not come or whose write has a B

@@ -11,9 +11,9 @@ from hdl.crc.icrc_engine import variant_masks
 from hdl.ib.headers import (ATOMIC_ETH, BTH, ICRC_BYTES, IMMDT, LNH_IBA_LOCAL, LRH,
                             MASKED_ATOMIC_ETH, RETH, from_wire)
 from hdl.link.signatures import BeatLayout, vl_index
-from hdl.prim.skid_register import tagged_input
 from hdl.nic.signatures import (MAX_NIC_HEADER_BYTES, MAX_PACKET_BEATS, RX_BUFFER_BEAT_BITS,
                                 ContextReadSignature, RequestDescriptorLayout)
+from hdl.prim.skid_register import tagged_input
 
 __all__ = ["RequestReceiver", "DESCRIPTOR_DEPTH"]
 

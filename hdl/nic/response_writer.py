@@ -71,13 +71,14 @@ class ResponseWriter(wiring.Component):
     FIRST, MIDDLE, LAST, ONLY) or 0x12 (ATOMIC ACKNOWLEDGE), at byte 8 of the start beat,
     is also stored whole, LRH .. ICRC as on the wire, in a ring of ``buffer_beats`` 64-byte
     beats, one beat per cycle as it passes. Only one packet is stored at a time: VLs are
-    taken round robin at packet boundaries, and a stored kind's start beat waits (in
-    the input register, ``allow`` low) while another VL's stored packet is passing, while the ring has no free beat, or
-    while ``slots`` stored packets have not landed; each further beat waits while the ring
-    is full. Nothing is dropped for space, and waiting holds only the stored kinds: an
-    ACKNOWLEDGE (0x11), any other opcode, the rest of such a packet, and a non-start beat
-    outside any packet pass as soon as they head the input register (``allow`` = 1). The link's framing is trusted (a
-    VL's beats from a start to an end are one packet). For an ATOMIC ACKNOWLEDGE the
+    taken round robin at packet boundaries, and a stored kind's start beat waits (in the
+    input register, ``allow`` low) while another VL's stored packet is passing, while the
+    ring has no free beat, or while ``slots`` stored packets have not landed; each
+    further beat waits while the ring is full. Nothing is dropped for space, and waiting
+    holds only the stored kinds: an ACKNOWLEDGE (0x11), any other opcode, the rest of such
+    a packet, and a non-start beat outside any packet pass as soon as they head the input
+    register (``allow`` = 1). The link's framing is trusted (a VL's beats from a start to
+    an end are one packet). For an ATOMIC ACKNOWLEDGE the
     stored copy has bytes 24..31 of its start beat (the AtomicAckETH original value,
     big-endian on the wire) reversed, so that a verdict writing them puts the value in
     memory little-endian, in host order, and at bytes 32..35 (``ORIG_WORD4_BYTE``, where
