@@ -179,7 +179,8 @@ class RouteSignature(wiring.Signature):
 
     ``lid`` and ``sl`` (the DLID and SL of the start beat on the receiver's wire input,
     one cycle before the receiver's checks see that beat) go to a synchronous
-    forwarding-table lookup and SL-to-VL mapping;
+    forwarding-table lookup and SL-to-VL mapping, and ``pktlen`` (its LRH.PktLen) to the
+    switch's count of the credit blocks it needs downstream;
     in the next cycle the switch answers for that start beat: ``unknown`` (the DLID has
     no valid entry) and ``no_vl`` (the packet's SL maps to no data VL). Either one
     drops the packet at its start.
@@ -188,6 +189,7 @@ class RouteSignature(wiring.Signature):
         super().__init__({
             "lid": Out(16),
             "sl": Out(4),
+            "pktlen": Out(11),
             "unknown": In(1),
             "no_vl": In(1),
         })
