@@ -16,7 +16,7 @@ from amaranth.lib.wiring import In, Out
 __all__ = [
     "BeatLayout", "WireSignature", "FlowControlSignature", "StoreSignature", "RouteSignature",
     "StoredBeatLayout", "vl_index", "LinkState", "FlowControlOp", "check_width", "check_mtu",
-    "max_wire_bytes", "blocks_of", "lrh_pktlen", "lrh_wire_bytes",
+    "max_wire_bytes", "blocks_of", "lrh_pktlen", "lrh_wire_bytes", "pktlen_wire_bytes",
     "FCCL_BITS", "BLOCK_BYTES", "VCRC_BYTES", "ICRC_BYTES", "MAX_HEADER_BYTES",
 ]
 
@@ -119,7 +119,12 @@ def lrh_pktlen(beat_data):
 
 def lrh_wire_bytes(beat_data):
     """LRH.PktLen (4-byte words, LRH .. ICRC) of the start beat, as bytes on the wire incl. VCRC."""
-    return lrh_pktlen(beat_data) * 4 + VCRC_BYTES
+    return pktlen_wire_bytes(lrh_pktlen(beat_data))
+
+
+def pktlen_wire_bytes(pktlen):
+    """A packet's bytes on the wire incl. VCRC, from its LRH.PktLen (4-byte words, LRH .. ICRC)."""
+    return pktlen * 4 + VCRC_BYTES
 
 
 class FlowControlSignature(wiring.Signature):

@@ -7,8 +7,8 @@ from hdl.axi_lite import AxiLiteSignature
 from hdl.link.link_port import LinkPort
 from hdl.link.link_receiver import ROUTED_DROP_REASONS
 from hdl.link.signatures import (
-    FCCL_BITS, VCRC_BYTES, LinkState, WireSignature, blocks_of, check_mtu, check_width,
-    lrh_pktlen, lrh_wire_bytes, max_wire_bytes, vl_index,
+    FCCL_BITS, LinkState, WireSignature, blocks_of, check_mtu, check_width,
+    lrh_pktlen, lrh_wire_bytes, max_wire_bytes, pktlen_wire_bytes, vl_index,
 )
 from hdl.prim.round_robin import turn_pick
 from hdl.switch.allocation_control import AllocationControl
@@ -155,7 +155,7 @@ class Switch(wiring.Component):
             no_vl = Signal(name=f"port{p}_no_vl")
             route_blocks = Signal(FCCL_BITS, name=f"port{p}_route_blocks")
             m.d.sync += [out_vl.eq(sl_to_vl[rx.route.sl]), no_vl.eq(sl_to_vl[rx.route.sl] >= V),
-                         route_blocks.eq(blocks_of(rx.route.pktlen * 4 + VCRC_BYTES))]
+                         route_blocks.eq(blocks_of(pktlen_wire_bytes(rx.route.pktlen)))]
             m.d.comb += [
                 table.lookup[p].lid.eq(rx.route.lid),
                 rx.route.unknown.eq(~table.lookup[p].hit),
