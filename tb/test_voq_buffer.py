@@ -300,6 +300,7 @@ class Bench:
             if start:
                 self._set(ctx, dut.route_port, pkt.port)
                 self._set(ctx, dut.route_vl, pkt.vl)
+                self._set(ctx, dut.route_blocks, pkt.blocks)
         self._set(ctx, store.verdict_valid, int(verdict is not None))
         if verdict is not None:
             self._set(ctx, store.verdict_vl, pkt.in_vl)
@@ -733,6 +734,7 @@ def test_discard_grant_of_a_packet_still_arriving():
                 ctx.set(dut.store.write_vl, 1)
                 ctx.set(dut.route_port, 2)
                 ctx.set(dut.route_vl, 0)
+                ctx.set(dut.route_blocks, blocks_of(pktlen * 4 + 2))
             ctx.set(dut.store.verdict_valid, int(verdict is not None))
             if verdict is not None:
                 ctx.set(dut.store.verdict_vl, 1)

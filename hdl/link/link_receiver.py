@@ -9,7 +9,7 @@ from .packet_buffer import PacketBuffer
 from .signatures import (
     BLOCK_BYTES, FCCL_BITS, BeatLayout, FlowControlOp, FlowControlSignature,
     LinkState, RouteSignature, StoreSignature, StoredBeatLayout, WireSignature, vl_index, blocks_of, check_mtu, check_width,
-    max_wire_bytes,
+    lrh_pktlen, max_wire_bytes,
 )
 
 __all__ = ["LinkReceiver", "DROP_REASONS", "ROUTED_DROP_REASONS", "DropEventSignature"]
@@ -330,6 +330,7 @@ class LinkReceiver(wiring.Component):
             m.d.comb += [
                 self.route.lid.eq(Cat(r.data[24:32], r.data[16:24])),
                 self.route.sl.eq(r.data[12:16]),
+                self.route.pktlen.eq(lrh_pktlen(r.data)),
             ]
             reject_reason["invalid_vl"] = reject_reason["invalid_vl"] | self.route.no_vl
             reject_reason["unknown_dlid"] = self.route.unknown

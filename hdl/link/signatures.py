@@ -16,7 +16,7 @@ from amaranth.lib.wiring import In, Out
 __all__ = [
     "BeatLayout", "WireSignature", "FlowControlSignature", "StoreSignature", "RouteSignature",
     "StoredBeatLayout", "vl_index", "LinkState", "FlowControlOp", "check_width", "check_mtu",
-    "max_wire_bytes", "blocks_of", "lrh_pktlen", "lrh_wire_bytes",
+    "max_wire_bytes", "blocks_of", "lrh_pktlen", "lrh_wire_bytes", "pktlen_wire_bytes",
     "FCCL_BITS", "BLOCK_BYTES", "VCRC_BYTES", "ICRC_BYTES", "MAX_HEADER_BYTES",
 ]
 
@@ -119,7 +119,12 @@ def lrh_pktlen(beat_data):
 
 def lrh_wire_bytes(beat_data):
     """LRH.PktLen (4-byte words, LRH .. ICRC) of the start beat, as bytes on the wire incl. VCRC."""
-    return lrh_pktlen(beat_data) * 4 + VCRC_BYTES
+    return pktlen_wire_bytes(lrh_pktlen(beat_data))
+
+
+def pktlen_wire_bytes(pktlen):
+    """A packet's bytes on the wire incl. VCRC, from its LRH.PktLen (4-byte words, LRH .. ICRC)."""
+    return pktlen * 4 + VCRC_BYTES
 
 
 class FlowControlSignature(wiring.Signature):
@@ -179,7 +184,8 @@ class RouteSignature(wiring.Signature):
 
     ``lid`` and ``sl`` (the DLID and SL of the start beat on the receiver's wire input,
     one cycle before the receiver's checks see that beat) go to a synchronous
-    forwarding-table lookup and SL-to-VL mapping;
+    forwarding-table lookup and SL-to-VL mapping, and ``pktlen`` (its LRH.PktLen) to the
+    switch's count of the credit blocks it needs downstream;
     in the next cycle the switch answers for that start beat: ``unknown`` (the DLID has
     no valid entry) and ``no_vl`` (the packet's SL maps to no data VL). Either one
     drops the packet at its start.
@@ -188,6 +194,7 @@ class RouteSignature(wiring.Signature):
         super().__init__({
             "lid": Out(16),
             "sl": Out(4),
+            "pktlen": Out(11),
             "unknown": In(1),
             "no_vl": In(1),
         })

@@ -8,7 +8,7 @@ from hdl.link.link_port import LinkPort
 from hdl.link.link_receiver import ROUTED_DROP_REASONS
 from hdl.link.signatures import (
     FCCL_BITS, LinkState, WireSignature, blocks_of, check_mtu, check_width,
-    lrh_pktlen, lrh_wire_bytes, max_wire_bytes, vl_index,
+    lrh_pktlen, lrh_wire_bytes, max_wire_bytes, pktlen_wire_bytes, vl_index,
 )
 from hdl.prim.round_robin import turn_pick
 from hdl.switch.allocation_control import AllocationControl
@@ -146,18 +146,23 @@ class Switch(wiring.Component):
             wiring.connect(m, rx.store, buffer.store)
             for v in range(V):
                 m.d.comb += port.vl_weight[v].eq(regs.vl_weight[p][v])
-            # Route the start beat: table lookup and SL-to-VL, both one cycle after the
-            # beat was on the wire, when the receiver checks it.
-            sl = Signal(4, name=f"port{p}_sl")
-            m.d.sync += sl.eq(rx.route.sl)
+            # Route the start beat: table lookup, SL-to-VL and its credit blocks, all one cycle
+            # after the beat was on the wire, when the receiver checks it. SL-to-VL and the
+            # blocks are computed when the question comes and registered (depth: they reach
+            # the receiver's write decision, the input buffer's queues and the allocator's
+            # credit test of an arriving packet in the cycle of the write).
             out_vl = Signal(4, name=f"port{p}_out_vl")
+            no_vl = Signal(name=f"port{p}_no_vl")
+            route_blocks = Signal(FCCL_BITS, name=f"port{p}_route_blocks")
+            m.d.sync += [out_vl.eq(sl_to_vl[rx.route.sl]), no_vl.eq(sl_to_vl[rx.route.sl] >= V),
+                         route_blocks.eq(blocks_of(pktlen_wire_bytes(rx.route.pktlen)))]
             m.d.comb += [
                 table.lookup[p].lid.eq(rx.route.lid),
-                out_vl.eq(sl_to_vl[sl]),
                 rx.route.unknown.eq(~table.lookup[p].hit),
-                rx.route.no_vl.eq(out_vl >= V),
+                rx.route.no_vl.eq(no_vl),
                 buffer.route_port.eq(table.lookup[p].port),
                 buffer.route_vl.eq(out_vl),
+                buffer.route_blocks.eq(route_blocks),
                 self.link_state[p].eq(port.state),
                 self.overflow[p].eq(rx.overflow | buffer.no_cell),
             ]

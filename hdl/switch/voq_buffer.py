@@ -1,11 +1,11 @@
 from amaranth import *
-from amaranth.lib import data, fifo, stream, wiring
+from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from hdl.arith import or_all
 from hdl.link.signatures import (
-    FCCL_BITS, BeatLayout, StoreSignature, blocks_of, check_width, lrh_wire_bytes, vl_index,
+    FCCL_BITS, BeatLayout, StoreSignature, check_width, vl_index,
 )
 from hdl.switch.head_queue import HeadQueue
 
@@ -38,7 +38,8 @@ class VoqBuffer(wiring.Component):
     by a pointer stored with it, so any mix of packets, outputs and VLs shares the memory.
     The receiver writes packets through ``store`` (:class:`StoreSignature`); the start
     beat comes with the switch's routing decision (``route_port``, ``route_vl``: output
-    port and output VL, whose number the start beat's LRH.VL is rewritten to) and puts
+    port and output VL, whose number the start beat's LRH.VL is rewritten to;
+    ``route_blocks``: the credit blocks its LRH.PktLen asks for downstream) and puts
     a descriptor on that packet's queue at once, so a packet can be granted and leave
     cut-through while its tail is still arriving.
 
@@ -96,6 +97,7 @@ class VoqBuffer(wiring.Component):
             "store": In(StoreSignature(width, num_vls, range(share + 1))),
             "route_port": In(range(ports)),
             "route_vl": In(vl_index(num_vls)),
+            "route_blocks": In(FCCL_BITS),
             "heads": Out(HeadSignature(ports, num_vls)).array(self.num_queues),
             "arriving": Out(HeadSignature(ports, num_vls)).array(self.num_queues),
             "grant_valid": In(1),
@@ -129,7 +131,9 @@ class VoqBuffer(wiring.Component):
         m.submodules.cell_mem = cell_mem = Memory(shape=cell_layout, depth=cells, init=[])
         m.submodules.verdict_mem = verdict_mem = Memory(
             shape=verdict_layout, depth=1 << self.seq_bits, init=[])
-        m.submodules.free_cells = free_cells = fifo.SyncFIFO(width=self.cell_bits, depth=cells)
+        # A HeadQueue, not a SyncFIFO: its level and head are registers, so the receiver's write
+        # decision (which takes a cell) ends in a choice of sums, not an adder (depth).
+        m.submodules.free_cells = free_cells = HeadQueue(width=self.cell_bits, depth=cells)
         queues = []
         for q in range(self.num_queues):
             queue = HeadQueue(width=descriptor.size, depth=cells)
@@ -195,7 +199,7 @@ class VoqBuffer(wiring.Component):
             entry.port.eq(self.route_port),
             entry.vl.eq(self.route_vl),
             entry.in_vl.eq(store.write_vl),
-            entry.blocks.eq(blocks_of(lrh_wire_bytes(store.write.data))),
+            entry.blocks.eq(self.route_blocks),
         ]
         target = self.queue_of(self.route_port, self.route_vl)
         for q, queue in enumerate(queues):
@@ -304,7 +308,9 @@ class VoqBuffer(wiring.Component):
         for v in range(num_vls):
             gained = write & (store.write_vl == v)
             lost = consume & (rd_in_vl == v)
-            m.d.sync += room[v].eq(room[v] - gained + lost)
+            # The write and the read choose among sums of the register (depth, as above).
+            m.d.sync += room[v].eq(Mux(gained, Mux(lost, room[v], room[v] - 1),
+                                       Mux(lost, room[v] + 1, room[v])))
             m.d.comb += [
                 store.room[v].eq(room[v]),
                 store.freed_valid[v].eq(self.finishing & (rd_in_vl == v)),

@@ -41,6 +41,7 @@ class VoqBufferCellsHarness(Elaboratable):
 
         for port in (store.write_valid, store.write.start, store.write.end,
                      store.verdict_valid, store.verdict_bad, dut.route_port, dut.route_vl,
+                     dut.route_blocks,
                      dut.grant_valid, dut.grant_queues, dut.grant_discard, dut.out.ready):
             free(port)
 
