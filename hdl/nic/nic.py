@@ -94,8 +94,10 @@ class Nic(wiring.Component):
                  read_data_buffer_beats=256, timer_tick=TIMER_TICK_CYCLES):
         if not 12 <= addr_width <= 64:
             raise ValueError(f"AXI address width must be 12 to 64 bits, not {addr_width!r}")
-        if not 2 <= packet_queue_depth <= 1024:
-            raise ValueError(f"Packet queue depth must be 2 to 1024 descriptors, not "
+        # 3 at least: the queue's room flag (below) relies on a buffered FIFO of 3 or
+        # more having room whenever it holds at most depth - 1.
+        if not 3 <= packet_queue_depth <= 1024:
+            raise ValueError(f"Packet queue depth must be 3 to 1024 descriptors, not "
                              f"{packet_queue_depth!r}")
         self.packet_queue_depth = packet_queue_depth
         self.num_qps = num_qps
@@ -211,8 +213,10 @@ class Nic(wiring.Component):
         wiring.connect(m, fetch.wqe, exe.wqe)
         m.submodules.packet_queue = packets = SyncFIFOBuffered(
             width=PacketDescriptorLayout().size, depth=self.packet_queue_depth)
-        # The executor sees the queue's room as a flag registered a cycle ahead (room for
-        # one more after a write now), so its ``packet.ready`` is a flip-flop.
+        # The executor sees the queue's room as a flag registered a cycle ahead (at most
+        # depth - 1 entries after a write now), so its ``packet.ready`` is a flip-flop. At
+        # depth - 1 the buffered FIFO can take one more: its output register is full
+        # unless its inner FIFO held nothing a cycle before (then it holds one at most).
         packet_room = Signal(init=1)
         m.d.sync += packet_room.eq(packets.level < self.packet_queue_depth - 1)
         m.d.comb += [
