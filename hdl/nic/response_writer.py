@@ -278,7 +278,8 @@ class ResponseWriter(wiring.Component):
         def is_atomic_ack(beat):
             return opcode(beat) == ATOMIC_ACKNOWLEDGE
         def is_stored(beat):
-            return ((opcode(beat) >= READ_FIRST) & (opcode(beat) <= READ_ONLY)) | is_atomic_ack(beat)
+            return (((opcode(beat) >= READ_FIRST) & (opcode(beat) <= READ_ONLY))
+                    | is_atomic_ack(beat))
         inputs = [tagged_input(m, f"input{v}", self.rx[v], stored=is_stored, atomic=is_atomic_ack)
                   for v in range(num_vls)]
         for v in range(num_vls):
