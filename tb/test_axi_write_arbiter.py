@@ -8,7 +8,8 @@ with SLVERR or with an ID no writer has, and the writers take B at random.
 
 Checked: every burst reaches the slave once with its writer's AW fields, in each writer's
 order; the W beats after each AW are exactly that burst's beats (data, strobes, wlast at
-its end), so W follows AW order and never interleaves; each B reaches only the writer
+its end), so W follows AW order and never interleaves (and the W slot takes from one
+writer's registered beats at most in a cycle); each B reaches only the writer
 with its ID, in order, with its response; a B with an unknown ID is taken and dropped;
 round robin (a waiting writer loses at most one grant per other waiting writer); and all
 of it completes (no deadlock when a writer's W trails its AW). Also: a lone writer, one W
