@@ -132,6 +132,19 @@ class Nic(wiring.Component):
         self.port = LinkPort(width=NIC_WIDTH, num_vls=num_vls, mtu=mtu,
                              buffer_blocks=link_buffer_blocks, fc_period=fc_period,
                              fc_min_interval=fc_min_interval, fc_batch_blocks=fc_batch_blocks)
+        # The block-boundary registers (docs/nic.md, Block boundaries), blocks of their own
+        # so that `python -m hdl.fpga --compose` times each alone.
+        self.wqe_register = SkidRegister(self.fetcher.wqe.payload.shape())
+        self.packet_register = SkidRegister(PacketDescriptorLayout())
+        self.completion_register = SkidRegister(self.executor.completion.payload.shape())
+        self.response_register = SkidRegister(self.engine.response.payload.shape())
+        self.response_packet_register = SkidRegister(self.responses.packet.payload.shape())
+        self.ar_registers = [SkidRegister(self.reads.requests[rid].payload.shape())
+                             for rid in range(len(self.reads.requests))]
+        self.tx_registers = [SkidRegister(self.assembler.data_out[v].payload.shape())
+                             for v in range(num_vls)]
+        self.response_tx_registers = [SkidRegister(self.response_assembler.data_out[v].payload.shape())
+                                      for v in range(num_vls)]
         axi = {**dict(AxiReadSignature(addr_width, NIC_WIDTH).members),
                **dict(AxiWriteSignature(addr_width, NIC_WIDTH).members)}
         super().__init__({
@@ -210,7 +223,7 @@ class Nic(wiring.Component):
         wiring.connect(m, regs.doorbell, sched.doorbell)
         wiring.connect(m, sched.fetch, fetch.fetch)
         wiring.connect(m, fetch.fetch_done, sched.fetch_done)
-        self._register(m, "wqe_register", fetch.wqe, exe.wqe)
+        self._register(m, "wqe_register", self.wqe_register, fetch.wqe, exe.wqe)
         m.submodules.packet_queue = packets = SyncFIFOBuffered(
             width=PacketDescriptorLayout().size, depth=self.packet_queue_depth)
         # The executor sees the queue's room as a flag registered a cycle ahead (at most
@@ -226,14 +239,15 @@ class Nic(wiring.Component):
         ]
         # The assembler's ``packet.ready`` is deep (its finishing packet): a skid register
         # keeps it off the queue's read logic.
-        packet_register = m.submodules.packet_register = SkidRegister(PacketDescriptorLayout())
+        packet_register = m.submodules.packet_register = self.packet_register
         m.d.comb += [
             packet_register.i.payload.eq(packets.r_data),
             packet_register.i.valid.eq(packets.r_rdy),
             packets.r_en.eq(packet_register.i.ready),
         ]
         wiring.connect(m, packet_register.o, asm.packet)
-        self._register(m, "completion_register", exe.completion, comp.completion)
+        self._register(m, "completion_register", self.completion_register, exe.completion,
+                       comp.completion)
         wiring.connect(m, exe.sent, comp.sent)
         wiring.connect(m, comp.retire, sched.retire)
         # Go-back-N: the completion unit rewinds a QP's fetch and execution.
@@ -263,8 +277,10 @@ class Nic(wiring.Component):
         wiring.connect(m, engine.atomic_request, atomics.request)
         wiring.connect(m, atomics.result, engine.atomic_result)
         wiring.connect(m, engine.receive_completion, comp.receive)
-        self._register(m, "response_register", engine.response, resp.command)
-        self._register(m, "response_packet_register", resp.packet, resp_asm.packet)
+        self._register(m, "response_register", self.response_register, engine.response,
+                       resp.command)
+        self._register(m, "response_packet_register", self.response_packet_register,
+                       resp.packet, resp_asm.packet)
         m.d.comb += resp.payload_freed.eq(resp_asm.payload_freed)
 
         # Memory: reads by ARID, writes by AWID.
@@ -272,7 +288,7 @@ class Nic(wiring.Component):
                    RESPONSE_ID: (resp.ar, resp_asm.payload), RECV_ID: (rq.ar, rq.r),
                    ATOMIC_ID: (atomics.ar, atomics.r)}
         for rid, (ar, r) in readers.items():
-            self._register(m, f"ar_register{rid}", ar, reads.requests[rid])
+            self._register(m, f"ar_register{rid}", self.ar_registers[rid], ar, reads.requests[rid])
             wiring.connect(m, reads.responses[rid], r)
         for index, writer in enumerate((comp.axi, dma.axi, read_data.axi, atomics.axi)):
             wiring.connect(m, writer, writes.writers[index])
@@ -286,8 +302,9 @@ class Nic(wiring.Component):
         # responder; requester and responder packets share each VL.
         for v in range(self.num_vls):
             mux = m.submodules[f"mux{v}"] = self.muxes[v]
-            self._register(m, f"tx_register{v}", asm.data_out[v], mux.inputs[0])
-            self._register(m, f"response_tx_register{v}", resp_asm.data_out[v], mux.inputs[1])
+            self._register(m, f"tx_register{v}", self.tx_registers[v], asm.data_out[v], mux.inputs[0])
+            self._register(m, f"response_tx_register{v}", self.response_tx_registers[v],
+                           resp_asm.data_out[v], mux.inputs[1])
             wiring.connect(m, mux.output, port.data_in[v])
             wiring.connect(m, port.data_out[v], recv.rx[v])
             wiring.connect(m, recv.responses[v], read_data.rx[v])
@@ -310,10 +327,10 @@ class Nic(wiring.Component):
         return m
 
     @staticmethod
-    def _register(m, name, source, sink):
-        """``source`` to ``sink`` through a :class:`SkidRegister`: a cycle more, and neither
-        block's handshake reaches the other's logic in a cycle (docs/nic.md, Block
-        boundaries)."""
-        skid = m.submodules[name] = SkidRegister(source.payload.shape())
-        wiring.connect(m, source, skid.i)
-        wiring.connect(m, skid.o, sink)
+    def _register(m, name, register, source, sink):
+        """``source`` to ``sink`` through ``register``, a :class:`SkidRegister`: a cycle
+        more, and neither block's handshake reaches the other's logic in a cycle
+        (docs/nic.md, Block boundaries)."""
+        m.submodules[name] = register
+        wiring.connect(m, source, register.i)
+        wiring.connect(m, register.o, sink)
