@@ -77,13 +77,8 @@ class AxiWriteArbiter(wiring.Component):
 
         # AW: each writer's request registered, then the first valid one after the last
         # one granted wins the free slot.
-        held = []
-        for i, (writer, register) in enumerate(zip(writers, self.aw_registers)):
-            m.submodules[f"aw_register{i}"] = register
-            m.d.comb += [register.i.valid.eq(writer.awvalid), writer.awready.eq(register.i.ready)]
-            m.d.comb += [register.i.payload[name].eq(getattr(writer, name))
-                         for name in register.i.payload.shape().members]
-            held.append(register.o)
+        held = [_register(m, f"aw_register{i}", register, writer, "aw")
+                for i, (writer, register) in enumerate(zip(writers, self.aw_registers))]
         mask = Signal(n, init=mask_after(0, n))
         requests = Cat(request.valid for request in held)
         pick = round_robin_pick(m, requests, mask, name="aw")
@@ -107,13 +102,8 @@ class AxiWriteArbiter(wiring.Component):
             m.d.comb += [order.w_en.eq(1), order.w_data.eq(granted)]
 
         # W: the head writer's registered beats through a registered W slot.
-        beats = []
-        for i, (writer, register) in enumerate(zip(writers, self.w_registers)):
-            m.submodules[f"w_register{i}"] = register
-            m.d.comb += [register.i.valid.eq(writer.wvalid), writer.wready.eq(register.i.ready)]
-            m.d.comb += [register.i.payload[name].eq(getattr(writer, name))
-                         for name in register.i.payload.shape().members]
-            beats.append(register.o)
+        beats = [_register(m, f"w_register{i}", register, writer, "w")
+                 for i, (writer, register) in enumerate(zip(writers, self.w_registers))]
         w_free = ~axi.wvalid | axi.wready
         head = order.r_data
         for i, beat in enumerate(beats):
@@ -142,3 +132,14 @@ class AxiWriteArbiter(wiring.Component):
             with m.If(axi.bid == id_):
                 m.d.comb += axi.bready.eq(writer.bready)
         return m
+
+
+def _register(m, name, register, writer, channel):
+    """``writer``'s AXI ``channel`` ("aw" or "w") into ``register``, a :class:`SkidRegister`
+    whose payload fields are named as the channel's signals; returns its output."""
+    m.submodules[name] = register
+    m.d.comb += [register.i.valid.eq(getattr(writer, f"{channel}valid")),
+                 getattr(writer, f"{channel}ready").eq(register.i.ready)]
+    m.d.comb += [register.i.payload[field].eq(getattr(writer, field))
+                 for field in register.i.payload.shape().members]
+    return register.o
