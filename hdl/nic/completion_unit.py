@@ -8,8 +8,9 @@ from hdl.crc.algorithms import ICRC
 from hdl.crc.crc_check_stage import CRCCheckStage
 from hdl.crc.icrc_engine import variant_masks
 from hdl.ib.headers import AETH, BTH, LNH_IBA_LOCAL, LRH, from_wire
-from hdl.link.signatures import BeatLayout, vl_index
+from hdl.link.signatures import BeatLayout
 from hdl.nic.response_writer import ORIG_WORD4_BYTE
+from hdl.prim.round_robin import mask_after, next_mask, one_hot_index, round_robin_pick
 from hdl.nic.signatures import (
     PSN_BITS, RECORD_QUEUE_DEPTH, QPN_BITS, RESPONSE_SEQ_BITS, AxiWriteSignature,
     CompletionRecordLayout, CompletionStatus, ContextReadSignature, CqConfigLayout,
@@ -75,30 +76,10 @@ def _psn_lt(a, b):
     return _psn_le(a, b) & (a != b)
 
 
-def _lowest(m, bits, name):
-    """Index of the lowest set bit of ``bits`` (0 when none is set)."""
-    index = Signal(range(max(len(bits), 2)), name=name)
-    for i in reversed(range(len(bits))):
-        with m.If(bits[i]):
-            m.d.comb += index.eq(i)
-    return index
-
-
 def _sum_is_zero(a, b):
     """``a + b == 0`` modulo 2^len(a), without a carry chain: the sum is 0 exactly when
     every bit's carry in is ``a | b`` of the bit below (a LUT per bit, then an AND)."""
     return (a ^ b) == Cat(Const(0, 1), (a | b)[:len(a) - 1])
-
-
-def _round_robin(m, requests, last, name):
-    """The first requester after ``last``, wrapping around; and whether there is one."""
-    n = len(requests)
-    after = Signal(n, name=f"{name}_after")
-    m.d.comb += after.eq(requests & Cat(Const(0, 1) if i == 0 else Const(i, range(n + 1)) > last
-                                             for i in range(n)))
-    lowest_after = _lowest(m, after, f"{name}_lowest_after")
-    lowest_any = _lowest(m, requests, f"{name}_lowest_any")
-    return requests.any(), Mux(after.any(), lowest_after, lowest_any)
 
 
 def _is_atomic(opcode):
@@ -861,18 +842,23 @@ class CompletionUnit(wiring.Component):
         # needs room in ``jobs`` for itself and those ahead of it.
         cur_active = Signal()
         cur_q = Signal(range(max(num_qps, 2)))
-        any_marked, pick = _round_robin(m, marked, cur_q, "qp_rr")
+        cur_onehot = Signal(num_qps, init=1)    # bit cur_q: the round robin's last grant
+        any_marked = marked.any()
+        pick_onehot = round_robin_pick(m, marked, next_mask(cur_onehot), name="qp_rr")
+        pick = one_hot_index(pick_onehot)
 
         # I: events first (their queues are short and the link does not wait), then timer
         # scans when one is due, then completions, then scans.
-        last_vl = Signal(vl_index(num_vls))
-        any_event, event_vl = _round_robin(
-            m, Cat(queue.r_rdy for queue in event_queues), last_vl, "vl_rr")
-        event = _RxEventLayout()(Array(queue.r_data for queue in event_queues)[event_vl])
+        vl_mask = Signal(num_vls, init=mask_after(0, num_vls))
+        event_ready = Cat(queue.r_rdy for queue in event_queues)
+        any_event = event_ready.any()
+        event_pick = round_robin_pick(m, event_ready, vl_mask, name="vl_rr")
+        event = _RxEventLayout()(Array(queue.r_data for queue in event_queues)[
+            one_hot_index(event_pick)])
         for v, queue in enumerate(event_queues):
-            m.d.comb += queue.r_en.eq(any_event & (event_vl == v))
+            m.d.comb += queue.r_en.eq(event_pick[v])
         with m.If(any_event):
-            m.d.sync += last_vl.eq(event_vl)
+            m.d.sync += vl_mask.eq(next_mask(event_pick))
 
         # Timer scans walk the QPs; while the engine is busy, one goes in every
         # SCAN_INTERVAL cycles, so each QP is looked at least every
@@ -1244,7 +1230,7 @@ class CompletionUnit(wiring.Component):
         with m.If(cur_done):
             m.d.sync += cur_active.eq(0)
         with m.If(issue_cmp & ~cur_go):
-            m.d.sync += [cur_active.eq(1), cur_q.eq(pick)]
+            m.d.sync += [cur_active.eq(1), cur_q.eq(pick), cur_onehot.eq(pick_onehot)]
 
         # --- Per-QP flags; a qp_reset wins over everything else in its cycle ---
         x_mask = Mux(x_writes, x_qmask, 0)
@@ -1252,7 +1238,7 @@ class CompletionUnit(wiring.Component):
         # retransmitted.
         r2_mask = Mux(r2_valid, r2_qmask, 0)
         m.d.sync += [
-            marked.eq(((marked & ~onehot(pick, issue_cmp & ~cur_go))
+            marked.eq(((marked & ~Mux(issue_cmp & ~cur_go, pick_onehot, 0))
                        | Mux(x_marks, x_mask, 0) | Mux(r_marks, r2_mask, 0)
                        | flush_mask) & ~reset_mask),
             flushing.eq((flushing | Mux(x_sets_flushing, x_mask, 0) | flush_mask) & ~reset_mask),
