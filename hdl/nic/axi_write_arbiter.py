@@ -20,7 +20,10 @@ class AxiWriteArbiter(wiring.Component):
     a flip-flop), and the round robin grants one registered request per cycle into a
     registered AW slot, so no writer's ``awvalid`` reaches another's ``awready`` (docs/nic.md,
     Block boundaries); an AW is in the slot two cycles after its handshake at the earliest.
-    The writer's AW fields, ``awid`` included, pass through unchanged. Each grant queues the writer's index,
+    The writer's AW fields, ``awid`` included, pass through unchanged. W beats too are
+    taken into a skid register per writer (``wready`` a flip-flop, so the downstream
+    WREADY reaches no writer's logic in a cycle), and a beat is in the W slot two cycles
+    after its handshake at the earliest. Each grant queues the writer's index,
     and W beats pass only from the writer at the head of that queue, up to its ``wlast``:
     W follows AW order without interleaving, as AXI4 requires. A writer's W does not wait
     for the downstream AWREADY (its AW may still sit in the slot), so a slave that waits
@@ -58,8 +61,11 @@ class AxiWriteArbiter(wiring.Component):
         })
         aw_layout = data.StructLayout({"awid": AXI_ID_BITS, "awaddr": addr_width, "awlen": 8,
                                        "awsize": 3, "awburst": 2})
-        # The writers' registered AW requests; their ``o`` is what the round robin sees.
+        # The writers' registered AW requests and W beats: their ``o`` is what the round
+        # robin and the W slot see.
         self.aw_registers = [SkidRegister(aw_layout) for _ in ids]
+        w_layout = data.StructLayout({"wdata": 8 * data_bytes, "wstrb": data_bytes, "wlast": 1})
+        self.w_registers = [SkidRegister(w_layout) for _ in ids]
 
     def elaborate(self, platform):
         m = Module()
@@ -100,15 +106,23 @@ class AxiWriteArbiter(wiring.Component):
             ]
             m.d.comb += [order.w_en.eq(1), order.w_data.eq(granted)]
 
-        # W: the head writer's beats through a registered W slot.
+        # W: the head writer's registered beats through a registered W slot.
+        beats = []
+        for i, (writer, register) in enumerate(zip(writers, self.w_registers)):
+            m.submodules[f"w_register{i}"] = register
+            m.d.comb += [register.i.valid.eq(writer.wvalid), writer.wready.eq(register.i.ready)]
+            m.d.comb += [register.i.payload[name].eq(getattr(writer, name))
+                         for name in register.i.payload.shape().members]
+            beats.append(register.o)
         w_free = ~axi.wvalid | axi.wready
         head = order.r_data
-        for i, writer in enumerate(writers):
-            m.d.comb += writer.wready.eq(order.r_rdy & w_free & (head == i))
+        for i, beat in enumerate(beats):
+            m.d.comb += beat.ready.eq(order.r_rdy & w_free & (head == i))
         with m.If(axi.wready):
             m.d.sync += axi.wvalid.eq(0)
-        current = Array(writers)[head]
-        with m.If(order.r_rdy & w_free & current.wvalid):
+        current = Array(beat.payload for beat in beats)[head]
+        current_valid = Array(beat.valid for beat in beats)[head]
+        with m.If(order.r_rdy & w_free & current_valid):
             m.d.sync += [
                 axi.wvalid.eq(1),
                 axi.wdata.eq(current.wdata),

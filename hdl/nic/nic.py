@@ -210,7 +210,7 @@ class Nic(wiring.Component):
         wiring.connect(m, regs.doorbell, sched.doorbell)
         wiring.connect(m, sched.fetch, fetch.fetch)
         wiring.connect(m, fetch.fetch_done, sched.fetch_done)
-        wiring.connect(m, fetch.wqe, exe.wqe)
+        self._register(m, "wqe_register", fetch.wqe, exe.wqe)
         m.submodules.packet_queue = packets = SyncFIFOBuffered(
             width=PacketDescriptorLayout().size, depth=self.packet_queue_depth)
         # The executor sees the queue's room as a flag registered a cycle ahead (at most
@@ -223,9 +223,16 @@ class Nic(wiring.Component):
             packets.w_data.eq(exe.packet.payload),
             packets.w_en.eq(exe.packet.valid & packet_room),
             exe.packet.ready.eq(packet_room),
-            asm.packet.payload.eq(packets.r_data), asm.packet.valid.eq(packets.r_rdy),
-            packets.r_en.eq(asm.packet.ready),
         ]
+        # The assembler's ``packet.ready`` is deep (its finishing packet): a skid register
+        # keeps it off the queue's read logic.
+        packet_register = m.submodules.packet_register = SkidRegister(PacketDescriptorLayout())
+        m.d.comb += [
+            packet_register.i.payload.eq(packets.r_data),
+            packet_register.i.valid.eq(packets.r_rdy),
+            packets.r_en.eq(packet_register.i.ready),
+        ]
+        wiring.connect(m, packet_register.o, asm.packet)
         self._register(m, "completion_register", exe.completion, comp.completion)
         wiring.connect(m, exe.sent, comp.sent)
         wiring.connect(m, comp.retire, sched.retire)
@@ -256,8 +263,8 @@ class Nic(wiring.Component):
         wiring.connect(m, engine.atomic_request, atomics.request)
         wiring.connect(m, atomics.result, engine.atomic_result)
         wiring.connect(m, engine.receive_completion, comp.receive)
-        wiring.connect(m, engine.response, resp.command)
-        wiring.connect(m, resp.packet, resp_asm.packet)
+        self._register(m, "response_register", engine.response, resp.command)
+        self._register(m, "response_packet_register", resp.packet, resp_asm.packet)
         m.d.comb += resp.payload_freed.eq(resp_asm.payload_freed)
 
         # Memory: reads by ARID, writes by AWID.
