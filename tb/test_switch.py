@@ -680,7 +680,7 @@ def switch_test(build, testcase, full):
 # 2026-12-06; FIFO mode stays in make test through tb/test_voq_buffer.py's fifo runs, the
 # switch model's head-of-line tests and the one-VL FIFO switch's lint).
 # short_packets (the pipelined allocator's short-packet rule, docs/switch.md) runs under make
-# test-full only (about a minute of simulation); make test checks the rule on the allocator
+# test-full only (33 s of simulation on 2026-12-07); make test checks the rule on the allocator
 # alone against the model (tb/test_switch_allocator.py).
 TESTS = [switch_test("voq_w16", testcase, testcase == "short_packets")
          for build, testcase in TESTS if build == "voq"] + [
