@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from hdl.switch.switch import DEFAULT_ALLOCATOR
 from tb import runner
 
 OUT = runner.REPO / "build" / "bench"
@@ -133,7 +134,7 @@ def plot_sweep(table):
 # --- switch (tb/bench_switch.py on tb/switch_bench_top.py) ----------------------------------
 
 SWITCH = dict(ports=8, num_vls=2, width=64, mtu=4096, buffer_blocks=None, lids=1024, mode="voq",
-              islip_iterations=1, fc_period=1024, fc_min_interval=64, fc_batch_blocks=64,
+              islip_iterations=1, allocator=DEFAULT_ALLOCATOR, fc_period=1024, fc_min_interval=64, fc_batch_blocks=64,
               addr_width=16, wire_delay=0, host_buffer_blocks=None, hist_bins=16384, psn_slots=256)
 SWITCH_PAYLOAD = 2020               # 2046 bytes on the wire: 32 beats of 64 B, 32 credit blocks
 SWITCH_LARGE_BUFFER = 2047          # blocks per input VL (the link maximum) for the second saturation figure
@@ -180,12 +181,12 @@ def switch_benchmarks():
 
 def switch_model(load, *, mode="voq", buffer_blocks=132, downstream_blocks=132, pattern="uniform",
                  cycles=160000, warmup=80000, sls=(0, 1)):
-    from models.switch import run_switch as model_run
+    from models.switch import RTL_ALLOCATORS, run_switch as model_run
     stats, net = model_run(SWITCH["ports"], pattern, load=load, payload=SWITCH_PAYLOAD,
                            cycles=cycles, warmup=warmup, num_vls=SWITCH["num_vls"], sls=sls,
                            mode=mode, iterations=SWITCH["islip_iterations"], width=SWITCH["width"],
                            buffer_blocks=buffer_blocks, downstream_blocks=downstream_blocks,
-                           exclude_self=True)
+                           exclude_self=True, **RTL_ALLOCATORS[SWITCH["allocator"]])
     return stats, net
 
 

@@ -72,7 +72,7 @@ class SwitchBench:
         p = self.params
         config = {"ports": self.ports, "width": self.width, "clock_mhz": round(1000 / self.clock_ns, 3),
                   "num_vls": p["num_vls"], "mtu": p["mtu"], "mode": p["mode"],
-                  "islip_iterations": p["islip_iterations"],
+                  "allocator": p["allocator"], "islip_iterations": p["islip_iterations"],
                   "buffer_blocks": self.switch_blocks, "downstream_blocks": self.host_blocks,
                   "wire_delay_cycles": p["wire_delay"], "fc_period": p["fc_period"],
                   "fc_min_interval": p["fc_min_interval"], "fc_batch_blocks": p["fc_batch_blocks"],

@@ -49,6 +49,7 @@ from amaranth.utils import exact_log2
 from hdl.axi_lite import AxiLiteSignature
 from hdl.link.link_port import LinkPort
 from hdl.link.signatures import LinkState, WireSignature
+from hdl.switch.switch import DEFAULT_ALLOCATOR
 from tb.gateware.packet_checker import ERROR_COUNTERS, PacketChecker
 from tb.gateware.packet_generator import PAYLOAD_BITS, PacketGenerator, core_domain, registered
 
@@ -62,9 +63,9 @@ WIRE_FIELDS = tuple(WireSignature(8).members)
 
 class SwitchBenchTop(wiring.Component):
     def __init__(self, *, ports=8, num_vls=2, width=64, mtu=4096, buffer_blocks=None, lids=1024,
-                 mode="voq", islip_iterations=1, fc_period=1024, fc_min_interval=64,
-                 fc_batch_blocks=64, addr_width=16, wire_delay=0, host_buffer_blocks=None,
-                 hist_bins=4096, psn_slots=256):
+                 mode="voq", islip_iterations=1, allocator=DEFAULT_ALLOCATOR, fc_period=1024,
+                 fc_min_interval=64, fc_batch_blocks=64, addr_width=16, wire_delay=0,
+                 host_buffer_blocks=None, hist_bins=4096, psn_slots=256):
         from hdl.switch.switch import Switch
         if ports & (ports - 1):
             raise ValueError("the bench top needs a power-of-two port count (source = SLID bits)")
@@ -74,7 +75,8 @@ class SwitchBenchTop(wiring.Component):
         self.wire_delay, self.hist_bins, self.psn_slots = wire_delay, hist_bins, psn_slots
         self.switch = Switch(ports=ports, num_vls=num_vls, width=width, mtu=mtu,
                              buffer_blocks=buffer_blocks, lids=lids, mode=mode,
-                             islip_iterations=islip_iterations, fc_period=fc_period,
+                             islip_iterations=islip_iterations, allocator=allocator,
+                             fc_period=fc_period,
                              fc_min_interval=fc_min_interval, fc_batch_blocks=fc_batch_blocks,
                              addr_width=addr_width)
         self.hosts = [LinkPort(width=width, num_vls=num_vls, mtu=mtu, buffer_blocks=host_buffer_blocks,

@@ -29,6 +29,7 @@ from amaranth.lib.wiring import In, Out
 from hdl.axi_lite import AxiLiteSignature
 from hdl.link.link_port import LinkPort
 from hdl.link.signatures import LinkState, WireSignature
+from hdl.switch.switch import DEFAULT_ALLOCATOR
 from tb.link_pair import delay_line, expose_port, port_members
 
 __all__ = ["SwitchTop"]
@@ -38,7 +39,7 @@ WIRE_FIELDS = tuple(WireSignature(8).members)
 
 class SwitchTop(wiring.Component):
     def __init__(self, *, ports=4, num_vls=2, width=64, mtu=4096, buffer_blocks=None, lids=1024,
-                 mode="voq", islip_iterations=1, allocator="islip", fc_period=1024,
+                 mode="voq", islip_iterations=1, allocator=DEFAULT_ALLOCATOR, fc_period=1024,
                  fc_min_interval=64, fc_batch_blocks=64, addr_width=16, wire_delay=2, tb_ports=(),
                  host_buffer_blocks=None, host_cut_through=True):
         from hdl.switch.switch import Switch

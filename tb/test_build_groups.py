@@ -11,7 +11,7 @@ from tb.build_groups import BuildGroupScheduling, build_group
     ("tb/test_nic_responder.py::test_nic_responder", "nic_top"),
     ("tb/test_nic_pair.py::test_nic_pair[loss]", "nic_pair_top"),
     ("tb/test_switch.py::test_switch[voq_w16-incast]", "switch_top[voq_w16]"),
-    ("tb/test_switch.py::test_switch[voq_pipelined-incast]", "switch_top[voq_pipelined]"),
+    ("tb/test_switch.py::test_switch[voq_islip-incast]", "switch_top[voq_islip]"),
     ("tb/test_link.py::test_link[w16_ct1]", "link_pair[w16_ct1]"),
     ("tb/test_link.py::test_link_capture_decodes_in_tshark[w16_ct1]", "link_pair[w16_ct1]"),
     ("tb/test_crc.py::test_crc[w8g1]", None),

@@ -189,8 +189,8 @@ def test_blocks_are_the_component_attributes_of_a_top():
     assert list(fpga.blocks("tf_link_port_w16")) == ["transmitter", "receiver"]
     switch = fpga.blocks("tf_switch_4p")
     assert [b for b in switch if b.startswith("buffers")] == [f"buffers{i}" for i in range(4)]
-    # The pipelined switch's allocation is blocks too, so --compose times each alone.
-    pipelined = fpga.blocks("tf_switch_4p_pipelined_w16")
+    # The switch's pipelined allocation is blocks too, so --compose times each alone.
+    pipelined = fpga.blocks("tf_switch_4p_w16")
     assert {"switch_allocator", "allocation_control", "crossbar"} <= set(pipelined)
 
 

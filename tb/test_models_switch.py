@@ -15,8 +15,9 @@ from models.link import VlArbiter
 from models.packet import (blocks, build_packet, parse_packet, random_packet,
                            send_only_wire_bytes, wire_beats, wire_packet)
 from models.switch import (
-    FlowScoreboard, ForwardingTable, IslipAllocator, Network, Router, SlToVl, SwitchPacket,
-    Traffic, check_lossless, forward, jain_index, make_traffic, run_switch, stream_to_one_output,
+    RTL_ALLOCATORS, FlowScoreboard, ForwardingTable, IslipAllocator, Network, Router, SlToVl,
+    SwitchPacket, Traffic, check_lossless, forward, jain_index, make_traffic, run_switch,
+    stream_to_one_output,
 )
 from models.switch.__main__ import main
 
@@ -374,6 +375,20 @@ def test_hop_latency_6_and_back_to_back_grants_beats_apart():
     # end beat is handed to the egress transmitter: grant + 1 + 31, when the port frees.
     assert [p.in_release - p.t_grant for p in first] == [32] * 4
     assert first[-1].in_release == router.in_busy[0]
+
+
+@pytest.mark.parametrize("allocator", RTL_ALLOCATORS)
+def test_rtl_allocator_timing_has_the_rtl_hop(allocator):
+    """The model's timing of each RTL allocator (RTL_ALLOCATORS) has that switch's zero-load
+    hop (hdl/switch/switch.py HOP_LATENCY_CYCLES), measured through the model."""
+    from hdl.switch.switch import ALLOCATORS, HOP_LATENCY_CYCLES
+    assert set(RTL_ALLOCATORS) == set(ALLOCATORS)
+    router = Router(4, 1, **RTL_ALLOCATORS[allocator])
+    net = Network(router, make_traffic("uniform", 4, load=0))
+    net.offer(0, 10, 2, payload=PAYLOAD)
+    net.run(200)
+    check_lossless(net)
+    assert [p.latency for p in net.delivered] == [HOP_LATENCY_CYCLES[allocator]]
 
 
 def test_incast_4096_back_to_back_with_no_idle_cycle():

@@ -10,8 +10,9 @@ Builds (each Verilator build costs a minute or two, so few): ``voq`` (4 ports, 2
 64-byte beats, VOQs, 2-cycle cables, host 0's wire to the switch carried by the testbench
 for fault injection) runs every test; ``fifo`` (FIFO mode, one VL, 16-byte beats) runs the head-of-line
 demonstration and random traffic on 3 ports with a 2048-byte MTU, which shortens its
-build. ``voq_pipelined`` and ``fifo_pipelined`` run the same tests with
-``allocator="pipelined"`` (``voq_pipelined`` with 16-byte beats, for a shorter build).
+build. Each has the default, pipelined allocator; ``voq_islip`` and ``fifo_islip`` run the
+same tests with the single-cycle ``allocator="islip"`` (``voq_islip`` with 16-byte beats, for
+a shorter build).
 """
 import math
 import random
@@ -20,8 +21,9 @@ import cocotb
 import pytest
 
 from hdl.link.signatures import LinkState
+from hdl.switch.switch import DEFAULT_ALLOCATOR, HOP_LATENCY_CYCLES
 from models.ib import Opcode
-from models.switch import Router, jain_index, stream_to_one_output
+from models.switch import RTL_ALLOCATORS, Router, jain_index, stream_to_one_output
 from tb import runner
 from tb.beats import WireChannel
 from tb.switch_tb import CLOCK_NS, SwitchTB, bursty_backpressure, host_lid, packet_key
@@ -29,9 +31,12 @@ from tb.switch_tb import CLOCK_NS, SwitchTB, bursty_backpressure, host_lid, pack
 LATENCY_BUDGET = 8          # cycles, start beat in to start beat out (issue 3: at most 8)
 
 
+def allocator():
+    return runner.tb_params().get("allocator", DEFAULT_ALLOCATOR)
+
+
 def design_latency():
-    from hdl.switch.switch import HOP_LATENCY_CYCLES
-    return HOP_LATENCY_CYCLES[runner.tb_params().get("allocator", "islip")]
+    return HOP_LATENCY_CYCLES[allocator()]
 
 
 def log(dut, text):
@@ -181,9 +186,7 @@ def model_gaps(tb, blocks, per_sender, senders):
     """The switch model's spacing of one stream (docs/models.md): every sender holds its
     packets from the start; cycles between one start beat out and the next less the first
     packet's beats, sorted (the pipelined allocator's credit hold and short-packet rule)."""
-    pipelined = runner.tb_params().get("allocator", "islip") == "pipelined"
-    router = Router(tb.ports, 1, width=tb.width, **(
-        dict(alloc_cycles=3, lookahead=3, credit_hold=True) if pipelined else {}))
+    router = Router(tb.ports, 1, width=tb.width, **RTL_ALLOCATORS[allocator()])
     out = stream_to_one_output(router, senders, [short_payload(blocks)] * per_sender)
     return sorted(b[0] - a[0] - a[1] for a, b in zip(out, out[1:]))
 
@@ -639,11 +642,11 @@ BUILDS = {
                  islip_iterations=1, fc_period=1024, fc_min_interval=64, fc_batch_blocks=64,
                  wire_delay=2, tb_ports=[0]),
 }
-# The pipelined allocator (docs/switch.md, Pipelined allocator): the fifo build as it is, the
+# The single-cycle iSLIP allocator, an ablation (docs/switch.md): the fifo build as it is, the
 # voq build with 16-byte beats (its C++ compiles in a fraction of the time; the allocator's
 # cycles do not depend on the beat width; the MTU and so the buffers stay as the tests need).
-BUILDS["voq_pipelined"] = dict(BUILDS["voq"], width=16, allocator="pipelined")
-BUILDS["fifo_pipelined"] = dict(BUILDS["fifo"], allocator="pipelined")
+BUILDS["voq_islip"] = dict(BUILDS["voq"], width=16, allocator="islip")
+BUILDS["fifo_islip"] = dict(BUILDS["fifo"], allocator="islip")
 # make test runs the VOQ switch's checks on 16-byte beats too: the 64-byte build's C++ takes
 # most of make test's switch time, and its datapath is in make test through the fabric
 # (tb/test_fabric_moe.py). Every check runs on the 64-byte build in make test-full.
@@ -662,13 +665,8 @@ TESTS = [
     ("fifo", "head_of_line"),
     ("fifo", "uniform_random_traffic"),
 ]
-# Every rule holds for both allocators: every pipelined build's test is under make test-full
-# (its make-test items, the build with hop, traffic, incast and table rewrite, took 178 s of
-# make test on 2026-12-06). The pipelined allocator is not the default and no other top of
-# make test uses it; make test checks it alone against the model (test_switch_allocator.py)
-# and its depth (test_fpga.py, tf_switch_allocator_8p). When it becomes the default it takes
-# voq_w16's place here.
-PIPELINED_IN_MAKE_TEST = set()
+# Every rule holds for both allocators. The iSLIP builds, an ablation, run under make
+# test-full only: make test checks iSLIP alone against the model (tb/test_islip.py).
 
 
 def switch_test(build, testcase, full):
@@ -681,12 +679,12 @@ def switch_test(build, testcase, full):
 # voq and fifo builds run under make test-full (the fifo build cost 82 s of make test on
 # 2026-12-06; FIFO mode stays in make test through tb/test_voq_buffer.py's fifo runs, the
 # switch model's head-of-line tests and the one-VL FIFO switch's lint).
-# short_packets is the pipelined allocator's rule (docs/switch.md); with iSLIP it runs under
-# make test-full only (about a minute of simulation).
+# short_packets (the pipelined allocator's short-packet rule, docs/switch.md) runs under make
+# test-full only (33 s of simulation on 2026-12-07); make test checks the rule on the allocator
+# alone against the model (tb/test_switch_allocator.py).
 TESTS = [switch_test("voq_w16", testcase, testcase == "short_packets")
          for build, testcase in TESTS if build == "voq"] + [
-    switch_test(f"{build}_pipelined", testcase, (build, testcase) not in PIPELINED_IN_MAKE_TEST)
-    for build, testcase in TESTS] + [
+    switch_test(f"{build}_islip", testcase, True) for build, testcase in TESTS] + [
     switch_test(build, testcase, True) for build, testcase in TESTS]
 
 

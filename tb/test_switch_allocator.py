@@ -204,10 +204,10 @@ def spacing(starts):
 
 def model_starts(sizes, *, inputs=3):
     """The switch model's figure for :func:`stream_starts`: the pipelined allocator's timing
-    (``alloc_cycles=3``, ``lookahead=3``) with its credit hold and short-packet rule; each
+    (``RTL_ALLOCATORS["pipelined"]``) with its credit hold and short-packet rule; each
     packet's start beat out and beats (= blocks at 64-byte beats), in order."""
-    from models.switch import Router, stream_to_one_output
-    router = Router(inputs + 1, 1, alloc_cycles=3, lookahead=3, credit_hold=True)
+    from models.switch import RTL_ALLOCATORS, Router, stream_to_one_output
+    router = Router(inputs + 1, 1, **RTL_ALLOCATORS["pipelined"])
     return stream_to_one_output(router, range(1, inputs + 1), [64 * size - 32 for size in sizes])
 
 

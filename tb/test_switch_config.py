@@ -31,7 +31,7 @@ def test_switch_rejects(kwargs, words):
 def test_switch_defaults():
     switch = Switch(ports=2)
     assert (switch.num_vls, switch.width, switch.mtu, switch.buffer_blocks, switch.mode,
-            switch.allocator, switch.hop_latency_cycles) == (2, 64, 4096, 132, "voq", "islip", 6)
+            switch.allocator, switch.hop_latency_cycles) == (2, 64, 4096, 132, "voq", "pipelined", 8)
 
 
 @pytest.mark.parametrize("kwargs,words", [

@@ -20,9 +20,12 @@ from hdl.switch.switch_allocator import SwitchAllocator
 from hdl.switch.switch_registers import SwitchRegisters
 from hdl.switch.voq_buffer import QUEUE_MODES, VoqBuffer
 
-__all__ = ["Switch", "HOP_LATENCY_CYCLES", "ALLOCATORS"]
+__all__ = ["Switch", "HOP_LATENCY_CYCLES", "ALLOCATORS", "DEFAULT_ALLOCATOR"]
 
 ALLOCATORS = ("islip", "pipelined")
+# The allocator within the FPGA budget of docs/fpga.md; "islip" (single-cycle, too deep for
+# the clock) stays as an ablation for simulation and the model comparison.
+DEFAULT_ALLOCATOR = "pipelined"
 
 # Start beat on an input wire to start beat on an output wire, zero load, per allocator
 # (docs/switch.md).
@@ -43,8 +46,8 @@ class Switch(wiring.Component):
     (or freeing in this cycle), both ports are enabled, and the output's credit limit on
     the packet's VL covers the whole packet. Each output picks one VL by weighted round
     robin (``vl_weight`` 64-byte blocks per turn, as the link transmitter counts them) among
-    the VLs with eligible packets; iSLIP (``islip_iterations``) then matches inputs to
-    outputs on those requests. A matched input streams the packet through the crossbar
+    the VLs with eligible packets; iSLIP (one iteration, or ``islip_iterations`` with the
+    iSLIP allocator) then matches inputs to outputs on those requests. A matched input streams the packet through the crossbar
     into the output's transmitter, which starts it on the wire at once: the packet can
     leave before its tail has arrived (cut-through), and if it then fails its checks it
     leaves marked end-bad. Cycles in which a packet waits only for credit are counted as
@@ -57,20 +60,22 @@ class Switch(wiring.Component):
     ``mode="fifo"`` keeps one queue per input and VL instead of one per output and VL, to
     show head-of-line blocking.
 
-    ``allocator="pipelined"`` makes the same decisions in :class:`SwitchAllocator`'s three
-    registered stages instead of in the grant cycle: ports are offered ahead of the end of
-    their current packet, a match starts in its own cycle or waits as pending until its
+    The default ``allocator="pipelined"`` makes these decisions in :class:`SwitchAllocator`'s
+    three registered stages instead of in the grant cycle: ports are offered ahead of the end
+    of their current packet, a match starts in its own cycle or waits as pending until its
     input is free and its output has no input queued, each output's crossbar ends in a
     :class:`SkidRegister`, and a descriptor entering an empty queue is credit-tested in its
-    enqueue cycle (docs/switch.md, Pipelined allocator). ``islip_iterations`` applies to ``"islip"`` only
-    (the pipelined allocator makes one iteration).
+    enqueue cycle (docs/switch.md, Pipelined allocator). ``allocator="islip"`` makes them in
+    the grant cycle with :class:`IslipAllocator` (``islip_iterations`` iterations; it applies
+    to ``"islip"`` only): two cycles shorter a hop, too deep for the clock (docs/fpga.md), kept
+    as an ablation.
 
     Zero-load hop latency: :data:`HOP_LATENCY_CYCLES` cycles (per allocator) from the start
     beat on an input's ``wire_in`` to the start beat on an output's ``wire_out``.
     """
 
     def __init__(self, *, ports=8, num_vls=2, width=64, mtu=4096, buffer_blocks=None, lids=1024,
-                 mode="voq", islip_iterations=1, allocator="islip", fc_period=1024,
+                 mode="voq", islip_iterations=1, allocator=DEFAULT_ALLOCATOR, fc_period=1024,
                  fc_min_interval=64, fc_batch_blocks=64, addr_width=16):
         check_config(ports, num_vls, lids)
         check_width(width)

@@ -10,10 +10,15 @@ from .allocators import ALLOCATORS
 from .buffers import BUFFERS
 from .routing import ForwardingTable, SlToVl
 
-__all__ = ["DEFAULT_VL_WEIGHT", "MAX_DATA_VLS", "Router", "SwitchPacket", "stream_to_one_output"]
+__all__ = ["DEFAULT_VL_WEIGHT", "MAX_DATA_VLS", "RTL_ALLOCATORS", "Router", "SwitchPacket",
+           "stream_to_one_output"]
 
 MAX_DATA_VLS = 15                        # VL15 is never a data VL
 DEFAULT_VL_WEIGHT = 16                   # 64-byte blocks per VL turn (portN_vlV_weight)
+# The RTL switch's allocators (hdl/switch/switch.py ALLOCATORS) as Router arguments: the
+# single-cycle iSLIP is Router's own timing; the pipelined one (the RTL's default) takes
+# three allocation cycles, matches ahead and holds its credit view (docs/models.md).
+RTL_ALLOCATORS = {"islip": {}, "pipelined": dict(alloc_cycles=3, lookahead=3, credit_hold=True)}
 
 
 class SwitchPacket:
