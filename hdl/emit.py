@@ -124,7 +124,8 @@ register("tf_switch_4p_w16", lambda: _switch(ports=4, width=16),
 register("tf_switch_8p", lambda: _switch(ports=8),
          "Cut-through switch, 8 ports, 64-byte beats, 2 data VLs, MTU 4096, VOQ input buffers "
          "of 132 blocks per VL, 1024-entry forwarding table, AXI4-Lite control, pipelined "
-         "allocator (hop 8 cycles; docs/switch.md, docs/switch-registers.md)", index_labels=_SWITCH_LABELS)
+         "allocator (hop 8 cycles; docs/switch.md, docs/switch-registers.md)",
+         index_labels=_SWITCH_LABELS)
 
 
 register("tf_nic", lambda: __import__("hdl.nic.nic", fromlist=["*"]).Nic(),

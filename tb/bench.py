@@ -134,7 +134,8 @@ def plot_sweep(table):
 # --- switch (tb/bench_switch.py on tb/switch_bench_top.py) ----------------------------------
 
 SWITCH = dict(ports=8, num_vls=2, width=64, mtu=4096, buffer_blocks=None, lids=1024, mode="voq",
-              islip_iterations=1, allocator=DEFAULT_ALLOCATOR, fc_period=1024, fc_min_interval=64, fc_batch_blocks=64,
+              islip_iterations=1, allocator=DEFAULT_ALLOCATOR, fc_period=1024, fc_min_interval=64,
+              fc_batch_blocks=64,
               addr_width=16, wire_delay=0, host_buffer_blocks=None, hist_bins=16384, psn_slots=256)
 SWITCH_PAYLOAD = 2020               # 2046 bytes on the wire: 32 beats of 64 B, 32 credit blocks
 SWITCH_LARGE_BUFFER = 2047          # blocks per input VL (the link maximum) for the second saturation figure

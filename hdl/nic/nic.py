@@ -143,8 +143,9 @@ class Nic(wiring.Component):
                              for rid in range(len(self.reads.requests))]
         self.tx_registers = [SkidRegister(self.assembler.data_out[v].payload.shape())
                              for v in range(num_vls)]
-        self.response_tx_registers = [SkidRegister(self.response_assembler.data_out[v].payload.shape())
-                                      for v in range(num_vls)]
+        self.response_tx_registers = [
+            SkidRegister(self.response_assembler.data_out[v].payload.shape())
+            for v in range(num_vls)]
         axi = {**dict(AxiReadSignature(addr_width, NIC_WIDTH).members),
                **dict(AxiWriteSignature(addr_width, NIC_WIDTH).members)}
         super().__init__({
@@ -302,7 +303,8 @@ class Nic(wiring.Component):
         # responder; requester and responder packets share each VL.
         for v in range(self.num_vls):
             mux = m.submodules[f"mux{v}"] = self.muxes[v]
-            self._register(m, f"tx_register{v}", self.tx_registers[v], asm.data_out[v], mux.inputs[0])
+            self._register(m, f"tx_register{v}", self.tx_registers[v], asm.data_out[v],
+                           mux.inputs[0])
             self._register(m, f"response_tx_register{v}", self.response_tx_registers[v],
                            resp_asm.data_out[v], mux.inputs[1])
             wiring.connect(m, mux.output, port.data_in[v])

@@ -47,10 +47,10 @@ class Switch(wiring.Component):
     the packet's VL covers the whole packet. Each output picks one VL by weighted round
     robin (``vl_weight`` 64-byte blocks per turn, as the link transmitter counts them) among
     the VLs with eligible packets; iSLIP (one iteration, or ``islip_iterations`` with the
-    iSLIP allocator) then matches inputs to outputs on those requests. A matched input streams the packet through the crossbar
-    into the output's transmitter, which starts it on the wire at once: the packet can
-    leave before its tail has arrived (cut-through), and if it then fails its checks it
-    leaves marked end-bad. Cycles in which a packet waits only for credit are counted as
+    iSLIP allocator) then matches inputs to outputs on those requests. A matched input
+    streams the packet through the crossbar into the output's transmitter, which starts it
+    on the wire at once: the packet can leave before its tail has arrived (cut-through),
+    and if it then fails its checks it leaves marked end-bad. Cycles in which a packet waits only for credit are counted as
     credit stalls.
 
     A queued packet is discarded unsent, counted in ``drop_hoq_lifetime`` of its output and
