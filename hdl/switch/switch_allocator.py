@@ -204,20 +204,15 @@ class SwitchAllocator(wiring.Component):
         # --- stage G: among heads whose ports are both available, each output picks a VL
         # (weighted round robin) and grants one input: any eligible head of a quiet output, a
         # short one on the reserve while short matches are uncounted.
-        # Not an input offered a grant it may accept now (it is matched now) nor one started in
-        # the cycle before (its head tested then may be the packet started): their grants would
-        # be dropped, and an output open to short packets again would lose its turn. An input
-        # whose every grant is dropped (its outputs taken) requests: were it kept out, 2-beat
-        # packets from three inputs to one output would starve one of them, its grants always
-        # coming in the cycles the output is pending (docs/switch.md, Short packets).
+        # Not an input offered a grant now (it is matched now, or its grant dropped) nor one
+        # started in the cycle before (its head tested then may be the packet started): their
+        # grants would be dropped, and an output open to short packets again would lose its turn.
         grant = [Signal(P, name=f"grant{o}") for o in range(P)]
-        out_taken = Signal(P)           # stage A: an output this cycle's grants cannot match
         in_ok = Signal(P)
         started_in = Signal(P)
         m.d.sync += started_in.eq(self.start)
         m.d.comb += in_ok.eq(self.in_ready & ~pend_in & ~started_in
-                             & ~Cat(Cat(grant[o][i] & ~out_taken[o] for o in range(P)).any()
-                                    for i in range(P)))
+                             & ~Cat(Cat(grant[o][i] for o in range(P)).any() for i in range(P)))
         requests = Signal(P * P * V)
         for i in range(P):
             for o in range(P):
@@ -268,6 +263,7 @@ class SwitchAllocator(wiring.Component):
         ]
         # An output taken for this cycle's grants: pending, or matched in the cycle before
         # unless both that match and the grant are on the short rule.
+        out_taken = Signal(P)
         m.d.comb += out_taken.eq(pend_out | matched_out & ~(matched_short & grant_short))
         # A grant of cycle c was made before the matches of cycle c, so it may name a port
         # matched since (pending, or matched in c and started at once); such a pick is dropped
