@@ -669,21 +669,10 @@ TESTS = [
 # test-full only: make test checks iSLIP alone against the model (tb/test_islip.py).
 
 
-# A known defect, kept visible: the run must fail until it is mended (then strict xfail
-# fails the suite and this entry goes).
-KNOWN_DEFECTS = {
-    ("voq", "short_packets"): "1-beat packets from 3 inputs to one output leave 3 cycles apart "
-    "at 64-byte beats, the model and the allocator alone say back to back (found 2026-12-07 "
-    "when the pipelined allocator became the default; docs/switch.md, Short packets back to back)",
-}
-
-
 def switch_test(build, testcase, full):
     """One test on one build; a build's tests run on one worker (tb/build_groups.py)."""
-    marks = [pytest.mark.full] if full else []
-    if (build, testcase) in KNOWN_DEFECTS:
-        marks.append(pytest.mark.xfail(reason=KNOWN_DEFECTS[build, testcase], strict=True))
-    return pytest.param(build, testcase, id=f"{build}-{testcase}", marks=marks)
+    return pytest.param(build, testcase, id=f"{build}-{testcase}",
+                        marks=[pytest.mark.full] if full else [])
 
 
 # voq_w16 first: the most tests on one build, so it starts first (tb/conftest.py). The

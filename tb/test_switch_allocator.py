@@ -141,8 +141,8 @@ def stream_starts(sizes, *, inputs=3, count_after=3, **params):
     downstream credit ample; a packet starts as soon as its ports are free (64-byte beats: a
     port is busy a cycle per block), the transmitter counts it ``count_after`` cycles after its
     start (the switch: the crossbar's skid register, the transmitter's beat register, the
-    registered count); ``params``: the allocator's. Returns the start cycles at output 0 and
-    their blocks, in order."""
+    registered count); ``params``: the allocator's. Returns the start cycles at output 0,
+    their blocks and inputs, in order."""
     from hdl.switch.switch_allocator import SwitchAllocator
     P = inputs + 1
     dut = SwitchAllocator(ports=P, num_vls=1, max_blocks=65, **params)
@@ -169,7 +169,7 @@ def stream_starts(sizes, *, inputs=3, count_after=3, **params):
                 if pend >> (i * P) & 1 and in_busy[i] <= cycle and out_busy <= cycle:
                     start |= 1 << i
                     blocks = queues[i][0]           # leaves its queue after this cycle
-                    starts.append((cycle, blocks))
+                    starts.append((cycle, blocks, i))
                     in_busy[i] = out_busy = cycle + blocks
                     counts.append((cycle + count_after, blocks))
             ctx.set(dut.start, start)
@@ -216,8 +216,8 @@ def test_short_packets_to_one_output_as_the_model_says(size):
     """Three inputs stream packets of one size into one output: packets of at most
     short_blocks (4) blocks leave back to back once the stream runs, a 5-block one waits for
     its predecessor's count (gaps of 2 cycles after its 5 beats); the RTL's gaps, start to
-    start less the packet's beats, are the model's (the stream's tail aside: there fewer
-    inputs are left than the model's input timing assumes)."""
+    start less the packet's beats, are the model's (the stream's tail aside: there the
+    2-block stream is the starvation below)."""
     rtl = spacing(stream_starts([size] * 8))
     model = spacing(model_starts([size] * 8))
     assert rtl[:16] == model[:16], f"RTL {rtl}\nmodel {model}"
@@ -225,13 +225,24 @@ def test_short_packets_to_one_output_as_the_model_says(size):
     assert (max(model[1:16]) == 0) == short, model
 
 
+@pytest.mark.xfail(strict=True, reason="known defect: an input whose grant is dropped sits out "
+                   "the next cycle's requests, so a 2-block stream starves one of three inputs "
+                   "(docs/switch.md, Short packets back to back)")
+def test_inputs_served_in_turn_by_a_two_block_stream():
+    """Three inputs stream 2-block packets into one output: served in turn, as the model
+    serves them, no input waiting while the others send (they leave in the order 1 2 3 1 2 3
+    ...). Found 2026-12-07: the inputs leave 1 2 3 2 3 ... 2 3, then input 1's others alone."""
+    order = [i for _, _, i in stream_starts([2] * 8)]
+    assert order == [1, 2, 3] * 8, order
+
+
 def test_long_packet_behind_short_ones_waits_for_them():
     """Short packets, then a 20-block one, then short ones again: the long one starts only
     after every short packet before it is counted, and nothing starts while it is uncounted;
     the credit test of :func:`run` with room for just the long packet and the reserve."""
     starts = stream_starts([1, 1, 1, 20, 1, 1])
-    long_at = next(n for n, (_, blocks) in enumerate(starts) if blocks == 20)
-    before, (start, _), after = starts[long_at - 1], starts[long_at], starts[long_at + 1]
+    long_at = next(n for n, (_, blocks, _) in enumerate(starts) if blocks == 20)
+    before, (start, _, _), after = starts[long_at - 1], starts[long_at], starts[long_at + 1]
     # The packet before it is counted 3 cycles after its start, the view has it 4 later.
     assert start >= before[0] + 3 + 4
     assert after[0] >= start + 20

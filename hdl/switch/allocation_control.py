@@ -112,6 +112,10 @@ class AllocationControl(wiring.Component):
         beat_bytes_log2 = exact_log2(width)
         beats_left = [Signal(16, name=f"beats_left{i}") for i in range(P)]
         near_end = Signal(P)
+        near_end_beats = ALLOC_STAGES + 1
+        # A packet of at most this many blocks is near its end from its start on.
+        near_end_blocks = near_end_beats * width // BLOCK_BYTES
+        starts_long = Signal(P)     # the packet input i starts is not near its end
         started = Signal(P)     # the input started a match in the previous cycle
         m.d.sync += started.eq(self.start)
         starting = self.starting
@@ -129,8 +133,12 @@ class AllocationControl(wiring.Component):
             ]
             # The packet heads its queue: its blocks, for the estimate.
             pending_blocks = Signal(FCCL_BITS, name=f"pending_blocks{i}")
-            m.d.comb += pending_blocks.eq(or_all([Mux(select[q], self.heads[i][q].blocks, 0)
-                                                  for q in range(self.num_queues)]))
+            m.d.comb += [
+                pending_blocks.eq(or_all([Mux(select[q], self.heads[i][q].blocks, 0)
+                                          for q in range(self.num_queues)])),
+                starts_long[i].eq((select & Cat(self.heads[i][q].blocks > near_end_blocks
+                                                for q in range(self.num_queues))).any()),
+            ]
             m.d.comb += self.start[i].eq(row.any() & (~self.active[i] | self.finishing[i])
                                          & ~(toward & self.queueing).any())
             for o in range(P):
@@ -151,16 +159,19 @@ class AllocationControl(wiring.Component):
             with m.Elif(handed):
                 m.d.sync += beats_left[i].eq(beats_left[i] - 1)
             # A cycle ahead: the ports are offered from registers (below).
-            m.d.comb += near_end[i].eq(beats_left[i] <= ALLOC_STAGES + 1)
+            m.d.comb += near_end[i].eq(beats_left[i] <= near_end_beats)
 
         # Ports are offered from registers (the allocator's stage G starts from them): what
         # held in the cycle before, unless a start or a drop of the port changed it since (a
-        # port busy then stays busy, its beats left only fall: the offer is never early).
+        # port busy then stays busy, its beats left only fall: the offer is never early). A
+        # start of a packet near its end from the start on changes nothing an output's offer
+        # depends on: a stream of 1-beat packets is offered every cycle.
         in_idle = Signal(P)
         out_idle = Signal(P)
         dropped = Signal(P)
         started_to = Signal(P)
-        m.d.sync += [dropped.eq(self.hoq_drop), started_to.eq(Cat(s.any() for s in starting))]
+        m.d.sync += [dropped.eq(self.hoq_drop),
+                     started_to.eq(Cat((s & starts_long).any() for s in starting))]
         for i in range(P):
             m.d.sync += in_idle[i].eq(~self.active[i] | near_end[i])
         m.d.comb += self.in_ready.eq(self.enabled & in_idle & ~started & ~dropped)
