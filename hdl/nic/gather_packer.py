@@ -1,0 +1,145 @@
+"""Packs a packet's payload pieces (its gather list's segments, each read as its own bursts)
+into one contiguous run of beats, so the PacketAssembler takes a gathered packet as it takes
+a one-segment one (docs/nic.md, Gather packing)."""
+from amaranth import C, Cat, Module, Mux, Signal
+from amaranth.lib import fifo, stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from hdl.nic.signatures import GatherPieceLayout, RBeatLayout
+
+__all__ = ["GatherPacker"]
+
+WIDTH = 64                      # bytes per beat
+
+
+class GatherPacker(wiring.Component):
+    """Turns raw payload beats, piece by piece, into packed beats.
+
+    ``pieces`` takes one record per piece (:class:`GatherPieceLayout`) as the piece's
+    first burst issues; up to ``piece_depth`` records wait in a FIFO for their beats.
+    ``raw`` takes each piece's ``beats`` beats in the records' order. A packet's pieces
+    (up to and including the one with ``last``) come out on ``packed`` as one run of
+    bytes from lane ``start`` of its first piece's first beat: ``ceil((start + total) /
+    64)`` beats, lanes outside the run unspecified. A one-piece packet's bytes keep
+    their lanes, one packed beat per raw beat.
+
+    Each raw beat is rotated so that its first byte lands on lane ``fill`` (the next
+    free lane of the partial beat; the rotation is fixed for a piece and registered as
+    the piece is loaded) and merged into the partial beat: lanes below ``fill`` from the
+    partial beat, the others from the rotated raw beat. A merged beat goes out when its
+    last lane is filled or the packet's bytes end; when the packet's last raw beat both
+    fills a beat and leaves bytes over, those go out alone in the next cycle, a cycle in
+    which ``raw`` is not taken. A packed beat's ``resp`` is the OR of those of the raw
+    beats whose bytes it holds and of the packet's earlier raw beats since the last
+    beat out; ``last`` marks a packet's last packed beat.
+
+    Timing: ``packed`` is a register (one cycle from raw beat to packed beat);
+    ``raw.ready`` is ``packed.ready`` or the register empty, and a piece loaded; a
+    piece's record must be at the FIFO's head by its first raw beat (two cycles after
+    it is written) for the beats to pass without a wait. The rotation (a 64:1 byte
+    multiplexer) and the merge are the deepest path, from ``raw`` and registers.
+
+    Records must be consistent (``bytes`` 1 .. 4096, ``beats`` as above): the read stage
+    writes them from the same fields as the bursts, and skips empty segments.
+
+    Ports
+    -----
+    pieces : In(stream.Signature(GatherPieceLayout()))
+    raw : In(stream.Signature(RBeatLayout(64)))
+    packed : Out(stream.Signature(RBeatLayout(64)))
+    """
+
+    def __init__(self, *, piece_depth=8):
+        if not isinstance(piece_depth, int) or not 2 <= piece_depth <= 256:
+            raise ValueError(f"piece_depth must be an integer from 2 to 256, not {piece_depth!r}")
+        self.piece_depth = piece_depth
+        super().__init__({
+            "pieces": In(stream.Signature(GatherPieceLayout())),
+            "raw": In(stream.Signature(RBeatLayout(WIDTH))),
+            "packed": Out(stream.Signature(RBeatLayout(WIDTH))),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        m.submodules.records = records = fifo.SyncFIFOBuffered(
+            width=GatherPieceLayout().size, depth=self.piece_depth)
+        m.d.comb += [records.w_data.eq(self.pieces.payload),
+                     records.w_en.eq(self.pieces.valid),
+                     self.pieces.ready.eq(records.w_rdy)]
+        head = GatherPieceLayout()(records.r_data)
+
+        # The piece whose raw beats come in now.
+        held = Signal()
+        beats_left = Signal(7)
+        last_beat = Signal()            # beats_left == 1
+        last_piece = Signal()           # of its packet
+        shift = Signal(6)               # raw lane = packed lane + shift, mod 64
+        tail = Signal(7)                # lanes its last raw beat ends at, 1 .. 64
+        size = Signal(7)                # bytes the next raw beat brings, 1 .. 64
+        end_fill = Signal(6)            # fill after its last raw beat
+        packet_start = Signal(init=1)   # the next piece loaded starts a packet
+        # The partial beat: packed bytes in lanes 0 .. fill - 1.
+        fill = Signal(6)
+        partial = Signal(8 * WIDTH)
+        partial_resp = Signal(2)
+        flush = Signal()                # partial holds a packet's last bytes, to go out alone
+
+        raw, out = self.raw, self.packed
+        room = ~out.valid | out.ready
+        m.d.comb += raw.ready.eq(held & room & ~flush)
+        take = raw.valid & raw.ready
+
+        data = raw.payload.data
+        shifted = Signal(8 * WIDTH)
+        m.d.comb += shifted.eq(Cat(data, data).bit_select(Cat(C(0, 3), shift), 8 * WIDTH))
+        merged = Signal(8 * WIDTH)
+        for lane in range(WIDTH):
+            m.d.comb += merged.word_select(lane, 8).eq(
+                Mux(lane < fill, partial.word_select(lane, 8), shifted.word_select(lane, 8)))
+        reach = Signal(7)
+        m.d.comb += reach.eq(fill + size)
+        full = reach[6]                 # the merged beat's last lane is filled
+        final = last_beat & last_piece
+        spill = final & full & (end_fill != 0)
+
+        with m.If(room):
+            m.d.sync += out.valid.eq(0)
+        with m.If(flush & room):
+            m.d.sync += [out.valid.eq(1), out.payload.data.eq(partial),
+                         out.payload.resp.eq(partial_resp), out.payload.last.eq(1),
+                         flush.eq(0), partial_resp.eq(0)]
+        with m.If(take):
+            resp = partial_resp | raw.payload.resp
+            m.d.sync += [fill.eq(reach[:6]),
+                         partial.eq(Mux(full, shifted, merged)),
+                         partial_resp.eq(Mux(full, raw.payload.resp, resp)),
+                         flush.eq(spill)]
+            with m.If(final & ~spill):
+                m.d.sync += partial_resp.eq(0)
+            with m.If(full | final):
+                m.d.sync += [out.valid.eq(1), out.payload.data.eq(merged),
+                             out.payload.resp.eq(resp), out.payload.last.eq(final & ~spill)]
+            with m.If(~last_beat):
+                m.d.sync += [beats_left.eq(beats_left - 1),
+                             last_beat.eq(beats_left == 2),
+                             size.eq(Mux(beats_left == 2, tail, WIDTH))]
+
+        load = records.r_rdy & (~held | (take & last_beat))
+        m.d.comb += records.r_en.eq(load)
+        with m.If(take & last_beat):
+            m.d.sync += held.eq(0)
+        with m.If(load):
+            start_fill = Mux(packet_start, head.start, end_fill)
+            end = (head.start + head.bytes)[:6]
+            m.d.sync += [held.eq(1),
+                         beats_left.eq(head.beats),
+                         last_beat.eq(head.beats == 1),
+                         last_piece.eq(head.last),
+                         packet_start.eq(head.last),
+                         shift.eq(head.start - start_fill),
+                         end_fill.eq(start_fill + head.bytes[:6]),
+                         tail.eq(Mux(end == 0, WIDTH, end)),
+                         size.eq(Mux(head.beats == 1, head.bytes[:7], WIDTH - head.start))]
+            with m.If(packet_start):
+                m.d.sync += fill.eq(head.start)
+        return m
