@@ -30,8 +30,7 @@ class GatherPacker(wiring.Component):
     last lane is filled or the packet's bytes end; when the packet's last raw beat both
     fills a beat and leaves bytes over, those go out alone in the next cycle, a cycle in
     which ``raw`` is not taken. A packed beat's ``resp`` is the OR of those of the raw
-    beats whose bytes it holds and of the packet's earlier raw beats since the last
-    beat out; ``last`` marks a packet's last packed beat.
+    beats whose bytes it holds; ``last`` marks a packet's last packed beat.
 
     Timing: ``packed`` is a register (one cycle from raw beat to packed beat);
     ``raw.ready`` is ``packed.ready`` or the register empty, and a piece loaded; a
@@ -112,7 +111,7 @@ class GatherPacker(wiring.Component):
             resp = partial_resp | raw.payload.resp
             m.d.sync += [fill.eq(reach[:6]),
                          partial.eq(Mux(full, shifted, merged)),
-                         partial_resp.eq(Mux(full, raw.payload.resp, resp)),
+                         partial_resp.eq(Mux(full, Mux(reach[:6] != 0, raw.payload.resp, 0), resp)),
                          flush.eq(spill)]
             with m.If(final & ~spill):
                 m.d.sync += partial_resp.eq(0)
