@@ -18,7 +18,7 @@ from collections import deque
 import pytest
 
 from hdl.nic.gather_packer import GatherPacker
-from tb.amaranth_sim import Driver, assert_rejected, simulate
+from tb.amaranth_sim import Driver, assert_lint_clean, assert_rejected, simulate
 
 WIDTH = 64
 MASK = (1 << 8 * WIDTH) - 1
@@ -188,3 +188,7 @@ def test_spill_costs_one_cycle():
                                   dict(piece_depth=4.0)])
 def test_parameters(args):
     assert_rejected(GatherPacker, args)
+
+
+def test_lint(tmp_path):
+    assert_lint_clean(GatherPacker(), "gather_packer", tmp_path)

@@ -92,9 +92,11 @@ class GatherPacker(wiring.Component):
         shifted = Signal(8 * WIDTH)
         m.d.comb += shifted.eq(Cat(data, data).bit_select(Cat(C(0, 3), shift), 8 * WIDTH))
         merged = Signal(8 * WIDTH)
-        for lane in range(WIDTH):
+        for lane in range(WIDTH - 1):
             m.d.comb += merged.word_select(lane, 8).eq(
                 Mux(lane < fill, partial.word_select(lane, 8), shifted.word_select(lane, 8)))
+        # fill is at most 63: the last lane is always the raw beat's.
+        m.d.comb += merged.word_select(WIDTH - 1, 8).eq(shifted.word_select(WIDTH - 1, 8))
         reach = Signal(7)
         m.d.comb += reach.eq(fill + size)
         full = reach[6]                 # the merged beat's last lane is filled
