@@ -9,8 +9,8 @@ Checked per packet: its packed beats (up to the one with ``last``) number
 ``start .. start + total - 1``; a packed beat's ``resp`` is SLVERR exactly when one of
 the raw beats whose bytes it holds had SLVERR (one random raw beat of 10% of packets). The sweep gives every pair of (piece start, fill) and every
 length modulo 64 (a second piece of a two-piece packet). Directed: one-piece packets
-with both inputs always ready keep their bytes' lanes, one beat per cycle with one cycle
-of latency; a spilled last beat costs one cycle.
+with both inputs always ready keep their bytes' lanes, one beat per cycle, each in the
+cycle it is taken; a spilled last beat costs one cycle.
 """
 import random
 from collections import deque
@@ -162,14 +162,14 @@ def test_sweep_every_pair():
 
 
 def test_one_piece_rate():
-    """One-piece packets with both sides always ready: a packed beat per cycle, one cycle
-    after its raw beat."""
+    """One-piece packets with both sides always ready: each raw beat comes out in the cycle
+    it is taken (the output register bypassed)."""
     rng = random.Random(5)
     packets = [make_packet(rng, [(rng.randrange(WIDTH), rng.randint(1, 500))]) for _ in range(40)]
     raw_count = sum(len(p[1]) for p in packets)
     result = run(packets, seed=5, gap=0, ready=1.1)
     cycles = result["out_cycles"]
-    assert cycles == list(range(result["first_take"] + 1, result["first_take"] + 1 + raw_count))
+    assert cycles == list(range(result["first_take"], result["first_take"] + raw_count))
 
 
 def test_spill_costs_one_cycle():
@@ -192,3 +192,10 @@ def test_parameters(args):
 
 def test_lint(tmp_path):
     assert_lint_clean(GatherPacker(), "gather_packer", tmp_path)
+
+
+def test_record_to_first_beat():
+    """A record written in cycle 0 lets its piece's first raw beat in from cycle 3."""
+    rng = random.Random(9)
+    result = run([make_packet(rng, [(5, 100)])], seed=9, gap=0, ready=1.1)
+    assert result["first_take"] == 3

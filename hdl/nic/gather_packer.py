@@ -20,8 +20,8 @@ class GatherPacker(wiring.Component):
     ``raw`` takes each piece's ``beats`` beats in the records' order. A packet's pieces
     (up to and including the one with ``last``) come out on ``packed`` as one run of
     bytes from lane ``start`` of its first piece's first beat: ``ceil((start + total) /
-    64)`` beats, lanes outside the run unspecified. A one-piece packet's bytes keep
-    their lanes, one packed beat per raw beat.
+    64)`` beats, lanes outside the run unspecified. A one-piece packet's beats pass as
+    they came in (``last`` set on its last), one packed beat per raw beat.
 
     Each raw beat is rotated so that its first byte lands on lane ``fill`` (the next
     free lane of the partial beat; the rotation is fixed for a piece and registered as
@@ -32,10 +32,15 @@ class GatherPacker(wiring.Component):
     which ``raw`` is not taken. A packed beat's ``resp`` is the OR of those of the raw
     beats whose bytes it holds; ``last`` marks a packet's last packed beat.
 
-    Timing: ``packed`` is a register (one cycle from raw beat to packed beat);
-    ``raw.ready`` is ``packed.ready`` or the register empty, and a piece loaded; a
-    piece's record must be at the FIFO's head by its first raw beat (two cycles after
-    it is written) for the beats to pass without a wait. The rotation (a 64:1 byte
+    Timing: a packet of several pieces leaves through an output register, a cycle after
+    each raw beat that completes a packed beat. A one-piece packet bypasses the register
+    while it is empty (each beat out in the cycle it comes in, so a one-segment WQE's
+    packets take no cycle more than without the packer): ``packed`` is then ``raw``
+    through a 2:1 multiplexer, and ``raw.ready`` is ``packed.ready``; otherwise
+    ``raw.ready`` is ``packed.ready`` or the register empty. Either way it needs the
+    piece's record loaded: a record is at the FIFO's head two cycles after it is
+    written and loaded in the next, so a piece's beats pass without a wait when its
+    record was written three cycles before its first beat. The rotation (a 64:1 byte
     multiplexer) and the merge are the deepest path, from ``raw`` and registers.
 
     Records must be consistent (``bytes`` 1 .. 4096, ``beats`` as above): the read stage
@@ -72,6 +77,7 @@ class GatherPacker(wiring.Component):
         beats_left = Signal(7)
         last_beat = Signal()            # beats_left == 1
         last_piece = Signal()           # of its packet
+        alone = Signal()                # its packet's only piece
         shift = Signal(6)               # raw lane = packed lane + shift, mod 64
         tail = Signal(7)                # lanes its last raw beat ends at, 1 .. 64
         size = Signal(7)                # bytes the next raw beat brings, 1 .. 64
@@ -83,9 +89,20 @@ class GatherPacker(wiring.Component):
         partial_resp = Signal(2)
         flush = Signal()                # partial holds a packet's last bytes, to go out alone
 
-        raw, out = self.raw, self.packed
-        room = ~out.valid | out.ready
-        m.d.comb += raw.ready.eq(held & room & ~flush)
+        # The output register; a packet's only piece bypasses it while it is empty.
+        out = Signal(RBeatLayout(WIDTH))
+        out_valid = Signal()
+        raw, packed = self.raw, self.packed
+        final = last_beat & last_piece
+        bypass = held & alone & ~out_valid
+        room = ~out_valid | packed.ready
+        m.d.comb += [
+            raw.ready.eq(held & ~flush & Mux(bypass, packed.ready, room)),
+            packed.valid.eq(Mux(bypass, raw.valid, out_valid)),
+            packed.payload.data.eq(Mux(bypass, raw.payload.data, out.data)),
+            packed.payload.resp.eq(Mux(bypass, raw.payload.resp, out.resp)),
+            packed.payload.last.eq(Mux(bypass, final, out.last)),
+        ]
         take = raw.valid & raw.ready
 
         data = raw.payload.data
@@ -100,14 +117,13 @@ class GatherPacker(wiring.Component):
         reach = Signal(7)
         m.d.comb += reach.eq(fill + size)
         full = reach[6]                 # the merged beat's last lane is filled
-        final = last_beat & last_piece
         spill = final & full & (end_fill != 0)
 
         with m.If(room):
-            m.d.sync += out.valid.eq(0)
+            m.d.sync += out_valid.eq(0)
         with m.If(flush & room):
-            m.d.sync += [out.valid.eq(1), out.payload.data.eq(partial),
-                         out.payload.resp.eq(partial_resp), out.payload.last.eq(1),
+            m.d.sync += [out_valid.eq(1), out.data.eq(partial),
+                         out.resp.eq(partial_resp), out.last.eq(1),
                          flush.eq(0), partial_resp.eq(0)]
         with m.If(take):
             resp = partial_resp | raw.payload.resp
@@ -117,9 +133,9 @@ class GatherPacker(wiring.Component):
                          flush.eq(spill)]
             with m.If(final & ~spill):
                 m.d.sync += partial_resp.eq(0)
-            with m.If(full | final):
-                m.d.sync += [out.valid.eq(1), out.payload.data.eq(merged),
-                             out.payload.resp.eq(resp), out.payload.last.eq(final & ~spill)]
+            with m.If((full | final) & ~bypass):
+                m.d.sync += [out_valid.eq(1), out.data.eq(merged),
+                             out.resp.eq(resp), out.last.eq(final & ~spill)]
             with m.If(~last_beat):
                 m.d.sync += [beats_left.eq(beats_left - 1),
                              last_beat.eq(beats_left == 2),
@@ -136,6 +152,7 @@ class GatherPacker(wiring.Component):
                          beats_left.eq(head.beats),
                          last_beat.eq(head.beats == 1),
                          last_piece.eq(head.last),
+                         alone.eq(packet_start & head.last),
                          packet_start.eq(head.last),
                          shift.eq(head.start - start_fill),
                          end_fill.eq(start_fill + head.bytes[:6]),
