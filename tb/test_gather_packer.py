@@ -8,7 +8,9 @@ Checked per packet: its packed beats (up to the one with ``last``) number
 ``ceil((start + total) / 64)`` and hold the concatenation byte for byte in lanes
 ``start .. start + total - 1``; a packed beat's ``resp`` is SLVERR exactly when one of
 the raw beats whose bytes it holds had SLVERR (one random raw beat of 10% of packets). The sweep gives every pair of (piece start, fill) and every
-length modulo 64 (a second piece of a two-piece packet). Directed: one-piece packets
+length modulo 64 (a second piece of a two-piece packet). Packets cut from random gather
+lists at random MTUs by ``models.nic.gather_pieces``, beats read from a random memory.
+Directed: one-piece packets
 with both inputs always ready keep their bytes' lanes, one beat per cycle, each in the
 cycle it is taken; a spilled last beat costs one cycle.
 """
@@ -18,6 +20,7 @@ from collections import deque
 import pytest
 
 from hdl.nic.gather_packer import GatherPacker
+from models.nic import gather_pieces
 from tb.amaranth_sim import Driver, assert_lint_clean, assert_rejected, simulate
 
 WIDTH = 64
@@ -182,6 +185,33 @@ def test_spill_costs_one_cycle():
         result = run(packets, seed=6, gap=0, ready=1.1)
         t0 = result["first_take"]
         assert result["out_cycles"] == [t0 + out + period * k for k in range(10) for out in outs]
+
+
+def test_gather_lists_cut_at_mtu():
+    """Random gather lists of 1..4 segments (zero-length ones included) in a random memory,
+    cut at random MTUs into packets and pieces by the model's ``gather_pieces`` (what the
+    executor is to issue): each packet's packed run is the concatenation's bytes."""
+    rng = random.Random(10)
+    memory = rng.randbytes(1 << 16)
+    packets = []
+    for _ in range(30):
+        segments = [(rng.choice([0, rng.randint(1, 64), rng.randint(1, 3000)]), 0,
+                     rng.randrange(len(memory) - 4096)) for _ in range(rng.randint(1, 4))]
+        length = sum(count for count, _, _ in segments)
+        mtu = 256 << rng.randrange(5)
+        for start in range(0, length, mtu):
+            pieces = gather_pieces(segments, start, min(mtu, length - start))
+            records, beats = [], []
+            for index, (laddr, count) in enumerate(pieces):
+                words = range(laddr // WIDTH, (laddr + count + WIDTH - 1) // WIDTH)
+                records.append(dict(start=laddr % WIDTH, bytes=count, beats=len(words),
+                                    last=int(index == len(pieces) - 1)))
+                beats += [(int.from_bytes(memory[k * WIDTH:(k + 1) * WIDTH], "little"), 0)
+                          for k in words]
+            concat = b"".join(memory[laddr:laddr + count] for laddr, count in pieces)
+            packets.append((records, beats, (pieces[0][0] % WIDTH, concat, [False] * len(concat))))
+    assert any(len(records) > 1 for records, _, _ in packets)
+    run(packets, seed=10)
 
 
 @pytest.mark.parametrize("args", [dict(piece_depth=1), dict(piece_depth=257),

@@ -287,14 +287,24 @@ class RequesterModel:
         self.next_psn[qpn] = psn_add(psn, consumed)
 
 
+def gather_pieces(segments, start, size):
+    """The pieces of message bytes ``start .. start + size - 1`` (a packet's payload) over
+    ``segments`` (``(byte_count, lkey, laddr)`` each, in order): ``(laddr, bytes)`` for each
+    segment they touch, in order, zero-length segments skipped (docs/nic.md, Gather
+    packing)."""
+    pieces = []
+    offset = 0
+    for byte_count, _, laddr in segments:
+        low, high = max(start, offset), min(start + size, offset + byte_count)
+        if low < high:
+            pieces.append((laddr + low - offset, high - low))
+        offset += byte_count
+    return pieces
+
+
 def _gathered(wqe, start, size, read_memory):
     """Bytes ``start .. start + size - 1`` of the message: its data segment's, or the
     concatenation of its gather list's segments."""
-    payload = b""
-    offset = 0
-    for byte_count, _, laddr in wqe.gather or ((wqe.byte_count, wqe.lkey, wqe.laddr),):
-        low, high = max(start, offset), min(start + size, offset + byte_count)
-        if low < high:
-            payload += bytes(read_memory(laddr + low - offset, high - low))
-        offset += byte_count
-    return payload
+    segments = wqe.gather or ((wqe.byte_count, wqe.lkey, wqe.laddr),)
+    return b"".join(bytes(read_memory(laddr, count))
+                    for laddr, count in gather_pieces(segments, start, size))
