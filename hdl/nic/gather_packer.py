@@ -13,38 +13,16 @@ WIDTH = 64                      # bytes per beat
 
 
 class GatherPacker(wiring.Component):
-    """Turns raw payload beats, piece by piece, into packed beats.
+    """Turns raw payload beats, piece by piece, into packed beats (docs/nic.md, Gather
+    packing: the record contract, the packed run, ``resp``, timing, depth).
 
     ``pieces`` takes one record per piece (:class:`GatherPieceLayout`) as the piece's
-    first burst issues; up to ``piece_depth`` records wait in a FIFO for their beats.
-    ``raw`` takes each piece's ``beats`` beats in the records' order. A packet's pieces
-    (up to and including the one with ``last``) come out on ``packed`` as one run of
-    bytes from lane ``start`` of its first piece's first beat: ``ceil((start + total) /
-    64)`` beats, lanes outside the run unspecified. A one-piece packet's beats pass as
-    they came in (``last`` set on its last), one packed beat per raw beat.
-
-    Each raw beat is rotated so that its first byte lands on lane ``fill`` (the next
-    free lane of the partial beat; the rotation is fixed for a piece and registered as
-    the piece is loaded) and merged into the partial beat: lanes below ``fill`` from the
-    partial beat, the others from the rotated raw beat. A merged beat goes out when its
-    last lane is filled or the packet's bytes end; when the packet's last raw beat both
-    fills a beat and leaves bytes over, those go out alone in the next cycle, a cycle in
-    which ``raw`` is not taken. A packed beat's ``resp`` is the OR of those of the raw
-    beats whose bytes it holds; ``last`` marks a packet's last packed beat.
-
-    Timing: a packet of several pieces leaves through an output register, a cycle after
-    each raw beat that completes a packed beat. A one-piece packet bypasses the register
-    while it is empty (each beat out in the cycle it comes in, so a one-segment WQE's
-    packets take no cycle more than without the packer): ``packed`` is then ``raw``
-    through a 2:1 multiplexer, and ``raw.ready`` is ``packed.ready``; otherwise
-    ``raw.ready`` is ``packed.ready`` or the register empty. Either way it needs the
-    piece's record loaded: a record is at the FIFO's head two cycles after it is
-    written and loaded in the next, so a piece's beats pass without a wait when its
-    record was written three cycles before its first beat. The rotation (a 64:1 byte
-    multiplexer) and the merge are the deepest path, from ``raw`` and registers.
-
-    Records must be consistent (``bytes`` 1 .. 4096, ``beats`` as above): the read stage
-    writes them from the same fields as the bursts, and skips empty segments.
+    first burst issues; up to ``piece_depth`` records wait in a FIFO. ``raw`` takes each
+    piece's ``beats`` beats in the records' order; a packet's pieces (to the one with
+    ``last``) leave on ``packed`` as one run of bytes from its first piece's ``start``.
+    Each raw beat is rotated so its first byte lands on lane ``fill`` and merged into the
+    partial beat (lanes below ``fill`` kept); a packet's only piece bypasses the output
+    register while it is empty, so one-segment packets take no extra cycle.
 
     Ports
     -----
