@@ -214,7 +214,7 @@ def test_gather_lists_cut_at_mtu():
     run(packets, seed=10)
 
 
-@pytest.mark.parametrize("args", [dict(piece_depth=1), dict(piece_depth=257),
+@pytest.mark.parametrize("args", [dict(piece_depth=1), dict(piece_depth=8193),
                                   dict(piece_depth=4.0)])
 def test_parameters(args):
     assert_rejected(GatherPacker, args)

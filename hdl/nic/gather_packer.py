@@ -32,8 +32,8 @@ class GatherPacker(wiring.Component):
     """
 
     def __init__(self, *, piece_depth=8):
-        if not isinstance(piece_depth, int) or not 2 <= piece_depth <= 256:
-            raise ValueError(f"piece_depth must be an integer from 2 to 256, not {piece_depth!r}")
+        if not isinstance(piece_depth, int) or not 2 <= piece_depth <= 8192:
+            raise ValueError(f"piece_depth must be an integer from 2 to 8192, not {piece_depth!r}")
         self.piece_depth = piece_depth
         super().__init__({
             "pieces": In(stream.Signature(GatherPieceLayout())),

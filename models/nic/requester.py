@@ -95,16 +95,13 @@ class RequesterModel:
     """
 
     def __init__(self, slid: int, sl_to_vl, qps, cqs, mkeys, num_mkeys: int | None = None,
-                 num_vls: int = 15, execute_gather_lists: bool = False):
+                 num_vls: int = 15):
         if len(sl_to_vl) != 16:
             raise ValueError("sl_to_vl needs 16 entries")
         if not mkeys:
             raise ValueError("the memory-key table needs at least one entry")
         self.slid = slid
         self.num_vls = num_vls
-        # The RTL checks a gather list and then fails it, not yet sending it (docs/nic.md,
-        # Limits); True models the NIC that sends it.
-        self.execute_gather_lists = execute_gather_lists
         self.sl_to_vl = list(sl_to_vl)
         self.qps = qps
         self.cqs = cqs
@@ -214,8 +211,6 @@ class RequesterModel:
             if ((wqe.opcode == MlxOpcode.RDMA_READ or wqe.opcode in ATOMIC_OPCODES)
                     and not Access(key.access) & Access.LOCAL_WRITE):
                 return Syndrome.LOCAL_PROT_ERR
-        if len(wqe.gather) > 1 and not self.execute_gather_lists:
-            return Syndrome.LOCAL_QP_OP_ERR
         return 0
 
     def _packets(self, qpn, qp, wqe, result, read_memory):
