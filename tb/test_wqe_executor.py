@@ -977,6 +977,7 @@ def test_throughput():
         ref = bench.ref
         directed_world(ref, rng)
         bench.p_wqe = bench.p_ar = bench.p_packet = bench.p_completion = bench.p_free = 1.0
+        bench.p_piece = 1.0
         wqes = []
         for i in range(200):
             q = i % 4

@@ -202,8 +202,9 @@ class WqeExecutor(wiring.Component):
     memory key on the read port per cycle, each segment's check registered in parts and
     folded a cycle later (a zero-length segment's not used); its length is the sum of its
     byte counts. The first failing segment's check gives LOCAL_PROT_ERR (after the format,
-    length and VL checks); a list that passes every check fails with LOCAL_QP_OP_ERR: lists
-    are checked, not executed yet (docs/nic.md, "Limits").
+    length and VL checks). A list's packets are cut into pieces, one per segment each
+    touches, two segmenter cycles a piece; each item with bursts writes its piece record
+    on ``pieces`` no later than its first burst (docs/nic.md, "Execution", Gather lists).
 
     Inline data longer than the descriptor's 64 bytes (up to 256) is read back from the
     send queue as the packet's DMA payload: from ``sq_base + 64 * (wqe_index mod
