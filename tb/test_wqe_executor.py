@@ -1382,7 +1382,8 @@ def test_parameters(args):
 
 def test_reference_matches_requester_model():
     """This file's reference agrees with models/nic/requester.py's RequesterModel (the NIC-level
-    tests' reference) on good WQEs: headers, lengths, inline payloads, PSNs, records."""
+    tests' reference) on good WQEs (gather lists among them): headers, lengths, inline
+    payloads, PSNs, records."""
     rng = random.Random(9)
     sl_to_vl = [rng.randrange(NUM_VLS) for _ in range(16)]
     ref = Reference(NUM_QPS, NUM_MKEYS, NUM_VLS, slid=rng.getrandbits(16), sl_to_vl=sl_to_vl)
@@ -1394,10 +1395,10 @@ def test_reference_matches_requester_model():
         ref.slid, sl_to_vl, [QpContext(**qp, qpn=q) for q, qp in enumerate(ref.qps)], [],
         [ModelMkey(key=k["key"], base=k["base"], length=k["length"], access=ModelAccess(k["access"]),
                    pd=k["pd"], valid=True) for k in ref.mkeys], NUM_MKEYS)
-    compared = 0
+    compared = lists = 0
     for index in range(400):
         q = rng.randrange(NUM_QPS)
-        w = random_wqe(rng, ref, q, index, p_bad=0)
+        w = random_wqe(rng, ref, q, index, p_bad=0, p_list=0.3)
         if w["opcode"] == OP["RDMA_WRITE"]:
             w["fm_ce_se"] &= ~0x02      # the model sets SE on a plain WRITE's last packet
         if ref.check(w, ref.qps[q])[0] != SENT:
@@ -1406,6 +1407,9 @@ def test_reference_matches_requester_model():
             # (past 64 bytes the executor reads the ring, not the descriptor: zeros here)
             data = dict(inline=w["inline_data"].to_bytes(64, "little")[:w["byte_count"]]
                         + bytes(max(0, w["byte_count"] - 64)))
+        elif w["segments"] > 1:
+            data = dict(gather=gather_segments(w))
+            lists += 1
         elif w["has_data"]:
             data = dict(byte_count=w["byte_count"], lkey=w["lkey"], laddr=w["laddr"])
         else:
@@ -1431,4 +1435,4 @@ def test_reference_matches_requester_model():
                 payload = desc["inline_data"].to_bytes(64, "little")[:desc["payload_bytes"]]
                 assert theirs[len(header):len(header) + len(payload)] == payload
             compared += 1
-    assert compared > 300
+    assert compared > 300 and lists > 10
