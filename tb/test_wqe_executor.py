@@ -12,7 +12,9 @@ random for beats whose bursts were issued, and plays the register block (a QP go
 
 Checked every transfer: packet descriptors byte-exact and in order (each header also
 decoded by ``models.packet.parse_packet``), each packet's bursts issued no later than its
-descriptor, bursts in order, the payload-buffer reservation (a packet's ``dma_beats`` at
+descriptor, bursts in order, each piece record on ``pieces`` exact, in order and no later
+than its piece's first burst (a gather list's packet: one piece per segment it touches,
+``models.nic.gather_pieces``), the payload-buffer reservation (a packet's ``dma_beats`` at
 its first burst, minus ``payload_freed``) never above ``payload_buffer_beats``,
 completion records exact, in WQE order and after their first packet (the message's other
 packets may follow), a ``sent`` strobe with the QP and PSN of each packet in the cycle
