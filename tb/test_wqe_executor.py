@@ -12,7 +12,9 @@ random for beats whose bursts were issued, and plays the register block (a QP go
 
 Checked every transfer: packet descriptors byte-exact and in order (each header also
 decoded by ``models.packet.parse_packet``), each packet's bursts issued no later than its
-descriptor, bursts in order, the payload-buffer reservation (a packet's ``dma_beats`` at
+descriptor, bursts in order, each piece record on ``pieces`` exact, in order and no later
+than its piece's first burst (a gather list's packet: one piece per segment it touches,
+``models.nic.gather_pieces``), the payload-buffer reservation (a packet's ``dma_beats`` at
 its first burst, minus ``payload_freed``) never above ``payload_buffer_beats``,
 completion records exact, in WQE order and after their first packet (the message's other
 packets may follow), a ``sent`` strobe with the QP and PSN of each packet in the cycle
@@ -55,7 +57,7 @@ import pytest
 from amaranth.hdl import UnusedElaboratable
 
 from hdl.nic.signatures import (
-    MAX_NIC_HEADER_BYTES, ArLayout, CompletionRecordLayout, CompletionStatus, MkeyLayout, MlxOpcode,
+    MAX_NIC_HEADER_BYTES, ArLayout, CompletionRecordLayout, GatherPieceLayout, CompletionStatus, MkeyLayout, MlxOpcode,
     PacketDescriptorLayout, PayloadSource, QpConfigLayout, QpState, Syndrome,
     WqeDescriptorLayout,
 )
@@ -64,7 +66,7 @@ from models.ib import BTH, LRH, RETH, AtomicETH, ImmDt, MaskedAtomicETH, Opcode
 from models.mlx5 import build_wqe
 from models.nic import Access as ModelAccess
 from models.nic import Mkey as ModelMkey
-from models.nic import QpContext, RequesterModel
+from models.nic import QpContext, RequesterModel, gather_pieces
 from models.packet import parse_packet
 from tb.amaranth_sim import Driver, simulate
 
@@ -92,6 +94,7 @@ MKEY = MkeyLayout()
 DESC = PacketDescriptorLayout()
 CMP = CompletionRecordLayout()
 AR = ArLayout()
+PIECE = GatherPieceLayout()
 
 
 def pack(layout, values):
@@ -127,10 +130,12 @@ def gather_segments(d):
 # --- Reference --------------------------------------------------------------------------------
 
 class Packet:
-    def __init__(self, wqe, desc, ars):
+    def __init__(self, wqe, desc, ars, pieces):
         self.wqe = wqe
         self.desc = desc            # PacketDescriptorLayout fields
         self.ars = ars              # [(addr, len)]
+        self.pieces = pieces        # [(GatherPieceLayout fields, index of its first burst)]
+        self.pieces_seen = 0
         self.ars_seen = 0
         self.ar_cycles = []
 
@@ -209,9 +214,6 @@ class Reference:
                 return ERROR, Syndrome.LOCAL_PROT_ERR.value
             if (read or atomic) and not mk["access"] & LOCAL_WRITE:
                 return ERROR, Syndrome.LOCAL_PROT_ERR.value
-        if len(segments) > 1:
-            # checked, not yet executed (docs/nic.md, Limits)
-            return ERROR, Syndrome.LOCAL_QP_OP_ERR.value
         return SENT, 0
 
     def execute(self, d):
@@ -240,6 +242,9 @@ class Reference:
 
         op = d["opcode"]
         length = d["byte_count"] if (d["has_data"] or d["inline"]) and op not in LOCAL_OPS else 0
+        segments = gather_segments(d)
+        if len(segments) > 1:
+            length = sum(byte_count for byte_count, _, _ in segments)
         mtu = 128 << qp["mtu"]
         psn = rt.next_psn if rt.loaded else qp["sq_psn"]
         npsn = 0 if op in LOCAL_OPS else 1 if length == 0 else -(-length // mtu)
@@ -260,6 +265,7 @@ class Reference:
                         payload_bytes=plen, source=PayloadSource.NONE.value, offset=0,
                         dma_beats=0, inline_data=0)
             ars = []
+            pieces = []
             if plen and d["inline"] and plen <= 64:
                 desc.update(source=PayloadSource.INLINE.value, inline_data=d["inline_data"])
             elif plen and d["inline"]:
@@ -277,15 +283,26 @@ class Reference:
                     else:
                         ars.append((addr, 0))
             elif plen:
-                start, stop = first_byte // 64, (first_byte + plen - 1) // 64
-                desc.update(source=PayloadSource.DMA.value, offset=first_byte % 64,
-                            dma_beats=stop - start + 1)
-                page_end = (start // 64 + 1) * 64 - 1
-                if stop > page_end:
-                    ars = [(start * 64, page_end - start), ((page_end + 1) * 64, stop - page_end - 1)]
-                else:
-                    ars = [(start * 64, stop - start)]
-            exp.packets.append(Packet(exp, desc, ars))
+                # A piece per segment the packet's bytes touch (one for one segment), each
+                # its words' bursts cut at 4 KiB; the packet's packed words from the first
+                # piece's byte.
+                cut = gather_pieces(segments, first_byte, plen)
+                desc.update(source=PayloadSource.DMA.value, offset=cut[0][0] % 64,
+                            dma_beats=(cut[0][0] % 64 + plen - 1) // 64 + 1)
+                for k, (addr, size) in enumerate(cut):
+                    start, stop = addr // 64, (addr + size - 1) // 64
+                    pieces.append((dict(start=addr % 64, bytes=size, beats=stop - start + 1,
+                                        last=int(k == len(cut) - 1)), len(ars)))
+                    page_end = (start // 64 + 1) * 64 - 1
+                    if stop > page_end:
+                        ars += [(start * 64, page_end - start),
+                                ((page_end + 1) * 64, stop - page_end - 1)]
+                    else:
+                        ars += [(start * 64, stop - start)]
+            if desc["source"] == PayloadSource.DMA.value and not pieces:
+                pieces.append((dict(start=desc["offset"], bytes=plen, beats=desc["dma_beats"],
+                                    last=1), 0))
+            exp.packets.append(Packet(exp, desc, ars, pieces))
 
         reth = RETH(va=d["raddr"], rkey=d["rkey"], dmalen=length)
         if op in (OP["SEND"], OP["SEND_IMM"], OP["RDMA_WRITE"], OP["RDMA_WRITE_IMM"]):
@@ -303,7 +320,7 @@ class Reference:
                     offset = 1
                 ext = ([reth] if write and first else []) + ([ImmDt(imm=d["imm"])] if imm and last else [])
                 plen = min(mtu, length - i * mtu)
-                packet(base + offset, ext, plen, d["laddr"] + i * mtu, last, (psn + i) % (1 << 24))
+                packet(base + offset, ext, plen, i * mtu, last, (psn + i) % (1 << 24))
         elif op == OP["RDMA_READ"]:
             packet(Opcode.RDMA_READ_REQUEST, [reth], 0, 0, True, psn)
         elif op in LOCAL_OPS:
@@ -333,15 +350,17 @@ class Reference:
 
 class Bench:
     def __init__(self, dut, rng, ref, *, p_wqe=0.8, p_packet=0.7, p_completion=0.7, p_ar=0.7,
-                 p_free=0.6):
+                 p_free=0.6, p_piece=0.8):
         self.dut, self.rng, self.ref = dut, rng, ref
-        self.p_wqe, self.p_packet, self.p_completion, self.p_ar, self.p_free = (
-            p_wqe, p_packet, p_completion, p_ar, p_free)
+        self.p_wqe, self.p_packet, self.p_completion, self.p_ar, self.p_free, self.p_piece = (
+            p_wqe, p_packet, p_completion, p_ar, p_free, p_piece)
         self.t = 0
         self.offered = None
         self.inputs = deque()               # (wqe fields, Expected)
         self.packets = deque()
         self.ars = deque()                  # (Packet, index)
+        self.pieces = deque()               # (Packet, piece fields, index of its first burst)
+        self.list_pieces = 0                # pieces seen of packets of several
         self.records = deque()              # Expected
         self.errors = deque()               # qpn of expected qp_error strobes
         self.to_err = []                    # (cycle, qpn): the register block's reaction
@@ -374,6 +393,7 @@ class Bench:
             self.packets.extend(exp.packets)
             for pkt in exp.packets:
                 self.ars.extend((pkt, i) for i in range(len(pkt.ars)))
+                self.pieces.extend((pkt, fields, first) for fields, first in pkt.pieces)
             if exp.record is not None:
                 self.records.append(exp)
                 status = exp.record["status"]
@@ -391,7 +411,7 @@ class Bench:
 
     def busy(self):
         return bool(self.inputs or self.offered or self.packets or self.records or self.ars
-                    or self.errors)
+                    or self.pieces or self.errors)
 
     async def drain(self, ctx, max_cycles=200_000):
         start = self.t
@@ -444,6 +464,7 @@ class Bench:
         self.drive.set(dut.packet.ready, int(rng.random() < self.p_packet))
         self.drive.set(dut.completion.ready, int(rng.random() < self.p_completion))
         self.drive.set(dut.ar.ready, int(rng.random() < self.p_ar))
+        self.drive.set(dut.pieces.ready, int(rng.random() < self.p_piece))
         freed = int(self.free_enabled and self.issued_beats > 0 and rng.random() < self.p_free)
         stray = not freed and self.stray_frees > 0
         self.stray_frees -= stray
@@ -455,9 +476,19 @@ class Bench:
             self.offered = None
             self.accept_cycles.append(t)
         sent_now = None
+        if ctx.get(dut.pieces.valid) and ctx.get(dut.pieces.ready):
+            assert self.pieces, (t, "unexpected piece")
+            pkt, fields, _ = self.pieces.popleft()
+            got = unpack(PIECE, ctx.get(dut.pieces.payload.as_value()))
+            assert got == fields, (t, pkt.desc, got, fields)
+            pkt.pieces_seen += 1
+            self.list_pieces += not (fields["last"] and len(pkt.pieces) == 1)
         if ctx.get(dut.ar.valid) and ctx.get(dut.ar.ready):
             assert self.ars, (t, "unexpected AR")
             pkt, index = self.ars.popleft()
+            # a piece's record no later than its first burst
+            assert sum(first <= index for _, first in pkt.pieces) <= pkt.pieces_seen, (
+                t, "burst before its piece record")
             got = unpack(AR, ctx.get(dut.ar.payload.as_value()))
             addr, length = pkt.ars[index]
             assert got == dict(id=1, addr=addr, len=length), (t, got, pkt.ars, pkt.desc)
@@ -592,9 +623,10 @@ def random_length(rng):
     return rng.randint(5000, 20_000)
 
 
-def random_wqe(rng, ref, qpn, index, *, p_bad=0.08):
+def random_wqe(rng, ref, qpn, index, *, p_bad=0.08, p_list=0.03):
     """A random descriptor for ``qpn``: a good one that fits a key of the QP's PD most of
-    the time, each check of the table broken now and then."""
+    the time, each check of the table broken now and then; a WRITE or SEND with a data
+    segment a gather list with probability ``p_list``."""
     op = rng.choice(list(OP.values()))
     qp = ref.qps[qpn] if qpn < ref.num_qps else {"pd": 0}
     w = {name: 0 for name, _ in WQE}
@@ -633,8 +665,7 @@ def random_wqe(rng, ref, qpn, index, *, p_bad=0.08):
         w.update(has_data=1, byte_count=length, lkey=k.get("key", 0), laddr=laddr % (1 << 64))
     if rng.random() < p_bad:
         bad = rng.choice(["format", "long", "key_missing", "key_variant", "key_pd",
-                          "range_low", "range_high", "inconsistent", "inline_long", "atomic_len",
-                          "gather", "gather"])
+                          "range_low", "range_high", "inconsistent", "inline_long", "atomic_len"])
         if bad == "format":
             w.update(format_error=1, syndrome=rng.choice([0x01, 0x02]))
         elif bad == "long":
@@ -662,22 +693,22 @@ def random_wqe(rng, ref, qpn, index, *, p_bad=0.08):
             w.update(inline=1, has_data=0, byte_count=rng.randint(257, 300))
         elif bad == "atomic_len" and atomic:
             w["byte_count"] = rng.choice([0, 4, 16])
-        elif bad == "gather" and kind == "data" and not (atomic or op in (OP["RDMA_READ"], OP["DUMP"])):
-            # a gather list (checked, not yet executed): 1 to 3 more segments in keys of
-            # the QP's PD, some empty, some with a key variant
-            more = []
-            for _ in range(rng.randint(1, 3)):
-                k = ref.mkeys[rng.choice(fitting)] if fitting else ref.mkeys[0]
-                more.append((rng.choice([0, rng.randint(1, 300)]),
-                             k.get("key", 0) ^ (rng.random() < 0.3) << 3,
-                             (k.get("base", 0) + rng.randint(0, 4096)) % (1 << 64)))
-            w.update(gather((w["byte_count"], w["lkey"], w["laddr"]), *more))
+    if kind == "data" and not (atomic or op in (OP["RDMA_READ"], OP["DUMP"])) and rng.random() < p_list:
+        # a gather list: 1 to 3 more segments in keys of the QP's PD, some empty, some
+        # long enough to span packets, now and then one with a key variant
+        more = []
+        for _ in range(rng.randint(1, 3)):
+            k = ref.mkeys[rng.choice(fitting)] if fitting else ref.mkeys[0]
+            more.append((rng.choice([0, rng.randint(1, 300), rng.randint(300, 9000)]),
+                         k.get("key", 0) ^ (rng.random() < 0.1) << 3,
+                         (k.get("base", 0) + rng.randint(0, 4096)) % (1 << 64)))
+        w.update(gather((w["byte_count"], w["lkey"], w["laddr"]), *more))
     return w
 
 
 # --- Tests ------------------------------------------------------------------------------------
 
-def random_body(batches, wqes_per_batch):
+def random_body(batches, wqes_per_batch, **wqe_args):
     async def body(ctx, bench, rng):
         ref = bench.ref
         dut = bench.dut
@@ -699,7 +730,7 @@ def random_body(batches, wqes_per_batch):
             wqes = []
             for _ in range(wqes_per_batch):
                 qpn = rng.randrange(dut.num_qps) if rng.random() > 0.01 else rng.randrange(dut.num_qps, 256)
-                wqes.append(random_wqe(rng, ref, qpn, index[qpn]))
+                wqes.append(random_wqe(rng, ref, qpn, index[qpn], **wqe_args))
                 index[qpn] = (index[qpn] + 1) % (1 << 16)
             bench.submit(wqes)
             await bench.drain(ctx)
@@ -712,6 +743,16 @@ def test_random(seed):
                       payload_buffer_beats=130)
     bench = run_bench(dut, random_body(6, 35), seed=seed)
     assert bench.max_reserved > 65      # the reservation limit was reached and held
+
+
+def test_gather_lists():
+    """Mostly gather lists (1 to 4 segments, zero-length ones among them): each packet's
+    pieces, their records and bursts against ``gather_pieces`` cutting the concatenation
+    at the MTU."""
+    dut = WqeExecutor(num_qps=NUM_QPS, num_mkeys=NUM_MKEYS, num_vls=NUM_VLS,
+                      payload_buffer_beats=130)
+    bench = run_bench(dut, random_body(4, 30, p_list=1.0), seed=5)
+    assert bench.list_pieces > 30
 
 
 def test_random_other_shape():
@@ -801,13 +842,12 @@ CHECK_ROWS = [
     ("DUMP past the key's end", {}, RTS, dict(opcode=OP["DUMP"], laddr=0x20000 - 99),
      ERROR, PROT_ERR),
     # gather lists: every segment with bytes checked in order; a zero-length one is not
-    # looked up; the sum of the byte counts against 2^31 first (lists are checked, not yet
-    # executed: LOCAL_QP_OP_ERR when every check holds)
+    # looked up; the sum of the byte counts against 2^31 first
     ("gather list of 2", {}, RTS, gather((100, 0x101, 0x10010), (50, 0x202, 0x20000)),
-     ERROR, OP_ERR),
+     SENT, 0),
     ("gather list of 4, one empty with a missing key", {}, RTS,
      gather((100, 0x101, 0x10010), (0, 0x505, 0), (7, 0x202, 0x20F00), (1, 0x101, 0x1FFFF)),
-     ERROR, OP_ERR),
+     SENT, 0),
     ("gather, key missing in segment 2", {}, RTS,
      gather((100, 0x101, 0x10010), (8, 0x505, 0x50000), (8, 0x101, 0x10000)), ERROR, PROT_ERR),
     ("gather, key variant in segment 4", {}, RTS,
@@ -939,6 +979,7 @@ def test_throughput():
         ref = bench.ref
         directed_world(ref, rng)
         bench.p_wqe = bench.p_ar = bench.p_packet = bench.p_completion = bench.p_free = 1.0
+        bench.p_piece = 1.0
         wqes = []
         for i in range(200):
             q = i % 4
@@ -1162,6 +1203,7 @@ class RewindBench:
         self.drive.set(dut.packet.ready, int(rng.random() < self.p_packet))
         self.drive.set(dut.completion.ready, int(rng.random() < self.p_completion))
         self.drive.set(dut.ar.ready, int(rng.random() < self.p_ar))
+        self.drive.set(dut.pieces.ready, int(rng.random() < 0.8))
         freed = int(self.issued_beats > 0 and rng.random() < self.p_free)
         self.drive.set(dut.payload_freed, freed)
         self.drive.apply(ctx)
@@ -1345,7 +1387,8 @@ def test_parameters(args):
 
 def test_reference_matches_requester_model():
     """This file's reference agrees with models/nic/requester.py's RequesterModel (the NIC-level
-    tests' reference) on good WQEs: headers, lengths, inline payloads, PSNs, records."""
+    tests' reference) on good WQEs (gather lists among them): headers, lengths, inline
+    payloads, PSNs, records."""
     rng = random.Random(9)
     sl_to_vl = [rng.randrange(NUM_VLS) for _ in range(16)]
     ref = Reference(NUM_QPS, NUM_MKEYS, NUM_VLS, slid=rng.getrandbits(16), sl_to_vl=sl_to_vl)
@@ -1357,10 +1400,10 @@ def test_reference_matches_requester_model():
         ref.slid, sl_to_vl, [QpContext(**qp, qpn=q) for q, qp in enumerate(ref.qps)], [],
         [ModelMkey(key=k["key"], base=k["base"], length=k["length"], access=ModelAccess(k["access"]),
                    pd=k["pd"], valid=True) for k in ref.mkeys], NUM_MKEYS)
-    compared = 0
+    compared = lists = 0
     for index in range(400):
         q = rng.randrange(NUM_QPS)
-        w = random_wqe(rng, ref, q, index, p_bad=0)
+        w = random_wqe(rng, ref, q, index, p_bad=0, p_list=0.3)
         if w["opcode"] == OP["RDMA_WRITE"]:
             w["fm_ce_se"] &= ~0x02      # the model sets SE on a plain WRITE's last packet
         if ref.check(w, ref.qps[q])[0] != SENT:
@@ -1369,6 +1412,9 @@ def test_reference_matches_requester_model():
             # (past 64 bytes the executor reads the ring, not the descriptor: zeros here)
             data = dict(inline=w["inline_data"].to_bytes(64, "little")[:w["byte_count"]]
                         + bytes(max(0, w["byte_count"] - 64)))
+        elif w["segments"] > 1:
+            data = dict(gather=gather_segments(w))
+            lists += 1
         elif w["has_data"]:
             data = dict(byte_count=w["byte_count"], lkey=w["lkey"], laddr=w["laddr"])
         else:
@@ -1394,4 +1440,4 @@ def test_reference_matches_requester_model():
                 payload = desc["inline_data"].to_bytes(64, "little")[:desc["payload_bytes"]]
                 assert theirs[len(header):len(header) + len(payload)] == payload
             compared += 1
-    assert compared > 300
+    assert compared > 300 and lists > 10

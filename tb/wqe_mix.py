@@ -2,7 +2,7 @@
 for :func:`models.mlx5.build_wqe` (through a testbench's ``builder``)."""
 from models import mlx5
 
-__all__ = ["KINDS", "RECEIVING_KINDS", "wqe_fields"]
+__all__ = ["KINDS", "RECEIVING_KINDS", "wqe_fields", "gather_list"]
 
 Op = mlx5.Opcode
 KINDS = ("write_inline", "write", "write_imm", "send", "send_imm", "send_inline", "read",
@@ -17,7 +17,8 @@ def wqe_fields(kind, rng, *, length, lkey, laddr, raddr, rkey, read_raddr=None,
     on ``atomic_raddr`` when given (else ``raddr``, 8-byte aligned down). Signaled 4 times
     in 5, solicited 1 in 5; immediates, inline bytes and atomic operands random.
     ``nvshmem_atomic``: a random NVSHMEM operation of 4 or 8 bytes as NVSHMEM posts it
-    (:func:`models.mlx5.nvshmem_atomic_fields`; a 4-byte one on either half of the word)."""
+    (:func:`models.mlx5.nvshmem_atomic_fields`; a 4-byte one on either half of the word).
+    A WRITE or SEND is a gather list (:func:`gather_list`) 1 time in 4."""
     signaled = mlx5.CTRL_CQ_UPDATE if rng.random() < 0.8 else 0
     fields = dict(fm_ce_se=signaled | (mlx5.CTRL_SOLICITED if rng.random() < 0.2 else 0))
     if kind in ("write_inline", "send_inline"):
@@ -30,6 +31,8 @@ def wqe_fields(kind, rng, *, length, lkey, laddr, raddr, rkey, read_raddr=None,
                   "send_imm": Op.SEND_IMM}[kind]
         fields.update(opcode=opcode, byte_count=length, lkey=lkey, laddr=laddr,
                       imm=rng.getrandbits(32))
+        if rng.random() < 0.25:
+            fields["gather"] = gather_list(rng, length=length, lkey=lkey, laddr=laddr)
         if kind.startswith("write"):
             fields.update(raddr=raddr, rkey=rkey)
     elif kind == "read":
@@ -50,3 +53,14 @@ def wqe_fields(kind, rng, *, length, lkey, laddr, raddr, rkey, read_raddr=None,
     else:
         raise ValueError(f"unknown WQE kind {kind!r}")
     return fields
+
+
+def gather_list(rng, *, length, lkey, laddr):
+    """1 to 4 data segments (``(byte_count, lkey, laddr)`` each, zero-length ones among
+    them) holding the ``length`` bytes from ``laddr`` cut at random points and put in a
+    random order, so a message's segments are neither contiguous nor ascending."""
+    cuts = sorted(rng.randint(0, length) for _ in range(rng.randint(0, 3)))
+    bounds = [0] + cuts + [length]
+    segments = [(high - low, lkey, laddr + low) for low, high in zip(bounds, bounds[1:])]
+    rng.shuffle(segments)
+    return segments

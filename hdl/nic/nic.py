@@ -15,6 +15,7 @@ from .axi_write_arbiter import AxiWriteArbiter
 from .completion_unit import TIMER_TICK_CYCLES, CompletionUnit
 from .dma_writer import DmaWriter
 from .doorbell_scheduler import DoorbellScheduler
+from .gather_packer import GatherPacker
 from .nic_registers import NicRegisters
 from .packet_assembler import PacketAssembler
 from .packet_mux import PacketMux
@@ -23,7 +24,8 @@ from .request_receiver import RequestReceiver
 from .responder_engine import ResponderEngine
 from .response_generator import ResponseGenerator
 from .response_writer import ResponseWriter
-from .signatures import (ATOMIC_ID, COUNTERS, CQE_ID, DMA_WRITE_ID, FETCH_ID, PAYLOAD_ID,
+from .signatures import (ATOMIC_ID, COUNTERS, CQE_ID, DMA_WRITE_ID, FETCH_ID, MAX_GATHER_SEGMENTS,
+                         PAYLOAD_ID,
                          READ_DATA_ID, RECV_ID, RESPONSE_ID, AxiReadSignature,
                          AxiWriteSignature, PacketDescriptorLayout)
 from .wqe_executor import WqeExecutor
@@ -111,6 +113,11 @@ class Nic(wiring.Component):
         self.executor = WqeExecutor(num_qps=num_qps, num_mkeys=num_mkeys, num_vls=num_vls,
                                     payload_buffer_beats=payload_buffer_beats)
         self.assembler = PacketAssembler(num_vls=num_vls, payload_buffer_beats=payload_buffer_beats)
+        # A piece record waits from its first burst until its beats come: at most the
+        # pieces of the packets whose reads are issued and not yet in, those of the packet
+        # queue, the register after it, the assembler's and the executor's two stages.
+        self.gather_packer = GatherPacker(
+            piece_depth=MAX_GATHER_SEGMENTS * (packet_queue_depth + 4))
         self.completions = CompletionUnit(num_qps=num_qps, num_cqs=num_cqs, num_vls=num_vls,
                                           addr_width=addr_width, timer_tick=timer_tick)
         self.read_data = ResponseWriter(num_vls=num_vls, buffer_beats=read_data_buffer_beats,
@@ -164,6 +171,7 @@ class Nic(wiring.Component):
         fetch = m.submodules.fetcher = self.fetcher
         exe = m.submodules.executor = self.executor
         asm = m.submodules.assembler = self.assembler
+        packer = m.submodules.gather_packer = self.gather_packer
         comp = m.submodules.completions = self.completions
         read_data = m.submodules.read_data = self.read_data
         recv = m.submodules.receiver = self.receiver
@@ -285,7 +293,10 @@ class Nic(wiring.Component):
         m.d.comb += resp.payload_freed.eq(resp_asm.payload_freed)
 
         # Memory: reads by ARID, writes by AWID.
-        readers = {FETCH_ID: (fetch.ar, fetch.r), PAYLOAD_ID: (exe.ar, asm.payload),
+        # A packet's payload pieces (a gather list's segments) packed into one run.
+        wiring.connect(m, exe.pieces, packer.pieces)
+        wiring.connect(m, packer.packed, asm.payload)
+        readers = {FETCH_ID: (fetch.ar, fetch.r), PAYLOAD_ID: (exe.ar, packer.raw),
                    RESPONSE_ID: (resp.ar, resp_asm.payload), RECV_ID: (rq.ar, rq.r),
                    ATOMIC_ID: (atomics.ar, atomics.r)}
         for rid, (ar, r) in readers.items():

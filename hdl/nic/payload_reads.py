@@ -82,7 +82,7 @@ def dma_payload(item, bursts):
 
 
 def payload_read_stage(m, *, layout, item, item_valid, item_taken, beats, beats_less1,
-                       can_pass, ar, ar_id, buffer_beats, freed):
+                       can_pass, ar, ar_id, buffer_beats, freed, reserve=None, pieces=None):
     """The pipeline stage that issues a packet's payload bursts. It holds one item of
     ``layout`` (the :class:`PayloadBurstsLayout` fields plus ``desc.dma_beats``), taken
     from ``item`` when ``item_valid`` and the stage is free or passing its item on (this
@@ -92,6 +92,11 @@ def payload_read_stage(m, *, layout, item, item_valid, item_taken, beats, beats_
     nothing reserved is ignored: the assembler frees only beats that were reserved); and
     passes the item on when its last burst is out and ``can_pass``. Returns the held item
     and the pass strobe.
+
+    ``reserve`` (default: the item's payload source is DMA) says whether an item reserves
+    ``beats``. With ``pieces`` (a stream of ``layout``'s ``piece`` field), each held item
+    with bursts writes its ``piece`` record there, before or with its first burst, which
+    waits for it.
 
     The room test is a register's sign: ``spare``, the free beats less the held packet's
     while its first burst waits, is computed as the item is taken, from ``beats`` and
@@ -104,8 +109,19 @@ def payload_read_stage(m, *, layout, item, item_valid, item_taken, beats, beats_
     spare = Signal(signed(len(free) + 1), init=buffer_beats)
     width = len(spare)
     first_ar = issued == 0
+    if pieces is None:
+        recorded = C(1)
+    else:
+        noted = Signal()                        # the held item's piece record is written
+        m.d.comb += [pieces.valid.eq(held_valid & (held.n_ar != 0) & ~noted),
+                     pieces.payload.eq(held.piece)]
+        recorded = noted | pieces.ready
+        with m.If(item_taken):
+            m.d.sync += noted.eq(0)
+        with m.Elif(pieces.valid & pieces.ready):
+            m.d.sync += noted.eq(1)
     m.d.comb += [
-        ar.valid.eq(held_valid & (issued != held.n_ar) & (~first_ar | ~spare[-1])),
+        ar.valid.eq(held_valid & (issued != held.n_ar) & (~first_ar | (~spare[-1] & recorded))),
         ar.payload.id.eq(ar_id),
         ar.payload.addr.eq(Mux(first_ar, held.ar0_addr, held.ar1_addr)),
         ar.payload.len.eq(Mux(first_ar, held.ar0_len, held.ar1_len)),
@@ -119,7 +135,9 @@ def payload_read_stage(m, *, layout, item, item_valid, item_taken, beats, beats_
     # when the held one has no first burst waiting, or issues it now, so then spare is
     # what is free after this cycle's reservation.
     freeing = freed & (first_fire | (free != buffer_beats))
-    reserving = item_taken & (item.desc.source == PayloadSource.DMA)
+    if reserve is None:
+        reserve = item.desc.source == PayloadSource.DMA
+    reserving = item_taken & reserve
     spare_bits = spare.as_unsigned()
     free_more = lookahead_sum(m, free, 0, 1, name="free_more")[:width]
     spare_more = lookahead_sum(m, spare_bits, 0, 1, name="spare_more")[:width]

@@ -38,7 +38,7 @@ __all__ = [
     "DESCRIPTOR_INLINE_BYTES",
     "MAX_NIC_HEADER_BYTES", "EXT_AMO_OPMOD_4", "EXT_AMO_OPMOD_8", "MAX_OUTSTANDING_BLOCKS",
     "RECORD_QUEUE_DEPTH",
-    "MAX_MESSAGE_BYTES", "MAX_GATHER_SEGMENTS", "DataSegmentLayout",
+    "MAX_MESSAGE_BYTES", "MAX_GATHER_SEGMENTS", "DataSegmentLayout", "GatherPieceLayout",
     "FETCH_ID", "PAYLOAD_ID", "AXI_ID_BITS", "COUNTERS",
 ]
 
@@ -366,6 +366,15 @@ class DataSegmentLayout(data.StructLayout):
     """An mlx5 data segment's fields, numeric values of its big-endian bytes."""
     def __init__(self):
         super().__init__({"byte_count": 32, "lkey": 32, "laddr": 64})
+
+
+class GatherPieceLayout(data.StructLayout):
+    """One piece of a packet's payload as the read stage issues it (a data segment's bytes
+    within one packet): ``bytes`` (1 .. 4096) from byte ``start`` of its first raw beat,
+    ``beats`` raw beats (``ceil((start + bytes) / 64)``), ``last`` on the packet's last
+    piece (docs/nic.md, Gather packing)."""
+    def __init__(self):
+        super().__init__({"start": 6, "bytes": 13, "beats": 7, "last": 1})
 
 
 class WqeDescriptorLayout(data.StructLayout):

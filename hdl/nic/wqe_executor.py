@@ -13,7 +13,7 @@ from hdl.nic.signatures import (
     DESCRIPTOR_INLINE_BYTES, EPOCH_BITS, EXT_AMO_OPMOD_4, MAX_GATHER_SEGMENTS, MAX_NIC_HEADER_BYTES,
     MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, PAYLOAD_ID, PSN_BITS,
     Access, ArLayout, CompletionRecordLayout, CompletionStatus, ContextReadSignature,
-    EventSignature, MkeyLayout, MlxOpcode, PacketDescriptorLayout, PacketSentLayout,
+    DataSegmentLayout, EventSignature, GatherPieceLayout, MkeyLayout, MlxOpcode, PacketDescriptorLayout, PacketSentLayout,
     PayloadSource, QpConfigLayout, QpState, RewindLayout, Syndrome, WqeDescriptorLayout,
 )
 
@@ -118,7 +118,8 @@ class _ContextFactsLayout(data.StructLayout):
 class _ItemLayout(data.StructLayout):
     """One packet (or, for a failed or flushed WQE, none) with the payload reads it needs
     and, on a message's first packet, the WQE's completion record (unless suppressed);
-    ``resent``: a packet of a WQE whose record was suppressed."""
+    ``resent``: a packet of a WQE whose record was suppressed. A gather list's packet is
+    one item per piece, the descriptor and record on its last."""
     def __init__(self):
         super().__init__({
             "desc": PacketDescriptorLayout(),
@@ -130,6 +131,8 @@ class _ItemLayout(data.StructLayout):
             "n_ar": range(3),
             "ar0_addr": 64, "ar0_len": 8,
             "ar1_addr": 64, "ar1_len": 8,
+            "reserve": 1,            # reserves the packet's packed beats (its first piece)
+            "piece": GatherPieceLayout(),
         })
 
 
@@ -199,8 +202,9 @@ class WqeExecutor(wiring.Component):
     memory key on the read port per cycle, each segment's check registered in parts and
     folded a cycle later (a zero-length segment's not used); its length is the sum of its
     byte counts. The first failing segment's check gives LOCAL_PROT_ERR (after the format,
-    length and VL checks); a list that passes every check fails with LOCAL_QP_OP_ERR: lists
-    are checked, not executed yet (docs/nic.md, "Limits").
+    length and VL checks). A list's packets are cut into pieces, one per segment each
+    touches, two segmenter cycles a piece; each item with bursts writes its piece record
+    on ``pieces`` no later than its first burst (docs/nic.md, "Execution", Gather lists).
 
     Inline data longer than the descriptor's 64 bytes (up to 256) is read back from the
     send queue as the packet's DMA payload: from ``sq_base + 64 * (wqe_index mod
@@ -299,6 +303,7 @@ class WqeExecutor(wiring.Component):
             "slid": In(16),
             "sl_to_vl": In(4).array(16),
             "ar": Out(stream.Signature(ArLayout())),
+            "pieces": Out(stream.Signature(GatherPieceLayout())),
             "payload_freed": In(1),
             "packet": Out(stream.Signature(PacketDescriptorLayout())),
             "sent": Out(stream.Signature(PacketSentLayout(), always_ready=True)),
@@ -476,8 +481,7 @@ class WqeExecutor(wiring.Component):
         with m.Elif(list_vl_ok & list_bad_now):
             m.d.comb += early_syndrome.eq(Syndrome.LOCAL_PROT_ERR)
         with m.Else():
-            # a path MTU or VL this port lacks; a gather list whose keys all hold (lists are
-            # checked, not yet executed: docs/nic.md, Limits)
+            # a path MTU or VL this port lacks
             m.d.comb += early_syndrome.eq(Syndrome.LOCAL_QP_OP_ERR)
         # The memory key rule, in parts that each end in a register: the key, its PD and
         # rights; the range, base <= laddr and end <= base + length, with end not past 2**64.
@@ -598,7 +602,7 @@ class WqeExecutor(wiring.Component):
                 c1.qp.eq(qp0),
                 c1.vl.eq(vl0),
                 c1.early_error.eq(r0.format_error | f0.inconsistent | f0.bad_length | no_vl
-                                  | f0.is_list),
+                                  | list_bad_now),
                 c1.early_syndrome.eq(early_syndrome),
                 c1.key_refused.eq(key_refused),
                 c1.room_ok.eq(~room_sum[wide - 1]),
@@ -652,7 +656,24 @@ class WqeExecutor(wiring.Component):
         j_last = Signal()
         job_stale = Signal()                # a rewind of the job's QP came after it loaded
         stop = Signal()                     # drop the rest of a SENT job
-        j_can_load = ~j_valid | (j_out & j_last)
+        # A gather list's packet is cut into pieces, one per segment it touches, each in
+        # two cycles: ``cutting`` registers the piece's length and words, then it is offered
+        # as an item. ``laddr`` is then the current segment's next byte and ``beats`` the
+        # piece's words; a one-segment job keeps ``piece_last`` and ``packet_start`` set.
+        in_list = Signal()
+        cutting = Signal()
+        piece_last = Signal()               # the piece offered ends its packet
+        packet_start = Signal()             # the next piece is its packet's first
+        segment_left = Signal(32)           # bytes left in the current segment
+        later = Signal(data.ArrayLayout(DataSegmentLayout(), MAX_GATHER_SEGMENTS - 1))
+        piece_bytes = Signal(13)
+        piece_ends_segment = Signal()
+        packet_left = Signal(13)            # the packet's bytes from the piece offered on
+        packed_offset = Signal(6)           # the packet's first byte's, in its first word
+        packed_beats = Signal(7)            # the packet's packed words, and one fewer
+        packed_beats_less1 = Signal(7)
+        packet_out = j_out & piece_last
+        j_can_load = ~j_valid | (packet_out & j_last)
         r1_to_j = r1_valid & ~qpn_bad & ~stale & j_can_load
         squash = r1_valid & ~qpn_bad & stale & j_can_load
         m.d.comb += r1_advance.eq(r1_valid & (qpn_bad | j_can_load))
@@ -703,6 +724,10 @@ class WqeExecutor(wiring.Component):
                 rest_beats.eq(words), rest_beats_less1.eq(words_less1),
                 full_beats.eq(mtu_words | unaligned),
                 full_beats_less1.eq(Mux(unaligned, mtu_words, mtu_words - 1)),
+                in_list.eq(f1.is_list & sent & (is_send | is_write) & ~empty),
+                cutting.eq(f1.is_list & sent & (is_send | is_write) & ~empty),
+                piece_last.eq(1), packet_start.eq(1),
+                segment_left.eq(r1.byte_count), later.eq(r1.more_segments),
             ]
         for q in range(num_qps):
             with m.If(r1_to_j & (r1.qpn == q)):
@@ -729,7 +754,8 @@ class WqeExecutor(wiring.Component):
         ]
 
         job_sent = job.cmp.status == CompletionStatus.SENT
-        m.d.comb += stop.eq(j_valid & job_stale & job_sent)
+        # A list's packet is cut to its end: its pieces' reads all go, or none.
+        m.d.comb += stop.eq(j_valid & job_stale & job_sent & packet_start)
         # Registered, so the rewind input stays off the item -> wqe.ready path.
         m.d.sync += job_stale.eq(Mux(r1_to_j, 0, job_stale |
                                      (self.rewind.valid & (rewind.qpn == job.cmp.qpn)) |
@@ -805,13 +831,21 @@ class WqeExecutor(wiring.Component):
             item.desc.payload_bytes.eq(plen),
             # A READ request takes the PSNs of all its responses.
             item.sent_psn.eq(Mux(job.read, job.cmp.last_psn, psn)),
-            item.has_packet.eq(job_sent & ~job.local),
+            item.has_packet.eq(job_sent & ~job.local & piece_last),
             item.resent.eq(job.resent),
             item.cmp.eq(job.cmp),
-            item.has_completion.eq(first & ~job.resent),
+            item.has_completion.eq(first & ~job.resent & piece_last),
+            item.reserve.eq(dma & packet_start),
+            item.piece.start.eq(laddr[:6]),
+            item.piece.bytes.eq(Mux(in_list, piece_bytes, plen)),
+            item.piece.beats.eq(beats),
+            item.piece.last.eq(piece_last),
         ]
         with m.If(dma):
             m.d.comb += dma_payload(item, bursts)
+            with m.If(in_list):
+                m.d.comb += [item.desc.offset.eq(packed_offset),
+                             item.desc.dma_beats.eq(packed_beats)]
             with m.If(job.ring_wrap):
                 m.d.comb += [
                     item.n_ar.eq(2),
@@ -834,7 +868,7 @@ class WqeExecutor(wiring.Component):
         next_rest_beats_less1 = lookahead_sum(m, rest_beats_less1, ~mtu_beats, 1,
                                               name="next_rest_beats_less1")[:7]
         next_is_last = packets_after == 1
-        with m.If(j_out):
+        with m.If(packet_out):
             with m.If(j_last):
                 m.d.sync += j_valid.eq(0)
             with m.Else():
@@ -849,6 +883,48 @@ class WqeExecutor(wiring.Component):
                     beats.eq(Mux(next_is_last, next_rest_beats, full_beats)),
                     beats_less1.eq(Mux(next_is_last, next_rest_beats_less1, full_beats_less1)),
                 ]
+
+        # A list's piece: cut (its length the smaller of the segment's and the packet's
+        # bytes left, both words computed and one chosen), then offered; the segment moves
+        # on as it is taken, to the next one when it ends (a zero-length one is skipped
+        # while cutting).
+        left = Mux(packet_start, plen, packet_left)
+        segment_fits = (segment_left[13:] == 0) & (segment_left[:13] <= left)
+        segment_covers = (segment_left[13:] != 0) | (segment_left[:13] >= left)
+        segment_words, segment_words_less1 = payload_words(m, laddr[:6], segment_left,
+                                                           name="segment_words")
+        left_words, left_words_less1 = payload_words(m, laddr[:6], left, name="left_words")
+        next_in_segment = lookahead_sum(m, laddr, piece_bytes, name="next_in_segment")[:64]
+        segment_rest = lookahead_sum(m, segment_left, ~Cat(piece_bytes, C(0, 19)), 1,
+                                     name="segment_rest")[:32]
+        packet_rest = lookahead_sum(m, packet_left, ~piece_bytes, 1, name="packet_rest")[:13]
+        segment_bits = DataSegmentLayout().size
+        next_segment = [laddr.eq(later[0].laddr), segment_left.eq(later[0].byte_count),
+                        later.eq(later.as_value()[segment_bits:])]
+        with m.If(j_valid & cutting):
+            with m.If(segment_left == 0):
+                m.d.sync += next_segment
+            with m.Else():
+                m.d.sync += [
+                    cutting.eq(0),
+                    piece_bytes.eq(Mux(segment_fits, segment_left[:13], left)),
+                    beats.eq(Mux(segment_fits, segment_words, left_words)),
+                    beats_less1.eq(Mux(segment_fits, segment_words_less1, left_words_less1)),
+                    piece_last.eq(segment_covers),
+                    piece_ends_segment.eq(segment_fits),
+                    packet_left.eq(left),
+                ]
+                with m.If(packet_start):
+                    m.d.sync += [packed_offset.eq(laddr[:6]), packed_beats.eq(left_words),
+                                 packed_beats_less1.eq(left_words_less1)]
+        # (a job's last piece is its end: a new job may load in that cycle)
+        with m.If(j_out & in_list & ~(piece_last & j_last)):
+            m.d.sync += [cutting.eq(1), packet_start.eq(piece_last),
+                         packet_left.eq(packet_rest)]
+            with m.If(piece_ends_segment):
+                m.d.sync += next_segment
+            with m.Else():
+                m.d.sync += [laddr.eq(next_in_segment), segment_left.eq(segment_rest)]
         with m.If(stop):
             m.d.sync += j_valid.eq(0)
         with m.If(r1_to_j):
@@ -857,10 +933,12 @@ class WqeExecutor(wiring.Component):
         # --- stage 3: payload reads ----------------------------------------------------------
         d_can_load = Signal()
         p, p_out = payload_read_stage(
-            m, layout=_ItemLayout(), item=item, item_valid=j_valid & ~stop, item_taken=j_out,
-            beats=beats, beats_less1=beats_less1,
+            m, layout=_ItemLayout(), item=item, item_valid=j_valid & ~stop & ~cutting,
+            item_taken=j_out, beats=Mux(in_list, packed_beats, beats),
+            beats_less1=Mux(in_list, packed_beats_less1, beats_less1),
             can_pass=d_can_load, ar=self.ar, ar_id=PAYLOAD_ID,
-            buffer_beats=self.payload_buffer_beats, freed=self.payload_freed)
+            buffer_beats=self.payload_buffer_beats, freed=self.payload_freed,
+            reserve=item.reserve, pieces=self.pieces)
 
         # --- stage 4: packet descriptor, completion record ---------------------------------
         m.submodules.completions = completions = fifo.SyncFIFO(

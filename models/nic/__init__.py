@@ -24,7 +24,7 @@ from models.nic.common import (PSN_MOD, VL15, ICRC_SIZE, MAX_OUTSTANDING_BLOCKS,
                                qp_context_ok, read_response_opcode, psn_add, psn_diff, psn_le,
                                psn_lt, make_packet, Packet, decode_packet, NakCode,
                                masked_fetch_add, atomic_new_value)
-from models.nic.requester import (WqeResult, RequesterModel)
+from models.nic.requester import (WqeResult, RequesterModel, gather_pieces)
 from models.nic.completion import (NAK_CODE_SYNDROME, Completion, RNR_TIMER_US,
                                    RNR_RETRY_UNLIMITED, Rewind, CompletionModel, expected_cqes)
 from models.nic.responder import (ResponderQp, ACK_SYNDROME, SAVED_ATOMICS, RecvCompletion,
@@ -35,7 +35,7 @@ __all__ = [
     "PSN_MOD", "VL15", "ICRC_SIZE", "MAX_OUTSTANDING_BLOCKS", "QpState", "Access", "CompletionStatus", "QpContext",
     "CqContext", "QpConfig", "CqConfig", "Mkey", "mkey_index", "qp_context_ok",
     "read_response_opcode", "psn_add", "psn_diff", "psn_le", "psn_lt", "make_packet", "Packet",
-    "decode_packet", "NakCode", "masked_fetch_add", "atomic_new_value", "WqeResult", "RequesterModel", "NAK_CODE_SYNDROME", "Completion",
+    "decode_packet", "NakCode", "masked_fetch_add", "atomic_new_value", "WqeResult", "RequesterModel", "gather_pieces", "NAK_CODE_SYNDROME", "Completion",
     "RNR_TIMER_US", "RNR_RETRY_UNLIMITED", "Rewind", "CompletionModel", "expected_cqes",
     "ResponderQp", "ACK_SYNDROME", "SAVED_ATOMICS", "RecvCompletion", "Decision",
     "MAX_PAYLOAD_BYTES", "NAK", "RNR_NAK", "ResponderPeer", "NicResponderModel",

@@ -95,16 +95,13 @@ class RequesterModel:
     """
 
     def __init__(self, slid: int, sl_to_vl, qps, cqs, mkeys, num_mkeys: int | None = None,
-                 num_vls: int = 15, execute_gather_lists: bool = False):
+                 num_vls: int = 15):
         if len(sl_to_vl) != 16:
             raise ValueError("sl_to_vl needs 16 entries")
         if not mkeys:
             raise ValueError("the memory-key table needs at least one entry")
         self.slid = slid
         self.num_vls = num_vls
-        # The RTL checks a gather list and then fails it, not yet sending it (docs/nic.md,
-        # Limits); True models the NIC that sends it.
-        self.execute_gather_lists = execute_gather_lists
         self.sl_to_vl = list(sl_to_vl)
         self.qps = qps
         self.cqs = cqs
@@ -214,8 +211,6 @@ class RequesterModel:
             if ((wqe.opcode == MlxOpcode.RDMA_READ or wqe.opcode in ATOMIC_OPCODES)
                     and not Access(key.access) & Access.LOCAL_WRITE):
                 return Syndrome.LOCAL_PROT_ERR
-        if len(wqe.gather) > 1 and not self.execute_gather_lists:
-            return Syndrome.LOCAL_QP_OP_ERR
         return 0
 
     def _packets(self, qpn, qp, wqe, result, read_memory):
@@ -287,14 +282,24 @@ class RequesterModel:
         self.next_psn[qpn] = psn_add(psn, consumed)
 
 
+def gather_pieces(segments, start, size):
+    """The pieces of message bytes ``start .. start + size - 1`` (a packet's payload) over
+    ``segments`` (``(byte_count, lkey, laddr)`` each, in order): ``(laddr, bytes)`` for each
+    segment they touch, in order, zero-length segments skipped (docs/nic.md, Gather
+    packing)."""
+    pieces = []
+    offset = 0
+    for byte_count, _, laddr in segments:
+        low, high = max(start, offset), min(start + size, offset + byte_count)
+        if low < high:
+            pieces.append((laddr + low - offset, high - low))
+        offset += byte_count
+    return pieces
+
+
 def _gathered(wqe, start, size, read_memory):
     """Bytes ``start .. start + size - 1`` of the message: its data segment's, or the
     concatenation of its gather list's segments."""
-    payload = b""
-    offset = 0
-    for byte_count, _, laddr in wqe.gather or ((wqe.byte_count, wqe.lkey, wqe.laddr),):
-        low, high = max(start, offset), min(start + size, offset + byte_count)
-        if low < high:
-            payload += bytes(read_memory(laddr + low - offset, high - low))
-        offset += byte_count
-    return payload
+    segments = wqe.gather or ((wqe.byte_count, wqe.lkey, wqe.laddr),)
+    return b"".join(bytes(read_memory(laddr, count))
+                    for laddr, count in gather_pieces(segments, start, size))
