@@ -25,14 +25,17 @@ def source_digest(trees=SOURCE_TREES, root=REPO):
 
 
 def process_start():
-    """When this process started, in ``time.time()`` seconds (Linux); elsewhere, when
-    this module was imported."""
+    """When this process started, in ``time.time()`` seconds (Linux, to a clock tick);
+    elsewhere, when this module was imported. Its age is taken on the boot clock, which
+    its start time counts on: /proc/stat's ``btime`` is whole seconds (and drifts from
+    ``time.time()`` with clock corrections), which put the start up to a second early, so
+    that files checked out a moment before the run counted as written during it and no
+    build was stamped."""
     try:
         after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        with open("/proc/stat") as stat:
-            boot = next(int(line.split()[1]) for line in stat if line.startswith("btime "))
-        return boot + int(after_name[19]) / os.sysconf("SC_CLK_TCK")   # field 22, starttime
-    except (OSError, ValueError, IndexError, StopIteration):
+        started = int(after_name[19]) / os.sysconf("SC_CLK_TCK")   # field 22, starttime
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
         return _IMPORTED
 
 

@@ -12,6 +12,19 @@ def test_process_start_is_this_process():
     assert started <= build_sources._IMPORTED and started > time.time() - 86400
 
 
+def test_process_start_to_a_clock_tick():
+    """A process started now starts now, not up to a second before (/proc/stat's whole-second
+    btime did that, and files checked out just before a run then counted as written during it)."""
+    import subprocess
+    import sys
+    before = time.time()
+    printed = subprocess.run([sys.executable, "-c", "from tb.sources import process_start; "
+                              "print(repr(process_start()))"], capture_output=True, text=True,
+                             check=True, cwd=build_sources.REPO).stdout
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert before - 2 * tick <= float(printed) <= time.time()
+
+
 def sources(tmp_path, age):
     for tree in build_sources.SOURCE_TREES:
         (tmp_path / tree).mkdir()
