@@ -9,13 +9,14 @@ from hdl.crc.crc_check_stage import CRCCheckStage
 from hdl.crc.icrc_engine import variant_masks
 from hdl.ib.headers import AETH, BTH, LNH_IBA_LOCAL, LRH, from_wire
 from hdl.link.signatures import BeatLayout
+from hdl.nic.cqe_writer import JOB_DEPTH, CqeWriter
 from hdl.nic.response_writer import ORIG_WORD4_BYTE
 from hdl.prim.round_robin import mask_after, next_mask, one_hot_index, round_robin_pick
 from hdl.nic.signatures import (
     PSN_BITS, RECORD_QUEUE_DEPTH, QPN_BITS, RESPONSE_SEQ_BITS, AxiWriteSignature,
     CompletionRecordLayout, CompletionStatus, ContextReadSignature, CqConfigLayout,
     EventSignature, MlxOpcode, PacketSentLayout, QpState, ReceiveCompletionLayout,
-    RecvCqeOpcode, RetireLayout, ResponseVerdictLayout, RewindLayout, Syndrome,
+    RetireLayout, ResponseVerdictLayout, RewindLayout, Syndrome,
 )
 
 __all__ = ["CompletionUnit", "RX_EVENT_DEPTH", "RNR_TIMER_TICKS", "TIMER_TICK_CYCLES"]
@@ -23,8 +24,6 @@ __all__ = ["CompletionUnit", "RX_EVENT_DEPTH", "RNR_TIMER_TICKS", "TIMER_TICK_CY
 WIDTH = 64                  # bytes per beat and per AXI data beat: one CQE per beat
 QUEUE_DEPTH = RECORD_QUEUE_DEPTH
 RX_EVENT_DEPTH = 8          # decoded responses waiting per VL for the one-per-cycle processor
-JOB_DEPTH = 8               # completed records waiting for their CQE write
-RECEIVE_DEPTH = 4           # receive completions waiting for the CQE writer
 TIMER_TICK_CYCLES = 1638    # 4.096 us at 400 MHz: IBA's unit of the local ACK timeout
 TIMER_BITS = 20             # tick stamps; a wait is at most 2**19 ticks
 MAX_TIMEOUT_EXPONENT = 19   # ack_timeout codes above this wait 2**19 ticks (2.1 s)
@@ -62,9 +61,6 @@ AETH_BYTES = 4
 MAX_PAYLOAD_BYTES = 4096
 ATOMIC_ACK_ETH_BYTES = 8
 ICRC_BYTES = 4
-
-CQE_OPCODE_REQ = 0x0
-CQE_OPCODE_REQ_ERR = 0xD
 
 
 def _psn_le(a, b):
@@ -172,28 +168,6 @@ class _ReadLayout(data.StructLayout):
             "first_psn": PSN_BITS, "last_psn": PSN_BITS, "byte_count": 32, "laddr": 64,
             "mtu": 3, "atomic": 1,
             "last_bytes": range(4096 + 1),  # the payload of its last response
-        })
-
-
-class _JobLayout(data.StructLayout):
-    """A completed record on its way to the CQE writer."""
-    def __init__(self):
-        super().__init__({
-            "qpn": QPN_BITS, "cqn": 8, "wqe_index": 16, "wqe_blocks": range(17),
-            "opcode": 8, "byte_count": 32, "error": 1, "syndrome": 8, "write_cqe": 1,
-            "wait_data": 1, "data_seq": RESPONSE_SEQ_BITS, "next_psn": PSN_BITS,
-        })
-
-
-class _CqeLayout(data.StructLayout):
-    """A job of the CQE writer, from the engine (a completed WQE, retired once written)
-    or from the responder (a receive completion); fields hold the CQE's values."""
-    def __init__(self):
-        super().__init__({
-            "requester": 1, "qpn": QPN_BITS, "cqn": 8, "wqe_counter": 16,
-            "wqe_blocks": range(17), "write_cqe": 1, "error": 1, "cqe_opcode": 4,
-            "wqe_opcode": 8, "byte_count": 32, "imm": 32, "syndrome": 8,
-            "next_psn": PSN_BITS,
         })
 
 
@@ -395,6 +369,7 @@ class CompletionUnit(wiring.Component):
         self.num_cqs = num_cqs
         self.num_vls = num_vls
         self.addr_width = addr_width
+        self.cqe_writer = CqeWriter(num_cqs=num_cqs, addr_width=addr_width)
         super().__init__({
             "rx": In(stream.Signature(BeatLayout(WIDTH))).array(num_vls),
             "completion": In(stream.Signature(CompletionRecordLayout())),
@@ -478,7 +453,19 @@ class CompletionUnit(wiring.Component):
         read_write = reads.write_port()
         read_read = reads.read_port(transparent_for=(read_write,))
 
-        m.submodules.jobs = jobs = fifo.SyncFIFOBuffered(width=_JobLayout().size, depth=JOB_DEPTH)
+        m.submodules.cqe_writer = writer = self.cqe_writer
+        wiring.connect(m, wiring.flipped(self.receive), writer.receive)
+        wiring.connect(m, wiring.flipped(self.cq_reset), writer.cq_reset)
+        wiring.connect(m, writer.cq_config, wiring.flipped(self.cq_config))
+        wiring.connect(m, writer.retire, wiring.flipped(self.retire))
+        wiring.connect(m, writer.axi, wiring.flipped(self.axi))
+        m.d.comb += [
+            writer.landed.eq(self.landed),
+            self.cqes_written.eq(writer.cqes_written),
+            self.error_cqes.eq(writer.error_cqes),
+            self.recv_cqes.eq(writer.recv_cqes),
+            self.cqe_write_errors.eq(writer.cqe_write_errors),
+        ]
 
         # Per-QP flags outside the state memory: the strobes change them without reading
         # a row, and the round-robin picker and ``completion.ready`` need them for all QPs.
@@ -871,7 +858,7 @@ class CompletionUnit(wiring.Component):
         on_cur = cur_active & (cur_q == x_q)
         cur_done = x_cmp & on_cur & (~complete | drained)
         cur_go = cur_active & ~cur_done & ~(s_cmp & (s_q == cur_q) & s_short)
-        jobs_room = jobs.level + s_cmp + x_cmp < JOB_DEPTH - 1
+        jobs_room = writer.job_level + s_cmp + x_cmp < JOB_DEPTH - 1
         cmp_request = jobs_room & (cur_go | any_marked)
         issue_scan = ~any_event & (scan_due | ~cmp_request)
         issue_cmp = ~any_event & cmp_request & ~scan_due
@@ -1136,9 +1123,9 @@ class CompletionUnit(wiring.Component):
             x_not_full.eq((x_tail.tail - st.head)[:count_bits] != QUEUE_DEPTH),
         ]
 
-        job = _JobLayout()(jobs.w_data)
+        job = writer.job.payload
         m.d.comb += [
-            jobs.w_en.eq(complete),
+            writer.job.valid.eq(complete),
             job.qpn.eq(head_rec.qpn),
             job.cqn.eq(head_rec.cqn),
             job.wqe_index.eq(head_rec.wqe_index),
@@ -1255,183 +1242,12 @@ class CompletionUnit(wiring.Component):
                                 | onehot(sent_q, sent_valid)) & ~reset_mask),
         ]
 
-        # --- CQE writer: P (CQ context and producer index read) -> A (the CQE and its
-        # entry registered) -> O (AXI AW/W, the address summed from A's registers); its jobs
-        # from the engine and the responder in turn ---
-        axi = self.axi
-        m.submodules.receives = receives = fifo.SyncFIFOBuffered(
-            width=ReceiveCompletionLayout().size, depth=RECEIVE_DEPTH)
-        m.d.comb += [
-            receives.w_data.eq(self.receive.payload),
-            receives.w_en.eq(self.receive.valid),
-            self.receive.ready.eq(receives.w_rdy),
-        ]
-        job_head = _JobLayout()(jobs.r_data)
-        from_engine = Signal(_CqeLayout())
-        m.d.comb += [
-            from_engine.requester.eq(1),
-            from_engine.qpn.eq(job_head.qpn),
-            from_engine.cqn.eq(job_head.cqn),
-            from_engine.wqe_counter.eq(job_head.wqe_index),
-            from_engine.wqe_blocks.eq(job_head.wqe_blocks),
-            from_engine.write_cqe.eq(job_head.write_cqe),
-            from_engine.error.eq(job_head.error),
-            from_engine.cqe_opcode.eq(Mux(job_head.error, CQE_OPCODE_REQ_ERR, CQE_OPCODE_REQ)),
-            from_engine.wqe_opcode.eq(job_head.opcode),
-            from_engine.byte_count.eq(Mux(job_head.error, 0, job_head.byte_count)),
-            from_engine.syndrome.eq(Mux(job_head.error, job_head.syndrome, 0)),
-            from_engine.next_psn.eq(job_head.next_psn),
-        ]
-        recv_head = ReceiveCompletionLayout()(receives.r_data)
-        recv_opcode = recv_head.opcode.as_value()
-        recv_error = recv_opcode == RecvCqeOpcode.RESP_ERR.value
-        recv_imm = ((recv_opcode == RecvCqeOpcode.RESP_WR_IMM.value)
-                    | (recv_opcode == RecvCqeOpcode.RESP_SEND_IMM.value))
-        recv_known = recv_error | recv_imm | (recv_opcode == RecvCqeOpcode.RESP_SEND.value)
-        from_responder = Signal(_CqeLayout())
-        m.d.comb += [
-            from_responder.qpn.eq(recv_head.qpn),
-            from_responder.cqn.eq(recv_head.cqn),
-            from_responder.wqe_counter.eq(recv_head.wqe_counter),
-            from_responder.write_cqe.eq(recv_known & (recv_head.cqn < self.num_cqs)),
-            from_responder.error.eq(recv_error),
-            from_responder.cqe_opcode.eq(recv_opcode),
-            from_responder.byte_count.eq(Mux(recv_error, 0, recv_head.byte_count)),
-            from_responder.imm.eq(Mux(recv_imm, recv_head.imm, 0)),
-            from_responder.syndrome.eq(Mux(recv_error, recv_head.syndrome, 0)),
-        ]
-        # A READ's or atomic's CQE waits until the ResponseWriter has written the data of
-        # its last response (``landed``, registered here, has passed that response's
-        # sequence number): the sign of ``landed - data_seq - 1``, registered for the head
-        # job and good in the next cycle if the head stays (no read in between; ``landed``
-        # only moves on), so that the choice of the next job starts from flip-flops.
-        landed = Signal(RESPONSE_SEQ_BITS)
-        m.d.sync += landed.eq(self.landed)
-        landed_gap = lookahead_sum(m, landed, ~job_head.data_seq, name="landed_gap")
-        head_landed = Signal()          # the head of the cycle before had landed
-        head_read = Signal()            # ... and was read in that cycle
-        m.d.sync += [
-            head_landed.eq(jobs.r_rdy & ~landed_gap[RESPONSE_SEQ_BITS - 1]),
-            head_read.eq(jobs.r_en),
-        ]
-        job_ready = jobs.r_rdy & (~job_head.wait_data | (head_landed & ~head_read))
-        # Round robin: after an engine job, a waiting receive completion goes first.
-        responder_turn = Signal()
-        take_receive = receives.r_rdy & (~job_ready | responder_turn)
-        head = Signal(_CqeLayout())
-        m.d.comb += head.eq(Mux(take_receive, from_responder, from_engine))
-
-        p_valid = Signal()
-        p_job = Signal(_CqeLayout())
-        a_valid = Signal()
-        a_job = Signal(_CqeLayout())
-        a_base = Signal(64)
-        a_entry = Signal(16)
-        a_cqe = Signal(8 * WIDTH)
-        o_valid = Signal()
-        o_job = Signal(_CqeLayout())
-        aw_pending = Signal()
-        w_pending = Signal()
-        awaddr = Signal(self.addr_width)
-        wdata = Signal(8 * WIDTH)
-        m.d.comb += [
-            axi.awid.eq(0), axi.awaddr.eq(awaddr), axi.awlen.eq(0),
-            axi.awsize.eq((WIDTH - 1).bit_length()), axi.awburst.eq(0b01),
-            axi.awvalid.eq(aw_pending),
-            axi.wdata.eq(wdata), axi.wstrb.eq((1 << WIDTH) - 1), axi.wlast.eq(1),
-            axi.wvalid.eq(w_pending),
-            axi.bready.eq(1),
-        ]
-        aw_fire = aw_pending & axi.awready
-        w_fire = w_pending & axi.wready
-        o_done = o_valid & (~aw_pending | axi.awready) & (~w_pending | axi.wready)
-        o_free = ~o_valid | o_done
-        a_move = a_valid & o_free
-        p_move = p_valid & (~a_valid | a_move)
-        load_p = (job_ready | receives.r_rdy) & (~p_valid | p_move)
-        m.d.comb += [
-            jobs.r_en.eq(load_p & ~take_receive),
-            receives.r_en.eq(load_p & take_receive),
-            # The context answers a cycle later: address the job that P holds next cycle.
-            self.cq_config.addr.eq(Mux(load_p, head.cqn, p_job.cqn)),
-        ]
-        with m.If(load_p):
-            m.d.sync += [p_valid.eq(1), p_job.eq(head), responder_turn.eq(~take_receive)]
-        with m.Elif(p_move):
-            m.d.sync += p_valid.eq(0)
-
-        # CQ producer indices, read like the CQ context: for the job that P holds next cycle.
-        m.submodules.producer = producer = Memory(shape=16, depth=self.num_cqs, init=[])
-        pi_write = producer.write_port()
-        pi_read = producer.read_port(transparent_for=(pi_write,))
-        m.d.comb += pi_read.addr.eq(self.cq_config.addr)
-        cq = self.cq_config.data
-        # A CQ is fresh after a reset or a host write to its context (``cq_reset``): its
-        # producer index reads as 0 until the next CQE is written. P looks its job's CQ up
-        # in the flags, which a CQE written in the cycle before has already cleared.
-        cq_fresh = Signal(self.num_cqs, init=(1 << self.num_cqs) - 1)
-        pi_fresh = cq_fresh.bit_select(p_job.cqn, 1)
-        cq_written = Mux(pi_write.en, 1 << pi_write.addr, 0)
-        cq_cleared = Mux(self.cq_reset.valid & (self.cq_reset.qpn < self.num_cqs),
-                         1 << self.cq_reset.qpn[:max(self.num_cqs - 1, 1).bit_length()], 0)
-        m.d.sync += cq_fresh.eq((cq_fresh & ~cq_written) | cq_cleared)
-        pi = Mux(pi_fresh, 0, pi_read.data)
-        pi_next = lookahead_sum(m, pi_read.data, 1, name="pi_next")[:16]
-        log_size = Mux(cq.collapsed, 0, cq.log_size)
-        entry = pi & ((Const(1, 17) << log_size) - 1)
-        owner = (pi >> log_size)[0]
-        def big_endian(value, nbytes):
-            value = Value.cast(value)
-            return [value[8 * (nbytes - 1 - k):8 * (nbytes - k)] for k in range(nbytes)]
-        cqe_bytes = [Const(0, 8)] * WIDTH
-        cqe_bytes[36:40] = big_endian(p_job.imm, 4)
-        cqe_bytes[44:48] = big_endian(p_job.byte_count, 4)
-        cqe_bytes[55] = p_job.syndrome
-        cqe_bytes[56:60] = big_endian(Cat(p_job.qpn, Const(0, 16), p_job.wqe_opcode), 4)
-        cqe_bytes[60:62] = big_endian(p_job.wqe_counter, 2)
-        cqe_bytes[63] = Cat(owner, Const(0, 3), p_job.cqe_opcode)
-        with m.If(p_move):
-            m.d.sync += [a_valid.eq(1), a_job.eq(p_job), a_base.eq(cq.base), a_entry.eq(entry),
-                         a_cqe.eq(Cat(*cqe_bytes))]
-        with m.Elif(a_move):
-            m.d.sync += a_valid.eq(0)
-        m.d.comb += [
-            pi_write.addr.eq(p_job.cqn),
-            pi_write.data.eq(Mux(pi_fresh, 1, pi_next)),
-            pi_write.en.eq(p_move & p_job.write_cqe),
-        ]
-
-        cqe_address = lookahead_sum(m, a_base, Cat(Const(0, 6), a_entry), name="cqe_address")
-        with m.If(aw_fire):
-            m.d.sync += aw_pending.eq(0)
-        with m.If(w_fire):
-            m.d.sync += w_pending.eq(0)
-        with m.If(o_done):
-            m.d.sync += o_valid.eq(0)
-        with m.If(a_move):
-            m.d.sync += [
-                o_valid.eq(1), o_job.eq(a_job),
-                aw_pending.eq(a_job.write_cqe), w_pending.eq(a_job.write_cqe),
-                awaddr.eq(cqe_address), wdata.eq(a_cqe),
-            ]
-
-        m.d.comb += [
-            self.retire.valid.eq(o_done & o_job.requester),
-            self.retire.payload.qpn.eq(o_job.qpn),
-            self.retire.payload.blocks.eq(o_job.wqe_blocks),
-            self.retire.payload.next_psn.eq(o_job.next_psn),
-        ]
-
         # --- Counters: each counts a registered event, a cycle after it; the two that count
         # several events a cycle register their sum too, two cycles after them ---
         for counter, event in ((self.acks_received, ev_ack),
                                (self.naks_received, ev_nak),
                                (self.read_responses, ev_read & ~misfit),
                                (self.atomic_acks, ev_atomic & ~misfit),
-                               (self.cqes_written, o_done & o_job.write_cqe),
-                               (self.error_cqes, o_done & o_job.write_cqe & o_job.error),
-                               (self.recv_cqes, o_done & o_job.write_cqe & ~o_job.requester),
-                               (self.cqe_write_errors, axi.bvalid & (axi.bresp != 0)),
                                (self.retransmits_nak, rewinds & do_nak & ~x_killed),
                                (self.retransmits_timeout, rewinds & do_timeout & ~x_killed),
                                (self.retransmits_rnr, rewinds & do_rnr & ~x_killed),
