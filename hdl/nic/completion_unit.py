@@ -1,3 +1,5 @@
+"""The requester's completion unit: the engine that decides from responses which WQEs
+complete, between its response decoder and its CQE writer (docs/nic.md, "Completions")."""
 from amaranth import Array, Cat, Const, Module, Mux, Signal
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
@@ -144,22 +146,14 @@ class _ReadLayout(data.StructLayout):
 
 
 class CompletionUnit(wiring.Component):
-    """Receive path, per-QP outstanding-WQE table and CQE writer of the requester
-    (docs/nic.md, "Completions").
+    """The requester's completions: the response decoder (``decoder``, a block), the engine
+    with its per-QP outstanding-WQE table and retransmission timers (here), and the CQE
+    writer (``cqe_writer``, a block), wired port to port with no register between them
+    (docs/nic.md, "Completions": the blocks, their ports and handshakes).
 
-    Receive: each VL's stream (LRH .. ICRC) is always ready and has its own ICRC checker
-    and header decoder, so a response never backs up the link. A packet acts only at its
-    end beat, with a good ICRC and ``end_bad`` low (else ``rx_dropped_icrc``), two cycles
-    after it: W registers each beat (the ICRC check stage takes it from there, its match a
-    cycle later) and the header's checks, D decides with the match. A
-    well-formed one (LNH = IBA local, a response opcode, LRH.PktLen equal to the bytes
-    received and long enough for the opcode's headers, an AETH syndrome of ACK type or,
-    on an ACKNOWLEDGE, RNR NAK or NAK code 0..4, DestQP below ``num_qps``) goes into its
-    VL's event queue (``RX_EVENT_DEPTH``); anything else is ``rx_dropped_unexpected``.
-    The engine (below) takes one event per cycle, round robin over VLs. The link
-    delivers at most one beat per cycle on average, so the queues only absorb the VLs'
-    short-term skew; an event finding its queue full is dropped and counted as
-    unexpected.
+    Receive: the decoder hands over the well-formed responses of each VL on its
+    ``events[v]`` (docs/nic.md, "Response decoder"); the engine (below) takes one event per
+    cycle, round robin over VLs.
 
     Engine: the per-QP state (queue head, PSNs, pending NAK) is one row of a memory, so
     that no per-QP register is read or written at a variable index. One operation per
@@ -280,37 +274,10 @@ class CompletionUnit(wiring.Component):
     count several events in a cycle, ``rx_dropped_icrc`` and ``rx_dropped_unexpected``,
     register their sum as well and move two cycles after their events.
 
-    CQEs: a completed record with ``signaled`` or an error, and a CQ number below
-    ``num_cqs``, gets one 64-byte CQE (AXI4 INCR burst of one beat, awid 0) at
-    ``base + 64 * (pi mod 2^log_size)`` (entry 0 when collapsed, where ``log_size``
-    counts as 0) with owner bit ``(pi >> log_size) & 1``, ``pi`` the CQ's producer
-    index. The writer is a pipeline of three stages, one CQE per cycle: P (the job, its
-    CQ's context and producer index read in the cycle before), A (the CQE, its entry
-    and the CQ's base registered) and O (AW and W, the address summed from A's
-    registers). Writes are pipelined (B is not awaited); ``bready`` is always high and a
-    BRESP other than OKAY counts in ``cqe_write_errors``. The CQE of a READ or atomic
-    completed OK waits until ``landed`` (the ResponseWriter's oldest stored packet not yet
-    written; registered here, and its compare with the head job registered too, so two
-    cycles late) has passed the QP's last taken response,
-    so that the data is in memory before its CQE. ``retire`` goes out in the
-    cycle the record's AW and W have both been accepted (at once without a CQE), in
-    completion order, which is WQE order per QP. ``cqes_written``/``error_cqes`` count
-    a cycle later.
-
-    Receive completions (``receive``, from the responder) share the CQE writer: one
-    record is one CQE to CQ ``cqn`` at its producer index, like the requester's (the
-    two interleave on a CQ in the order the writer takes them), laid out as
-    ``mlx5_cqe64``: op_own's opcode is the record's (RESP_WR_IMM, RESP_SEND,
-    RESP_SEND_IMM), ``byte_cnt`` its ``byte_count``, ``imm_inval_pkey`` its ``imm`` for
-    the two ``*_IMM`` opcodes (0 otherwise), ``sop_drop_qpn`` its QPN (top byte 0),
-    ``wqe_counter`` its ``wqe_counter``; RESP_ERR is an ``mlx5_err_cqe`` like the
-    requester's error CQE (``syndrome``, QPN with a 0 opcode byte, ``wqe_counter``,
-    ``byte_cnt`` 0). A record with another opcode or a CQ number beyond ``num_cqs`` is
-    taken and writes nothing. Records wait in a queue of ``RECEIVE_DEPTH``; when both
-    the engine and the responder have a job, the writer takes them in turn, so each
-    gets at least half its cycles. ``recv_cqes`` counts receive CQEs as they are
-    written (with ``cqes_written`` and, for RESP_ERR, ``error_cqes``); they retire
-    nothing.
+    CQEs: each completed record goes to the CQE writer (``job``), which writes its CQE, if
+    any, and retires it; receive completions (``receive``) share it (docs/nic.md, "CQE
+    writer"). The engine issues a completion only while the writer's jobs queue has room
+    for it and the completions ahead of it (``job_level``).
 
     Limits and assumptions: a SENT record reaches the unit before any response to it can
     (the executor emits it with the message's first packet descriptor, a round trip ahead
