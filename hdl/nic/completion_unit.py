@@ -16,7 +16,7 @@ from hdl.nic.response_decoder import (
 from hdl.nic.response_writer import ORIG_WORD4_BYTE
 from hdl.prim.round_robin import mask_after, next_mask, one_hot_index, round_robin_pick
 from hdl.nic.signatures import (
-    PSN_BITS, RECORD_QUEUE_DEPTH, QPN_BITS, RESPONSE_SEQ_BITS, AxiWriteSignature,
+    PSN_BITS, RECORD_QUEUE_DEPTH, RESPONSE_SEQ_BITS, AxiWriteSignature,
     CompletionRecordLayout, CompletionStatus, ContextReadSignature, CqConfigLayout,
     EventSignature, MlxOpcode, PacketSentLayout, QpState, ReceiveCompletionLayout,
     RetireLayout, ResponseVerdictLayout, RewindLayout, Syndrome,
@@ -293,23 +293,16 @@ class CompletionUnit(wiring.Component):
 
     def __init__(self, *, num_qps=64, num_cqs=16, num_vls=2, addr_width=64,
                  timer_tick=TIMER_TICK_CYCLES):
-        if not isinstance(num_qps, int) or not 1 <= num_qps <= 1 << QPN_BITS:
-            raise ValueError(f"QPs must be 1 to {1 << QPN_BITS}, not {num_qps!r}")
-        if not isinstance(num_cqs, int) or not 1 <= num_cqs <= 256:
-            raise ValueError(f"CQs must be 1 to 256, not {num_cqs!r}")
-        if not isinstance(num_vls, int) or not 1 <= num_vls <= 15:
-            raise ValueError(f"Data VLs must be 1 to 15, not {num_vls!r}")
-        if not isinstance(addr_width, int) or not 16 <= addr_width <= 64:
-            raise ValueError(f"AXI address width must be 16 to 64 bits, not {addr_width!r}")
         if not isinstance(timer_tick, int) or not 1 <= timer_tick <= 1 << 16:
             raise ValueError(f"Timer tick must be 1 to 65536 cycles, not {timer_tick!r}")
+        # The blocks check the other parameters.
+        self.decoder = ResponseDecoder(num_qps=num_qps, num_vls=num_vls)
+        self.cqe_writer = CqeWriter(num_cqs=num_cqs, addr_width=addr_width)
         self.timer_tick = timer_tick
         self.num_qps = num_qps
         self.num_cqs = num_cqs
         self.num_vls = num_vls
         self.addr_width = addr_width
-        self.decoder = ResponseDecoder(num_qps=num_qps, num_vls=num_vls)
-        self.cqe_writer = CqeWriter(num_cqs=num_cqs, addr_width=addr_width)
         super().__init__({
             "rx": In(stream.Signature(BeatLayout(WIDTH))).array(num_vls),
             "completion": In(stream.Signature(CompletionRecordLayout())),
