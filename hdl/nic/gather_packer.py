@@ -124,13 +124,13 @@ class GatherPacker(wiring.Component):
             m.d.comb += [emit.eq(take & (full | final) & ~(bypass & packed.ready)),
                          beat.data.eq(Mux(bypass, raw.payload.data, merged)), beat.resp.eq(resp),
                          beat.last.eq(final & ~spill)]
-        leaving = out_valid & packed.ready
-        with m.If(leaving):
-            m.d.sync += out_valid.eq(0)
-        with m.If(leaving & skid_valid):
-            m.d.sync += [out_valid.eq(1), out.eq(skid), skid_valid.eq(0)]
-        with m.Elif(emit & (~out_valid | packed.ready)):
-            m.d.sync += [out_valid.eq(1), out.eq(beat)]
+        # packed.ready only in the registers' enables (depth): the output register is free
+        # after this cycle, or it keeps its beat and a new one goes behind it. The skid
+        # register is full only while the output register is.
+        free_after = ~out_valid | packed.ready
+        with m.If(free_after):
+            m.d.sync += [out_valid.eq(skid_valid | emit), out.eq(Mux(skid_valid, skid, beat)),
+                         skid_valid.eq(0)]
         with m.Elif(emit):
             m.d.sync += [skid_valid.eq(1), skid.eq(beat)]
         with m.If(take):
