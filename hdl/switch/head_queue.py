@@ -66,6 +66,9 @@ class HeadQueue(wiring.Component):
             m.d.sync += w_ptr.eq(step(w_ptr))
         with m.If(taken):
             m.d.sync += [r_ptr.eq(r_ptr_next), r_ptr_next.eq(step(r_ptr_next))]
+        # Its pointers, for a formal proof's invariants over its contents (docs/formal.md).
+        self.formal_pointers = {"storage": storage, "w_ptr": w_ptr, "r_ptr": r_ptr,
+                                "r_ptr_next": r_ptr_next}
         # The read side's handshake chooses between sums of registers, never feeds a sum.
         level = self.level
         m.d.sync += [

@@ -305,6 +305,15 @@ class VoqBuffer(wiring.Component):
         self.formal_cells = {"fresh": fresh, "free_level": free_cells.level, "take": write,
                              "taken": new_cell, "give": free_cells.w_en,
                              "given": free_cells.w_data, "reserved": reserved}
+        # ... and what its induction states about the free list, the packet chains in the
+        # cell memory, the queued descriptors and the reader (docs/formal.md).
+        self.formal_chains = {"free_cells": free_cells, "queues": queues, "cell_mem": cell_mem,
+                              "descriptor": descriptor, "granted_head": granted.head,
+                              "wr_seq": wr_seq, "wr_open": wr_open, "wr_cells": wr_cells,
+                              "rd_seq": rd_seq, "rd_index": rd_index, "rd_in_vl": rd_in_vl,
+                              "shown": shown, "shown_cell": shown_cell, "beat": beat,
+                              "known": known, "newest_queue": newest_queue,
+                              "consume": consume, "room": room}
         for v in range(num_vls):
             gained = write & (store.write_vl == v)
             lost = consume & (rd_in_vl == v)
