@@ -780,3 +780,47 @@ def test_discard_grant_of_a_packet_still_arriving():
         assert not ctx.get(dut.active) and not ctx.get(dut.heads[queue].valid)
 
     simulate(dut, testbench)
+
+
+@pytest.mark.xfail(strict=True, reason="known defect: a packet's verdict is kept at a sequence "
+                   "number that wraps onto a packet still waiting in its queue (docs/switch.md, "
+                   "Input buffer)")
+def test_verdict_of_a_packet_waiting_while_many_pass():
+    """A packet waits in its queue (its output never granted) while more packets than the
+    verdict memory has entries pass through another queue; then it is granted: it leaves
+    with its own verdict (good, its own credit blocks), not a later packet's. Found
+    2026-12-07 (helper voqind, from the code; reproduced here): the sequence number that
+    indexes the verdict memory counts packets started, so after 2 ** seq_bits starts it
+    names the waiting packet's entry again and a later packet's verdict overwrites it."""
+    dut = make()
+    passing = (1 << dut.seq_bits) + 4
+
+    async def body(ctx, bench, rng):
+        waiting_queue = dut.queue_of(0, 0)
+        passing_queue = dut.queue_of(1, 0)
+        passed = []
+
+        def writer():
+            pkt, beats, blocks = packet_beats(rng, bench, 0, 0, 0, 3)
+            for b in beats[:-1]:
+                yield Action(pkt, b)
+            yield Action(pkt, beats[-1], (False, blocks))
+            for n in range(passing):
+                pkt, beats, blocks = packet_beats(rng, bench, 1, 1, 0, 1)
+                yield Action(pkt, beats[0], (n % 2 == 1, blocks))
+                passed.append(pkt)
+                yield IDLE
+
+        def grant(bench):
+            if bench.heads_valid[passing_queue]:
+                return passing_queue
+            if len(passed) == passing and bench.heads_valid[waiting_queue]:
+                return waiting_queue
+            return None
+
+        await bench.run(ctx, writer(), grant=grant)
+
+    bench = run_directed(dut, body)
+    first = bench.packets[0]
+    assert first.grant_cycle > bench.packets[-1].grant_cycle
+    assert not first.skipped and not first.bad

@@ -89,8 +89,8 @@ class VoqBuffer(wiring.Component):
         # writer holds one reserved cell, and a freed cell takes a cycle to be reusable.
         self.cells = num_vls * share + 4
         self.cell_bits = (self.cells - 1).bit_length()
-        # Packets alive at once never exceed the cells, so a sequence number one bit wider
-        # than a cell index never wraps onto a packet still being read.
+        # One bit wider than a cell index. Not enough (docs/switch.md, Verdicts, known
+        # defect): a packet waiting while 2 ** seq_bits later ones start loses its verdict.
         self.seq_bits = self.cell_bits + 1
         self.num_queues = queue_count(ports, num_vls, mode)
         super().__init__({
