@@ -211,8 +211,10 @@ class SwitchAllocator(wiring.Component):
         in_ok = Signal(P)
         started_in = Signal(P)
         m.d.sync += started_in.eq(self.start)
+        grant_live = [Signal(P, name=f"grant_live{o}") for o in range(P)]
+        busy_next = Signal(P)
         m.d.comb += in_ok.eq(self.in_ready & ~pend_in & ~started_in
-                             & ~Cat(Cat(grant[o][i] for o in range(P)).any() for i in range(P)))
+                             & ~Cat(Cat(grant_live[o][i] for o in range(P)).any() for i in range(P)))
         requests = Signal(P * P * V)
         for i in range(P):
             for o in range(P):
@@ -240,8 +242,10 @@ class SwitchAllocator(wiring.Component):
             per_vl = [round_robin_pick(
                 m, Cat(requests[k(i, o, v)] for i in range(P)), grant_mask[o],
                 name=f"grant{o}_vl{v}") for v in range(V)]
+            picked = Array(per_vl)[pick] if V > 1 else per_vl[0]
             m.d.sync += [
-                grant[o].eq(Array(per_vl)[pick] if V > 1 else per_vl[0]),
+                grant[o].eq(picked),
+                grant_live[o].eq(picked & ~busy_next[o].replicate(P)),
                 grant_vl[o].eq(pick),
                 grant_stay[o].eq(stay),
             ]
@@ -265,6 +269,10 @@ class SwitchAllocator(wiring.Component):
         # unless both that match and the grant are on the short rule.
         out_taken = Signal(P)
         m.d.comb += out_taken.eq(pend_out | matched_out & ~(matched_short & grant_short))
+        for o in range(P):
+            likely = grant[o] & ~out_taken[o].replicate(P)
+            stays = Cat(pend[i * P + o] & ~self.start[i] for i in range(P))
+            m.d.comb += busy_next[o].eq(stays.any() | (likely & ~(self.start & (grant_short[o] & ~quiet[o]).replicate(P))).any())
         # A grant of cycle c was made before the matches of cycle c, so it may name a port
         # matched since (pending, or matched in c and started at once); such a pick is dropped
         # after the arbiter rather than masked before it, which keeps these flags out of the
