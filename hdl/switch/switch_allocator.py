@@ -209,12 +209,15 @@ class SwitchAllocator(wiring.Component):
         # grants would be dropped, and an output open to short packets again would lose its turn.
         grant = [Signal(P, name=f"grant{o}") for o in range(P)]
         in_ok = Signal(P)
+        matched_in = Signal(P)
         started_in = Signal(P)
         m.d.sync += started_in.eq(self.start)
-        grant_live = [Signal(P, name=f"grant_live{o}") for o in range(P)]
-        busy_next = Signal(P)
-        m.d.comb += in_ok.eq(self.in_ready & ~pend_in & ~started_in
-                             & ~Cat(Cat(grant_live[o][i] for o in range(P)).any() for i in range(P)))
+        free_next = Signal(P)
+        pend_in_before = Signal(P)
+        m.d.sync += pend_in_before.eq(pend_in)
+        m.d.comb += in_ok.eq(self.in_ready & ~pend_in_before & ~matched_in & ~started_in & ~Cat(
+            (Cat(grant[o][i] for o in range(P)) & free_next).any()
+            for i in range(P)))
         requests = Signal(P * P * V)
         for i in range(P):
             for o in range(P):
@@ -245,7 +248,6 @@ class SwitchAllocator(wiring.Component):
             picked = Array(per_vl)[pick] if V > 1 else per_vl[0]
             m.d.sync += [
                 grant[o].eq(picked),
-                grant_live[o].eq(picked & ~busy_next[o].replicate(P)),
                 grant_vl[o].eq(pick),
                 grant_stay[o].eq(stay),
             ]
@@ -256,7 +258,6 @@ class SwitchAllocator(wiring.Component):
         matched = Signal(P * P)         # the matches of the cycle before
         direct = Signal(P * P)          # the matches of inputs with one grant: may start now
         m.d.sync += matched.eq(match)
-        matched_in = Signal(P)
         # The ports matched in the cycle before, registered as such (not ORed from `matched`
         # after the register): a level less in front of `match` and the start (depth).
         matching_out = Cat(Cat(match[i * P + o] for i in range(P)).any() for o in range(P))
@@ -269,10 +270,6 @@ class SwitchAllocator(wiring.Component):
         # unless both that match and the grant are on the short rule.
         out_taken = Signal(P)
         m.d.comb += out_taken.eq(pend_out | matched_out & ~(matched_short & grant_short))
-        for o in range(P):
-            likely = grant[o] & ~out_taken[o].replicate(P)
-            stays = Cat(pend[i * P + o] & ~self.start[i] for i in range(P))
-            m.d.comb += busy_next[o].eq(stays.any() | (likely & ~(self.start & (grant_short[o] & ~quiet[o]).replicate(P))).any())
         # A grant of cycle c was made before the matches of cycle c, so it may name a port
         # matched since (pending, or matched in c and started at once); such a pick is dropped
         # after the arbiter rather than masked before it, which keeps these flags out of the
@@ -291,6 +288,13 @@ class SwitchAllocator(wiring.Component):
                 direct[i * P:(i + 1) * P].eq(offers & ~out_taken & free_in
                                              & sole.replicate(P)),
             ]
+        free = ~(pend_in | matched_in)
+        for o in range(P):
+            matching = (grant[o] & free).any() & ~out_taken[o]
+            busy = Cat(pend[i * P + o] for i in range(P)) | grant[o]
+            taken_surely = matching & ~(grant_short[o] & ~quiet[o])
+            taken_unless_started = pend_out[o] | matching
+            m.d.sync += free_next[o].eq(~taken_surely & ~(taken_unless_started & ~(busy & self.start).any()))
         started = Cat(self.start[i].replicate(P) for i in range(P))
         m.d.comb += self.match.eq(direct)
         m.d.sync += pend.eq((pend | match) & ~started)
