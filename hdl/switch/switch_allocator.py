@@ -291,7 +291,7 @@ class SwitchAllocator(wiring.Component):
         free = ~(pend_in | matched_in)
         for o in range(P):
             matching = (grant[o] & free).any() & ~out_taken[o]
-            busy = Cat(pend[i * P + o] for i in range(P)) | grant[o]
+            busy = Cat(pend[i * P + o] for i in range(P)) | grant[o] & free
             taken_surely = matching & ~(grant_short[o] & ~quiet[o])
             taken_unless_started = pend_out[o] | matching
             m.d.sync += free_next[o].eq(~taken_surely & ~(taken_unless_started & ~(busy & self.start).any()))
