@@ -204,20 +204,22 @@ class SwitchAllocator(wiring.Component):
         # --- stage G: among heads whose ports are both available, each output picks a VL
         # (weighted round robin) and grants one input: any eligible head of a quiet output, a
         # short one on the reserve while short matches are uncounted.
-        # Not an input offered a grant now (it is matched now, or its grant dropped) nor one
-        # started in the cycle before (its head tested then may be the packet started): their
-        # grants would be dropped, and an output open to short packets again would lose its turn.
+        # Not an input matched now (its grant is to an output free now) nor one started in the
+        # cycle before (its head tested then may be the packet started): their grants would be
+        # dropped, and an output open to short packets again would lose its turn. An input whose
+        # grants are all to taken outputs does request: else it may only ever be granted into
+        # the cycles its output is taken (docs/switch.md, Which inputs request). Pending now or
+        # started in the cycle before = pending or matched in the cycle before, or started then
+        # (registers: a level less than the pending matches' OR).
         grant = [Signal(P, name=f"grant{o}") for o in range(P)]
         in_ok = Signal(P)
         matched_in = Signal(P)
         started_in = Signal(P)
-        m.d.sync += started_in.eq(self.start)
-        free_next = Signal(P)
         pend_in_before = Signal(P)
-        m.d.sync += pend_in_before.eq(pend_in)
+        out_free = Signal(P)            # ~out_taken (below), a cycle ahead
+        m.d.sync += [started_in.eq(self.start), pend_in_before.eq(pend_in)]
         m.d.comb += in_ok.eq(self.in_ready & ~pend_in_before & ~matched_in & ~started_in & ~Cat(
-            (Cat(grant[o][i] for o in range(P)) & free_next).any()
-            for i in range(P)))
+            (Cat(grant[o][i] for o in range(P)) & out_free).any() for i in range(P)))
         requests = Signal(P * P * V)
         for i in range(P):
             for o in range(P):
@@ -288,13 +290,19 @@ class SwitchAllocator(wiring.Component):
                 direct[i * P:(i + 1) * P].eq(offers & ~out_taken & free_in
                                              & sole.replicate(P)),
             ]
+        # `out_taken` of the next cycle, for `in_ok`: the output is matched now to an input with
+        # its grant (taken next cycle unless both on the short rule and the match starts now),
+        # or pending (taken unless it starts now). Only `start` is late here; an input
+        # offered several grants counts as matched to each.
         free = ~(pend_in | matched_in)
         for o in range(P):
             matching = (grant[o] & free).any() & ~out_taken[o]
-            busy = Cat(pend[i * P + o] for i in range(P)) | grant[o] & free
-            taken_surely = matching & ~(grant_short[o] & ~quiet[o])
+            taken_next = matching & ~(grant_short[o] & ~quiet[o])
             taken_unless_started = pend_out[o] | matching
-            m.d.sync += free_next[o].eq(~taken_surely & ~(taken_unless_started & ~(busy & self.start).any()))
+            # A free input starts only a match made now: the one to the output granting it.
+            busy = Cat(pend[i * P + o] for i in range(P)) | grant[o] & free
+            busy_starts = (self.start & busy).any()
+            m.d.sync += out_free[o].eq(~taken_next & ~(taken_unless_started & ~busy_starts))
         started = Cat(self.start[i].replicate(P) for i in range(P))
         m.d.comb += self.match.eq(direct)
         m.d.sync += pend.eq((pend | match) & ~started)
