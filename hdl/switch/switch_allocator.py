@@ -247,9 +247,8 @@ class SwitchAllocator(wiring.Component):
             per_vl = [round_robin_pick(
                 m, Cat(requests[k(i, o, v)] for i in range(P)), grant_mask[o],
                 name=f"grant{o}_vl{v}") for v in range(V)]
-            picked = Array(per_vl)[pick] if V > 1 else per_vl[0]
             m.d.sync += [
-                grant[o].eq(picked),
+                grant[o].eq(Array(per_vl)[pick] if V > 1 else per_vl[0]),
                 grant_vl[o].eq(pick),
                 grant_stay[o].eq(stay),
             ]
@@ -271,6 +270,7 @@ class SwitchAllocator(wiring.Component):
         # An output taken for this cycle's grants: pending, or matched in the cycle before
         # unless both that match and the grant are on the short rule.
         out_taken = Signal(P)
+        free = ~(pend_in | matched_in)      # inputs with no pending match and none made before
         m.d.comb += out_taken.eq(pend_out | matched_out & ~(matched_short & grant_short))
         # A grant of cycle c was made before the matches of cycle c, so it may name a port
         # matched since (pending, or matched in c and started at once); such a pick is dropped
@@ -282,7 +282,7 @@ class SwitchAllocator(wiring.Component):
         for i in range(P):
             offers = Cat(grant[o][i] for o in range(P))
             pick = round_robin_pick(m, offers, accept_mask[i], name=f"accept{i}")
-            free_in = (~(pend_in[i] | matched_in[i])).replicate(P)
+            free_in = free[i].replicate(P)
             sole = Signal(name=f"sole_offer{i}")
             m.d.comb += [
                 sole.eq(Cat(offers == (1 << o) for o in range(P)).any()),
@@ -294,7 +294,6 @@ class SwitchAllocator(wiring.Component):
         # its grant (taken next cycle unless both on the short rule and the match starts now),
         # or pending (taken unless it starts now). Only `start` is late here; an input
         # offered several grants counts as matched to each.
-        free = ~(pend_in | matched_in)
         for o in range(P):
             matching = (grant[o] & free).any() & ~out_taken[o]
             taken_next = matching & ~(grant_short[o] & ~quiet[o])
