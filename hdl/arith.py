@@ -114,6 +114,20 @@ def count_registered(m, counter, event):
                  counter.eq(lookahead_sum(m, counter, counted, name=f"{counter.name}_next"))]
 
 
+def count_registered_sum(m, counter, events, registered=()):
+    """``counter`` counts ``events``, several in a cycle, two cycles after them: the events
+    are registered, then their sum, so the adder starts from flip-flops. ``registered``:
+    more events, already registered by a block beside it (they count with the others)."""
+    counted = Signal(len(events), name=f"{counter.name}_events")
+    amount = Signal(range(len(events) + len(registered) + 1), name=f"{counter.name}_amount")
+    bits = [counted[i] for i in range(len(events))] + list(registered)
+    m.d.sync += [
+        counted.eq(Cat(events)),
+        amount.eq(sum(bits)),
+        counter.eq(lookahead_sum(m, counter, amount, name=f"{counter.name}_next")),
+    ]
+
+
 def named(m, value, name, width=None):
     """``value`` as a combinational signal ``name`` (``width`` bits, default its own): an
     expression used more than once is emitted once, where Amaranth writes it at every use."""

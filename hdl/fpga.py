@@ -460,21 +460,26 @@ def synthesize_blocks(name, *, out="build/fpga", verilog_dir="build/verilog/bloc
     """Depth of each block of top ``name`` synthesized alone as ``<name>__<block>`` (its ports
     stand for the neighbouring blocks' registers): in a large flattened top, ABC9 relaxes
     every path up to the critical one, so only this says how deep each block is itself.
-    ``only``: the names of the blocks to synthesize (default: all); ``port_timing``: keep
-    each block's timing per port (for :func:`compose`).
+    ``only``: the names of the blocks to synthesize (default: all; ``block.part`` names a
+    block's own block, as ``completions.decoder``); ``port_timing``: keep each block's
+    timing per port (for :func:`compose`).
     Writes ``<out>/<name>_blocks.md``; returns ``{block: result or error text}``."""
     from amaranth.hdl import Module
     verilog_dir = Path(verilog_dir)
     verilog_dir.mkdir(parents=True, exist_ok=True)
     tops, results, same_as = {}, {}, {}
     found = blocks(name)
+    for path in only or ():
+        parent, _, part = path.rpartition(".")
+        if parent in found and part in _blocks_of(found[parent]):
+            found[path] = _blocks_of(found[parent])[part]
     unknown = sorted(set(only or ()) - set(found))
     if unknown:
         raise ValueError(f"{name} has no block {', '.join(unknown)}; it has {', '.join(found)}")
     for block, component in found.items():
         if only and block not in only:
             continue
-        top = f"{name}__{block}"
+        top = f"{name}__{block.replace('.', '__')}"
         wrapper = Module()
         wrapper.submodules.block = component
         ports = [signal for signal, _ in _signal_ports(component)]
@@ -588,7 +593,8 @@ def main(argv=None):
     parser.add_argument("--compose", action="store_true",
                         help="the depth of the named tops from their blocks, without flattening")
     parser.add_argument("--only", default=None, metavar="BLOCK,...",
-                        help="with --blocks: only these blocks (comma-separated)")
+                        help="with --blocks: only these blocks (comma-separated; "
+                             "block.part: a block of a block)")
     parser.add_argument("-j", "--jobs", type=int, default=2)
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in emit.TOPS]

@@ -3,9 +3,14 @@ import warnings
 import pytest
 from amaranth.hdl import UnusedElaboratable
 
+from tb.pysim_parity import install as install_fast_parity
+
 # Parameter-validation tests construct components that raise before use; Amaranth would
 # report each at interpreter exit.
 warnings.filterwarnings("ignore", category=UnusedElaboratable)
+
+# Amaranth's simulator: reduction XORs (the CRCs) by int.bit_count(), not through a string.
+install_fast_parity()
 
 # How pytest-xdist shares the items between its workers (the Makefile's --dist loadgroup,
 # --no-loadscope-reorder): the items of one Verilator build run on one worker, one after

@@ -194,6 +194,20 @@ def test_blocks_are_the_component_attributes_of_a_top():
     assert {"switch_allocator", "allocation_control", "crossbar"} <= set(pipelined)
 
 
+
+def test_only_names_a_block_of_a_block(tmp_path, monkeypatch):
+    """``--only completions.cqe_writer``: the completion unit's own block, alone."""
+    monkeypatch.setattr(fpga, "synthesize", lambda top, **kwargs: f"synthesized {top}")
+    results = fpga.synthesize_blocks("tf_nic", out=tmp_path, verilog_dir=tmp_path,
+                                     only=["completions.cqe_writer"])
+    assert results == {"completions.cqe_writer": "synthesized tf_nic__completions__cqe_writer"}
+    assert "module tf_nic__completions__cqe_writer" in (
+        tmp_path / "tf_nic__completions__cqe_writer.v").read_text()
+    with pytest.raises(ValueError):
+        fpga.synthesize_blocks("tf_nic", out=tmp_path, verilog_dir=tmp_path,
+                               only=["completions.engine"])
+
+
 class XorSource(wiring.Component):
     """36 registers into 6 outputs, each the XOR of 6: ``reg_to_out`` 1."""
 

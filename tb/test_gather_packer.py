@@ -69,7 +69,7 @@ def run(packets, *, seed=0, gap=0.3, ready=0.7, max_cycles=200_000):
 
     async def bench(ctx):
         drive = Driver()
-        got, cycle = [], 0
+        got, cycle, held = [], 0, None
         while expected:
             record = records[0] if records and rng.random() >= gap else None
             beat = beats[0] if beats and rng.random() >= gap else None
@@ -83,6 +83,11 @@ def run(packets, *, seed=0, gap=0.3, ready=0.7, max_cycles=200_000):
             out_ready = rng.random() < ready
             drive.set(dut.packed.ready, out_ready)
             drive.apply(ctx)
+            # A beat offered and not taken stays, unchanged, lanes outside the run too.
+            offered = ctx.get(dut.packed.payload.as_value()) if ctx.get(dut.packed.valid) else None
+            if held is not None:
+                assert offered == held, f"cycle {cycle}: a packed beat offered changed before it was taken"
+            held = None if out_ready else offered
             if record is not None and ctx.get(dut.pieces.ready):
                 records.popleft()
             if beat is not None and ctx.get(dut.raw.ready):

@@ -1188,7 +1188,10 @@ class ModelEnv:
             assert bench.ref.counters[name] == model.counters[name], name
 
 
-def test_against_model():
+# 900 items took 49 CPU-s of make test on 2026-12-07: make test runs 400 of them, make
+# test-full all.
+@pytest.mark.parametrize("items", [400, pytest.param(900, marks=pytest.mark.full)])
+def test_against_model(items):
     """Random traffic (as test_random, atomics without memory errors), the engine's
     output streams turned into memory contents, responses, completions and QP errors,
     compared with models.nic.NicResponderModel given the same packets."""
@@ -1204,11 +1207,11 @@ def test_against_model():
     async def body(ctx, bench):
         nonlocal env
         env = ModelEnv(bench, rng, qps)
-        await bench.run(ctx, random_items(bench, rng, 900, qps, env=env))
+        await bench.run(ctx, random_items(bench, rng, items, qps, env=env))
 
     run(dut, ref, body, seed=5, p_req=0.9, p_dma=0.7, p_resp=0.6, p_comp=0.6, p_recv=0.6,
         p_atomic=0.6, latency=6, idle_low=10)
-    assert len(env.decisions) > 700
+    assert len(env.decisions) > items * 3 // 4
     env.compare()
 
 

@@ -1,30 +1,31 @@
-from amaranth import *
-from amaranth.lib import data, fifo, stream, wiring
+"""The requester's completion unit: the engine that decides from responses which WQEs
+complete, between its response decoder and its CQE writer (docs/nic.md, "Completions")."""
+from amaranth import Array, Cat, Const, Module, Mux, Signal
+from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
-from hdl.arith import count_registered, lookahead_sum
-from hdl.crc.algorithms import ICRC
-from hdl.crc.crc_check_stage import CRCCheckStage
-from hdl.crc.icrc_engine import variant_masks
-from hdl.ib.headers import AETH, BTH, LNH_IBA_LOCAL, LRH, from_wire
+from hdl.arith import count_registered, count_registered_sum, lookahead_sum
 from hdl.link.signatures import BeatLayout
+from hdl.nic.cqe_writer import JOB_DEPTH, CqeWriter
+from hdl.nic.response_decoder import (
+    ACKNOWLEDGE, AETH_ACK, AETH_BYTES, AETH_NAK, AETH_RNR_NAK, ATOMIC_ACKNOWLEDGE,
+    LRH_BTH_BYTES, READ_FIRST, READ_LAST, READ_MIDDLE, READ_ONLY, STORED_OPCODES,
+    ResponseDecoder, ResponseEventLayout,
+)
 from hdl.nic.response_writer import ORIG_WORD4_BYTE
 from hdl.prim.round_robin import mask_after, next_mask, one_hot_index, round_robin_pick
 from hdl.nic.signatures import (
-    PSN_BITS, RECORD_QUEUE_DEPTH, QPN_BITS, RESPONSE_SEQ_BITS, AxiWriteSignature,
+    PSN_BITS, RECORD_QUEUE_DEPTH, RESPONSE_SEQ_BITS, AxiWriteSignature,
     CompletionRecordLayout, CompletionStatus, ContextReadSignature, CqConfigLayout,
     EventSignature, MlxOpcode, PacketSentLayout, QpState, ReceiveCompletionLayout,
-    RecvCqeOpcode, RetireLayout, ResponseVerdictLayout, RewindLayout, Syndrome,
+    RetireLayout, ResponseVerdictLayout, RewindLayout, Syndrome,
 )
 
-__all__ = ["CompletionUnit", "RX_EVENT_DEPTH", "RNR_TIMER_TICKS", "TIMER_TICK_CYCLES"]
+__all__ = ["CompletionUnit", "RNR_TIMER_TICKS", "TIMER_TICK_CYCLES"]
 
-WIDTH = 64                  # bytes per beat and per AXI data beat: one CQE per beat
+WIDTH = 64                  # bytes per beat and per AXI data beat
 QUEUE_DEPTH = RECORD_QUEUE_DEPTH
-RX_EVENT_DEPTH = 8          # decoded responses waiting per VL for the one-per-cycle processor
-JOB_DEPTH = 8               # completed records waiting for their CQE write
-RECEIVE_DEPTH = 4           # receive completions waiting for the CQE writer
 TIMER_TICK_CYCLES = 1638    # 4.096 us at 400 MHz: IBA's unit of the local ACK timeout
 TIMER_BITS = 20             # tick stamps; a wait is at most 2**19 ticks
 MAX_TIMEOUT_EXPONENT = 19   # ack_timeout codes above this wait 2**19 ticks (2.1 s)
@@ -37,34 +38,11 @@ _RNR_TIMER_US = (655360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 9
                  81920, 122880, 163840, 245760, 327680, 491520)
 RNR_TIMER_TICKS = tuple(-(-us * 1000 // 4096) for us in _RNR_TIMER_US)
 
-# BTH opcodes of the responses a requester takes (IBA table 38).
-READ_FIRST = 0x0D
-READ_MIDDLE = 0x0E
-READ_LAST = 0x0F
-READ_ONLY = 0x10
-ACKNOWLEDGE = 0x11
-ATOMIC_ACKNOWLEDGE = 0x12
-STORED_OPCODES = (READ_FIRST, READ_MIDDLE, READ_LAST, READ_ONLY, ATOMIC_ACKNOWLEDGE)
-
-# AETH syndrome, bits 7..5, and the NAK codes in bits 4..0.
-AETH_ACK = 0b000
-AETH_RNR_NAK = 0b001
-AETH_NAK = 0b011
-NAK_MAX_CODE = 4            # 0 PSN sequence error .. 4 invalid RD request; above: reserved
 NAK_FATAL = {               # NAK code: syndrome of the error CQE it gives
     1: Syndrome.REMOTE_INVAL_REQ_ERR,
     2: Syndrome.REMOTE_ACCESS_ERR,
     3: Syndrome.REMOTE_OP_ERR,
 }
-
-LRH_BTH_BYTES = 8 + 12
-AETH_BYTES = 4
-MAX_PAYLOAD_BYTES = 4096
-ATOMIC_ACK_ETH_BYTES = 8
-ICRC_BYTES = 4
-
-CQE_OPCODE_REQ = 0x0
-CQE_OPCODE_REQ_ERR = 0xD
 
 
 def _psn_le(a, b):
@@ -117,14 +95,6 @@ def _head_outcome(m, rec, st, flushing, name):
     return can, error, syndrome, nak_error
 
 
-class _RxEventLayout(data.StructLayout):
-    """A well-formed response with a good ICRC, as a VL hands it to the processor."""
-    def __init__(self):
-        super().__init__({"qpn": QPN_BITS, "opcode": 8, "psn": PSN_BITS, "syndrome": 8,
-                          "seq": RESPONSE_SEQ_BITS,     # the ResponseWriter's, if stored
-                          "payload_bytes": range(8192)})
-
-
 class _StateLayout(data.StructLayout):
     """A QP's row in the engine's state memory; all zero is the state after ``qp_reset``."""
     def __init__(self, count_bits):
@@ -175,45 +145,15 @@ class _ReadLayout(data.StructLayout):
         })
 
 
-class _JobLayout(data.StructLayout):
-    """A completed record on its way to the CQE writer."""
-    def __init__(self):
-        super().__init__({
-            "qpn": QPN_BITS, "cqn": 8, "wqe_index": 16, "wqe_blocks": range(17),
-            "opcode": 8, "byte_count": 32, "error": 1, "syndrome": 8, "write_cqe": 1,
-            "wait_data": 1, "data_seq": RESPONSE_SEQ_BITS, "next_psn": PSN_BITS,
-        })
-
-
-class _CqeLayout(data.StructLayout):
-    """A job of the CQE writer, from the engine (a completed WQE, retired once written)
-    or from the responder (a receive completion); fields hold the CQE's values."""
-    def __init__(self):
-        super().__init__({
-            "requester": 1, "qpn": QPN_BITS, "cqn": 8, "wqe_counter": 16,
-            "wqe_blocks": range(17), "write_cqe": 1, "error": 1, "cqe_opcode": 4,
-            "wqe_opcode": 8, "byte_count": 32, "imm": 32, "syndrome": 8,
-            "next_psn": PSN_BITS,
-        })
-
-
 class CompletionUnit(wiring.Component):
-    """Receive path, per-QP outstanding-WQE table and CQE writer of the requester
-    (docs/nic.md, "Completions").
+    """The requester's completions: the response decoder (``decoder``, a block), the engine
+    with its per-QP outstanding-WQE table and retransmission timers (here), and the CQE
+    writer (``cqe_writer``, a block), wired port to port with no register between them
+    (docs/nic.md, "Completions": the blocks, their ports and handshakes).
 
-    Receive: each VL's stream (LRH .. ICRC) is always ready and has its own ICRC checker
-    and header decoder, so a response never backs up the link. A packet acts only at its
-    end beat, with a good ICRC and ``end_bad`` low (else ``rx_dropped_icrc``), two cycles
-    after it: W registers each beat (the ICRC check stage takes it from there, its match a
-    cycle later) and the header's checks, D decides with the match. A
-    well-formed one (LNH = IBA local, a response opcode, LRH.PktLen equal to the bytes
-    received and long enough for the opcode's headers, an AETH syndrome of ACK type or,
-    on an ACKNOWLEDGE, RNR NAK or NAK code 0..4, DestQP below ``num_qps``) goes into its
-    VL's event queue (``RX_EVENT_DEPTH``); anything else is ``rx_dropped_unexpected``.
-    The engine (below) takes one event per cycle, round robin over VLs. The link
-    delivers at most one beat per cycle on average, so the queues only absorb the VLs'
-    short-term skew; an event finding its queue full is dropped and counted as
-    unexpected.
+    Receive: the decoder hands over the well-formed responses of each VL on its
+    ``events[v]`` (docs/nic.md, "Response decoder"); the engine (below) takes one event per
+    cycle, round robin over VLs.
 
     Engine: the per-QP state (queue head, PSNs, pending NAK) is one row of a memory, so
     that no per-QP register is read or written at a variable index. One operation per
@@ -334,37 +274,10 @@ class CompletionUnit(wiring.Component):
     count several events in a cycle, ``rx_dropped_icrc`` and ``rx_dropped_unexpected``,
     register their sum as well and move two cycles after their events.
 
-    CQEs: a completed record with ``signaled`` or an error, and a CQ number below
-    ``num_cqs``, gets one 64-byte CQE (AXI4 INCR burst of one beat, awid 0) at
-    ``base + 64 * (pi mod 2^log_size)`` (entry 0 when collapsed, where ``log_size``
-    counts as 0) with owner bit ``(pi >> log_size) & 1``, ``pi`` the CQ's producer
-    index. The writer is a pipeline of three stages, one CQE per cycle: P (the job, its
-    CQ's context and producer index read in the cycle before), A (the CQE, its entry
-    and the CQ's base registered) and O (AW and W, the address summed from A's
-    registers). Writes are pipelined (B is not awaited); ``bready`` is always high and a
-    BRESP other than OKAY counts in ``cqe_write_errors``. The CQE of a READ or atomic
-    completed OK waits until ``landed`` (the ResponseWriter's oldest stored packet not yet
-    written; registered here, and its compare with the head job registered too, so two
-    cycles late) has passed the QP's last taken response,
-    so that the data is in memory before its CQE. ``retire`` goes out in the
-    cycle the record's AW and W have both been accepted (at once without a CQE), in
-    completion order, which is WQE order per QP. ``cqes_written``/``error_cqes`` count
-    a cycle later.
-
-    Receive completions (``receive``, from the responder) share the CQE writer: one
-    record is one CQE to CQ ``cqn`` at its producer index, like the requester's (the
-    two interleave on a CQ in the order the writer takes them), laid out as
-    ``mlx5_cqe64``: op_own's opcode is the record's (RESP_WR_IMM, RESP_SEND,
-    RESP_SEND_IMM), ``byte_cnt`` its ``byte_count``, ``imm_inval_pkey`` its ``imm`` for
-    the two ``*_IMM`` opcodes (0 otherwise), ``sop_drop_qpn`` its QPN (top byte 0),
-    ``wqe_counter`` its ``wqe_counter``; RESP_ERR is an ``mlx5_err_cqe`` like the
-    requester's error CQE (``syndrome``, QPN with a 0 opcode byte, ``wqe_counter``,
-    ``byte_cnt`` 0). A record with another opcode or a CQ number beyond ``num_cqs`` is
-    taken and writes nothing. Records wait in a queue of ``RECEIVE_DEPTH``; when both
-    the engine and the responder have a job, the writer takes them in turn, so each
-    gets at least half its cycles. ``recv_cqes`` counts receive CQEs as they are
-    written (with ``cqes_written`` and, for RESP_ERR, ``error_cqes``); they retire
-    nothing.
+    CQEs: each completed record goes to the CQE writer (``job``), which writes its CQE, if
+    any, and retires it; receive completions (``receive``) share it (docs/nic.md, "CQE
+    writer"). The engine issues a completion only while the writer's jobs queue has room
+    for it and the completions ahead of it (``job_level``).
 
     Limits and assumptions: a SENT record reaches the unit before any response to it can
     (the executor emits it with the message's first packet descriptor, a round trip ahead
@@ -380,16 +293,11 @@ class CompletionUnit(wiring.Component):
 
     def __init__(self, *, num_qps=64, num_cqs=16, num_vls=2, addr_width=64,
                  timer_tick=TIMER_TICK_CYCLES):
-        if not isinstance(num_qps, int) or not 1 <= num_qps <= 1 << QPN_BITS:
-            raise ValueError(f"QPs must be 1 to {1 << QPN_BITS}, not {num_qps!r}")
-        if not isinstance(num_cqs, int) or not 1 <= num_cqs <= 256:
-            raise ValueError(f"CQs must be 1 to 256, not {num_cqs!r}")
-        if not isinstance(num_vls, int) or not 1 <= num_vls <= 15:
-            raise ValueError(f"Data VLs must be 1 to 15, not {num_vls!r}")
-        if not isinstance(addr_width, int) or not 16 <= addr_width <= 64:
-            raise ValueError(f"AXI address width must be 16 to 64 bits, not {addr_width!r}")
         if not isinstance(timer_tick, int) or not 1 <= timer_tick <= 1 << 16:
             raise ValueError(f"Timer tick must be 1 to 65536 cycles, not {timer_tick!r}")
+        # The blocks check the other parameters.
+        self.decoder = ResponseDecoder(num_qps=num_qps, num_vls=num_vls)
+        self.cqe_writer = CqeWriter(num_cqs=num_cqs, addr_width=addr_width)
         self.timer_tick = timer_tick
         self.num_qps = num_qps
         self.num_cqs = num_cqs
@@ -478,7 +386,19 @@ class CompletionUnit(wiring.Component):
         read_write = reads.write_port()
         read_read = reads.read_port(transparent_for=(read_write,))
 
-        m.submodules.jobs = jobs = fifo.SyncFIFOBuffered(width=_JobLayout().size, depth=JOB_DEPTH)
+        m.submodules.cqe_writer = writer = self.cqe_writer
+        wiring.connect(m, wiring.flipped(self.receive), writer.receive)
+        wiring.connect(m, wiring.flipped(self.cq_reset), writer.cq_reset)
+        wiring.connect(m, writer.cq_config, wiring.flipped(self.cq_config))
+        wiring.connect(m, writer.retire, wiring.flipped(self.retire))
+        wiring.connect(m, writer.axi, wiring.flipped(self.axi))
+        m.d.comb += [
+            writer.landed.eq(self.landed),
+            self.cqes_written.eq(writer.cqes_written),
+            self.error_cqes.eq(writer.error_cqes),
+            self.recv_cqes.eq(writer.recv_cqes),
+            self.cqe_write_errors.eq(writer.cqe_write_errors),
+        ]
 
         # Per-QP flags outside the state memory: the strobes change them without reading
         # a row, and the round-robin picker and ``completion.ready`` need them for all QPs.
@@ -541,177 +461,13 @@ class CompletionUnit(wiring.Component):
         with m.Else():
             m.d.sync += prescaler.eq(prescaler + 1)
 
-        # --- Receive: per VL, W registers the beat and its header, the ICRC check stage
-        # takes it (docs/fpga.md: a CRC one stage behind its beats) while W works out the
-        # header's facts; D decides with the check's match: events into per-VL queues ---
-        event_queues = []
-        discards = []
-        icrc_drops = []
-        malformed_drops = []
-        header_layout = data.StructLayout({
-            "lnh": 2, "pktlen": 11, "opcode": 8, "padcnt": 2, "destqp": 24,
-            "psn": PSN_BITS, "syndrome": 8})
-        variant_masks_by_lnh = variant_masks()
+        # --- Receive: the response decoder's per-VL event queues ---
+        m.submodules.decoder = decoder = self.decoder
         for v in range(num_vls):
-            rx = self.rx[v]
-            beat = rx.payload
-            m.d.comb += rx.ready.eq(1)
-
-            # Every header a response has fits in its start beat.
-            lrh = from_wire(LRH, beat.data[:64])
-            bth = from_wire(BTH, beat.data[64:160])
-            aeth = from_wire(AETH, beat.data[160:192])
-            start_header = Signal(header_layout, name=f"start_header{v}")
-            held_header = Signal(header_layout, name=f"held_header{v}")
-            m.d.comb += start_header.eq(Cat(lrh.lnh, lrh.pktlen, bth.opcode, bth.padcnt,
-                                            bth.destqp, bth.psn, aeth.syndrome))
-
-            # Beats before this one, saturating beyond the longest packet (8188 bytes).
-            beats_before = Signal(range(129), name=f"beats_before{v}")
-            in_packet = Signal(name=f"in_packet{v}")
-            index = Mux(beat.start, 0, beats_before)
-            in_a_packet = beat.start | in_packet
-            with m.If(rx.valid & in_a_packet):
-                m.d.sync += [
-                    in_packet.eq(~beat.end),
-                    beats_before.eq(Mux(index == 128, 128, index + 1)),
-                ]
-                with m.If(beat.start):
-                    m.d.sync += held_header.eq(start_header)
-
-            # W: the beat as it came, its byte lanes for the check, its packet's header.
-            w_valid = Signal(name=f"w_valid{v}")
-            w_beat = Signal(BeatLayout(WIDTH), name=f"w_beat{v}")
-            w_lanes = Signal(WIDTH, name=f"w_lanes{v}")
-            w_ends = Signal(name=f"w_ends{v}")
-            w_index = Signal(range(129), name=f"w_index{v}")
-            w_header = Signal(header_layout, name=f"w_header{v}")
-            w_seq = Signal(RESPONSE_SEQ_BITS, name=f"w_seq{v}")
-            m.d.sync += [
-                w_valid.eq(rx.valid),
-                w_beat.eq(beat),
-                w_lanes.eq(Cat(~beat.end | (beat.count > lane) for lane in range(WIDTH))),
-                w_ends.eq(rx.valid & beat.end & in_a_packet),
-                w_index.eq(index),
-                w_header.eq(Mux(beat.start, start_header, held_header)),
-                w_seq.eq(self.rx_seq[v]),
-            ]
-            # The ICRC takes the bits a switch may change as ones; they lie in the start beat.
-            variant = Signal(8 * WIDTH, name=f"icrc_variant{v}")
-            with m.If(w_beat.start):
-                with m.Switch(from_wire(LRH, w_beat.data[:64]).lnh):
-                    for kind, mask in variant_masks_by_lnh.items():
-                        with m.Default() if kind is None else m.Case(kind):
-                            m.d.comb += variant.eq(mask)
-            m.submodules[f"icrc{v}"] = icrc = CRCCheckStage(ICRC, WIDTH)
-            m.d.comb += [
-                icrc.valid.eq(w_valid),
-                icrc.start.eq(w_beat.start),
-                icrc.data.eq(w_beat.data | variant),
-                icrc.keep.eq(w_lanes),
-                icrc.count.eq(Mux(w_beat.end, w_beat.count, WIDTH)),
-            ]
-
-            # W: the header's checks. The length is index * WIDTH + count; against a
-            # constant below one beat it is a test of the count on the first beat.
-            header = w_header
-            count = w_beat.count
-            first_beat = w_index == 0
-            kind = header.syndrome[5:8]
-            code = header.syndrome[0:5]
-            def length_is(n):
-                return first_beat & (count == n)
-            def length_at_least(n):
-                return ~first_beat | (count >= n)
-            shape_ok = Signal(name=f"shape_ok{v}")
-            with m.Switch(header.opcode):
-                with m.Case(ACKNOWLEDGE):
-                    m.d.comb += shape_ok.eq(
-                        length_is(LRH_BTH_BYTES + AETH_BYTES + ICRC_BYTES)
-                        & ((kind == AETH_ACK) | (kind == AETH_RNR_NAK)
-                           | ((kind == AETH_NAK) & (code <= NAK_MAX_CODE))))
-                with m.Case(ATOMIC_ACKNOWLEDGE):
-                    m.d.comb += shape_ok.eq(
-                        length_is(LRH_BTH_BYTES + AETH_BYTES + ATOMIC_ACK_ETH_BYTES + ICRC_BYTES)
-                        & (kind == AETH_ACK))
-                with m.Case(READ_FIRST, READ_LAST, READ_ONLY):
-                    m.d.comb += shape_ok.eq(
-                        length_at_least(LRH_BTH_BYTES + AETH_BYTES + ICRC_BYTES)
-                        & (kind == AETH_ACK))
-                with m.Case(READ_MIDDLE):
-                    m.d.comb += shape_ok.eq(length_at_least(LRH_BTH_BYTES + ICRC_BYTES))
-            # PktLen * 4 == index * WIDTH + count, split at the beat: a full beat carries.
-            pktlen_bytes = header.pktlen * 4
-            pktlen_beats = pktlen_bytes[6:]
-            pktlen_ok = Mux(count == WIDTH,
-                            (pktlen_bytes[:6] == 0) & (pktlen_beats == w_index + 1),
-                            (pktlen_bytes[:6] == count[:6]) & (pktlen_beats == w_index))
-            # Payload: READ response data (MIDDLE has no AETH), the atomic's original value.
-            overhead = Signal(range(WIDTH), name=f"overhead{v}")
-            m.d.comb += overhead.eq(Mux(header.opcode == READ_MIDDLE, LRH_BTH_BYTES,
-                                        LRH_BTH_BYTES + AETH_BYTES)
-                                    + ICRC_BYTES + header.padcnt)
-
-            d_ends = Signal(name=f"d_ends{v}")
-            d_end_bad = Signal(name=f"d_end_bad{v}")
-            d_well_formed = Signal(name=f"d_well_formed{v}")
-            d_stored = Signal(name=f"d_stored{v}")
-            d_header = Signal(header_layout, name=f"d_header{v}")
-            d_seq = Signal(RESPONSE_SEQ_BITS, name=f"d_seq{v}")
-            d_length = Signal(range(129 * WIDTH + 1), name=f"d_length{v}")
-            d_overhead = Signal(range(WIDTH), name=f"d_overhead{v}")
-            d_atomic = Signal(name=f"d_atomic{v}")
-            d_has_payload = Signal(name=f"d_has_payload{v}")
-            m.d.sync += [
-                d_ends.eq(w_ends),
-                d_end_bad.eq(w_beat.end_bad),
-                d_well_formed.eq(shape_ok & (header.lnh == LNH_IBA_LOCAL) & pktlen_ok
-                                 & (header.destqp < num_qps)),
-                d_stored.eq(header.opcode.matches(*STORED_OPCODES)),
-                d_header.eq(header),
-                d_seq.eq(w_seq),
-                d_length.eq(w_index * WIDTH + count),
-                d_overhead.eq(overhead),
-                d_atomic.eq(header.opcode == ATOMIC_ACKNOWLEDGE),
-                d_has_payload.eq(length_at_least(overhead)),
-            ]
-
-            # D: the decision, with the ICRC check's match of the end beat.
-            payload_bytes = Signal(range(8192), name=f"payload_bytes{v}")
-            beyond = lookahead_sum(m, d_length, ~Cat(d_overhead, C(0, len(d_length) - len(d_overhead))),
-                                   1, name=f"payload_sum{v}")[:len(payload_bytes)]
-            with m.If(d_atomic):
-                m.d.comb += payload_bytes.eq(ATOMIC_ACK_ETH_BYTES)
-            with m.Elif(d_has_payload):
-                m.d.comb += payload_bytes.eq(beyond)
-            good = d_ends & icrc.match & ~d_end_bad
-
-            m.submodules[f"events{v}"] = queue = fifo.SyncFIFOBuffered(
-                width=_RxEventLayout().size, depth=RX_EVENT_DEPTH)
-            event = _RxEventLayout()(queue.w_data)
-            m.d.comb += [
-                event.qpn.eq(d_header.destqp),
-                event.opcode.eq(d_header.opcode),
-                event.psn.eq(d_header.psn),
-                event.syndrome.eq(d_header.syndrome),
-                event.seq.eq(d_seq),
-                event.payload_bytes.eq(payload_bytes),
-                queue.w_en.eq(good & d_well_formed),
-            ]
-            event_queues.append(queue)
-            icrc_drops.append(d_ends & ~good)
-            malformed_drops.append(good & ~(d_well_formed & queue.w_rdy))
-            # The ResponseWriter stored this packet; without an event nothing else will
-            # decide on it. It stores one packet at a time, so one VL ends one per cycle.
-            discards.append((d_ends & d_stored & ~(good & d_well_formed & queue.w_rdy), d_seq))
-
-        discard_valid = Signal()
-        discard_seq = Signal(RESPONSE_SEQ_BITS)
-        m.d.sync += discard_valid.eq(0)
-        for valid, seq in discards:
-            with m.If(valid):
-                m.d.sync += [discard_valid.eq(1), discard_seq.eq(seq)]
-        m.d.comb += [self.discard.valid.eq(discard_valid), self.discard.payload.eq(discard_seq)]
+            wiring.connect(m, wiring.flipped(self.rx[v]), decoder.rx[v])
+            m.d.comb += decoder.rx_seq[v].eq(self.rx_seq[v])
+        wiring.connect(m, decoder.discard, wiring.flipped(self.discard))
+        m.d.comb += self.rx_dropped_icrc.eq(decoder.rx_dropped_icrc)
 
         # --- Record path, beside the engine: R1 (take the record, read its QP's tail row
         # and head) and R2 (write the record at the tail, write the tail row back). A
@@ -761,11 +517,11 @@ class CompletionUnit(wiring.Component):
         # after it.
         s_ev, s_cmp, s_scan = Signal(), Signal(), Signal()
         s_q = Signal(range(max(num_qps, 2)))
-        s_event = Signal(_RxEventLayout())
+        s_event = Signal(ResponseEventLayout())
         x_ev, x_cmp, x_scan = Signal(), Signal(), Signal()
         x_q = Signal(range(max(num_qps, 2)))
         x_qmask = Signal(num_qps)       # bit x_q
-        x_event = Signal(_RxEventLayout())
+        x_event = Signal(ResponseEventLayout())
         x_state = Signal(state_layout)
         x_tail = Signal(tail_layout)
         x_in_reset = Signal()
@@ -850,13 +606,13 @@ class CompletionUnit(wiring.Component):
         # I: events first (their queues are short and the link does not wait), then timer
         # scans when one is due, then completions, then scans.
         vl_mask = Signal(num_vls, init=mask_after(0, num_vls))
-        event_ready = Cat(queue.r_rdy for queue in event_queues)
+        event_ready = Cat(events.valid for events in decoder.events)
         any_event = event_ready.any()
         event_pick = round_robin_pick(m, event_ready, vl_mask, name="vl_rr")
-        event = _RxEventLayout()(Array(queue.r_data for queue in event_queues)[
+        event = ResponseEventLayout()(Array(events.payload for events in decoder.events)[
             one_hot_index(event_pick)])
-        for v, queue in enumerate(event_queues):
-            m.d.comb += queue.r_en.eq(event_pick[v])
+        for v, events in enumerate(decoder.events):
+            m.d.comb += events.ready.eq(event_pick[v])
         with m.If(any_event):
             m.d.sync += vl_mask.eq(next_mask(event_pick))
 
@@ -871,7 +627,7 @@ class CompletionUnit(wiring.Component):
         on_cur = cur_active & (cur_q == x_q)
         cur_done = x_cmp & on_cur & (~complete | drained)
         cur_go = cur_active & ~cur_done & ~(s_cmp & (s_q == cur_q) & s_short)
-        jobs_room = jobs.level + s_cmp + x_cmp < JOB_DEPTH - 1
+        jobs_room = writer.job_level + s_cmp + x_cmp < JOB_DEPTH - 1
         cmp_request = jobs_room & (cur_go | any_marked)
         issue_scan = ~any_event & (scan_due | ~cmp_request)
         issue_cmp = ~any_event & cmp_request & ~scan_due
@@ -1136,9 +892,9 @@ class CompletionUnit(wiring.Component):
             x_not_full.eq((x_tail.tail - st.head)[:count_bits] != QUEUE_DEPTH),
         ]
 
-        job = _JobLayout()(jobs.w_data)
+        job = writer.job.payload
         m.d.comb += [
-            jobs.w_en.eq(complete),
+            writer.job.valid.eq(complete),
             job.qpn.eq(head_rec.qpn),
             job.cqn.eq(head_rec.cqn),
             job.wqe_index.eq(head_rec.wqe_index),
@@ -1255,196 +1011,17 @@ class CompletionUnit(wiring.Component):
                                 | onehot(sent_q, sent_valid)) & ~reset_mask),
         ]
 
-        # --- CQE writer: P (CQ context and producer index read) -> A (the CQE and its
-        # entry registered) -> O (AXI AW/W, the address summed from A's registers); its jobs
-        # from the engine and the responder in turn ---
-        axi = self.axi
-        m.submodules.receives = receives = fifo.SyncFIFOBuffered(
-            width=ReceiveCompletionLayout().size, depth=RECEIVE_DEPTH)
-        m.d.comb += [
-            receives.w_data.eq(self.receive.payload),
-            receives.w_en.eq(self.receive.valid),
-            self.receive.ready.eq(receives.w_rdy),
-        ]
-        job_head = _JobLayout()(jobs.r_data)
-        from_engine = Signal(_CqeLayout())
-        m.d.comb += [
-            from_engine.requester.eq(1),
-            from_engine.qpn.eq(job_head.qpn),
-            from_engine.cqn.eq(job_head.cqn),
-            from_engine.wqe_counter.eq(job_head.wqe_index),
-            from_engine.wqe_blocks.eq(job_head.wqe_blocks),
-            from_engine.write_cqe.eq(job_head.write_cqe),
-            from_engine.error.eq(job_head.error),
-            from_engine.cqe_opcode.eq(Mux(job_head.error, CQE_OPCODE_REQ_ERR, CQE_OPCODE_REQ)),
-            from_engine.wqe_opcode.eq(job_head.opcode),
-            from_engine.byte_count.eq(Mux(job_head.error, 0, job_head.byte_count)),
-            from_engine.syndrome.eq(Mux(job_head.error, job_head.syndrome, 0)),
-            from_engine.next_psn.eq(job_head.next_psn),
-        ]
-        recv_head = ReceiveCompletionLayout()(receives.r_data)
-        recv_opcode = recv_head.opcode.as_value()
-        recv_error = recv_opcode == RecvCqeOpcode.RESP_ERR.value
-        recv_imm = ((recv_opcode == RecvCqeOpcode.RESP_WR_IMM.value)
-                    | (recv_opcode == RecvCqeOpcode.RESP_SEND_IMM.value))
-        recv_known = recv_error | recv_imm | (recv_opcode == RecvCqeOpcode.RESP_SEND.value)
-        from_responder = Signal(_CqeLayout())
-        m.d.comb += [
-            from_responder.qpn.eq(recv_head.qpn),
-            from_responder.cqn.eq(recv_head.cqn),
-            from_responder.wqe_counter.eq(recv_head.wqe_counter),
-            from_responder.write_cqe.eq(recv_known & (recv_head.cqn < self.num_cqs)),
-            from_responder.error.eq(recv_error),
-            from_responder.cqe_opcode.eq(recv_opcode),
-            from_responder.byte_count.eq(Mux(recv_error, 0, recv_head.byte_count)),
-            from_responder.imm.eq(Mux(recv_imm, recv_head.imm, 0)),
-            from_responder.syndrome.eq(Mux(recv_error, recv_head.syndrome, 0)),
-        ]
-        # A READ's or atomic's CQE waits until the ResponseWriter has written the data of
-        # its last response (``landed``, registered here, has passed that response's
-        # sequence number): the sign of ``landed - data_seq - 1``, registered for the head
-        # job and good in the next cycle if the head stays (no read in between; ``landed``
-        # only moves on), so that the choice of the next job starts from flip-flops.
-        landed = Signal(RESPONSE_SEQ_BITS)
-        m.d.sync += landed.eq(self.landed)
-        landed_gap = lookahead_sum(m, landed, ~job_head.data_seq, name="landed_gap")
-        head_landed = Signal()          # the head of the cycle before had landed
-        head_read = Signal()            # ... and was read in that cycle
-        m.d.sync += [
-            head_landed.eq(jobs.r_rdy & ~landed_gap[RESPONSE_SEQ_BITS - 1]),
-            head_read.eq(jobs.r_en),
-        ]
-        job_ready = jobs.r_rdy & (~job_head.wait_data | (head_landed & ~head_read))
-        # Round robin: after an engine job, a waiting receive completion goes first.
-        responder_turn = Signal()
-        take_receive = receives.r_rdy & (~job_ready | responder_turn)
-        head = Signal(_CqeLayout())
-        m.d.comb += head.eq(Mux(take_receive, from_responder, from_engine))
-
-        p_valid = Signal()
-        p_job = Signal(_CqeLayout())
-        a_valid = Signal()
-        a_job = Signal(_CqeLayout())
-        a_base = Signal(64)
-        a_entry = Signal(16)
-        a_cqe = Signal(8 * WIDTH)
-        o_valid = Signal()
-        o_job = Signal(_CqeLayout())
-        aw_pending = Signal()
-        w_pending = Signal()
-        awaddr = Signal(self.addr_width)
-        wdata = Signal(8 * WIDTH)
-        m.d.comb += [
-            axi.awid.eq(0), axi.awaddr.eq(awaddr), axi.awlen.eq(0),
-            axi.awsize.eq((WIDTH - 1).bit_length()), axi.awburst.eq(0b01),
-            axi.awvalid.eq(aw_pending),
-            axi.wdata.eq(wdata), axi.wstrb.eq((1 << WIDTH) - 1), axi.wlast.eq(1),
-            axi.wvalid.eq(w_pending),
-            axi.bready.eq(1),
-        ]
-        aw_fire = aw_pending & axi.awready
-        w_fire = w_pending & axi.wready
-        o_done = o_valid & (~aw_pending | axi.awready) & (~w_pending | axi.wready)
-        o_free = ~o_valid | o_done
-        a_move = a_valid & o_free
-        p_move = p_valid & (~a_valid | a_move)
-        load_p = (job_ready | receives.r_rdy) & (~p_valid | p_move)
-        m.d.comb += [
-            jobs.r_en.eq(load_p & ~take_receive),
-            receives.r_en.eq(load_p & take_receive),
-            # The context answers a cycle later: address the job that P holds next cycle.
-            self.cq_config.addr.eq(Mux(load_p, head.cqn, p_job.cqn)),
-        ]
-        with m.If(load_p):
-            m.d.sync += [p_valid.eq(1), p_job.eq(head), responder_turn.eq(~take_receive)]
-        with m.Elif(p_move):
-            m.d.sync += p_valid.eq(0)
-
-        # CQ producer indices, read like the CQ context: for the job that P holds next cycle.
-        m.submodules.producer = producer = Memory(shape=16, depth=self.num_cqs, init=[])
-        pi_write = producer.write_port()
-        pi_read = producer.read_port(transparent_for=(pi_write,))
-        m.d.comb += pi_read.addr.eq(self.cq_config.addr)
-        cq = self.cq_config.data
-        # A CQ is fresh after a reset or a host write to its context (``cq_reset``): its
-        # producer index reads as 0 until the next CQE is written. P looks its job's CQ up
-        # in the flags, which a CQE written in the cycle before has already cleared.
-        cq_fresh = Signal(self.num_cqs, init=(1 << self.num_cqs) - 1)
-        pi_fresh = cq_fresh.bit_select(p_job.cqn, 1)
-        cq_written = Mux(pi_write.en, 1 << pi_write.addr, 0)
-        cq_cleared = Mux(self.cq_reset.valid & (self.cq_reset.qpn < self.num_cqs),
-                         1 << self.cq_reset.qpn[:max(self.num_cqs - 1, 1).bit_length()], 0)
-        m.d.sync += cq_fresh.eq((cq_fresh & ~cq_written) | cq_cleared)
-        pi = Mux(pi_fresh, 0, pi_read.data)
-        pi_next = lookahead_sum(m, pi_read.data, 1, name="pi_next")[:16]
-        log_size = Mux(cq.collapsed, 0, cq.log_size)
-        entry = pi & ((Const(1, 17) << log_size) - 1)
-        owner = (pi >> log_size)[0]
-        def big_endian(value, nbytes):
-            value = Value.cast(value)
-            return [value[8 * (nbytes - 1 - k):8 * (nbytes - k)] for k in range(nbytes)]
-        cqe_bytes = [Const(0, 8)] * WIDTH
-        cqe_bytes[36:40] = big_endian(p_job.imm, 4)
-        cqe_bytes[44:48] = big_endian(p_job.byte_count, 4)
-        cqe_bytes[55] = p_job.syndrome
-        cqe_bytes[56:60] = big_endian(Cat(p_job.qpn, Const(0, 16), p_job.wqe_opcode), 4)
-        cqe_bytes[60:62] = big_endian(p_job.wqe_counter, 2)
-        cqe_bytes[63] = Cat(owner, Const(0, 3), p_job.cqe_opcode)
-        with m.If(p_move):
-            m.d.sync += [a_valid.eq(1), a_job.eq(p_job), a_base.eq(cq.base), a_entry.eq(entry),
-                         a_cqe.eq(Cat(*cqe_bytes))]
-        with m.Elif(a_move):
-            m.d.sync += a_valid.eq(0)
-        m.d.comb += [
-            pi_write.addr.eq(p_job.cqn),
-            pi_write.data.eq(Mux(pi_fresh, 1, pi_next)),
-            pi_write.en.eq(p_move & p_job.write_cqe),
-        ]
-
-        cqe_address = lookahead_sum(m, a_base, Cat(Const(0, 6), a_entry), name="cqe_address")
-        with m.If(aw_fire):
-            m.d.sync += aw_pending.eq(0)
-        with m.If(w_fire):
-            m.d.sync += w_pending.eq(0)
-        with m.If(o_done):
-            m.d.sync += o_valid.eq(0)
-        with m.If(a_move):
-            m.d.sync += [
-                o_valid.eq(1), o_job.eq(a_job),
-                aw_pending.eq(a_job.write_cqe), w_pending.eq(a_job.write_cqe),
-                awaddr.eq(cqe_address), wdata.eq(a_cqe),
-            ]
-
-        m.d.comb += [
-            self.retire.valid.eq(o_done & o_job.requester),
-            self.retire.payload.qpn.eq(o_job.qpn),
-            self.retire.payload.blocks.eq(o_job.wqe_blocks),
-            self.retire.payload.next_psn.eq(o_job.next_psn),
-        ]
-
         # --- Counters: each counts a registered event, a cycle after it; the two that count
         # several events a cycle register their sum too, two cycles after them ---
         for counter, event in ((self.acks_received, ev_ack),
                                (self.naks_received, ev_nak),
                                (self.read_responses, ev_read & ~misfit),
                                (self.atomic_acks, ev_atomic & ~misfit),
-                               (self.cqes_written, o_done & o_job.write_cqe),
-                               (self.error_cqes, o_done & o_job.write_cqe & o_job.error),
-                               (self.recv_cqes, o_done & o_job.write_cqe & ~o_job.requester),
-                               (self.cqe_write_errors, axi.bvalid & (axi.bresp != 0)),
                                (self.retransmits_nak, rewinds & do_nak & ~x_killed),
                                (self.retransmits_timeout, rewinds & do_timeout & ~x_killed),
                                (self.retransmits_rnr, rewinds & do_rnr & ~x_killed),
                                (self.retries_exhausted, exhausted & ~x_killed)):
             count_registered(m, counter, event)
-        for counter, events in ((self.rx_dropped_icrc, icrc_drops),
-                                (self.rx_dropped_unexpected,
-                                 [*malformed_drops, x_ev & ~accept, misfit])):
-            registered = Signal(len(events), name=f"{counter.name}_events")
-            amount = Signal(range(len(events) + 1), name=f"{counter.name}_amount")
-            m.d.sync += [
-                registered.eq(Cat(events)),
-                amount.eq(sum(registered[i] for i in range(len(events)))),
-                counter.eq(lookahead_sum(m, counter, amount, name=f"{counter.name}_next")),
-            ]
+        count_registered_sum(m, self.rx_dropped_unexpected, [x_ev & ~accept, misfit],
+                             registered=[decoder.malformed[v] for v in range(num_vls)])
         return m

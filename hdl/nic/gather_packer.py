@@ -43,11 +43,18 @@ class GatherPacker(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
+        # pieces.ready is a flag registered a cycle ahead (the executor's first burst waits on
+        # it: depth): room if at most piece_depth - 1 records are held after this cycle's
+        # write. One more entry than piece_depth, so that the buffered FIFO's inner part has
+        # room whenever the flag is up (docs/nic.md, Gather packing).
         m.submodules.records = records = fifo.SyncFIFOBuffered(
-            width=GatherPieceLayout().size, depth=self.piece_depth)
+            width=GatherPieceLayout().size, depth=self.piece_depth + 1)
+        record_room = Signal(init=1)
+        record_write = self.pieces.valid & record_room
         m.d.comb += [records.w_data.eq(self.pieces.payload),
-                     records.w_en.eq(self.pieces.valid),
-                     self.pieces.ready.eq(records.w_rdy)]
+                     records.w_en.eq(record_write),
+                     self.pieces.ready.eq(record_room)]
+        m.d.sync += record_room.eq(records.level + record_write < self.piece_depth)
         head = GatherPieceLayout()(records.r_data)
 
         # The piece whose raw beats come in now.
@@ -67,15 +74,18 @@ class GatherPacker(wiring.Component):
         partial_resp = Signal(2)
         flush = Signal()                # partial holds a packet's last bytes, to go out alone
 
-        # The output register; a packet's only piece bypasses it while it is empty.
+        # The output register and a skid register behind it, so that raw.ready and every
+        # register but these two see a register, not packed.ready (depth); a packet's only
+        # piece bypasses them while they are empty.
         out = Signal(RBeatLayout(WIDTH))
         out_valid = Signal()
+        skid = Signal(RBeatLayout(WIDTH))
+        skid_valid = Signal()
         raw, packed = self.raw, self.packed
         final = last_beat & last_piece
         bypass = held & alone & ~out_valid
-        room = ~out_valid | packed.ready
         m.d.comb += [
-            raw.ready.eq(held & ~flush & Mux(bypass, packed.ready, room)),
+            raw.ready.eq(held & ~flush & ~skid_valid),
             packed.valid.eq(Mux(bypass, raw.valid, out_valid)),
             packed.payload.data.eq(Mux(bypass, raw.payload.data, out.data)),
             packed.payload.resp.eq(Mux(bypass, raw.payload.resp, out.resp)),
@@ -97,23 +107,39 @@ class GatherPacker(wiring.Component):
         full = reach[6]                 # the merged beat's last lane is filled
         spill = final & full & (end_fill != 0)
 
-        with m.If(room):
-            m.d.sync += out_valid.eq(0)
-        with m.If(flush & room):
-            m.d.sync += [out_valid.eq(1), out.data.eq(partial),
-                         out.resp.eq(partial_resp), out.last.eq(1),
-                         flush.eq(0), partial_resp.eq(0)]
+        # A beat for the registers: the bytes over a packet's end, a merged beat, or a
+        # bypassed one that packed.ready holds back. It goes to the output register if that
+        # is free after this cycle, else to the skid register; raw.ready and the flush wait
+        # while the skid register is full.
+        beat = Signal(RBeatLayout(WIDTH))
+        emit = Signal()
+        flushing = flush & ~skid_valid
+        resp = partial_resp | raw.payload.resp
+        with m.If(flushing):
+            m.d.comb += [emit.eq(1), beat.data.eq(partial), beat.resp.eq(partial_resp),
+                         beat.last.eq(1)]
+            m.d.sync += [flush.eq(0), partial_resp.eq(0)]
+        with m.Else():
+            # A held-back bypassed beat keeps its payload as offered, lanes outside the run too.
+            m.d.comb += [emit.eq(take & (full | final) & ~(bypass & packed.ready)),
+                         beat.data.eq(Mux(bypass, raw.payload.data, merged)), beat.resp.eq(resp),
+                         beat.last.eq(final & ~spill)]
+        # packed.ready only in the registers' enables (depth): the output register is free
+        # after this cycle, or it keeps its beat and a new one goes behind it. The skid
+        # register is full only while the output register is.
+        free_after = ~out_valid | packed.ready
+        with m.If(free_after):
+            m.d.sync += [out_valid.eq(skid_valid | emit), out.eq(Mux(skid_valid, skid, beat)),
+                         skid_valid.eq(0)]
+        with m.Elif(emit):
+            m.d.sync += [skid_valid.eq(1), skid.eq(beat)]
         with m.If(take):
-            resp = partial_resp | raw.payload.resp
             m.d.sync += [fill.eq(reach[:6]),
                          partial.eq(Mux(full, shifted, merged)),
                          partial_resp.eq(Mux(full, Mux(reach[:6] != 0, raw.payload.resp, 0), resp)),
                          flush.eq(spill)]
             with m.If(final & ~spill):
                 m.d.sync += partial_resp.eq(0)
-            with m.If((full | final) & ~bypass):
-                m.d.sync += [out_valid.eq(1), out.data.eq(merged),
-                             out.resp.eq(resp), out.last.eq(final & ~spill)]
             with m.If(~last_beat):
                 m.d.sync += [beats_left.eq(beats_left - 1),
                              last_beat.eq(beats_left == 2),
