@@ -204,15 +204,22 @@ class SwitchAllocator(wiring.Component):
         # --- stage G: among heads whose ports are both available, each output picks a VL
         # (weighted round robin) and grants one input: any eligible head of a quiet output, a
         # short one on the reserve while short matches are uncounted.
-        # Not an input offered a grant now (it is matched now, or its grant dropped) nor one
-        # started in the cycle before (its head tested then may be the packet started): their
-        # grants would be dropped, and an output open to short packets again would lose its turn.
+        # Not an input matched now (its grant is to an output free now) nor one started in the
+        # cycle before (its head tested then may be the packet started): their grants would be
+        # dropped, and an output open to short packets again would lose its turn. An input whose
+        # grants are all to taken outputs does request: else it may only ever be granted into
+        # the cycles its output is taken (docs/switch.md, Which inputs request). Pending now or
+        # started in the cycle before = pending or matched in the cycle before, or started then
+        # (registers: a level less than the pending matches' OR).
         grant = [Signal(P, name=f"grant{o}") for o in range(P)]
         in_ok = Signal(P)
+        matched_in = Signal(P)
         started_in = Signal(P)
-        m.d.sync += started_in.eq(self.start)
-        m.d.comb += in_ok.eq(self.in_ready & ~pend_in & ~started_in
-                             & ~Cat(Cat(grant[o][i] for o in range(P)).any() for i in range(P)))
+        pend_in_before = Signal(P)
+        out_free = Signal(P)            # ~out_taken (below), a cycle ahead
+        m.d.sync += [started_in.eq(self.start), pend_in_before.eq(pend_in)]
+        m.d.comb += in_ok.eq(self.in_ready & ~pend_in_before & ~matched_in & ~started_in & ~Cat(
+            (Cat(grant[o][i] for o in range(P)) & out_free).any() for i in range(P)))
         requests = Signal(P * P * V)
         for i in range(P):
             for o in range(P):
@@ -252,7 +259,6 @@ class SwitchAllocator(wiring.Component):
         matched = Signal(P * P)         # the matches of the cycle before
         direct = Signal(P * P)          # the matches of inputs with one grant: may start now
         m.d.sync += matched.eq(match)
-        matched_in = Signal(P)
         # The ports matched in the cycle before, registered as such (not ORed from `matched`
         # after the register): a level less in front of `match` and the start (depth).
         matching_out = Cat(Cat(match[i * P + o] for i in range(P)).any() for o in range(P))
@@ -264,6 +270,7 @@ class SwitchAllocator(wiring.Component):
         # An output taken for this cycle's grants: pending, or matched in the cycle before
         # unless both that match and the grant are on the short rule.
         out_taken = Signal(P)
+        free = ~(pend_in | matched_in)      # inputs with no pending match and none made before
         m.d.comb += out_taken.eq(pend_out | matched_out & ~(matched_short & grant_short))
         # A grant of cycle c was made before the matches of cycle c, so it may name a port
         # matched since (pending, or matched in c and started at once); such a pick is dropped
@@ -275,7 +282,7 @@ class SwitchAllocator(wiring.Component):
         for i in range(P):
             offers = Cat(grant[o][i] for o in range(P))
             pick = round_robin_pick(m, offers, accept_mask[i], name=f"accept{i}")
-            free_in = (~(pend_in[i] | matched_in[i])).replicate(P)
+            free_in = free[i].replicate(P)
             sole = Signal(name=f"sole_offer{i}")
             m.d.comb += [
                 sole.eq(Cat(offers == (1 << o) for o in range(P)).any()),
@@ -283,6 +290,18 @@ class SwitchAllocator(wiring.Component):
                 direct[i * P:(i + 1) * P].eq(offers & ~out_taken & free_in
                                              & sole.replicate(P)),
             ]
+        # `out_taken` of the next cycle, for `in_ok`: the output is matched now to an input with
+        # its grant (taken next cycle unless both on the short rule and the match starts now),
+        # or pending (taken unless it starts now). Only `start` is late here; an input
+        # offered several grants counts as matched to each.
+        for o in range(P):
+            matching = (grant[o] & free).any() & ~out_taken[o]
+            taken_next = matching & ~(grant_short[o] & ~quiet[o])
+            taken_unless_started = pend_out[o] | matching
+            # A free input starts only a match made now: the one to the output granting it.
+            busy = Cat(pend[i * P + o] for i in range(P)) | grant[o] & free
+            busy_starts = (self.start & busy).any()
+            m.d.sync += out_free[o].eq(~taken_next & ~(taken_unless_started & ~busy_starts))
         started = Cat(self.start[i].replicate(P) for i in range(P))
         m.d.comb += self.match.eq(direct)
         m.d.sync += pend.eq((pend | match) & ~started)
