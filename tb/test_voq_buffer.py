@@ -784,7 +784,7 @@ def test_discard_grant_of_a_packet_still_arriving():
 
 @pytest.mark.xfail(strict=True, reason="known defect: a packet's verdict is kept at a sequence "
                    "number that wraps onto a packet still waiting in its queue (docs/switch.md, "
-                   "Input buffer)")
+                   "Input buffer, Verdicts)")
 def test_verdict_of_a_packet_waiting_while_many_pass():
     """A packet waits in its queue (its output never granted) while more packets than the
     verdict memory has entries pass through another queue; then it is granted: it leaves
