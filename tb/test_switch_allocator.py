@@ -109,7 +109,7 @@ def run(ports, num_vls, *, seed, cycles, load, returns_after, max_blocks=65,
     return stats
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1, pytest.param(2, marks=pytest.mark.full)])
 def test_random_load_credit_safe_and_complete(seed):
     """Mixed sizes, tight downstream credit (returns 10-300 cycles after a packet is counted)."""
     run(4, 2, seed=seed, cycles=1500, load=0.08, returns_after=(10, 300))
