@@ -8,10 +8,12 @@ testbench (the ``TB_PARAMS`` environment variable, read by :func:`tb_params`).
 A top may instantiate large components as separately built modules (Verilator
 hierarchical blocks, :mod:`hdl.fabric.separate_modules`), declared as its ``hier_blocks``.
 """
+import contextlib
 import fcntl
 import hashlib
 import json
 import os
+from importlib.metadata import version
 from pathlib import Path
 
 from hdl.emit import write_verilog
@@ -108,17 +110,22 @@ def run(*, module, toplevel, factory, params, testcase=None, test_filter=None,
             stamp_sources(stamp, digest)
         specs = json.loads(declared.read_text())
         module_sources, module_args = hier_build.build_inputs(specs, build_dir, hierarchical)
-        with hier_build.build_lock(specs, flavour):
-            runner.build(
-                sources=[source, *module_sources],
-                hdl_toplevel=toplevel,
-                build_dir=build_dir,
-                build_args=[*VERILATOR_WARNINGS,
-                            *(["--trace-fst", "--trace-structs"] if waves else []),
-                            *module_args, *build_args],
-                waves=waves,
-                log_file=build_dir / "build.log",
-            )
+        args = [*VERILATOR_WARNINGS, *(["--trace-fst", "--trace-structs"] if waves else []),
+                *module_args, *build_args]
+        # A build already made from these sources and arguments only finds itself up to date
+        # (Verilator's and make's checks): it needs no turn on the separate modules' locks,
+        # which would make it wait while another top sharing a module (the NIC's) compiles.
+        built = build_dir / ".built"
+        key = json.dumps([digest, [str(path) for path in module_sources], [str(a) for a in args],
+                          version("verilator")])
+        up_to_date = built.exists() and built.read_text() == key and (build_dir / toplevel).exists()
+        built.unlink(missing_ok=True)
+        with contextlib.nullcontext() if up_to_date else hier_build.build_lock(specs, flavour):
+            runner.build(sources=[source, *module_sources], hdl_toplevel=toplevel,
+                         build_dir=build_dir, build_args=args, waves=waves,
+                         log_file=build_dir / "build.log")
+        if stamp.exists() and stamp.read_text() == digest:
+            built.write_text(key)
     env = {"TB_PARAMS": json.dumps(params)}
     env.update(extra_env or {})
     # Each distinct run (module, test filter, environment) gets its own directory for logs
