@@ -62,6 +62,8 @@ def emit_modules(specs, out_dir=None, jobs=2, log=print):
     out_dir = Path(out_dir or BUILD / "modules")
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = module_paths(specs, out_dir)
+    if all(path.exists() for path in paths.values()):     # each written whole (os.replace)
+        return list(paths.values())
     with open(out_dir / ".emit.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         todo = [(name, *specs[name], path) for name, path in paths.items() if not path.exists()]
