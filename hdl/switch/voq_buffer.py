@@ -58,7 +58,8 @@ class VoqBuffer(wiring.Component):
     is granted is not sent: its cells are skipped (``sending`` stays low, so the output is
     free again at once) and counted as discarded; so is a packet granted with
     ``grant_discard`` (its head-of-queue lifetime ran out). Cells go back to the free list as they
-    are read; the packet's credit blocks return to the receiver with its end beat.
+    are read; the packet's credit blocks return to the receiver with its end beat, and its
+    verdict entry (taken from a free list of its own at its start) goes back then.
 
     Accounting: every input VL may hold ``share`` cells (the receiver's room), which its
     credits never exceed when the peer follows the protocol, so the memory
