@@ -123,13 +123,23 @@ PLANTED = {
         "- Mux(none_uncounted[o], 0, seen[o][0]))"),
     # A packet skipped unsent (known bad, or dropped) does not give its cells back.
     "voq_discard_keeps_its_cells": ("voq_buffer_cells_bmc8", VOQ_BUFFER, "buffer", "VoqBuffer",
-        "m.d.comb += [free_cells.w_data.eq(shown_cell), free_cells.w_en.eq(consume)]",
-        "m.d.comb += [free_cells.w_data.eq(shown_cell), free_cells.w_en.eq(consume & ~skip)]"),
-    # The free list hands out its head without removing it: the next write gets it again.
+        'm.d.comb += [free_cells["given"].eq(shown_cell), free_cells["give"].eq(consume)]',
+        'm.d.comb += [free_cells["given"].eq(shown_cell), free_cells["give"].eq(consume & ~skip)]'),
+    # The free lists hand out their head without removing it: the next take gets it again.
     "voq_free_cell_handed_out_twice": ("voq_buffer_cells_bmc8", VOQ_BUFFER, "buffer",
         "VoqBuffer",
-        "m.d.comb += free_cells.r_en.eq(1)",
-        "m.d.comb += free_cells.r_en.eq(0)"),
+        'm.d.comb += [queue.r_en.eq(1), signals["ran_out"].eq(~queue.r_rdy)]',
+        'm.d.comb += [queue.r_en.eq(0), signals["ran_out"].eq(~queue.r_rdy)]'),
+    # A packet gives its verdict entry back when it is granted, not when it finishes: a
+    # start may take it while the packet is still read.
+    "voq_verdict_entry_freed_at_grant": ("voq_buffer_cells_bmc8", VOQ_BUFFER, "buffer",
+        "VoqBuffer",
+        'm.d.comb += [free_entries["given"].eq(rd_entry), free_entries["give"].eq(self.finishing)]',
+        'm.d.comb += [free_entries["given"].eq(granted.entry), free_entries["give"].eq(self.grant_valid)]'),
+    # A start does not take its verdict entry from the free list: every packet gets entry 0.
+    "voq_verdict_entry_not_taken": ("voq_buffer_cells_bmc8", VOQ_BUFFER, "buffer", "VoqBuffer",
+        'm.d.comb += free_entries["take"].eq(starting)',
+        'm.d.comb += free_entries["take"].eq(0)'),
     # A range one byte past the key's end passes the range compare.
     "key_end_one_byte_over": ("responder_mkey_range", RESPONDER, "engine", "ResponderEngine",
         "not_end = ~Cat(end, C(0, 1))",
@@ -156,7 +166,9 @@ PLANTED = {
 # 7 to 24 s each (95 s of make test on 2026-12-07), run in make formal and make test-full.
 SLOW_BUGS = {"room_unchecked_after_first", "release_one_block_short", "cut_short_one_block_short",
              "overlong_packet_ends_twice", "allocator_reserve_one_packet_short",
-             "voq_free_cell_handed_out_twice", "key_end_one_byte_over", "end_carry_dropped",
+             "voq_free_cell_handed_out_twice", "voq_verdict_entry_freed_at_grant",
+             "voq_verdict_entry_not_taken",
+             "key_end_one_byte_over", "end_carry_dropped",
              "wrap_check_removed"}
 
 # Bounded depth at which every planted bug shows a counterexample (a start flag inside a

@@ -58,7 +58,8 @@ class VoqBuffer(wiring.Component):
     is granted is not sent: its cells are skipped (``sending`` stays low, so the output is
     free again at once) and counted as discarded; so is a packet granted with
     ``grant_discard`` (its head-of-queue lifetime ran out). Cells go back to the free list as they
-    are read; the packet's credit blocks return to the receiver with its end beat.
+    are read; the packet's credit blocks return to the receiver with its end beat, and its
+    verdict entry (taken from a free list of its own at its start) goes back then.
 
     Accounting: every input VL may hold ``share`` cells (the receiver's room), which its
     credits never exceed when the peer follows the protocol, so the memory
@@ -86,12 +87,10 @@ class VoqBuffer(wiring.Component):
         self.share = share
         self.mode = mode
         # Writes stop at share - 1 cells per VL (receiver keeps one for a closing beat), the
-        # writer holds one reserved cell, and a freed cell takes a cycle to be reusable.
+        # writer holds one reserved cell, and a freed cell takes a cycle to be reusable. As
+        # many verdict entries: packets alive never outnumber the cells (docs/switch.md).
         self.cells = num_vls * share + 4
         self.cell_bits = (self.cells - 1).bit_length()
-        # One bit wider than a cell index. Not enough (docs/switch.md, Verdicts, known
-        # defect): a packet waiting while 2 ** seq_bits later ones start loses its verdict.
-        self.seq_bits = self.cell_bits + 1
         self.num_queues = queue_count(ports, num_vls, mode)
         super().__init__({
             "store": In(StoreSignature(width, num_vls, range(share + 1))),
@@ -116,6 +115,33 @@ class VoqBuffer(wiring.Component):
         """Queue index of packets for output ``port`` on output VL ``vl``."""
         return port * self.num_vls + vl if self.mode == "voq" else vl
 
+    def free_list(self, m, name):
+        """Indices 0 .. cells - 1 (cells, verdict entries), each free or in use, as a dict of
+        signals: ``reserved`` (a register, in use from reset) is the index the next ``take``
+        hands out; a take reserves ``taken`` from the next cycle: a never used index, counted
+        by ``fresh``, while any are left, else the head of a ``HeadQueue`` of the ones given
+        back (``give``, ``given``; reusable from the next cycle). ``ran_out``: a take found
+        none. A HeadQueue, not a SyncFIFO: its level and head are registers, so a take
+        decides among registers, not through an adder (depth: the receiver's write decision
+        takes a cell)."""
+        count = self.cells
+        queue = m.submodules[name] = HeadQueue(width=self.cell_bits, depth=count)
+        signals = {"reserved": Signal(self.cell_bits, name=f"{name}_reserved"),
+                   "fresh": Signal(range(count + 1), init=1, name=f"{name}_fresh"),
+                   "taken": Signal(self.cell_bits, name=f"{name}_taken"),
+                   "take": Signal(name=f"{name}_take"), "ran_out": Signal(name=f"{name}_ran_out"),
+                   "give": queue.w_en, "given": queue.w_data, "free_level": queue.level,
+                   "queue": queue}
+        fresh = signals["fresh"]
+        m.d.comb += signals["taken"].eq(Mux(fresh != count, fresh, queue.r_data))
+        with m.If(signals["take"]):
+            m.d.sync += signals["reserved"].eq(signals["taken"])
+            with m.If(fresh != count):
+                m.d.sync += fresh.eq(fresh + 1)
+            with m.Else():
+                m.d.comb += [queue.r_en.eq(1), signals["ran_out"].eq(~queue.r_rdy)]
+        return signals
+
     def elaborate(self, platform):
         m = Module()
         width, num_vls, cells = self.width, self.num_vls, self.cells
@@ -125,15 +151,16 @@ class VoqBuffer(wiring.Component):
             "data": 8 * width, "end": 1, "count": range(width + 1), "next": self.cell_bits})
         verdict_layout = data.StructLayout({"bad": 1, "blocks": FCCL_BITS})
         descriptor = data.StructLayout({
-            "head": self.cell_bits, "seq": self.seq_bits, "port": range(self.ports),
+            "head": self.cell_bits, "entry": self.cell_bits, "port": range(self.ports),
             "vl": vl_index(num_vls), "in_vl": vl_index(num_vls), "blocks": FCCL_BITS})
 
         m.submodules.cell_mem = cell_mem = Memory(shape=cell_layout, depth=cells, init=[])
         m.submodules.verdict_mem = verdict_mem = Memory(
-            shape=verdict_layout, depth=1 << self.seq_bits, init=[])
-        # A HeadQueue, not a SyncFIFO: its level and head are registers, so the receiver's write
-        # decision (which takes a cell) ends in a choice of sums, not an adder (depth).
-        m.submodules.free_cells = free_cells = HeadQueue(width=self.cell_bits, depth=cells)
+            shape=verdict_layout, depth=cells, init=[])
+        # A packet's verdict entry is taken at its start and given back when it finishes, so
+        # no live packet's entry is reused however long it waits (docs/switch.md, Verdicts).
+        free_cells = self.free_list(m, "free_cells")
+        free_entries = self.free_list(m, "free_entries")
         queues = []
         for q in range(self.num_queues):
             queue = HeadQueue(width=descriptor.size, depth=cells)
@@ -149,10 +176,9 @@ class VoqBuffer(wiring.Component):
 
         # --- writer ----------------------------------------------------------------------
         cell_wp = cell_mem.write_port()
-        reserved = Signal(self.cell_bits)                   # where the next beat goes
-        fresh = Signal(range(cells + 1), init=1)            # cells never used yet: fresh ..
+        reserved = free_cells["reserved"]                   # where the next beat goes
         wr_open = Signal()                                  # a packet awaits its verdict
-        wr_seq = Signal(self.seq_bits)
+        wr_entry = Signal(self.cell_bits)                   # ... the newest packet's entry
         wr_cells = Signal(16)                               # beats of it written so far
         # Cells each input VL may still fill: a register, since the receiver's write decision
         # reads it (PacketBuffer does the same).
@@ -160,16 +186,10 @@ class VoqBuffer(wiring.Component):
 
         write = store.write_valid
         starting = write & store.write.start
-        new_cell = Signal(self.cell_bits)
-        m.d.comb += new_cell.eq(Mux(fresh != cells, fresh, free_cells.r_data))
-        with m.If(write):
-            m.d.sync += reserved.eq(new_cell)
-            with m.If(fresh != cells):
-                m.d.sync += fresh.eq(fresh + 1)
-            with m.Else():
-                m.d.comb += free_cells.r_en.eq(1)
-                with m.If(~free_cells.r_rdy):
-                    m.d.sync += self.no_cell.eq(1)
+        new_cell = free_cells["taken"]
+        m.d.comb += free_cells["take"].eq(write)
+        with m.If(free_cells["ran_out"]):
+            m.d.sync += self.no_cell.eq(1)
 
         beat_data = Signal(8 * width)
         m.d.comb += beat_data.eq(store.write.data)
@@ -185,17 +205,18 @@ class VoqBuffer(wiring.Component):
             cell_wp.data.next.eq(new_cell),
         ]
 
-        seq_next = Signal(self.seq_bits)
-        m.d.comb += seq_next.eq(wr_seq + 1)
+        # Each live packet holds a cell in use, so a start finds an entry free by construction
+        # (docs/switch.md, Verdicts): nothing to flag.
+        m.d.comb += free_entries["take"].eq(starting)
         with m.If(starting):
-            m.d.sync += [wr_seq.eq(seq_next), wr_cells.eq(1), wr_open.eq(1)]
+            m.d.sync += [wr_entry.eq(free_entries["reserved"]), wr_cells.eq(1), wr_open.eq(1)]
         with m.Elif(write):
             m.d.sync += wr_cells.eq(wr_cells + 1)
 
         entry = Signal(descriptor)
         m.d.comb += [
             entry.head.eq(reserved),
-            entry.seq.eq(seq_next),
+            entry.entry.eq(free_entries["reserved"]),
             entry.port.eq(self.route_port),
             entry.vl.eq(self.route_vl),
             entry.in_vl.eq(store.write_vl),
@@ -214,7 +235,7 @@ class VoqBuffer(wiring.Component):
 
         verdict_wp = verdict_mem.write_port()
         m.d.comb += [
-            verdict_wp.addr.eq(Mux(starting, seq_next, wr_seq)),
+            verdict_wp.addr.eq(Mux(starting, free_entries["reserved"], wr_entry)),
             verdict_wp.data.bad.eq(store.verdict_bad),
             verdict_wp.data.blocks.eq(store.verdict_blocks),
             verdict_wp.en.eq(store.verdict_valid),
@@ -226,12 +247,12 @@ class VoqBuffer(wiring.Component):
         cell_rp = cell_mem.read_port(transparent_for=())
         # The packet's verdict and whether it is in are registers, formed in the cycle before
         # from the writer's next state and the reader's next packet (depth: no memory read or
-        # sequence compare in front of the reader's decisions). Each holds, in every cycle,
-        # the value a combinational read at rd_seq would give (docs/switch.md).
+        # entry compare in front of the reader's decisions). Each holds, in every cycle,
+        # the value a combinational read at rd_entry would give (docs/switch.md).
         verdict_rp = verdict_mem.read_port(transparent_for=(verdict_wp,))
         rd_checked = Signal()       # the known-bad check was made for this packet
         rd_skip = Signal()
-        rd_seq = Signal(self.seq_bits)
+        rd_entry = Signal(self.cell_bits)
         rd_index = Signal(16)       # beats read so far (the grant reads the first)
         rd_in_vl = Signal(vl_index(num_vls))
         shown = Signal()            # cell_rp.data holds a beat of this packet not yet consumed
@@ -251,7 +272,7 @@ class VoqBuffer(wiring.Component):
                                                 for q, queue in enumerate(queues)]))
         # Whether queue q's head is the newest packet: the newest went to q and is alone there
         # (it cannot have left before an older one). From registers, not from the head read
-        # out of the queue's memory and a sequence compare (depth).
+        # out of the queue's memory and an entry compare (depth).
         newest_queue = Signal(range(max(self.num_queues, 2)))
         with m.If(starting):
             m.d.sync += newest_queue.eq(target)
@@ -259,11 +280,11 @@ class VoqBuffer(wiring.Component):
         for q, queue in enumerate(queues):
             m.d.comb += open_head[q].eq((newest_queue == q) & (queue.level == 1))
         with m.If(self.grant_valid):
-            m.d.comb += verdict_rp.addr.eq(granted.seq)
+            m.d.comb += verdict_rp.addr.eq(granted.entry)
             m.d.sync += known.eq(~(still_open & (open_head & self.grant_queues).any()))
         with m.Else():
-            m.d.comb += verdict_rp.addr.eq(rd_seq)
-            m.d.sync += known.eq(~(still_open & (wr_seq == rd_seq)))
+            m.d.comb += verdict_rp.addr.eq(rd_entry)
+            m.d.sync += known.eq(~(still_open & (wr_entry == rd_entry)))
         bad = verdict_rp.data.bad
         skip = Signal()
         m.d.comb += skip.eq(Mux(rd_checked, rd_skip, known & bad))
@@ -299,18 +320,19 @@ class VoqBuffer(wiring.Component):
         with m.Elif(consume):
             m.d.sync += shown.eq(0)
 
-        m.d.comb += [free_cells.w_data.eq(shown_cell), free_cells.w_en.eq(consume)]
-        # The free list's moves, for a formal proof's shadow of the cells in use
-        # (docs/formal.md): a write takes new_cell, a consumed beat gives its cell back.
-        self.formal_cells = {"fresh": fresh, "free_level": free_cells.level, "take": write,
-                             "taken": new_cell, "give": free_cells.w_en,
-                             "given": free_cells.w_data, "reserved": reserved}
-        # ... and what its induction states about the free list, the packet chains in the
+        m.d.comb += [free_cells["given"].eq(shown_cell), free_cells["give"].eq(consume)]
+        m.d.comb += [free_entries["given"].eq(rd_entry), free_entries["give"].eq(self.finishing)]
+        # The free lists' moves, for a formal proof's shadow of the cells and entries in use
+        # (docs/formal.md): a write takes a cell, a consumed beat gives its cell back; a start
+        # takes an entry, a finishing packet gives its entry back.
+        self.formal_cells = free_cells
+        self.formal_entries = free_entries
+        # ... and what its induction states about the free lists, the packet chains in the
         # cell memory, the queued descriptors and the reader (docs/formal.md).
-        self.formal_chains = {"free_cells": free_cells, "queues": queues, "cell_mem": cell_mem,
+        self.formal_chains = {"queues": queues, "cell_mem": cell_mem,
                               "descriptor": descriptor, "granted_head": granted.head,
-                              "wr_seq": wr_seq, "wr_open": wr_open, "wr_cells": wr_cells,
-                              "rd_seq": rd_seq, "rd_index": rd_index, "rd_in_vl": rd_in_vl,
+                              "wr_entry": wr_entry, "wr_open": wr_open, "wr_cells": wr_cells,
+                              "rd_entry": rd_entry, "rd_index": rd_index, "rd_in_vl": rd_in_vl,
                               "shown": shown, "shown_cell": shown_cell, "beat": beat,
                               "known": known, "newest_queue": newest_queue,
                               "consume": consume, "room": room}
@@ -343,7 +365,7 @@ class VoqBuffer(wiring.Component):
                 self.active.eq(1), rd_checked.eq(self.grant_discard),
                 rd_skip.eq(self.grant_discard), rd_index.eq(1),
                 shown.eq(1), shown_cell.eq(granted.head), shown_start.eq(1),
-                rd_seq.eq(granted.seq), rd_in_vl.eq(granted.in_vl),
+                rd_entry.eq(granted.entry), rd_in_vl.eq(granted.in_vl),
                 self.out_port.eq(granted.port), self.out_vl.eq(granted.vl),
             ]
         return m

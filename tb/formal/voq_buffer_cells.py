@@ -1,6 +1,7 @@
-"""Formal harness: the VOQ buffer's cell accounting (docs/formal.md, docs/switch.md "Input
-buffer"): no cell is lost or handed out twice, free + in use = all cells, ``no_cell`` never
-rises, and an empty buffer has every cell but the writer's reserved one free.
+"""Formal harness: the VOQ buffer's cell and verdict-entry accounting (docs/formal.md,
+docs/switch.md "Input buffer"): no cell or entry is lost or handed out twice, free + in use =
+all of them, ``no_cell`` never rises, an empty buffer has every cell but the writer's reserved
+one free, and every live packet keeps its verdict entry until it finishes.
 
 Around the real ``VoqBuffer`` the harness plays the receiver and the switch: any packets on
 any VL (writes only while the VL's room allows one, as the receiver's credits do; a start
@@ -9,7 +10,8 @@ only after the previous packet's end beat and verdict, one VL per packet, at mos
 bad, with the end beat or later), any routes, grants only of non-empty queues while the
 reader is free or finishing (with or without discard), any backpressure on ``out``. A
 shadow bit per cell (in use: the writer's reserved cell and every cell written and not yet
-given back) checks every cell the free list hands out and takes back. With ``induction`` the
+given back) checks every cell the free list hands out and takes back, and one per verdict
+entry (in use: the reserved entry and those of the packets alive) every entry. With ``induction`` the
 harness also states the invariants meant to make this inductive (ghost labels of each cell in
 use, over the free FIFO's, the queues' and the cell memory's contents; docs/formal.md): they
 hold from reset, but their k-induction has not been seen to finish yet.
@@ -90,35 +92,31 @@ class VoqBufferCellsHarness(Elaboratable):
         m.d.comb += Assume(~dut.grant_valid | ((heads_valid & select).any() &
                                                (~dut.active | dut.finishing)))
 
-        # --- the shadow: which cells are in use.
-        in_use = Signal(dut.cells, init=1)      # cell 0 is the writer's first reserved cell
-        taken = cells["taken"]
-        given = cells["given"]
-        after = Signal(dut.cells)
-        m.d.comb += after.eq(in_use
-                             & ~(cells["give"].replicate(dut.cells) & (1 << given))
-                             | (cells["take"].replicate(dut.cells) & (1 << taken)))
-        m.d.sync += in_use.eq(after)
+        # --- the shadows: which cells and which verdict entries are in use.
+        in_use = shadow(m, cells, dut.cells, "cells")
+        m.d.comb += Assert(~dut.no_cell)
         packets = Signal(range(dut.cells + 2))  # packets started and not yet finished
         m.d.sync += packets.eq(packets + (write & beat.start) - dut.finishing)
-
-        free_now = Signal(range(2 * dut.cells + 1))
-        m.d.comb += free_now.eq(dut.cells - cells["fresh"] + cells["free_level"])
+        # Each packet alive holds its own verdict entry, from its start to its finishing
+        # cycle (the reserved entry beside them): the reader's is still in use, and a start
+        # hands out neither the reader's entry nor the open packet's.
+        entries = dut.formal_entries
+        entry_in_use = shadow(m, entries, dut.cells, "entries")
+        ch = dut.formal_chains
         m.d.comb += [
-            # The free list hands out only cells not in use, takes back only cells in use.
-            Assert(~cells["take"] | ~in_use.bit_select(taken, 1)),
-            Assert(~cells["give"] | in_use.bit_select(given, 1)),
-            # Free + in use = all cells.
-            Assert(free_now + popcount(in_use) == dut.cells),
-            Assert(in_use.bit_select(cells["reserved"], 1)),
-            Assert(~dut.no_cell),
+            Assert(popcount(entry_in_use) == packets + 1),
+            Assert(~dut.active | (entry_in_use.bit_select(ch["rd_entry"], 1)
+                                  & (ch["rd_entry"] != entries["reserved"]))),
+            Assert(~ch["wr_open"] | (entry_in_use.bit_select(ch["wr_entry"], 1)
+                                     & (ch["wr_entry"] != entries["reserved"]))),
         ]
         # Empty: every cell is free but the reserved one.
         with m.If((packets == 0) & ~heads_valid.any() & ~dut.active):
             m.d.comb += Assert(popcount(in_use) == 1)
 
         if self.induction:
-            self.chain_invariants(m, in_use, open_, judged, beats, packet_vl)
+            self.chain_invariants(m, in_use, entry_in_use, packets, open_, judged, beats,
+                                  packet_vl)
 
         # Reachable: every VL's share full, then all drained; a packet discarded.
         full = Signal()
@@ -131,8 +129,9 @@ class VoqBufferCellsHarness(Elaboratable):
                      Cover(store.discarded)]
         return m
 
-    def chain_invariants(self, m, in_use, open_, judged, beats, packet_vl):
-        """What makes the accounting inductive (docs/formal.md): the free list, the packet
+    def chain_invariants(self, m, in_use, entry_in_use, packets, open_, judged, beats,
+                         packet_vl):
+        """What makes the accounting inductive (docs/formal.md): the free lists, the packet
         chains in the cell memory, the queued descriptors and the reader, over ghost labels
         of every cell in use (its packet, its beat in it, its VL)."""
         dut = self.dut
@@ -175,7 +174,9 @@ class VoqBufferCellsHarness(Elaboratable):
             ]
             return [(j < queue.level, stored[wrap(r_ptr + j)]) for j in range(depth_used)]
 
-        free_entries = contents(ch["free_cells"], n - 1)
+        free_cell_entries = contents(cells["queue"], n - 1)
+        entries = dut.formal_entries
+        free_entry_entries = contents(entries["queue"], n - 1)
         layout = ch["descriptor"]
         queued = []         # (queue, index, valid, descriptor view, level)
         for q, queue in enumerate(ch["queues"]):
@@ -225,17 +226,9 @@ class VoqBufferCellsHarness(Elaboratable):
         def of_latest(c):
             return ~lat_gone & Mux(lat_rd, g_rd[c], ~g_rd[c] & (g_head[c] == lat_head))
 
-        # --- the free list: each cell is fresh, free (once in the FIFO) or in use.
-        fresh = cells["fresh"]
-        m.d.comb += Assert(fresh <= n)
-        for c in range(n):
-            in_fifo = Cat(valid & (entry == c) for valid, entry in free_entries).any()
-            m.d.comb += [Assert((in_use[c] | in_fifo) == (c < fresh)),
-                         Assert(~(in_use[c] & in_fifo))]
-        for a in range(len(free_entries)):
-            for b in range(a + 1, len(free_entries)):
-                m.d.comb += Assert(~free_entries[b][0]
-                                   | (free_entries[a][1] != free_entries[b][1]))
+        # --- the free lists: each cell or entry is fresh, free (once in the FIFO) or in use.
+        free_list_invariants(m, cells, in_use, free_cell_entries)
+        free_list_invariants(m, entries, entry_in_use, free_entry_entries)
 
         # --- VL v's cells in use are the share its room lacks.
         for v in range(dut.num_vls):
@@ -250,12 +243,19 @@ class VoqBufferCellsHarness(Elaboratable):
             m.d.comb += Assert(~valid | (W_a[e.head] & ~g_rd_a[e.head]
                                          & (g_head_a[e.head] == e.head) & (g_pos_a[e.head] == 0)
                                          & (g_vl_a[e.head] == e.in_vl)))
-            # The latest packet, queued, is the last of the newest queue, with wr_seq.
+            # The latest packet, queued, is the last of the newest queue, with wr_entry.
             m.d.comb += Assert(~(valid & latest) | ((ch["newest_queue"] == q) & (level == j + 1)
-                                                    & (e.seq == ch["wr_seq"])
+                                                    & (e.entry == ch["wr_entry"])
                                                     & (e.in_vl == packet_vl)))
+            # Its verdict entry is in use, not the reserved one, not the reader's.
+            m.d.comb += Assert(~valid | (entry_in_use.bit_select(e.entry, 1)
+                                         & (e.entry != entries["reserved"])
+                                         & ~(dut.active & (e.entry == ch["rd_entry"]))))
             for _, _, valid2, e2, _ in queued[k + 1:]:
-                m.d.comb += Assert(~(valid & valid2) | (e.head != e2.head))
+                m.d.comb += Assert(~(valid & valid2) | ((e.head != e2.head)
+                                                        & (e.entry != e2.entry)))
+        # The packets alive are the queued ones and the reader's.
+        m.d.comb += Assert(packets == sum(valid for _, _, valid, _, _ in queued) + dut.active)
 
         # Each queued descriptor's head is a cell at beat 0 of a packet not yet granted, and
         # each such cell heads a queued descriptor (counted: no pigeonhole to solve).
@@ -316,7 +316,7 @@ class VoqBufferCellsHarness(Elaboratable):
             Assert(ch["wr_open"] == ~judged),
             Assert(~open_ | ~judged),
             Assert(judged | ~lat_gone),
-            Assert(~lat_rd | (active & (ch["rd_seq"] == ch["wr_seq"])
+            Assert(~lat_rd | (active & (ch["rd_entry"] == ch["wr_entry"])
                               & (ch["rd_in_vl"] == packet_vl))),
             Assert(lat_gone | (beats != 0)),
             Assert(lat_gone | lat_rd | (W_a[lat_head] & ~g_rd_a[lat_head]
@@ -326,6 +326,43 @@ class VoqBufferCellsHarness(Elaboratable):
             Assert(~active | (rd_index != 0)),
             Assert(~(active & lat_rd & ~judged) | ~ch["known"]),
         ]
+
+
+def shadow(m, moves, n, name):
+    """A shadow bit per index of a free list (``moves``: the buffer's ``formal_cells`` or
+    ``formal_entries``), in use from its take to its give, index 0 from reset (the reserved
+    one); checks that the list hands out only free indices, takes back only ones in use, never
+    runs out, and free + in use = all."""
+    in_use = Signal(n, init=1, name=f"{name}_in_use")
+    taken, given = moves["taken"], moves["given"]
+    m.d.sync += in_use.eq(in_use
+                          & ~(moves["give"].replicate(n) & (1 << given))
+                          | (moves["take"].replicate(n) & (1 << taken)))
+    free_now = Signal(range(2 * n + 1), name=f"{name}_free")
+    m.d.comb += [
+        free_now.eq(n - moves["fresh"] + moves["free_level"]),
+        Assert(~moves["take"] | ~in_use.bit_select(taken, 1)),
+        Assert(~moves["give"] | in_use.bit_select(given, 1)),
+        Assert(free_now + popcount(in_use) == n),
+        Assert(in_use.bit_select(moves["reserved"], 1)),
+        Assert(~moves["ran_out"]),
+    ]
+    return in_use
+
+
+def free_list_invariants(m, moves, in_use, fifo):
+    """Each index below ``fresh`` is in use or in the free FIFO (``fifo``: its entries as
+    ``(valid, index)``), never both; the FIFO's entries are distinct."""
+    fresh = moves["fresh"]
+    n = len(in_use)
+    m.d.comb += Assert(fresh <= n)
+    for c in range(n):
+        in_fifo = Cat(valid & (entry == c) for valid, entry in fifo).any()
+        m.d.comb += [Assert((in_use[c] | in_fifo) == (c < fresh)),
+                     Assert(~(in_use[c] & in_fifo))]
+    for a in range(len(fifo)):
+        for b in range(a + 1, len(fifo)):
+            m.d.comb += Assert(~fifo[b][0] | (fifo[a][1] != fifo[b][1]))
 
 
 def same_owner_dyn(g_rd, g_head, c, other):
